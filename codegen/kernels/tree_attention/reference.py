@@ -1,0 +1,112 @@
+"""Plain-torch tree attention: the CPU path and the oracle of the Triton kernels.
+
+Tree mask over compact tokens (DESIGN.md section 4): query ``i`` attends key ``j`` iff
+``j <= i < subtree_end[j]``. Every query sees at least itself (``subtree_end[i] > i``), so no
+softmax row is empty.
+
+Two variants with the same signature and the same result:
+- ``tree_attention_reference``: dense ``[HQ, T, T]`` masked softmax (simple, for tiny sizes);
+- ``tree_attention_reference_chunked``: the same over blocks of queries, each block checkpointed
+  under autograd, so memory stays ``O(HQ * chunk * T)`` in forward and backward (a few thousand
+  tokens on CPU).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def check_tree_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                subtree_end: torch.Tensor) -> None:
+    """Raise a ValueError naming the offending argument for any contract violation."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, HQ, D], got shape {tuple(q.shape)}")
+    if k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"k and v must be [T, HKV, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    n_tokens, n_q_heads, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != n_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} "
+                         "(T and D must agree)")
+    if k.shape[1] == 0 or n_q_heads % k.shape[1] != 0:
+        raise ValueError(f"q heads ({n_q_heads}) must be a multiple of k/v heads ({k.shape[1]})")
+    if not (q.dtype.is_floating_point and k.dtype == q.dtype and v.dtype == q.dtype):
+        raise ValueError(f"q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if subtree_end.dim() != 1 or subtree_end.shape[0] != n_tokens:
+        raise ValueError(f"subtree_end must be [T={n_tokens}], got shape {tuple(subtree_end.shape)}")
+    if subtree_end.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"subtree_end must be int32 or int64, got {subtree_end.dtype}")
+    if subtree_end.device != q.device or k.device != q.device or v.device != q.device:
+        raise ValueError("q, k, v and subtree_end must be on one device, got "
+                         f"{q.device}, {k.device}, {v.device}, {subtree_end.device}")
+
+
+def tree_mask(subtree_end: torch.Tensor, query_index: torch.Tensor,
+              key_index: torch.Tensor) -> torch.Tensor:
+    """Boolean [len(query_index), len(key_index)]: may query i attend key j."""
+    i = query_index[:, None]
+    j = key_index[None, :]
+    return (j <= i) & (i < subtree_end[key_index].to(torch.int64)[None, :])
+
+
+def _repeat_kv(x: torch.Tensor, n_q_heads: int) -> torch.Tensor:
+    # [T, HKV, D] -> [HKV*G, T, D]: query head h reads kv head h // G (GQA by repetition)
+    group = n_q_heads // x.shape[1]
+    return x.transpose(0, 1).repeat_interleave(group, dim=0)
+
+
+def _masked_softmax_attention(q_heads: torch.Tensor, k_heads: torch.Tensor, v_heads: torch.Tensor,
+                              mask: torch.Tensor, scale: float) -> torch.Tensor:
+    # q_heads [H, M, D], k_heads/v_heads [H, N, D], mask [M, N] -> [M, H, D]
+    scores = torch.matmul(q_heads, k_heads.transpose(1, 2)) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v_heads).transpose(0, 1)
+
+
+def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             subtree_end: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Dense masked softmax. q [T, HQ, D], k/v [T, HKV, D], subtree_end [T] -> o [T, HQ, D]."""
+    check_tree_attention_inputs(q, k, v, subtree_end)
+    n_tokens, n_q_heads, _ = q.shape
+    index = torch.arange(n_tokens, device=q.device)
+    mask = tree_mask(subtree_end, index, index)
+    return _masked_softmax_attention(q.transpose(0, 1), _repeat_kv(k, n_q_heads),
+                                     _repeat_kv(v, n_q_heads), mask, scale)
+
+
+def tree_attention_reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     subtree_end: torch.Tensor, *, scale: float,
+                                     query_chunk: int = 256) -> torch.Tensor:
+    """Same result as ``tree_attention_reference`` with memory bounded by ``query_chunk``.
+
+    Queries ``[s, e)`` only see keys ``< e`` (``j <= i``), so each chunk reads a key prefix.
+    Under autograd each chunk is checkpointed: its [H, chunk, e] scores are recomputed in the
+    backward instead of kept alive for the whole sequence.
+    """
+    check_tree_attention_inputs(q, k, v, subtree_end)
+    if query_chunk <= 0:
+        raise ValueError(f"query_chunk must be positive, got {query_chunk}")
+    n_tokens, n_q_heads, _ = q.shape
+    k_heads = _repeat_kv(k, n_q_heads)
+    v_heads = _repeat_kv(v, n_q_heads)
+    q_heads = q.transpose(0, 1)
+    index = torch.arange(n_tokens, device=q.device)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+
+    def one_chunk(q_chunk, k_prefix, v_prefix, query_index):
+        mask = tree_mask(subtree_end, query_index, index[:k_prefix.shape[1]])
+        return _masked_softmax_attention(q_chunk, k_prefix, v_prefix, mask, scale)
+
+    outputs = []
+    for start in range(0, n_tokens, query_chunk):
+        end = min(start + query_chunk, n_tokens)
+        args = (q_heads[:, start:end], k_heads[:, :end], v_heads[:, :end], index[start:end])
+        if needs_grad:
+            outputs.append(checkpoint(one_chunk, *args, use_reentrant=False))
+        else:
+            outputs.append(one_chunk(*args))
+    if not outputs:
+        return q.new_empty(q.shape)
+    return torch.cat(outputs, dim=0)
