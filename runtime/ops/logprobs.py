@@ -1,0 +1,273 @@
+"""Per-trajectory token log-probs and entropy from compact hidden states (DESIGN.md section 5).
+
+The logits of a compact token are shared by every trajectory through it, but the *next* token
+differs per trajectory at the last token of a branching node. So:
+
+- ``lse`` and entropy are computed once per compact token that predicts something;
+- the target logit once per distinct ``(src, token)`` pair (``index.target_src/target_token``);
+- ``logprob[row, p] = logit[src, tok] - lse[src]`` and ``entropy[row, p] = H(src)`` are then
+  gathered into the trajectory-wise ``[rows, max_len]`` layout. The gather's backward sums the
+  gradients of trajectories sharing a pair or a token: exactly the trajectory-wise gradient.
+
+``_ChunkedLogProbs`` never holds ``[T, V]`` logits: forward loops over chunks of the needed
+tokens and keeps only ``lse`` and entropy per token; backward recomputes each chunk's logits and
+forms ``d logits`` in closed form (``onehot - softmax`` for a log-prob, ``-p (log p + H)`` for the
+entropy), then ``d hidden`` and ``d lm_head_weight`` (accumulated over chunks in fp32).
+Peak extra memory is a few ``[chunk_tokens, V]`` fp32 buffers plus one fp32 ``[V, D]`` gradient
+accumulator for low-precision weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+_INDEX_FIELDS = ("target_src", "target_token", "row_target", "row_pred", "lengths")
+
+
+@dataclasses.dataclass
+class _TargetPlan:
+    """Host-side precomputation shared by forward and backward (built once per call)."""
+
+    needed: torch.Tensor  # [N] compact tokens that predict at least one target, sorted
+    token_bounds: list[int]  # chunk c covers needed[token_bounds[c]:token_bounds[c+1]]
+    target_order: torch.Tensor  # [P] targets sorted by their src's position in `needed`
+    target_slot: torch.Tensor  # [P] position in `needed` of each sorted target's src
+    target_token: torch.Tensor  # [P] token id of each sorted target
+    target_bounds: list[int]  # chunk c owns sorted targets target_bounds[c]:target_bounds[c+1]
+    compact_to_needed: torch.Tensor  # [T] position in `needed`, -1 for tokens predicting nothing
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _logits(hidden_chunk: torch.Tensor, weight: torch.Tensor, temperature: float,
+            acc_dtype: torch.dtype) -> torch.Tensor:
+    """[c, V] logits / temperature in the accumulation dtype (fp32 for bf16 inputs)."""
+    if hidden_chunk.dtype == acc_dtype:
+        logits = hidden_chunk @ weight.t()
+    elif hidden_chunk.is_cuda:
+        # bf16 inputs, fp32 accumulation *and* fp32 output: no rounding of logits to bf16
+        logits = torch.mm(hidden_chunk, weight.t(), out_dtype=acc_dtype)
+    else:
+        logits = (hidden_chunk @ weight.t()).to(acc_dtype)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor,
+                            hidden_chunk: torch.Tensor) -> None:
+    """grad_weight += grad_logits^T @ hidden_chunk, with grad_weight in the accumulation dtype."""
+    if hidden_chunk.dtype == grad_weight.dtype:
+        grad_weight.addmm_(grad_logits.t(), hidden_chunk)
+    elif hidden_chunk.is_cuda:
+        grad_weight.add_(torch.mm(grad_logits.t(), hidden_chunk, out_dtype=grad_weight.dtype))
+    else:
+        grad_weight.add_((grad_logits.t() @ hidden_chunk).to(grad_weight.dtype))
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """(hidden [T, D], weight [V, D]) -> (target log-probs [P], entropy of needed tokens [N])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, plan: _TargetPlan, temperature: float):
+        acc_dtype = _accumulation_dtype(hidden.dtype)
+        n_needed = plan.needed.numel()
+        lse = torch.empty(n_needed, dtype=acc_dtype, device=hidden.device)
+        entropy = torch.empty(n_needed, dtype=acc_dtype, device=hidden.device)
+        target_logprob_sorted = torch.empty(plan.target_token.numel(), dtype=acc_dtype,
+                                            device=hidden.device)
+        for c in range(len(plan.token_bounds) - 1):
+            a, b = plan.token_bounds[c], plan.token_bounds[c + 1]
+            ta, tb = plan.target_bounds[c], plan.target_bounds[c + 1]
+            log_p = _logits(hidden[plan.needed[a:b]], weight, temperature, acc_dtype)  # [c, V]
+            lse[a:b] = torch.logsumexp(log_p, dim=-1)
+            log_p.sub_(lse[a:b, None])
+            target_logprob_sorted[ta:tb] = log_p[plan.target_slot[ta:tb] - a, plan.target_token[ta:tb]]
+            # H = -sum p log p, computed in place so the chunk needs only two [c, V] buffers
+            entropy[a:b] = log_p.exp().mul_(log_p).sum(dim=-1).neg_()
+            del log_p
+        target_logprob = torch.empty_like(target_logprob_sorted)
+        target_logprob[plan.target_order] = target_logprob_sorted
+        ctx.save_for_backward(hidden, weight, lse, entropy)
+        ctx.plan = plan
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        return target_logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_target_logprob, grad_entropy):
+        hidden, weight, lse, entropy = ctx.saved_tensors
+        plan: _TargetPlan = ctx.plan
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_target_logprob is None and grad_entropy is None) or not (need_hidden or need_weight):
+            return None, None, None, None
+        acc_dtype = lse.dtype
+        grad_sorted = None
+        if grad_target_logprob is not None:
+            grad_sorted = grad_target_logprob.to(acc_dtype)[plan.target_order]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+
+        for c in range(len(plan.token_bounds) - 1):
+            a, b = plan.token_bounds[c], plan.token_bounds[c + 1]
+            ta, tb = plan.target_bounds[c], plan.target_bounds[c + 1]
+            rows = plan.needed[a:b]
+            hidden_chunk = hidden[rows]
+            coef = _logits(hidden_chunk, weight, ctx.temperature, acc_dtype)  # [c, V]
+            coef.sub_(lse[a:b, None])  # log p
+            probs = coef.exp()
+            # d logits = sum_t g_t (onehot_t - p) + g_H * (-p (log p + H))
+            #          = onehot terms - p * (G + g_H (log p + H)),  G = sum of g_t per src
+            if grad_entropy is not None:
+                g_h = grad_entropy[a:b].to(acc_dtype)[:, None]
+                coef.add_(entropy[a:b, None]).mul_(g_h)
+            else:
+                coef.zero_()
+            if grad_sorted is not None:
+                per_src = torch.zeros(b - a, dtype=acc_dtype, device=hidden.device)
+                per_src.index_add_(0, plan.target_slot[ta:tb] - a, grad_sorted[ta:tb])
+                coef.add_(per_src[:, None])
+            grad_logits = coef.mul_(probs).neg_()
+            del probs
+            if grad_sorted is not None:
+                grad_logits.index_put_((plan.target_slot[ta:tb] - a, plan.target_token[ta:tb]),
+                                       grad_sorted[ta:tb], accumulate=True)
+            if ctx.temperature != 1.0:
+                grad_logits.div_(ctx.temperature)
+            grad_logits = grad_logits.to(hidden.dtype)
+            if need_hidden:
+                grad_hidden[rows] = grad_logits @ weight
+            if need_weight:
+                _accumulate_weight_grad(grad_weight, grad_logits, hidden_chunk)
+            del grad_logits
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def _check_inputs(hidden, lm_head_weight, index, chunk_tokens, temperature) -> None:
+    """Shape/dtype/device checks that need no device sync; ValueError names the field."""
+    for name in _INDEX_FIELDS:
+        if not isinstance(getattr(index, name, None), torch.Tensor):
+            raise ValueError(f"token_logprobs: index.{name} must be a tensor (see MicrobatchIndex)")
+    if hidden.dim() != 2:
+        raise ValueError(f"token_logprobs: hidden must be [T, D], got shape {tuple(hidden.shape)}")
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"token_logprobs: lm_head_weight must be [V, D={hidden.shape[1]}], "
+                         f"got shape {tuple(lm_head_weight.shape)}")
+    if not hidden.dtype.is_floating_point or lm_head_weight.dtype != hidden.dtype:
+        raise ValueError(f"token_logprobs: hidden and lm_head_weight must share one float dtype, "
+                         f"got {hidden.dtype} and {lm_head_weight.dtype}")
+    if lm_head_weight.device != hidden.device:
+        raise ValueError(f"token_logprobs: hidden is on {hidden.device}, lm_head_weight on "
+                         f"{lm_head_weight.device}")
+    for name in _INDEX_FIELDS:
+        tensor = getattr(index, name)
+        if tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"token_logprobs: index.{name} must be an integer tensor, got {tensor.dtype}")
+        if tensor.device != hidden.device:
+            raise ValueError(f"token_logprobs: index.{name} is on {tensor.device}, hidden on {hidden.device}")
+    if index.target_src.dim() != 1 or index.target_token.shape != index.target_src.shape:
+        raise ValueError("token_logprobs: index.target_src and index.target_token must be [P], got "
+                         f"{tuple(index.target_src.shape)} and {tuple(index.target_token.shape)}")
+    if index.row_target.dim() != 2 or index.row_pred.shape != index.row_target.shape:
+        raise ValueError("token_logprobs: index.row_target and index.row_pred must be one "
+                         f"[rows, max_len] shape, got {tuple(index.row_target.shape)} and "
+                         f"{tuple(index.row_pred.shape)}")
+    if index.lengths.shape != (index.row_target.shape[0],):
+        raise ValueError(f"token_logprobs: index.lengths must be [rows={index.row_target.shape[0]}], "
+                         f"got {tuple(index.lengths.shape)}")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"token_logprobs: chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    if not float(temperature) > 0.0:
+        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature!r}")
+
+
+def _check_index_values(index, n_tokens: int, vocab: int) -> None:
+    """Range and consistency checks of the index values (one host sync for all of them)."""
+    src, tok = index.target_src.long(), index.target_token.long()
+    row_target, row_pred = index.row_target.long(), index.row_pred.long()
+    n_targets = src.numel()
+    max_len = row_target.shape[1]
+    valid = row_target >= 0
+    if n_targets:
+        safe = row_target.clamp(min=0, max=n_targets - 1)
+        pred_mismatch = (valid & (row_pred != src[safe])).any()
+    else:
+        pred_mismatch = valid.any()
+    expected_valid = torch.arange(max_len, device=src.device)[None, :]
+    expected_valid = (expected_valid >= 1) & (expected_valid < index.lengths.long()[:, None])
+    problems = torch.stack([
+        ((src < 0) | (src >= n_tokens)).any(),
+        ((tok < 0) | (tok >= vocab)).any(),
+        (row_target >= n_targets).any() | (row_target < -1).any(),
+        (valid != (row_pred >= 0)).any() | pred_mismatch,
+        (valid != expected_valid).any() | (index.lengths.long() > max_len).any(),
+    ]).cpu().tolist()
+    messages = [
+        f"index.target_src has values outside [0, T={n_tokens})",
+        f"index.target_token has token ids outside the vocabulary [0, V={vocab})",
+        f"index.row_target has values outside [-1, P={n_targets})",
+        "index.row_pred disagrees with index.target_src[index.row_target]",
+        "index.row_target is not valid exactly at 1 <= p < index.lengths[row]",
+    ]
+    bad = [m for m, flag in zip(messages, problems) if flag]
+    if bad:
+        raise ValueError("token_logprobs: " + "; ".join(bad))
+
+
+def _plan_targets(index, n_tokens: int, chunk_tokens: int) -> _TargetPlan:
+    device = index.target_src.device
+    src, tok = index.target_src.long(), index.target_token.long()
+    needed, slot = torch.unique(src, sorted=True, return_inverse=True)
+    slot_sorted, order = torch.sort(slot, stable=True)
+    n_needed = needed.numel()
+    token_bounds = list(range(0, n_needed, chunk_tokens)) + [n_needed]
+    starts = torch.tensor(token_bounds, dtype=torch.long, device=device)
+    target_bounds = torch.searchsorted(slot_sorted, starts).cpu().tolist()
+    compact_to_needed = torch.full((n_tokens,), -1, dtype=torch.long, device=device)
+    compact_to_needed[needed] = torch.arange(n_needed, device=device)
+    return _TargetPlan(needed, token_bounds, order, slot_sorted, tok[order], target_bounds,
+                       compact_to_needed)
+
+
+def _to_rows(values: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
+    """values[row_index] with 0 where row_index < 0 (differentiable; backward sums duplicates)."""
+    if values.numel() == 0:  # nothing to predict; stay in the graph so backward() still works
+        return values.sum().expand(row_index.shape)
+    gathered = values[row_index.clamp(min=0)]
+    return gathered.masked_fill(row_index < 0, 0.0)
+
+
+def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, index, *,
+                   chunk_tokens: int = 4096, temperature: float = 1.0,
+                   check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-trajectory token log-probs and entropies, trajectory-wise layout.
+
+    hidden         [T, D]  compact tokens after the final norm
+    lm_head_weight [V, D]  same dtype and device as hidden
+    index          a `MicrobatchIndex` (only target_src, target_token, row_target, row_pred and
+                   lengths are read, so any object with those tensors works)
+    chunk_tokens   tokens whose [chunk_tokens, V] fp32 logits are live at once
+    temperature    logits are divided by it before the softmax (log-probs *and* entropy)
+    check_values   validate index ranges/consistency (one host sync; the plan needs one anyway)
+
+    Returns (logprobs, entropy), both [rows, max_len]: logprobs[r, p] = log P(token_p | <p) and
+    entropy[r, p] the entropy of the distribution predicting token_p, for 1 <= p < lengths[r];
+    0 at p = 0 and in padding. float32 (float64 for float64 inputs). Differentiable w.r.t.
+    hidden and lm_head_weight; tokens that predict nothing are never computed and get zero grad.
+    """
+    _check_inputs(hidden, lm_head_weight, index, chunk_tokens, temperature)
+    if check_values:
+        _check_index_values(index, hidden.shape[0], lm_head_weight.shape[0])
+    plan = _plan_targets(index, hidden.shape[0], chunk_tokens)
+    target_logprob, needed_entropy = _ChunkedLogProbs.apply(hidden, lm_head_weight, plan,
+                                                            float(temperature))
+    logprobs = _to_rows(target_logprob, index.row_target.long())
+    row_slot = torch.where(index.row_pred >= 0,
+                           plan.compact_to_needed[index.row_pred.long().clamp(min=0)], -1)
+    entropy = _to_rows(needed_entropy, row_slot)
+    return logprobs, entropy
