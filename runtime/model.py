@@ -1,0 +1,182 @@
+"""TreeModel: a Qwen3-Next-family causal LM executed over a microbatch's compact tokens.
+
+The module tree mirrors transformers' `...ForCausalLM` parameter names (`model.embed_tokens`,
+`model.layers.{i}.linear_attn|self_attn|mlp...`, `model.norm`, `lm_head`), so `from_hf` can share
+the Hugging Face parameters and checkpoints load by name (`weights.py`). One forward:
+
+    embed compact tokens -> decoder layers (each optionally checkpointed) -> final norm
+    -> chunked lm_head + log-softmax + gather into per-trajectory rows (DESIGN.md section 5)
+
+Everything a layer needs from the plan (index tensors, round gathers, RoPE tables) sits in one
+`ExecutionContext` built once per forward and passed explicitly.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from harts_compiler.codegen.index import MicrobatchIndex
+
+from .attention import GatedAttention
+from .config import ModelConfig
+from .gated_deltanet import GatedDeltaNet
+from .layers import DenseMLP, ZeroCentredRMSNorm, rope_tables
+from .moe import RouterStats, SparseMoeBlock, load_balancing_loss
+from .ops.linear_attention import LinearRoundsPlan, plan_linear_rounds
+
+try:  # the chunked autograd Function (another engineer's file)
+    from .ops.logprobs import token_logprobs as _token_logprobs
+except ImportError:  # not there yet: plain version that materialises [T, vocab] logits
+    from .logprobs_plain import token_logprobs_plain as _token_logprobs
+
+
+class InvalidBatchError(ValueError):
+    """A microbatch index that this model cannot run (reported before any compute)."""
+
+
+@dataclasses.dataclass
+class TreeOutput:
+    trajectory_ids: list[str]  # row order
+    logprobs: torch.Tensor  # [rows, max_len]: [r, p] = log P(token_p | tokens_<p), 0 at p=0 and in padding
+    entropy: torch.Tensor  # [rows, max_len]: entropy of the distribution predicting token_p
+    lengths: torch.Tensor  # [rows]
+    aux_loss: torch.Tensor | None  # MoE load-balancing loss, trajectory-wise semantics; None without MoE
+    expert_load: torch.Tensor | None = None  # [moe_layers, E] top-k assignments counted once per trajectory
+
+
+@dataclasses.dataclass
+class ExecutionContext:
+    """Per-forward state shared by all layers (built once, read-only)."""
+
+    index: MicrobatchIndex
+    linear_plan: LinearRoundsPlan
+    config: ModelConfig
+    gdn_kernel: Callable | None = None  # override of chunk_gated_delta_rule (tests: recurrent oracle)
+    _rope: dict = dataclasses.field(default_factory=dict)
+
+    def rope(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype not in self._rope:
+            c = self.config
+            self._rope[dtype] = rope_tables(self.index.positions, c.head_dim, c.partial_rotary_factor,
+                                            c.rope_theta, dtype)
+        return self._rope[dtype]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        self.is_moe = config.is_moe_layer(layer)
+        self.mlp = SparseMoeBlock(config) if self.is_moe else DenseMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = ZeroCentredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ExecutionContext) -> tuple[torch.Tensor, RouterStats | None]:
+        h = self.input_layernorm(x)
+        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        x = x + mixer(h, ctx)
+        h = self.post_attention_layernorm(x)
+        stats = None
+        if self.is_moe:
+            h, stats = self.mlp(h, ctx.index.multiplicity)
+        else:
+            h = self.mlp(h)
+        return x + h, stats
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = ZeroCentredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class TreeModel(nn.Module):
+    """Exact tree-mode execution of a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM."""
+
+    def __init__(self, config: ModelConfig, *, activation_checkpointing: bool = False):
+        super().__init__()
+        self.config = config
+        self.activation_checkpointing = activation_checkpointing
+        self.model = TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # constructors live in weights.py (they need the loading machinery); re-exported here
+    @classmethod
+    def from_hf(cls, hf_model, **kwargs) -> "TreeModel":
+        from .weights import tree_model_from_hf
+        return tree_model_from_hf(cls, hf_model, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs) -> "TreeModel":
+        from .weights import tree_model_from_pretrained
+        return tree_model_from_pretrained(cls, path, **kwargs)
+
+    @classmethod
+    def from_config(cls, config, *, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs) -> "TreeModel":
+        from .weights import tree_model_from_config
+        return tree_model_from_config(cls, config, seed=seed, dtype=dtype, **kwargs)
+
+    @property
+    def conv_width(self) -> int:
+        return self.config.linear_conv_kernel_dim
+
+    def check_index(self, index: MicrobatchIndex) -> None:
+        """Every reason this model cannot run `index`, raised before any compute."""
+        if not isinstance(index, MicrobatchIndex):
+            raise InvalidBatchError(f"TreeModel expects a MicrobatchIndex, got {type(index).__name__}")
+        if index.conv_width != self.conv_width:
+            raise InvalidBatchError(
+                f"MicrobatchIndex.conv_width={index.conv_width} but the model's linear_conv_kernel_dim is "
+                f"{self.conv_width}: compile the plan with conv_width={self.conv_width}")
+        if index.chunk_size <= 0:
+            raise InvalidBatchError(f"MicrobatchIndex.chunk_size={index.chunk_size} must be positive")
+        if index.num_tokens:
+            low, high = int(index.token_ids.min()), int(index.token_ids.max())
+            if low < 0 or high >= self.config.vocab_size:
+                bad = low if low < 0 else high
+                raise InvalidBatchError(f"MicrobatchIndex.token_ids: token id {bad} is outside the model's "
+                                        f"vocabulary [0, {self.config.vocab_size})")
+            if index.target_token.numel() and int(index.target_token.max()) >= self.config.vocab_size:
+                raise InvalidBatchError("MicrobatchIndex.target_token: token id outside the model's vocabulary")
+        index.check()
+
+    def forward(self, index: MicrobatchIndex, *, activation_checkpointing: bool | None = None,
+                gdn_kernel: Callable | None = None) -> TreeOutput:
+        self.check_index(index)
+        device = self.lm_head.weight.device
+        if index.device != device:
+            index = index.to(device)
+        ctx = ExecutionContext(index=index, linear_plan=plan_linear_rounds(index), config=self.config,
+                               gdn_kernel=gdn_kernel)
+        use_checkpoint = self.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+        use_checkpoint = use_checkpoint and torch.is_grad_enabled()
+
+        x = self.model.embed_tokens(index.token_ids)
+        router_stats: list[RouterStats] = []
+        for layer in self.model.layers:
+            if use_checkpoint:
+                # rounds and state hand-offs are inside the layer, so they are recomputed too
+                x, stats = checkpoint(layer, x, ctx, use_reentrant=False)
+            else:
+                x, stats = layer(x, ctx)
+            if stats is not None:
+                router_stats.append(stats)
+        x = self.model.norm(x)
+        logprobs, entropy = _token_logprobs(x, self.lm_head.weight, index)
+
+        aux_loss = load_balancing_loss(router_stats, self.config.num_experts)
+        expert_load = torch.stack([s.assigned for s in router_stats]).detach() if router_stats else None
+        return TreeOutput(trajectory_ids=list(index.trajectory_ids), logprobs=logprobs, entropy=entropy,
+                          lengths=index.lengths, aux_loss=aux_loss, expert_load=expert_load)

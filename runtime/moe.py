@@ -1,0 +1,121 @@
+"""Sparse MoE block (Qwen3NextSparseMoeBlock / Qwen3_5MoeSparseMoeBlock) and its routing statistics.
+
+Routing is per token, deterministic and dropless, so a shared compact token routes exactly as it
+would in every trajectory containing it. The load-balancing statistics of trajectory-wise training
+count every token once per trajectory; here each compact token is weighted by its multiplicity
+(DESIGN.md section 8), which makes them equal to transformers' `load_balancing_loss_func` on the
+right-padded batch of all trajectories with its 2-D attention mask.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import DenseMLP, compute_dtype
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@dataclasses.dataclass
+class RouterStats:
+    """Multiplicity-weighted routing sums of one MoE layer (all [E] except `weight`)."""
+
+    assigned: torch.Tensor  # sum over tokens of m_t * [e in top-k(t)]  (no gradient, like transformers)
+    prob_sum: torch.Tensor  # sum over tokens of m_t * softmax(router_logits_t)[e]  (differentiable)
+    weight: torch.Tensor  # scalar: sum of m_t
+
+
+class Router(nn.Module):
+    """Qwen3NextTopKRouter: fp32 softmax (wider for fp64 runs), top-k, optional renormalisation."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.normalise = config.normalise_topk
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
+        top_value, top_index = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalise:
+            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        return probs, top_value.to(logits.dtype), top_index
+
+
+class Experts(nn.Module):
+    """Experts stored fused like transformers: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
+        top_k = top_index.shape[1]
+        flat_expert = top_index.reshape(-1)
+        # assignments sorted by expert (stable: tokens in order within an expert)
+        order = torch.argsort(flat_expert, stable=True)
+        token_of = order // top_k
+        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        xs = x[token_of]
+        if x.is_cuda and _grouped_mm is not None and x.dtype == torch.bfloat16:
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            gate_up = _grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets)
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = _grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        else:  # a plain loop over the experts that received tokens
+            pieces, start = [], 0
+            for expert, count in enumerate(counts.tolist()):
+                if count == 0:
+                    continue
+                rows = xs[start:start + count]
+                gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
+                pieces.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+                start += count
+            hidden = torch.cat(pieces) if pieces else xs
+        hidden = hidden * top_weight.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add(0, token_of, hidden.to(x.dtype))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, multiplicity: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        """x [T, H] -> (y [T, H], routing statistics weighted by multiplicity [T])."""
+        shared = self.shared_expert(x)
+        probs, top_weight, top_index = self.gate(x)
+        routed = self.experts(x, top_index, top_weight)
+        y = routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        m = multiplicity.to(probs.dtype)
+        with torch.no_grad():
+            assigned = torch.zeros(probs.shape[1], dtype=probs.dtype, device=x.device).index_add(
+                0, top_index.reshape(-1), m.repeat_interleave(top_index.shape[1]))
+        stats = RouterStats(assigned=assigned, prob_sum=(probs * m[:, None]).sum(0), weight=m.sum())
+        return y, stats
+
+
+def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor | None:
+    """transformers' load_balancing_loss_func over all MoE layers, multiplicity-weighted.
+
+    f_e = sum_layers assigned_e / (layers * tokens), P_e = sum_layers prob_sum_e / (layers * tokens),
+    loss = E * sum_e f_e P_e, with tokens counted once per trajectory.
+    """
+    if not stats:
+        return None
+    total = sum(s.weight for s in stats)
+    total = torch.where(total > 0, total, torch.ones_like(total))  # empty microbatch: loss 0, not NaN
+    tokens_per_expert = sum(s.assigned for s in stats) / total
+    prob_per_expert = sum(s.prob_sum for s in stats) / total
+    return num_experts * torch.sum(tokens_per_expert * prob_per_expert)

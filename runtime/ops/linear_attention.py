@@ -1,0 +1,87 @@
+"""Gated DeltaNet over a plan's rounds (DESIGN.md section 6, docs/INTERFACES.md sections 3-4).
+
+Per round: gather the packed rows (`row_src`, replay rows included) from the compact q/k/v/g/beta,
+gather every sequence's initial state from the bank of states exported by earlier rounds (zeros
+where `init_state == -1`), make one varlen `chunk_gated_delta_rule` call that also exports the
+boundary states later rounds start from, and keep only the own rows' outputs. Everything is an
+ordinary differentiable gather, so autograd scatter-adds the replay rows' gradients back onto the
+ancestors' q/k/v/g/beta and routes exported-state gradients into the kernel's backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from harts_compiler.codegen.index import MicrobatchIndex
+
+try:  # public wrapper (Triton on CUDA, reference on CPU) once the kernel issue lands it
+    from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule as _chunk_gdn
+except ImportError:
+    from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference as _chunk_gdn
+
+
+@dataclasses.dataclass
+class LinearRoundsPlan:
+    """Per-forward gather indices derived once from the index and shared by every GDN layer."""
+
+    init_slot: list[torch.Tensor]  # per round [N]: row of the stacked state list (0 = the zero state)
+    restore: torch.Tensor  # [T]: row of cat(own outputs of all rounds) holding compact token t
+    identity_rows: list[bool]  # per round: packed rows are exactly the compact tokens in order
+
+
+def plan_linear_rounds(index: MicrobatchIndex) -> LinearRoundsPlan:
+    """Bank ids -> rows of the list [zero state, exports of round 0, exports of round 1, ...].
+
+    Computed with device ops only (no host sync): the slot of every bank id is known from the
+    export sizes, which are shapes.
+    """
+    device = index.device
+    slot_of_bank = torch.zeros(max(index.num_states, 1), dtype=torch.long, device=device)
+    offset = 1
+    for rnd in index.rounds:
+        n_exports = rnd.export_bank.numel()
+        if n_exports:
+            slot_of_bank[rnd.export_bank] = torch.arange(offset, offset + n_exports, device=device)
+        offset += n_exports
+    init_slot = [torch.where(rnd.init_state >= 0, slot_of_bank[rnd.init_state.clamp(min=0)],
+                             torch.zeros_like(rnd.init_state)) for rnd in index.rounds]
+    own_dst = torch.cat([rnd.own_dst for rnd in index.rounds])
+    restore = torch.empty_like(own_dst)
+    restore[own_dst] = torch.arange(own_dst.numel(), device=device)
+    T = index.num_tokens
+    identity_rows = [rnd.row_src.numel() == T and rnd.own_rows.numel() == T and len(index.rounds) == 1
+                     and bool(torch.equal(rnd.row_src.cpu(), torch.arange(T)))
+                     and bool(torch.equal(rnd.own_rows.cpu(), torch.arange(T)))
+                     and bool(torch.equal(rnd.own_dst.cpu(), torch.arange(T))) for rnd in index.rounds]
+    return LinearRoundsPlan(init_slot=init_slot, restore=restore, identity_rows=identity_rows)
+
+
+def gated_delta_rule_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, index: MicrobatchIndex, plan: LinearRoundsPlan, *,
+                            scale: float, state_dtype: torch.dtype, use_qk_l2norm: bool = True,
+                            kernel=None) -> torch.Tensor:
+    """Compact q, k [T, HK, K], v [T, HV, V], g, beta [T, HV] -> o [T, HV, V] (dtype of v).
+
+    `kernel` defaults to `chunk_gated_delta_rule`; tests pass the recurrent reference here.
+    """
+    kernel = _chunk_gdn if kernel is None else kernel
+    heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
+    states = [torch.zeros((1, heads, k_dim, v_dim), dtype=state_dtype, device=v.device)]
+    outputs = []
+    for rnd, init_slot, identity in zip(index.rounds, plan.init_slot, plan.identity_rows):
+        bank = torch.cat(states) if len(states) > 1 else states[0]
+        if identity:  # trajectory-wise index: no gather/scatter needed
+            rows_q, rows_k, rows_v, rows_g, rows_beta = q, k, v, g, beta
+        else:
+            src = rnd.row_src
+            rows_q, rows_k, rows_v, rows_g, rows_beta = q[src], k[src], v[src], g[src], beta[src]
+        out, exported = kernel(rows_q, rows_k, rows_v, rows_g, rows_beta, scale=scale,
+                               initial_state=bank[init_slot], cu_seqlens=rnd.cu_seqlens,
+                               export_seq=rnd.export_seq, export_offset=rnd.export_offset,
+                               chunk_size=index.chunk_size, use_qk_l2norm=use_qk_l2norm)
+        states.append(exported.to(state_dtype))
+        outputs.append(out if identity else out[rnd.own_rows])
+    if len(outputs) == 1 and plan.identity_rows[0]:
+        return outputs[0]
+    return torch.cat(outputs)[plan.restore]

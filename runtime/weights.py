@@ -1,0 +1,169 @@
+"""Building a TreeModel: from a transformers model (shared parameters), a checkpoint, or a config.
+
+Our module tree uses transformers' parameter names, so every mapping here is by name:
+- `from_hf`: the TreeModel's parameters *are* the Hugging Face model's `nn.Parameter` objects
+  (built on the meta device, then rebound), so gradients land on the HF model and nothing is copied;
+- `from_pretrained`: config.json + safetensors with names as on disk: Qwen3.5's
+  `model.language_model.` prefix, per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` fused
+  into `gate_up_proj` / `down_proj` on load, `mtp.*` and vision weights ignored;
+- `from_config`: seeded random weights initialised like transformers' `_init_weights`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import ModelConfig, UnsupportedModelError, resolve_config
+
+SUPPORTED_HF_CLASSES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+# weights that belong to parts the runtime does not execute (multi-token prediction, vision tower)
+_IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _build_on_meta(cls, config: ModelConfig, **kwargs):
+    with torch.device("meta"):
+        return cls(config, **kwargs)
+
+
+def _bind(model: nn.Module, name: str, value: nn.Parameter) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    setattr(owner, attr, value)
+
+
+def _check_shape(name: str, got: torch.Size, want: torch.Size, source: str) -> None:
+    if tuple(got) != tuple(want):
+        raise UnsupportedModelError(f"{source}: parameter {name} has shape {tuple(got)}, expected {tuple(want)}")
+
+
+def _canonical_name(name: str) -> str:
+    """Checkpoint / HF name -> TreeModel name (Qwen3.5 keeps the text model under model.language_model)."""
+    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+
+
+def tree_model_from_hf(cls, hf_model, **kwargs):
+    kind = type(hf_model).__name__
+    if kind not in SUPPORTED_HF_CLASSES:
+        raise UnsupportedModelError(f"TreeModel.from_hf: {kind} is not supported (supported: {SUPPORTED_HF_CLASSES})")
+    config = ModelConfig.from_hf_config(getattr(hf_model.config, "text_config", None) or hf_model.config)
+    model = _build_on_meta(cls, config, **kwargs)
+    hf_params = {}
+    for name, param in hf_model.named_parameters(remove_duplicate=False):
+        if not _IGNORED.match(name):
+            hf_params[_canonical_name(name)] = param
+    ours = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(set(ours) - set(hf_params))
+    unused = sorted(set(hf_params) - set(ours))
+    if missing or unused:
+        raise UnsupportedModelError(f"TreeModel.from_hf({kind}): parameter names differ; missing in the HF "
+                                    f"model: {missing[:5]}, not used by the runtime: {unused[:5]}")
+    for name, ours_param in ours.items():
+        _check_shape(name, hf_params[name].shape, ours_param.shape, f"from_hf({kind})")
+        _bind(model, name, hf_params[name])
+    return model
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index_file = path / "model.safetensors.index.json"
+    if index_file.exists():
+        files = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"from_pretrained: no *.safetensors files in {path}")
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(str(path / file)))
+    return tensors
+
+
+def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert gate/up/down weights -> transformers' fused gate_up_proj [E, 2I, H] / down_proj [E, H, I]."""
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        match = _EXPERT_KEY.match(name)
+        if match:
+            prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+            per_expert.setdefault(prefix, {}).setdefault(expert, {})[proj] = tensor
+        else:
+            out[name] = tensor
+    for prefix, experts in per_expert.items():
+        count = max(experts) + 1
+        for e in range(count):
+            if sorted(experts.get(e, {})) != ["down_proj", "gate_proj", "up_proj"]:
+                raise UnsupportedModelError(f"from_pretrained: {prefix}.{e} lacks some of gate_proj/up_proj/down_proj")
+        out[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], dim=0) for e in range(count)])
+        out[prefix + ".down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(count)])
+    return out
+
+
+def tree_model_from_pretrained(cls, path, *, dtype: torch.dtype | None = None, device="cpu", **kwargs):
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"from_pretrained: {config_file} does not exist")
+    config = ModelConfig.from_dict(json.loads(config_file.read_text()))
+    raw = _read_safetensors(path)
+    tensors = _fuse_experts({_canonical_name(k): v for k, v in raw.items() if not _IGNORED.match(k)})
+    model = _build_on_meta(cls, config, **kwargs)
+    ours = dict(model.named_parameters())  # tied lm_head appears once, as the embedding
+    missing = sorted(set(ours) - set(tensors))
+    unused = sorted(set(tensors) - set(ours) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    if missing or unused:
+        raise UnsupportedModelError(f"from_pretrained({path}): checkpoint names differ; missing: {missing[:5]}, "
+                                    f"unexpected: {unused[:5]}")
+    for name, param in ours.items():
+        tensor = tensors[name]
+        _check_shape(name, tensor.shape, param.shape, f"from_pretrained({path})")
+        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype)
+        _bind(model, name, nn.Parameter(tensor))
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+@torch.no_grad()
+def tree_model_from_config(cls, config, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                           device="cpu", **kwargs):
+    """Random model, initialised as transformers' `_init_weights` does, deterministic in `seed`."""
+    from .gated_deltanet import GatedDeltaNet
+    from .layers import GatedRMSNorm, ZeroCentredRMSNorm
+    from .moe import Experts, Router
+
+    config = resolve_config(config)
+    model = cls(config, **kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    std = config.initializer_range
+
+    def normal_(t):
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float64) * std)
+
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
+            normal_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, ZeroCentredRMSNorm):
+            module.weight.zero_()
+        elif isinstance(module, GatedRMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, Experts):
+            normal_(module.gate_up_proj)
+            normal_(module.down_proj)
+        elif isinstance(module, Router):
+            normal_(module.weight)
+        if isinstance(module, GatedDeltaNet):
+            module.dt_bias.fill_(1.0)
+            module.A_log.copy_(torch.rand(module.A_log.shape, generator=gen, dtype=torch.float64)
+                               .mul(16 - 0.01).add(0.01).log())
+    return model.to(device=device, dtype=dtype)
