@@ -28,10 +28,7 @@ from .layers import DenseMLP, ZeroCentredRMSNorm, rope_tables
 from .moe import RouterStats, SparseMoeBlock, load_balancing_loss
 from .ops.linear_attention import LinearRoundsPlan, plan_linear_rounds
 
-try:  # the chunked autograd Function (another engineer's file)
-    from .ops.logprobs import token_logprobs as _token_logprobs
-except ImportError:  # not there yet: plain version that materialises [T, vocab] logits
-    from .logprobs_plain import token_logprobs_plain as _token_logprobs
+from .ops.logprobs import token_logprobs
 
 
 class InvalidBatchError(ValueError):
@@ -174,7 +171,7 @@ class TreeModel(nn.Module):
             if stats is not None:
                 router_stats.append(stats)
         x = self.model.norm(x)
-        logprobs, entropy = _token_logprobs(x, self.lm_head.weight, index)
+        logprobs, entropy = token_logprobs(x, self.lm_head.weight, index)
 
         aux_loss = load_balancing_loss(router_stats, self.config.num_experts)
         expert_load = torch.stack([s.assigned for s in router_stats]).detach() if router_stats else None
