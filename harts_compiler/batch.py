@@ -1,0 +1,200 @@
+"""`TreeBatch`: the validated input batch (flat trajectories and explicit trees).
+
+Stored as struct-of-arrays: all trajectory tokens concatenated (`tokens`, `offsets`), explicit
+trees already expanded into their root-to-node trajectories, so the compiler sees one flat list.
+The original explicit-tree records are kept only so that `save()` writes what was loaded.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+from pydantic import ValidationError
+
+from .errors import InputError
+from .records import (TrajectoryRecord, TreeRecord, check_tree, describe_pydantic_error,
+                      tree_paths)
+
+
+@dataclass(frozen=True, eq=False)
+class TreeBatch:
+    """A batch of trajectories. Trajectory `j` has tokens `tokens[offsets[j]:offsets[j+1]]`.
+
+    groups[j] names the input record (explicit tree id, or the trajectory's own id) it came from;
+    lines[j] is its 1-based JSONL line (0 when built in Python).
+    """
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    ids: tuple[str, ...]
+    groups: tuple[str, ...]
+    lines: np.ndarray
+    # Input records in order: ("traj", j) or ("tree", TreeRecord, first j, count).
+    records: tuple = field(default=(), repr=False)
+
+    def __post_init__(self):
+        problems = []
+        seen: dict[str, int] = {}
+        for j, traj_id in enumerate(self.ids):
+            if traj_id in seen:
+                problems.append(f"{self._where(j)}: field id: duplicate trajectory id {traj_id!r} "
+                                f"(first at {self._where(seen[traj_id])})")
+            else:
+                seen[traj_id] = j
+        if problems:
+            raise InputError(problems)
+
+    def _where(self, j: int) -> str:
+        line = int(self.lines[j]) if len(self.lines) else 0
+        where = f"line {line}" if line else f"trajectory #{j}"
+        if self.groups[j] != self.ids[j]:
+            where += f" (tree {self.groups[j]!r})"
+        return where
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_trajectories(cls, token_lists: Sequence[Sequence[int]] | Sequence[np.ndarray],
+                          ids: Sequence[str] | None = None) -> "TreeBatch":
+        """Flat trajectories; ids default to "0", "1", ... in input order."""
+        if ids is None:
+            ids = [str(j) for j in range(len(token_lists))]
+        ids = list(ids)
+        problems = []
+        if len(ids) != len(token_lists):
+            raise InputError(f"ids: {len(ids)} ids for {len(token_lists)} trajectories")
+        arrays = []
+        for j, tokens in enumerate(token_lists):
+            if not isinstance(ids[j], str):
+                problems.append(f"trajectory #{j}: field id: must be a string, got {ids[j]!r}")
+            array = np.asarray(tokens)
+            if array.ndim != 1 or array.size == 0:
+                problems.append(f"trajectory {ids[j]!r}: field tokens: empty trajectory"
+                                if array.size == 0 else
+                                f"trajectory {ids[j]!r}: field tokens: must be a flat list")
+                continue
+            if array.dtype.kind not in "iu":
+                problems.append(f"trajectory {ids[j]!r}: field tokens: non-integer token "
+                                f"(dtype {array.dtype})")
+                continue
+            if array.dtype.kind == "i" and array.min() < 0:
+                at = int(np.argmax(array < 0))
+                problems.append(f"trajectory {ids[j]!r}: field tokens[{at}]: negative token "
+                                f"{int(array[at])}")
+                continue
+            arrays.append(array.astype(np.int64, copy=False))
+        if problems:
+            raise InputError(problems)
+        return cls._build(arrays, ids, ids, np.zeros(len(ids), np.int64),
+                          tuple(("traj", j) for j in range(len(ids))))
+
+    @classmethod
+    def _build(cls, arrays, ids, groups, lines, records) -> "TreeBatch":
+        lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+        offsets = np.zeros(len(arrays) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+        return cls(tokens=tokens, offsets=offsets, ids=tuple(ids), groups=tuple(groups),
+                   lines=np.asarray(lines, np.int64), records=tuple(records))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TreeBatch":
+        with open(path, "rb") as handle:
+            return cls.from_jsonl_lines(handle)
+
+    @classmethod
+    def from_jsonl_lines(cls, lines: Iterable[bytes | str]) -> "TreeBatch":
+        arrays, ids, groups, line_numbers, records, problems = [], [], [], [], [], []
+        for number, raw in enumerate(lines, start=1):
+            text = raw.strip()
+            if not text:
+                continue
+            where = f"line {number}"
+            try:
+                # Only lines mentioning "nodes" can be trees; flat ones go straight to the fast
+                # pydantic JSON parser.
+                head = json.loads(text) if b'"nodes"' in _as_bytes(text) else None
+            except json.JSONDecodeError as exc:
+                problems.append(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})")
+                continue
+            is_tree = isinstance(head, dict) and "nodes" in head
+            try:
+                if is_tree:
+                    tree = TreeRecord.model_validate(head)
+                else:
+                    record = TrajectoryRecord.model_validate_json(text)
+            except ValidationError as exc:
+                if any(err.get("type") == "json_invalid" for err in exc.errors()):
+                    problems.append(f"{where}: invalid JSON")
+                else:
+                    kind = "tree" if is_tree else "trajectory"
+                    problems += describe_pydantic_error(f"{where} ({kind})", exc)
+                continue
+            if not is_tree:
+                arrays.append(np.array(record.tokens, dtype=np.int64))
+                records.append(("traj", len(ids)))
+                ids.append(record.id)
+                groups.append(record.id)
+                line_numbers.append(number)
+                continue
+            tree_where = f"{where} (tree {tree.id!r})"
+            tree_problems = check_tree(tree, tree_where)
+            if tree_problems:
+                problems += tree_problems
+                continue
+            node_tokens = {node.id: np.array(node.tokens, dtype=np.int64) for node in tree.nodes}
+            traj_ids, paths = tree_paths(tree, tree_where)
+            records.append(("tree", tree, len(ids), len(traj_ids)))
+            for traj_id, path in zip(traj_ids, paths):
+                arrays.append(np.concatenate([node_tokens[n] for n in path]))
+                ids.append(traj_id)
+                groups.append(tree.id)
+                line_numbers.append(number)
+        if problems:
+            raise InputError(problems)
+        if not ids:
+            raise InputError("input: no trajectories")
+        return cls._build(arrays, ids, groups, line_numbers, records)
+
+    def save(self, path: str | Path) -> None:
+        with open(path, "w") as handle:
+            for record in self.records:
+                if record[0] == "traj":
+                    j = record[1]
+                    obj = {"id": self.ids[j], "tokens": self.trajectory(j).tolist()}
+                    handle.write(json.dumps(obj, separators=(",", ":")) + "\n")
+                else:
+                    handle.write(record[1].model_dump_json() + "\n")
+
+    # -- access -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def trajectory(self, j: int) -> np.ndarray:
+        return self.tokens[self.offsets[j]:self.offsets[j + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """InputError naming every trajectory (and its first offending token) >= vocab_size."""
+        bad = np.flatnonzero(self.tokens >= vocab_size)
+        if bad.size == 0:
+            return
+        trajs = np.searchsorted(self.offsets, bad, side="right") - 1
+        problems = []
+        for j in np.unique(trajs)[:20]:
+            first = int(bad[np.searchsorted(trajs, j)])
+            problems.append(f"{self._where(j)}: trajectory {self.ids[j]!r}: field tokens"
+                            f"[{first - self.offsets[j]}]: token {int(self.tokens[first])} "
+                            f">= vocab_size {vocab_size}")
+        if np.unique(trajs).size > 20:
+            problems.append(f"... and {np.unique(trajs).size - 20} more trajectories")
+        raise InputError(problems)
+
+
+def _as_bytes(text) -> bytes:
+    return text if isinstance(text, bytes) else text.encode()

@@ -1,0 +1,108 @@
+"""`Plan`: a compiled batch — the final Program plus statistics and per-microbatch access."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from harts_compiler.ir import Program, format_program, read_hir, write_hir
+
+from .options import CompileOptions
+
+
+@dataclass(frozen=True)
+class PlannedMicrobatch:
+    """One scheduled microbatch: `build_index(device)` gives its MicrobatchIndex tensors."""
+
+    program: Program = field(repr=False)
+    index: int
+    rank: int
+    slot: int
+    trees: tuple[int, ...]
+    compact_tokens: int
+    trajectories: int
+    rounds: int
+
+    def build_index(self, device="cpu"):
+        from harts_compiler.codegen.microbatch import build_microbatch_index
+        return build_microbatch_index(self.program, self.index, device)
+
+    def summary(self) -> dict:
+        return {"rank": self.rank, "slot": self.slot, "compact_tokens": self.compact_tokens,
+                "trajectories": self.trajectories, "rounds": self.rounds}
+
+
+@dataclass(frozen=True)
+class Plan:
+    program: Program
+    options: CompileOptions
+    timings: list = field(default_factory=list)
+    trajectory_tokens: int = 0
+
+    def microbatches(self, rank: int | None = None) -> list[PlannedMicrobatch]:
+        """Scheduled microbatches (ordered by rank, slot), all or those of one rank."""
+        program = self.program
+        mbs, forest, seqs = program.microbatches, program.forest, program.sequences
+        if mbs is None:
+            raise ValueError("plan has no microbatches (compiled without the schedule pass)")
+        tree_tokens = forest.tree_end - forest.tree_start
+        traj_tree = forest.node_tree[forest.traj_end_node]
+        out = []
+        for m in range(mbs.num_microbatches):
+            if rank is not None and int(mbs.mb_rank[m]) != rank:
+                continue
+            trees = mbs.trees_of(m)
+            out.append(PlannedMicrobatch(
+                program=program, index=m, rank=int(mbs.mb_rank[m]), slot=int(mbs.mb_slot[m]),
+                trees=tuple(trees.tolist()), compact_tokens=int(tree_tokens[trees].sum()),
+                trajectories=int(np.isin(traj_tree, trees).sum()),
+                rounds=int(seqs.tree_rounds[trees].max()) if seqs is not None else 0))
+        return out
+
+    @property
+    def stats(self) -> dict:
+        forest, seqs = self.program.forest, self.program.sequences
+        compact = forest.num_tokens
+        traj_tokens = int(forest.traj_length.sum())
+        stats = {
+            "trajectories": forest.num_trajectories,
+            "trees": forest.num_trees,
+            "nodes": forest.num_nodes,
+            "trajectory_tokens": traj_tokens,
+            "compact_tokens": compact,
+            "compression": round(traj_tokens / compact, 4) if compact else 0.0,
+            "replay_tokens": seqs.replay_tokens if seqs is not None else 0,
+            "sequences": seqs.num_sequences if seqs is not None else 0,
+            "rounds": int(seqs.tree_rounds.max(initial=0)) if seqs is not None else 0,
+            "passes": [{"name": name, "ms": round(ms, 3)} for name, ms in self.program.provenance],
+        }
+        stats["microbatches"] = ([mb.summary() for mb in self.microbatches()]
+                                 if self.program.microbatches is not None else [])
+        return stats
+
+    def dump_ir(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        return write_hir(self.program, directory / "plan.hir")
+
+    def save(self, path: str | Path) -> Path:
+        """Writes the final Program as `.hir` (arrays in an .npz beside it when large), with the
+        options in a comment header line that `Plan.load` reads back."""
+        path = Path(path)
+        text, arrays = format_program(self.program, path.with_suffix(".npz").name)
+        path.write_text(f"# options {self.options.model_dump_json()}\n" + text)
+        if arrays:
+            np.savez(path.with_suffix(".npz"), **arrays)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        program = read_hir(path)
+        match = re.search(r"^# options (.*)$", Path(path).read_text(), re.M)
+        options = CompileOptions(**json.loads(match.group(1))) if match else CompileOptions()
+        program.verify()
+        return cls(program=program, options=options,
+                   trajectory_tokens=int(program.forest.traj_length.sum()))

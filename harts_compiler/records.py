@@ -1,0 +1,130 @@
+"""Pydantic records for one JSONL input line, and the structural checks of explicit trees.
+
+Pydantic lives only here, at the edge; everything behind `TreeBatch` is numpy.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StrictInt, StrictStr
+
+NodeId = Union[StrictInt, StrictStr]
+TokenList = Annotated[list[NonNegativeInt], Field(min_length=1)]
+
+
+class TrajectoryRecord(BaseModel):
+    """`{"id": "<str>", "tokens": [<int>, ...]}`"""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: StrictStr
+    tokens: TokenList
+
+
+class NodeRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: NodeId
+    parent: NodeId | None
+    tokens: TokenList
+
+
+class TreeTrajectoryRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: StrictStr
+    node: NodeId
+
+
+class TreeRecord(BaseModel):
+    """`{"id": "<str>", "nodes": [...], "trajectories": [...]}` (trajectories: default every leaf)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: StrictStr
+    nodes: Annotated[list[NodeRecord], Field(min_length=1)]
+    trajectories: Annotated[list[TreeTrajectoryRecord], Field(min_length=1)] | None = None
+
+
+def describe_pydantic_error(where: str, exc) -> list[str]:
+    """One line per pydantic error: `<where>: field <loc>: <message>`."""
+    lines = []
+    for err in exc.errors():
+        loc = _format_loc(err.get("loc", ()))
+        msg = err.get("msg", "invalid")
+        if err.get("type") == "too_short" and loc.endswith("tokens"):
+            msg = "empty token list (a trajectory/node needs at least one token)"
+        lines.append(f"{where}: field {loc or '<record>'}: {msg}")
+    return lines
+
+
+def _format_loc(loc) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def tree_paths(tree: TreeRecord, where: str) -> tuple[list[str], list[list[NodeId]]]:
+    """Check an explicit tree's structure; return (trajectory ids, root-to-end node-id paths).
+
+    Raises nothing: structural problems are returned by `check_tree` instead. Call it first.
+    """
+    by_id = {node.id: node for node in tree.nodes}
+    if tree.trajectories is None:
+        has_child = {node.parent for node in tree.nodes if node.parent is not None}
+        ends = [(f"{tree.id}/{node.id}", node.id) for node in tree.nodes if node.id not in has_child]
+    else:
+        ends = [(traj.id, traj.node) for traj in tree.trajectories]
+    ids, paths = [], []
+    for traj_id, end in ends:
+        path = []
+        node_id = end
+        while node_id is not None:
+            path.append(node_id)
+            node_id = by_id[node_id].parent
+        ids.append(traj_id)
+        paths.append(path[::-1])
+    return ids, paths
+
+
+def check_tree(tree: TreeRecord, where: str) -> list[str]:
+    """Structural problems of an explicit tree, one line each (empty list = fine)."""
+    problems = []
+    seen: dict = {}
+    for index, node in enumerate(tree.nodes):
+        if node.id in seen:
+            first = tree.nodes[seen[node.id]]
+            if first.parent != node.parent:
+                problems.append(f"{where}: node {node.id!r} has several parents "
+                                f"({first.parent!r} and {node.parent!r})")
+            else:
+                problems.append(f"{where}: field nodes[{index}].id: duplicate node id {node.id!r}")
+        else:
+            seen[node.id] = index
+    by_id = {node.id: node for node in tree.nodes}
+    for index, node in enumerate(tree.nodes):
+        if node.parent is not None and node.parent not in by_id:
+            problems.append(f"{where}: field nodes[{index}].parent: node {node.id!r} names "
+                            f"unknown parent {node.parent!r}")
+    if problems:
+        return problems
+    # Cycle check: walk up from every node; colouring keeps it linear.
+    state: dict = {}
+    for node in tree.nodes:
+        trail = []
+        node_id = node.id
+        while node_id is not None and node_id not in state:
+            state[node_id] = "open"
+            trail.append(node_id)
+            node_id = by_id[node_id].parent
+        if node_id is not None and state[node_id] == "open":
+            problems.append(f"{where}: node {node_id!r} lies on a parent cycle")
+            break
+        for visited in trail:
+            state[visited] = "done"
+    if tree.trajectories is not None:
+        for index, traj in enumerate(tree.trajectories):
+            if traj.node not in by_id:
+                problems.append(f"{where}: field trajectories[{index}].node: trajectory "
+                                f"{traj.id!r} names unknown node {traj.node!r}")
+    return problems

@@ -1,0 +1,201 @@
+"""`Program`: the forest plus what later passes add (sequences/rounds, microbatches, provenance).
+
+Stages: input (`trajectories` only) -> prefix-compress (`forest`, trie) -> layout (laid-out
+forest) -> replay-min (`sequences`) -> schedule (`microbatches`). Every structure is numpy
+struct-of-arrays; `verify()` checks each present part; `structural_diff` compares two programs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import IRError
+from .forest import Forest
+
+
+@dataclass(frozen=True, eq=False)
+class Trajectories:
+    """The input batch: trajectory j = tokens[offsets[j]:offsets[j+1]]; groups name input records."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    ids: list[str]
+    groups: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
+
+    def verify(self) -> None:
+        n = len(self.ids)
+        if self.offsets.shape != (n + 1,) or len(self.groups) != n:
+            raise IRError("Trajectories: offsets/groups do not match ids")
+        if self.offsets[0] != 0 or self.offsets[-1] != self.tokens.size:
+            raise IRError("Trajectories: offsets do not cover tokens")
+        if n and np.diff(self.offsets).min() < 1:
+            raise IRError("Trajectories: empty trajectory")
+        if len(set(self.ids)) != n:
+            raise IRError("Trajectories: duplicate ids")
+        if self.tokens.size and self.tokens.min() < 0:
+            raise IRError("Trajectories: negative token")
+
+
+@dataclass(frozen=True, eq=False)
+class Sequences:
+    """replay-min output (docs/INTERFACES.md 2). Sequence ids are global, ordered by tree then by
+    own_start; `round` is tree-local. Sequence s: rows = replay[replay_ptr[s]:replay_ptr[s+1]]
+    (compact indices at positions [start_position, pos(own_start))) then compact range
+    [own_start, own_end). Initial state: exported by `init_seq` at local row offset `init_offset`
+    (-1 / 0 for the zero state). Exports: export_offset[export_ptr[s]:export_ptr[s+1]], sorted."""
+
+    chunk_size: int
+    seq_tree: np.ndarray
+    seq_round: np.ndarray
+    seq_start_position: np.ndarray
+    seq_own_start: np.ndarray
+    seq_own_end: np.ndarray
+    seq_init_seq: np.ndarray
+    seq_init_offset: np.ndarray
+    replay_ptr: np.ndarray
+    replay: np.ndarray
+    export_ptr: np.ndarray
+    export_offset: np.ndarray
+    tree_rounds: np.ndarray
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.seq_tree.size)
+
+    def replay_of(self, s: int) -> np.ndarray:
+        return self.replay[self.replay_ptr[s]:self.replay_ptr[s + 1]]
+
+    def exports_of(self, s: int) -> np.ndarray:
+        return self.export_offset[self.export_ptr[s]:self.export_ptr[s + 1]]
+
+    def rows(self, s: int) -> np.ndarray:
+        """All packed rows of sequence s as compact indices (replay, then own)."""
+        return np.concatenate([self.replay_of(s),
+                               np.arange(self.seq_own_start[s], self.seq_own_end[s])])
+
+    @property
+    def seq_length(self) -> np.ndarray:
+        return np.diff(self.replay_ptr) + self.seq_own_end - self.seq_own_start
+
+    @property
+    def replay_tokens(self) -> int:
+        return int(self.replay.size)
+
+    def verify(self, forest: Forest) -> None:
+        from .verify_sequences import verify_sequences
+        verify_sequences(self, forest)
+
+
+@dataclass(frozen=True, eq=False)
+class Microbatches:
+    """schedule output: microbatch m holds trees mb_trees[mb_tree_ptr[m]:mb_tree_ptr[m+1]] (laid
+    out in that order) and runs on data-parallel rank mb_rank[m] as its slot mb_slot[m]."""
+
+    dp_size: int
+    microbatch_tokens: int  # 0 = no limit
+    mb_rank: np.ndarray
+    mb_slot: np.ndarray
+    mb_tree_ptr: np.ndarray
+    mb_trees: np.ndarray
+
+    @property
+    def num_microbatches(self) -> int:
+        return int(self.mb_rank.size)
+
+    def trees_of(self, m: int) -> np.ndarray:
+        return self.mb_trees[self.mb_tree_ptr[m]:self.mb_tree_ptr[m + 1]]
+
+    def verify(self, forest: Forest) -> None:
+        M = self.num_microbatches
+        if self.mb_slot.shape != (M,) or self.mb_tree_ptr.shape != (M + 1,):
+            raise IRError("Microbatches: array shapes disagree")
+        if not np.array_equal(np.sort(self.mb_trees), np.arange(forest.num_trees)):
+            raise IRError("Microbatches: every tree must be in exactly one microbatch")
+        if M and (self.mb_rank.min() < 0 or self.mb_rank.max() >= self.dp_size):
+            raise IRError("Microbatches: rank out of range")
+        for rank in range(self.dp_size):
+            slots = np.sort(self.mb_slot[self.mb_rank == rank])
+            if not np.array_equal(slots, np.arange(slots.size)):
+                raise IRError(f"Microbatches: slots of rank {rank} are not 0..k-1")
+        if np.any(np.diff(self.mb_tree_ptr) < 1):
+            raise IRError("Microbatches: empty microbatch")
+        if self.microbatch_tokens:
+            sizes = forest.tree_end - forest.tree_start
+            for m in range(M):
+                total = int(sizes[self.trees_of(m)].sum())
+                if total > self.microbatch_tokens:
+                    raise IRError(f"Microbatches: microbatch {m} holds {total} compact tokens "
+                                  f"> budget {self.microbatch_tokens}")
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    trajectories: Trajectories | None = None
+    forest: Forest | None = None
+    sequences: Sequences | None = None
+    microbatches: Microbatches | None = None
+    # (pass name, milliseconds) of every pass that produced this program, in order.
+    provenance: tuple[tuple[str, float], ...] = ()
+
+    def replace(self, **changes) -> "Program":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def stage(self) -> str:
+        if self.microbatches is not None:
+            return "scheduled"
+        if self.sequences is not None:
+            return "sequenced"
+        if self.forest is not None:
+            return "laid-out" if self.forest.laid_out else "compressed"
+        return "input"
+
+    def verify(self) -> None:
+        if self.trajectories is not None:
+            self.trajectories.verify()
+        if self.forest is not None:
+            self.forest.verify()
+        if self.sequences is not None:
+            if self.forest is None or not self.forest.laid_out:
+                raise IRError("Program: sequences need a laid-out forest")
+            self.sequences.verify(self.forest)
+        if self.microbatches is not None:
+            if self.forest is None or not self.forest.laid_out:
+                raise IRError("Program: microbatches need a laid-out forest")
+            self.microbatches.verify(self.forest)
+        if self.forest is None and self.trajectories is None:
+            raise IRError("Program: empty (neither trajectories nor forest)")
+
+
+def structural_diff(a, b, path: str = "program") -> str | None:
+    """None when a and b are structurally equal, else the path of the first difference."""
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
+        if type(a) is not type(b):
+            return f"{path}: {type(a).__name__} vs {type(b).__name__}"
+        for field in dataclasses.fields(a):
+            found = structural_diff(getattr(a, field.name), getattr(b, field.name),
+                                    f"{path}.{field.name}")
+            if found:
+                return found
+        return None
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return f"{path}: array vs {type(b).__name__}"
+        if a.shape != b.shape or not np.array_equal(a, b):
+            return f"{path}: arrays differ ({a.shape} vs {b.shape})"
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path}: lengths {len(a)} vs {len(b)}"
+        for k, (x, y) in enumerate(zip(a, b)):
+            found = structural_diff(x, y, f"{path}[{k}]")
+            if found:
+                return found
+        return None
+    return None if a == b else f"{path}: {a!r} vs {b!r}"

@@ -1,0 +1,109 @@
+"""`layout`: DFS preorder with the continuation child first, plus every per-token table."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from harts_compiler.ir import Forest, Program
+from harts_compiler.ir import derive
+
+from .base import Pass
+
+
+@dataclass(frozen=True)
+class Layout(Pass):
+    """Compressed (or laid-out) forest -> laid-out forest.
+
+    Nodes are renumbered in DFS preorder, trees in tree order, a node's continuation child first,
+    then its other children by their first trajectory in input order. The continuation child is
+    kept when the forest already has one, otherwise it is the child with the largest subtree
+    (ties: first in input order); `replay-min` later re-lays out with the continuation children
+    that minimise rounds (same function, `lay_out`).
+
+    Output invariants (`Forest.verify()`, laid-out stage): node order = compact order = preorder;
+    every subtree is the compact range [node_start, node_subtree_end); every heavy path (a node and
+    its chain of continuation children) is one contiguous compact range; token_pred, conv_pred
+    [T, conv_width-1], the distinct (source, next token) log-prob targets (P = T - trees) and the
+    run-length trajectory gather map agree with their derivation.
+    Complexity: O(T) vectorised numpy, O(N log N + runs) Python over nodes.
+    """
+
+    name = "layout"
+    conv_width: int = 4
+
+    def run(self, program: Program) -> Program:
+        self.require(program.forest is not None, "a forest (run prefix-compress first)")
+        self.require(program.sequences is None, "no sequences yet (layout renumbers nodes)")
+        return program.replace(forest=lay_out(program.forest, self.conv_width))
+
+
+def subtree_tokens(forest: Forest) -> np.ndarray:
+    return derive.accumulate_up(forest.node_length.copy(), forest.node_parent,
+                                derive.bottom_up_order(forest.node_position))
+
+
+def first_trajectory(forest: Forest) -> np.ndarray:
+    """Smallest input index of a trajectory ending in each node's subtree."""
+    first = np.full(forest.num_nodes, np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(first, forest.traj_end_node, np.arange(forest.num_trajectories))
+    return derive.accumulate_up(first, forest.node_parent,
+                                derive.bottom_up_order(forest.node_position), combine=min)
+
+
+def default_continuation(forest: Forest, children: list[list[int]]) -> np.ndarray:
+    size, first = subtree_tokens(forest).tolist(), first_trajectory(forest).tolist()
+    cont = np.full(forest.num_nodes, -1, np.int64)
+    for v, kids in enumerate(children):
+        if kids:
+            cont[v] = min(kids, key=lambda c: (-size[c], first[c]))
+    return cont
+
+
+def lay_out(forest: Forest, conv_width: int, cont_child: np.ndarray | None = None) -> Forest:
+    """Lay the forest out; `cont_child` (over the forest's current node ids) overrides the
+    continuation children. Returns a new, laid-out Forest."""
+    children = forest.children()
+    if cont_child is None:
+        cont_child = (forest.node_cont_child if forest.node_cont_child is not None
+                      else default_continuation(forest, children))
+    first = first_trajectory(forest).tolist()
+    cont = cont_child.tolist()
+    roots = sorted(np.flatnonzero(forest.node_parent < 0).tolist(),
+                   key=lambda r: int(forest.node_tree[r]))
+    order: list[int] = []
+    stack = roots[::-1]
+    while stack:
+        v = stack.pop()
+        order.append(v)
+        kids = children[v]
+        if kids:
+            rest = sorted((c for c in kids if c != cont[v]), key=first.__getitem__)
+            stack.extend(rest[::-1])
+            stack.append(cont[v])
+    old = np.asarray(order, np.int64)
+    new_of_old = np.empty(forest.num_nodes, np.int64)
+    new_of_old[old] = np.arange(old.size)
+
+    def renumber(ids: np.ndarray) -> np.ndarray:
+        return np.where(ids >= 0, new_of_old[np.maximum(ids, 0)], -1)
+
+    node_parent = renumber(forest.node_parent[old])
+    node_tree = forest.node_tree[old]
+    node_length = forest.node_length[old]
+    node_position = forest.node_position[old]
+    node_start = derive.exclusive_cumsum(node_length)
+    node_cont = renumber(cont_child[old])
+    total = forest.num_tokens
+    gather = (np.repeat(forest.node_start[old] - node_start, node_length)
+              + np.arange(total, dtype=np.int64))
+    token_ids = forest.token_ids[gather]
+    traj_end_node = new_of_old[forest.traj_end_node]
+    tables = derive.layout_tables(node_parent, node_tree, node_start, node_length, node_position,
+                                  node_cont, token_ids, traj_end_node, conv_width,
+                                  forest.num_trees)
+    return Forest(token_ids=token_ids, node_parent=node_parent, node_tree=node_tree,
+                  node_start=node_start, node_length=node_length, node_position=node_position,
+                  tree_ids=list(forest.tree_ids), traj_ids=list(forest.traj_ids),
+                  traj_end_node=traj_end_node, traj_length=forest.traj_length.copy(),
+                  laid_out=True, conv_width=conv_width, node_cont_child=node_cont, **tables)
