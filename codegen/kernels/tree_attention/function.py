@@ -1,0 +1,84 @@
+"""Autograd Function and public wrapper of tree attention (docs/INTERFACES.md section 4).
+
+``tree_attention`` runs the Triton kernels on CUDA tensors, and on CPU tensors under
+``TRITON_INTERPRET=1`` (tests at tiny sizes); otherwise, and always for float64, it runs the
+plain-torch reference (query-chunked, so a few thousand tokens fit on CPU).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .backward import tree_attention_backward
+from .block_index import BlockIndex, build_block_index
+from .configs import KernelConfig, config_for
+from .forward import tree_attention_forward
+from .reference import check_tree_attention_inputs, tree_attention_reference_chunked
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class TreeAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, subtree_end, scale: float, index: BlockIndex, config: KernelConfig):
+        o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, **config.fwd)
+        ctx.save_for_backward(q, k, v, o, lse, subtree_end)
+        ctx.scale, ctx.index, ctx.config = scale, index, config
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, subtree_end = ctx.saved_tensors
+        dq, dk, dv = tree_attention_backward(q, k, v, o, do, lse, subtree_end, ctx.index,
+                                             ctx.scale, dq_config=ctx.config.dq,
+                                             dkdv_config=ctx.config.dkdv)
+        return dq, dk, dv, None, None, None, None
+
+
+def uses_triton(q: torch.Tensor) -> bool:
+    """Whether `tree_attention` runs the Triton kernels for this input."""
+    if q.dtype not in KERNEL_DTYPES:
+        return False
+    return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_block_index(index: BlockIndex, subtree_end: torch.Tensor) -> None:
+    if not isinstance(index, BlockIndex):
+        raise ValueError(f"block_index must be a BlockIndex from build_block_index, got {type(index)}")
+    if index.num_tokens != subtree_end.shape[0]:
+        raise ValueError(f"block_index was built for T={index.num_tokens} tokens, "
+                         f"but subtree_end has T={subtree_end.shape[0]}")
+    if index.device != subtree_end.device:
+        raise ValueError(f"block_index is on {index.device}, subtree_end on {subtree_end.device}")
+    if index.block_m < 16 or index.block_n < 16:
+        raise ValueError(f"block_index blocks ({index.block_m}, {index.block_n}) must be >= 16 "
+                         "for the Triton kernels")
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor,
+                   *, scale: float, block_index: BlockIndex | None = None,
+                   config: KernelConfig | None = None) -> torch.Tensor:
+    """Exact softmax attention with the tree mask ``j <= i < subtree_end[j]``.
+
+    q [T, HQ, D], k/v [T, HKV, D] (HQ % HKV == 0), subtree_end [T] int32 -> o [T, HQ, D].
+    ``block_index``: from ``build_block_index(subtree_end, block_m, block_n)``, built once per
+    microbatch and reused by every layer; built here (with the config's block sizes) if omitted.
+    ``config``: launch configuration override (benchmarks); default per head dim.
+    """
+    check_tree_attention_inputs(q, k, v, subtree_end)
+    if not uses_triton(q):
+        return tree_attention_reference_chunked(q, k, v, subtree_end, scale=scale)
+    config_for(q.shape[2])  # validates the head dim even when a config is given
+    config = config or config_for(q.shape[2])
+    if not q.is_cuda and q.dtype != torch.float32:
+        # Triton 3.6's interpreter computes tl.dot of bf16/fp16 operands wrongly (it multiplies
+        # raw bit patterns): run the interpreted kernels in fp32, autograd casts back
+        out = tree_attention(q.float(), k.float(), v.float(), subtree_end, scale=scale,
+                             block_index=block_index, config=config)
+        return out.to(q.dtype)
+    if block_index is None:
+        block_index = build_block_index(subtree_end, config.block_m, config.block_n)
+    _check_block_index(block_index, subtree_end)
+    return TreeAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                                       subtree_end.contiguous(), float(scale), block_index, config)

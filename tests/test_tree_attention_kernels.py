@@ -1,0 +1,113 @@
+"""Triton tree attention (forward, dq, dk, dv) vs the float64 reference.
+
+On CPU these run under TRITON_INTERPRET=1 (set by conftest.py) at tiny sizes; they prove the
+indexing, masking and online-softmax logic, not the GPU compilation (see test_tree_attention_gpu.py).
+"""
+import numpy as np
+import pytest
+import torch
+
+from harts_compiler.codegen.kernels.tree_attention.block_index import build_block_index
+from harts_compiler.codegen.kernels.tree_attention.configs import KernelConfig
+from harts_compiler.codegen.kernels.tree_attention.function import tree_attention, uses_triton
+from harts_compiler.codegen.kernels.tree_attention.reference import tree_attention_reference
+from harts_compiler.codegen.kernels.tree_attention.trees import (
+    anchor_tree, layout_from_parents, random_forest)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def small_config(block_m, block_n, block_ms):
+    return KernelConfig(block_m=block_m, block_n=block_n,
+                        fwd=dict(num_warps=4, num_stages=1),
+                        dq=dict(block_ms=block_ms, num_warps=4, num_stages=1),
+                        dkdv=dict(block_ms=block_ms, num_warps=4, num_stages=1))
+
+
+def relative_error(actual, expected):
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def check_against_reference(subtree_end, heads, head_dim, config, *, dtype=torch.float32,
+                            seed=0, tolerance=1e-5, use_default_index=False):
+    n_tokens = subtree_end.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n_tokens, heads[0], head_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(n_tokens, heads[1], head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(n_tokens, heads[1], head_dim, generator=gen, dtype=torch.float64)
+    do = torch.randn(n_tokens, heads[0], head_dim, generator=gen, dtype=torch.float64)
+    scale = head_dim ** -0.5
+    leaves = [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+    subtree_end = subtree_end.to(DEVICE)
+    assert uses_triton(leaves[0])
+    index = None if use_default_index else build_block_index(subtree_end, config.block_m,
+                                                              config.block_n)
+    o = tree_attention(*leaves, subtree_end, scale=scale, block_index=index, config=config)
+    # poison check: every output row must have been written with a finite value
+    assert torch.isfinite(o).all()
+    grads = torch.autograd.grad(o, leaves, do.to(DEVICE, dtype))
+    oracle_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o_ref = tree_attention_reference(*oracle_leaves, subtree_end.cpu(), scale=scale)
+    grads_ref = torch.autograd.grad(o_ref, oracle_leaves, do)
+    for name, actual, expected in zip(("o", "dq", "dk", "dv"), (o, *grads), (o_ref, *grads_ref)):
+        assert actual.dtype == dtype
+        err = relative_error(actual.cpu(), expected)
+        assert err < tolerance, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_forests_gqa(seed):
+    # several trees, single-token nodes, a wide hub node; T is whatever the forest gives (odd too)
+    layout = random_forest(np.random.default_rng(100 + seed), n_trees=3, wide_prob=0.7)
+    check_against_reference(layout.subtree_end_tensor(), (4, 2), 16, small_config(16, 16, 16),
+                            seed=seed)
+
+
+@pytest.mark.parametrize("block_m, block_n, block_ms", [(32, 16, 16), (16, 32, 16), (32, 32, 32)])
+def test_block_shapes(block_m, block_n, block_ms):
+    layout = random_forest(np.random.default_rng(7), n_trees=2, wide_prob=1.0)
+    check_against_reference(layout.subtree_end_tensor(), (2, 1), 32,
+                            small_config(block_m, block_n, block_ms))
+
+
+def test_wide_tree_of_single_token_children():
+    # one root of 5 tokens with 40 single-token children: every child block is partial
+    layout = layout_from_parents([-1] + [0] * 40, [5] + [1] * 40)
+    check_against_reference(layout.subtree_end_tensor(), (3, 3), 16, small_config(16, 16, 16))
+
+
+def test_anchor_shape_with_full_blocks():
+    # long prefix: many fully unmasked blocks exercise the unmasked loops, T = 33 + 3*21 = 96
+    layout = anchor_tree(33, 3, 21)
+    index = build_block_index(layout.subtree_end_tensor(), 16, 16)
+    assert int(index.q_full.sum()) > 0 and int(index.k_full.sum()) > 0
+    check_against_reference(layout.subtree_end_tensor(), (4, 1), 16, small_config(16, 16, 16))
+
+
+def test_bfloat16_inputs():
+    layout = random_forest(np.random.default_rng(5), n_trees=2)
+    check_against_reference(layout.subtree_end_tensor(), (2, 2), 16, small_config(16, 16, 16),
+                            dtype=torch.bfloat16, tolerance=2e-2)
+
+
+def test_default_config_builds_its_own_index():
+    layout = random_forest(np.random.default_rng(9), n_trees=2)
+    check_against_reference(layout.subtree_end_tensor(), (2, 1), 64, None, use_default_index=True)
+
+
+def test_float64_runs_the_reference():
+    q = torch.randn(5, 2, 8, dtype=torch.float64)
+    assert not uses_triton(q)
+    out = tree_attention(q, q, q, torch.full((5,), 5, dtype=torch.int32), scale=1.0)
+    torch.testing.assert_close(out, tree_attention_reference(q, q, q, torch.full((5,), 5), scale=1.0))
+
+
+def test_block_index_for_another_sequence_is_rejected():
+    q = torch.randn(6, 2, 16)
+    wrong = build_block_index(torch.full((5,), 5, dtype=torch.int32), 16, 16)
+    with pytest.raises(ValueError, match="block_index"):
+        tree_attention(q, q, q, torch.full((6,), 6, dtype=torch.int32), scale=1.0,
+                       block_index=wrong)
+    with pytest.raises(ValueError, match="head dim"):
+        tree_attention(torch.randn(6, 2, 24), torch.randn(6, 2, 24), torch.randn(6, 2, 24),
+                       torch.full((6,), 6, dtype=torch.int32), scale=1.0)
