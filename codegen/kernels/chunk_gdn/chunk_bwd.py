@@ -1,0 +1,178 @@
+"""Backward, chunk-parallel part: dq, dk, dw, dgc of each chunk, then back through the WY representation.
+
+No kernel here transposes a dot accumulator with tl.trans before another dot (Triton 3.6 on Hopper
+miscompiles that, GPU.md): transposed products are computed as their own dots from transposed loads,
+or go through a small per-program scratch buffer.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end, scale,
+                         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BT: tl.constexpr, BV: tl.constexpr):
+    i_ch = tl.program_id(0)
+    i_c, i_h = i_ch // HV, i_ch % HV
+    i_hk = i_h // (HV // HK)
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    rows = row0 + o_t
+    m_t = rows < row_end
+    state = (i_c.to(tl.int64) * HV + i_h) * (K * V)
+
+    b_dq = tl.zeros([BT, K], dtype=tl.float32)       # do h^T
+    b_dk = tl.zeros([BT, K], dtype=tl.float32)       # v_new dh^T
+    b_dw = tl.zeros([BT, K], dtype=tl.float32)       # dvn h^T
+    b_da = tl.zeros([BT, BT], dtype=tl.float32)      # [i, j] do_i . v_new_j
+    b_dat = tl.zeros([BT, BT], dtype=tl.float32)     # [j, i] the same, transposed by its own dot
+    b_dgl = tl.zeros([K], dtype=tl.float32)          # sum(h * dh), reduced below
+    for i_v in range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_vn = tl.load(v_new + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+        b_vnt = tl.load(v_new + (rows[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
+        b_do = tl.load(do + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+        b_dot = tl.load(do + (rows[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
+        b_dvn = tl.load(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+        b_ht = tl.load(h + state + o_v[:, None] + o_k[None, :] * V)        # [BV, K]
+        b_dht = tl.load(dh + state + o_v[:, None] + o_k[None, :] * V)      # [BV, K]
+        b_dgl += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), 0)
+        b_da += tl.dot(b_do, b_vnt)
+        b_dat += tl.dot(b_vn, b_dot)
+        b_dq += tl.dot(b_do, b_ht)
+        b_dk += tl.dot(b_vn, b_dht)
+        b_dw += tl.dot(b_dvn.to(b_ht.dtype), b_ht)
+
+    b_q = tl.load(q + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
+    last = row_end - 1 - row0
+    b_gl = tl.sum(tl.where(o_t == last, b_gc, 0.0))
+
+    # inter-chunk terms: o += scale exp(gc) q h ;  S_next += k^T (exp(gc_last - gc) vn)
+    b_dq = b_dq * (tl.exp(b_gc) * scale)[:, None]
+    b_dk = tl.where(m_t[:, None], b_dk * tl.exp(b_gl - b_gc)[:, None], 0.0)
+    b_dgc = tl.sum(b_dq * b_q.to(tl.float32), 1) - tl.sum(b_dk * b_k.to(tl.float32), 1)
+    b_dgl = tl.sum(b_dgl) * tl.exp(b_gl) + tl.sum(b_dk * b_k.to(tl.float32))
+
+    # intra-chunk attention: o_i += scale sum_{j<=i} (q_i.k_j) exp(gc_i - gc_j) vn_j
+    m_a = o_t[:, None] >= o_t[None, :]
+    b_da = tl.where(m_a, b_da * tl.exp(b_gc[:, None] - b_gc[None, :]) * scale, 0.0)
+    b_dat = tl.where(o_t[:, None] <= o_t[None, :], b_dat * tl.exp(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
+    b_dq += tl.dot(b_da.to(b_k.dtype), b_k)
+    b_dk += tl.dot(b_dat.to(b_q.dtype), b_q)
+    b_m = b_da * tl.dot(b_q, b_kt)
+    b_dgc += tl.sum(b_m, 1) - tl.sum(b_m, 0)
+    b_dgc += tl.where(o_t == last, b_dgl, 0.0)
+
+    p_rows = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+    tl.store(dq + p_rows, b_dq, mask=m_t[:, None])
+    tl.store(dk + p_rows, b_dk, mask=m_t[:, None])
+    tl.store(dw + p_rows, -b_dw, mask=m_t[:, None])
+    tl.store(dgc + rows * HV + i_h, b_dgc, mask=m_t)
+
+
+@triton.jit
+def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dv, dbeta, dg, scratch, chunk_row_start, chunk_row_end,
+                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BV: tl.constexpr):
+    """Through w = T (beta exp(gc) k), u = T (beta v), T = (I + A)^-1, A = (beta k k^T exp(gc_i - gc_j))_{i>j}.
+
+    dk and dgc arrive holding the chunk_bwd_qk contributions; dg leaves as the reverse in-chunk cumsum of dgc.
+    """
+    i_ch = tl.program_id(0)
+    i_c, i_h = i_ch // HV, i_ch % HV
+    i_hk = i_h // (HV // HK)
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    rows = row0 + o_t
+    m_t = rows < row_end
+
+    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
+    b_eg = tl.exp(b_gc)
+    dt = b_k.dtype
+    p_t = T + (rows[:, None] * HV + i_h) * BT + o_t[None, :]
+    b_t = tl.load(p_t, mask=m_t[:, None], other=0.0)                                  # [i, j] = T_ij
+    b_tt = tl.load(T + (rows[None, :] * HV + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0)  # T_ji
+
+    # w-path: dT = dw (beta exp(gc) k)^T ; d(beta exp(gc) k) = T^T dw
+    p_rk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+    b_dw = tl.load(dw + p_rk, mask=m_t[:, None], other=0.0)
+    b_dt = tl.dot(b_dw.to(dt), (b_kt * (b_b * b_eg)[None, :]).to(dt))
+    b_dkb = tl.dot(b_tt.to(dt), b_dw.to(dt))
+    b_dk = tl.load(dk + p_rk, mask=m_t[:, None], other=0.0) + b_dkb * (b_b * b_eg)[:, None]
+    b_db = tl.sum(b_dkb * b_k.to(tl.float32), 1) * b_eg
+    b_dgc = tl.load(dg + rows * HV + i_h, mask=m_t, other=0.0) + tl.sum(b_dkb * b_k.to(tl.float32), 1) * b_b * b_eg
+
+    # u-path: dT += du (beta v)^T ; d(beta v) = T^T du
+    for i_v in range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_rv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+        b_du = tl.load(du + p_rv, mask=m_t[:, None], other=0.0)
+        b_v = tl.load(v + p_rv, mask=m_t[:, None], other=0.0)
+        b_vt = tl.load(v + (rows[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
+        b_dt += tl.dot(b_du.to(dt), (b_vt * b_b[None, :]).to(dt))
+        b_dvb = tl.dot(b_tt.to(dt), b_du.to(dt))
+        b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+        tl.store(dv + p_rv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
+
+    # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept strictly lower
+    m_lower = o_t[:, None] > o_t[None, :]
+    b_da = -tl.dot(tl.dot(b_tt.to(dt), b_dt.to(dt)).to(dt), b_tt.to(dt))
+    b_decay = tl.where(m_lower, tl.exp(b_gc[:, None] - b_gc[None, :]), 0.0)
+    b_kk = tl.dot(b_k, b_kt)
+    b_da = tl.where(m_lower, b_da, 0.0)
+    b_dgc_a = b_da * b_kk * b_decay * b_b[:, None]                    # dA * A
+    b_dgc += tl.sum(b_dgc_a, 1) - tl.sum(b_dgc_a, 0)
+    b_db += tl.sum(b_da * b_kk * b_decay, 1)
+    b_dkk = b_da * b_decay * b_b[:, None]                              # d(k_i . k_j) for i > j
+    b_dk += tl.dot(b_dkk.to(dt), b_k)
+    # the other side of k_i . k_j needs b_dkk^T: round trip through this program's scratch tile
+    p_s = scratch + i_ch.to(tl.int64) * (BT * BT)
+    tl.store(p_s + o_t[:, None] * BT + o_t[None, :], b_dkk)
+    tl.debug_barrier()
+    b_dkkt = tl.load(p_s + o_t[None, :] * BT + o_t[:, None])
+    b_dk += tl.dot(b_dkkt.to(dt), b_k)
+
+    # dg = reverse cumsum of dgc inside the chunk
+    b_dgc = tl.where(m_t, b_dgc, 0.0)
+    b_dg = tl.sum(b_dgc) - tl.cumsum(b_dgc, 0) + b_dgc
+    tl.store(dk + p_rk, b_dk, mask=m_t[:, None])
+    tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
+    tl.store(dg + rows * HV + i_h, b_dg, mask=m_t)
+
+
+def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, *, block_v: int = 64,
+              warps_qk: int = 4, warps_wy: int = 2):
+    """Returns dq, dk [R, HV, K] fp32, dv [R, HV, V] fp32, dbeta, dg [R, HV] fp32 (per value head)."""
+    rows, hk, kd = q.shape
+    hv, vd = v.shape[1], v.shape[2]
+    bv = min(block_v, vd)
+    BT = index.chunk_size
+    dq = torch.empty(rows, hv, kd, device=q.device, dtype=torch.float32)
+    dk = torch.empty_like(dq)
+    dw = torch.empty_like(dq)
+    dgc = torch.empty(rows, hv, device=q.device, dtype=torch.float32)
+    dv = torch.empty(rows, hv, vd, device=q.device, dtype=torch.float32)
+    dbeta = torch.empty(rows, hv, device=q.device, dtype=torch.float32)
+    if index.num_chunks:
+        grid = (index.num_chunks * hv,)
+        _chunk_bwd_qk_kernel[grid](
+            q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, index.chunk_row_start, index.chunk_row_end, scale,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, num_warps=warps_qk)
+        scratch = torch.empty(index.num_chunks * hv, BT, BT, device=q.device, dtype=torch.float32)
+        _wy_bwd_kernel[grid](
+            k, v, beta, gc, T, dw, dvn, dk, dv, dbeta, dgc, scratch, index.chunk_row_start, index.chunk_row_end,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, num_warps=warps_wy)
+    return dq, dk, dv, dbeta, dgc

@@ -1,0 +1,75 @@
+"""Index tensors of one packed `chunk_gated_delta_rule` call, built once per call signature.
+
+The runtime builds a `GDNIndex` once per microbatch round (it depends only on `cu_seqlens` and the
+export list) and passes it to every linear-attention layer, so no layer recomputes it or syncs
+with the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class GDNIndex:
+    chunk_size: int
+    num_seqs: int
+    num_chunks: int
+    seq_lengths: tuple[int, ...]
+    cu_seqlens: torch.Tensor        # [N+1] int64
+    seq_chunk_start: torch.Tensor   # [N+1] int64, global index of each sequence's first chunk
+    chunk_row_start: torch.Tensor   # [NC] int64, first packed row of each chunk
+    chunk_row_end: torch.Tensor     # [NC] int64, end (exclusive) of the chunk's rows (sequence end for a tail)
+    chunk_export: torch.Tensor      # [NC] int32, slot of the state leaving this chunk in the export bank, -1 = none
+    num_slots: int                  # distinct exported (sequence, offset) states
+    export_slot: torch.Tensor       # [E] int64, slot of each requested export (duplicates share a slot)
+    export_seq: tuple[int, ...]
+    export_offset: tuple[int, ...]
+
+    def matches(self, seq_lengths, export_seq, export_offset, chunk_size) -> bool:
+        return (self.seq_lengths == tuple(seq_lengths) and self.export_seq == tuple(export_seq)
+                and self.export_offset == tuple(export_offset) and self.chunk_size == chunk_size)
+
+
+def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_size: int = 64,
+                      device=None) -> GDNIndex:
+    """Chunk tables and the export bank layout for `cu_seqlens` (host tensor or list) and the exports.
+
+    Exports must already be valid (see `inputs.validate_gdn_inputs`); this only lays them out.
+    """
+    bounds = np.asarray(torch.as_tensor(cu_seqlens).cpu().tolist(), dtype=np.int64)
+    device = device if device is not None else (cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else "cpu")
+    lengths = np.diff(bounds)
+    chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
+    seq_chunk_start = np.concatenate([[0], np.cumsum(chunks_per_seq)]).astype(np.int64)
+    num_chunks = int(seq_chunk_start[-1])
+    chunk_seq = np.repeat(np.arange(len(lengths)), chunks_per_seq)
+    chunk_in_seq = np.arange(num_chunks) - seq_chunk_start[chunk_seq]
+    row_start = bounds[chunk_seq] + chunk_in_seq * chunk_size
+    row_end = np.minimum(row_start + chunk_size, bounds[chunk_seq + 1])
+
+    e_seq = tuple(int(x) for x in (torch.as_tensor(export_seq).reshape(-1).tolist() if export_seq is not None else ()))
+    e_off = tuple(int(x) for x in (torch.as_tensor(export_offset).reshape(-1).tolist()
+                                   if export_offset is not None else ()))
+    chunk_export = np.full(num_chunks, -1, dtype=np.int32)
+    slot_of: dict[tuple[int, int], int] = {}
+    export_slot = []
+    for s, off in zip(e_seq, e_off):
+        key = (s, off)
+        if key not in slot_of:
+            slot_of[key] = len(slot_of)
+            chunk_export[seq_chunk_start[s] + off // chunk_size - 1] = slot_of[key]
+        export_slot.append(slot_of[key])
+
+    def as_tensor(a, dtype):
+        return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
+
+    return GDNIndex(
+        chunk_size=chunk_size, num_seqs=len(lengths), num_chunks=num_chunks,
+        seq_lengths=tuple(int(x) for x in lengths), cu_seqlens=as_tensor(bounds, torch.int64),
+        seq_chunk_start=as_tensor(seq_chunk_start, torch.int64), chunk_row_start=as_tensor(row_start, torch.int64),
+        chunk_row_end=as_tensor(row_end, torch.int64), chunk_export=as_tensor(chunk_export, torch.int32),
+        num_slots=len(slot_of), export_slot=as_tensor(np.asarray(export_slot, dtype=np.int64), torch.int64),
+        export_seq=e_seq, export_offset=e_off)

@@ -1,0 +1,124 @@
+"""Backward, sequential part: the reverse state recurrence with injected export gradients.
+
+With S_c the state entering chunk c (h_c), dS the gradient of the state leaving chunk c:
+  dS   += d(exported) if the state leaving chunk c was exported       (injection)
+  dh_c  = dS  (stored for the chunk-parallel dq/dk/dw kernel)
+  dvn   = dv_local + exp(gc_last - gc) (k dS)                          (grad of v_new)
+  dS    = exp(gc_last) dS + (scale exp(gc) q)^T do - w^T dvn            (grad of the state entering c)
+and after the first chunk dS is the gradient of the initial state.
+dv_local = scale * tril(q k^T exp(gc_i - gc_j))^T do is chunk-local and computed beforehand.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .state_fwd import interpreting
+
+
+@triton.jit
+def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, scale,
+                     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    i_ch = tl.program_id(0)
+    i_c, i_h = i_ch // HV, i_ch % HV
+    i_hk = i_h // (HV // HK)
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    rows = row0 + o_t
+    m_t = rows < row_end
+    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_qt = tl.load(q + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
+    # [BT(j), BT(i)]: A^T of the intra-chunk attention, non-zero for i >= j
+    b_at = tl.dot(b_k, b_qt)
+    b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at * tl.exp(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
+    b_do = tl.load(do + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+    b_dv = tl.dot(b_at.to(b_do.dtype), b_do)
+    tl.store(dv + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dv, mask=m_t[:, None])
+
+
+@triton.jit
+def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, b_ds, i_c, c0, bos, eos,
+                    i_h, i_hk, state_offs, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, BT: tl.constexpr, o_v):
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    ic = (c0 + i_c).to(tl.int64)
+    rows = bos + i_c * BT + o_t
+    m_t = rows < eos
+    last = tl.minimum(bos + i_c * BT + BT, eos) - 1
+
+    slot = tl.load(chunk_export + ic)
+    if slot >= 0:
+        b_ds += tl.load(bank_grad + (slot.to(tl.int64) * HV + i_h) * (K * V) + state_offs)
+    tl.store(dh + (ic * HV + i_h) * (K * V) + state_offs, b_ds.to(dh.dtype.element_ty))
+
+    b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
+    b_gl = tl.load(gc + last * HV + i_h)
+    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_dvn = tl.load(dv_local + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+    b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp(b_gl - b_gc)[:, None], 0.0)
+    tl.store(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty),
+             mask=m_t[:, None])
+
+    b_qt = tl.load(q + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_qt = (b_qt * (tl.exp(b_gc) * scale)[None, :]).to(b_k.dtype)
+    b_wt = tl.load(w + (rows[None, :] * HV + i_h) * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_do = tl.load(do + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+    b_ds = b_ds * tl.exp(b_gl) + tl.dot(b_qt, b_do) - tl.dot(b_wt, b_dvn.to(b_wt.dtype))
+    return b_ds
+
+
+@triton.jit
+def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seqlens, seq_chunk_start,
+                      chunk_export, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    i_hk = i_h // (HV // HK)
+    bos = tl.load(cu_seqlens + i_n)
+    eos = tl.load(cu_seqlens + i_n + 1)
+    c0 = tl.load(seq_chunk_start + i_n)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    state_offs = o_k[:, None] * V + o_v[None, :]
+
+    b_ds = tl.zeros([K, BV], dtype=tl.float32)
+    if INTERPRET:  # see state_fwd: no loaded loop bounds in the CPU interpreter
+        i_c = n_chunks - 1
+        while i_c >= 0:
+            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, b_ds, i_c, c0, bos,
+                                   eos, i_h, i_hk, state_offs, scale, HK, HV, K, V, BT, o_v)
+            i_c -= 1
+    else:
+        for i_r in range(0, n_chunks):
+            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, b_ds,
+                                   n_chunks - 1 - i_r, c0, bos, eos, i_h, i_hk, state_offs, scale,
+                                   HK, HV, K, V, BT, o_v)
+    tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
+
+
+def state_bwd(q, k, w, gc, do, bank_grad, scale, index, *, block_v: int = 64, num_warps: int = 4):
+    """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32."""
+    rows, hk, kd = q.shape
+    hv, vd = do.shape[1], do.shape[2]
+    bv = min(block_v, vd)
+    dv_local = torch.empty(rows, hv, vd, device=q.device, dtype=torch.float32)
+    dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
+    dvn = torch.empty_like(do)
+    dh0 = torch.empty(index.num_seqs, hv, kd, vd, device=q.device, dtype=torch.float32)
+    if index.num_chunks:
+        _dv_local_kernel[(index.num_chunks * hv,)](
+            q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, scale,
+            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, num_warps=num_warps)
+    if index.num_seqs:
+        _state_bwd_kernel[(vd // bv, index.num_seqs * hv)](
+            q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens, index.seq_chunk_start,
+            index.chunk_export, scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv,
+            INTERPRET=interpreting(), num_warps=num_warps)
+    return dh, dvn, dh0

@@ -1,0 +1,135 @@
+"""Forward, sequential part (state scan over chunks) and the chunk-parallel output.
+
+Scan, per sequence / value head / BV columns of the state (S fp32 in registers, [K, BV]):
+  h_c   = S (stored in the input dtype for the output and the backward)
+  vn    = u - w S                                   (v_new: what the state did not predict)
+  S     = exp(gc_last) S + k^T (exp(gc_last - gc) vn)
+  export S in fp32 when the state leaving this chunk is requested.
+Output, per chunk: o = scale * ( exp(gc) (q h_c) + tril(q k^T exp(gc_i - gc_j)) vn ).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
+                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BT: tl.constexpr, BV: tl.constexpr, o_v):
+    """One chunk of the scan; returns the state leaving the chunk."""
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    ic = (c0 + i_c).to(tl.int64)
+    rows = bos + i_c * BT + o_t
+    m_t = rows < eos
+    last = tl.minimum(bos + i_c * BT + BT, eos) - 1
+    tl.store(h + (ic * HV + i_h) * (K * V) + state_offs, b_s.to(h.dtype.element_ty))
+
+    b_w = tl.load(w + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_u = tl.load(u + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+    b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_s.to(b_w.dtype))
+    tl.store(v_new + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty),
+             mask=m_t[:, None])
+
+    b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
+    b_gl = tl.load(gc + last * HV + i_h)
+    b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_vd = tl.where(m_t[:, None], b_vn * tl.exp(b_gl - b_gc)[:, None], 0.0)
+    b_s = b_s * tl.exp(b_gl) + tl.dot(b_kt, b_vd.to(b_kt.dtype))
+
+    slot = tl.load(chunk_export + ic)
+    if slot >= 0:
+        tl.store(bank + (slot.to(tl.int64) * HV + i_h) * (K * V) + state_offs, b_s)
+    return b_s
+
+
+@triton.jit
+def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_start, chunk_export,
+                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    i_hk = i_h // (HV // HK)
+    bos = tl.load(cu_seqlens + i_n)
+    eos = tl.load(cu_seqlens + i_n + 1)
+    c0 = tl.load(seq_chunk_start + i_n)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    state_offs = o_k[:, None] * V + o_v[None, :]                                  # [K, BV] in a [K, V] state
+
+    b_s = tl.load(h0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs)     # fp32
+    if INTERPRET:  # the CPU interpreter cannot take a loaded bound in range() (numpy >= 2.4)
+        i_c = n_chunks * 0
+        while i_c < n_chunks:
+            b_s = _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos, eos, i_h, i_hk,
+                                  state_offs, HK, HV, K, V, BT, BV, o_v)
+            i_c += 1
+    else:
+        for i_c in range(0, n_chunks):
+            b_s = _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos, eos, i_h, i_hk,
+                                  state_offs, HK, HV, K, V, BT, BV, o_v)
+
+
+@triton.jit
+def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, scale,
+                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BV: tl.constexpr):
+    i_ch, i_v = tl.program_id(0), tl.program_id(1)
+    i_c, i_h = i_ch // HV, i_ch % HV
+    i_hk = i_h // (HV // HK)
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    rows = row0 + o_t
+    m_t = rows < row_end
+
+    b_q = tl.load(q + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_h = tl.load(h + (i_c.to(tl.int64) * HV + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :])
+    b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
+
+    b_o = tl.dot(b_q, b_h) * tl.exp(b_gc)[:, None]
+    b_a = tl.dot(b_q, b_kt)
+    b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a * tl.exp(b_gc[:, None] - b_gc[None, :]), 0.0)
+    b_vn = tl.load(v_new + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+    b_o = (b_o + tl.dot(b_a.to(b_vn.dtype), b_vn)) * scale
+    tl.store(o + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])
+
+
+def state_fwd(k, w, u, gc, initial_state, index, *, block_v: int = 64, num_warps: int = 4):
+    """Returns h [NC, HV, K, V] (k's dtype), v_new [R, HV, V] (u's dtype), bank [slots, HV, K, V] fp32."""
+    rows, hk, kd = k.shape
+    hv, vd = u.shape[1], u.shape[2]
+    bv = min(block_v, vd)
+    h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
+    v_new = torch.empty_like(u)
+    bank = torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)
+    if index.num_seqs:
+        _state_fwd_kernel[(vd // bv, index.num_seqs * hv)](
+            k, w, u, gc, initial_state, h, v_new, bank, index.cu_seqlens, index.seq_chunk_start,
+            index.chunk_export, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(),
+            num_warps=num_warps)
+    return h, v_new, bank
+
+
+def output_fwd(q, k, v_new, gc, h, scale, index, *, block_v: int = 64, num_warps: int = 4):
+    rows, hk, kd = q.shape
+    hv, vd = v_new.shape[1], v_new.shape[2]
+    bv = min(block_v, vd)
+    o = torch.empty_like(v_new)
+    if index.num_chunks:
+        _output_kernel[(index.num_chunks * hv, vd // bv)](
+            q, k, v_new, gc, h, o, index.chunk_row_start, index.chunk_row_end, scale,
+            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, num_warps=num_warps)
+    return o
