@@ -1,0 +1,179 @@
+"""Tree mode == trajectory-wise mode (DESIGN.md section 11): log-probs, entropy, aux loss, every gradient.
+
+Each case runs the same weights twice: over a tree-shaped MicrobatchIndex (shared prefixes computed
+once, replay, several rounds) and trajectory-wise (every trajectory its own sequence), and compares
+per-trajectory outputs and the gradients of one random scalar loss over all of them.
+Tree indices come from the naive plan of test_runtime_helpers (always) and from the compiler
+(`harts_compiler.compile` + `build_microbatch_index`, skipped while that is not importable).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harts_compiler.runtime import TreeModel, trajectory_wise
+from test_runtime_helpers import naive_tree_index, random_rollout_batch
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+_MODELS: dict = {}
+
+
+def tiny_model(dtype=torch.float64, preset="tiny-qwen3-next", seed=0) -> TreeModel:
+    """A tiny random model with weights large enough that every path matters (cached per dtype)."""
+    key = (dtype, preset, seed)
+    if key not in _MODELS:
+        model = TreeModel.from_config(preset, seed=seed, dtype=torch.float64)
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+                if name.endswith("A_log"):  # slow decays, so states carry across many chunks
+                    p.copy_(torch.log(torch.rand(p.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.05))
+                elif p.dim() == 1:  # norms, dt_bias
+                    p.add_(0.1 * noise)
+                else:
+                    p.copy_(0.15 * noise)
+        _MODELS[key] = model.to(dtype)
+    return _MODELS[key]
+
+
+def compiled_index(batch, chunk_size):
+    """The compiler's index for `batch` (one microbatch), or skip while the compiler is not there."""
+    try:
+        import harts_compiler
+        from harts_compiler.codegen.microbatch import build_microbatch_index
+    except ImportError as err:
+        pytest.skip(f"compiler path not importable yet: {err}")
+    tree_batch = harts_compiler.TreeBatch.from_trajectories(batch)
+    plan = harts_compiler.compile(tree_batch, harts_compiler.CompileOptions(chunk_size=chunk_size, conv_width=4))
+    microbatches = plan.microbatches()
+    assert len(microbatches) == 1
+    return build_microbatch_index(plan, microbatches[0])
+
+
+def run_and_grad(model, index_or_batch, weights, *, chunk_size, checkpointing=False):
+    model.zero_grad(set_to_none=True)
+    if isinstance(index_or_batch, list):
+        out = trajectory_wise(model, index_or_batch, chunk_size=chunk_size, activation_checkpointing=checkpointing)
+    else:
+        out = model(index_or_batch, activation_checkpointing=checkpointing)
+    w_lp, w_ent, w_aux = weights
+    order = [out.trajectory_ids.index(str(i)) for i in range(len(out.trajectory_ids))]
+    lp, ent = out.logprobs[order], out.entropy[order]
+    loss = (lp * w_lp[:, :lp.shape[1]]).sum() + (ent * w_ent[:, :ent.shape[1]]).sum()
+    if out.aux_loss is not None:
+        loss = loss + w_aux * out.aux_loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return lp.detach(), ent.detach(), out.aux_loss.detach() if out.aux_loss is not None else None, \
+        out.lengths[order], grads
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def assert_tree_equals_trajectory_wise(batch, tree_index, *, dtype, chunk_size, checkpointing=False,
+                                       preset="tiny-qwen3-next"):
+    model = tiny_model(dtype, preset)
+    gen = torch.Generator().manual_seed(len(batch))
+    max_len = max(len(t) for t in batch)
+    weights = (torch.randn(len(batch), max_len, generator=gen, dtype=dtype),
+               torch.randn(len(batch), max_len, generator=gen, dtype=dtype), 0.7)
+    tree = run_and_grad(model, tree_index, weights, chunk_size=chunk_size, checkpointing=checkpointing)
+    flat = run_and_grad(model, batch, weights, chunk_size=chunk_size)
+    tol = TOLERANCE[dtype]
+    assert torch.equal(tree[3], flat[3])
+    assert rel(tree[0], flat[0]) < tol, f"logprobs rel {rel(tree[0], flat[0]):.3g}"
+    assert rel(tree[1], flat[1]) < tol, f"entropy rel {rel(tree[1], flat[1]):.3g}"
+    if flat[2] is not None:
+        assert rel(tree[2], flat[2]) < tol, f"aux rel {rel(tree[2], flat[2]):.3g}"
+    worst = max(((rel(tree[4][n], flat[4][n]), n) for n in flat[4]))
+    assert worst[0] < tol, f"gradient of {worst[1]} rel {worst[0]:.3g}"
+    return worst[0]
+
+
+def _tokens(rng, n, vocab=128):
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def tricky_batches(chunk_size: int) -> dict[str, list[list[int]]]:
+    """The DESIGN.md section 11 cases, sized relative to the chunk size."""
+    rng = random.Random(chunk_size)
+    C = chunk_size
+    p = _tokens(rng, 2 * C)
+    short = _tokens(rng, C + 3)
+    return {
+        "branch_on_chunk_boundary": [p + _tokens(rng, 5), p + _tokens(rng, C + 2), p[:C] + _tokens(rng, 3)],
+        "branch_in_first_chunk": [p[:2] + _tokens(rng, C + 5), p[:2] + _tokens(rng, 2 * C + 1), p[:3] + _tokens(rng, 4)],
+        # nodes of 1-2 tokens under a prefix: replay from the aligned boundary crosses several nodes,
+        # nodes are shorter than the conv width, and single-token nodes appear
+        "replay_across_short_nodes": [short + [1] + [2] + [3, 4] + _tokens(rng, C), short + [1] + [5] + _tokens(rng, 3),
+                                      short + [1] + [2] + [6] + _tokens(rng, C + 1), short + [1] + [2] + [3, 7]],
+        "prefix_and_duplicate_trajectories": [p + _tokens(rng, 4), p[:C + 1], p[:C + 1], p + [9], p + [9], p[:1]],
+        "single_token_nodes": [p[:C - 1] + [t] for t in range(6)] + [p[:C - 1] + [0, t] for t in range(3)],
+    }
+
+
+# Checkpointing and the fp32 bar are covered on a subset (cost), everything else on all cases.
+_CASES = [(name, C) for C in (4, 64) for name in tricky_batches(C)]
+
+
+@pytest.mark.parametrize("name,chunk_size", _CASES)
+def test_tricky_cases_fp64(name, chunk_size):
+    batch = tricky_batches(chunk_size)[name]
+    assert_tree_equals_trajectory_wise(batch, naive_tree_index(batch, chunk_size=chunk_size),
+                                       dtype=torch.float64, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("name", ["branch_on_chunk_boundary", "replay_across_short_nodes",
+                                  "prefix_and_duplicate_trajectories"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_tricky_cases_fp32(name, checkpointing):
+    batch = tricky_batches(4)[name]
+    assert_tree_equals_trajectory_wise(batch, naive_tree_index(batch, chunk_size=4), dtype=torch.float32,
+                                       chunk_size=4, checkpointing=checkpointing)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 64])
+def test_checkpointing_fp64(chunk_size):
+    batch = tricky_batches(chunk_size)["replay_across_short_nodes"]
+    assert_tree_equals_trajectory_wise(batch, naive_tree_index(batch, chunk_size=chunk_size),
+                                       dtype=torch.float64, chunk_size=chunk_size, checkpointing=True)
+
+
+def test_hundreds_of_children():
+    rng = random.Random(7)
+    prefix = _tokens(rng, 6)
+    batch = [prefix + _tokens(rng, rng.randint(1, 3)) for _ in range(200)]
+    assert_tree_equals_trajectory_wise(batch, naive_tree_index(batch, chunk_size=4), dtype=torch.float64,
+                                       chunk_size=4)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def test_qwen3_5_family(preset):
+    batch = tricky_batches(4)["replay_across_short_nodes"]
+    assert_tree_equals_trajectory_wise(batch, naive_tree_index(batch, chunk_size=4), dtype=torch.float64,
+                                       chunk_size=4, preset=preset)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), chunk_size=st.sampled_from([1, 2, 4, 64]),
+       vocab=st.sampled_from([2, 3, 128]))
+def test_random_rollout_trees(seed, chunk_size, vocab):
+    batch = random_rollout_batch(random.Random(seed), vocab=vocab, n_traj=6, max_len=14)
+    assert_tree_equals_trajectory_wise(batch, naive_tree_index(batch, chunk_size=chunk_size),
+                                       dtype=torch.float64, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 64])
+@pytest.mark.parametrize("name", ["branch_on_chunk_boundary", "replay_across_short_nodes",
+                                  "prefix_and_duplicate_trajectories", "single_token_nodes"])
+def test_compiled_plans(name, chunk_size):
+    batch = tricky_batches(chunk_size)[name]
+    assert_tree_equals_trajectory_wise(batch, compiled_index(batch, chunk_size), dtype=torch.float64,
+                                       chunk_size=chunk_size)
