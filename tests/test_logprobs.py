@@ -104,9 +104,9 @@ def random_params(n_tokens, dim, vocab, dtype, seed):
     return hidden.requires_grad_(), weight.requires_grad_()
 
 
-def loss_weights(shape, seed):
+def loss_weights(shape, seed, device="cpu"):
     gen = torch.Generator().manual_seed(seed + 1000)
-    return torch.randn(shape, generator=gen, dtype=torch.float64), torch.randn(shape, generator=gen, dtype=torch.float64)
+    return tuple(torch.randn(shape, generator=gen, dtype=torch.float64).to(device) for _ in range(2))
 
 
 def assert_close_scaled(got, want, tol, name=""):
@@ -117,7 +117,7 @@ def assert_close_scaled(got, want, tol, name=""):
 
 def run_and_grad(fn, hidden, weight, seed):
     logprobs, entropy = fn(hidden, weight)
-    w_lp, w_ent = loss_weights(logprobs.shape, seed)
+    w_lp, w_ent = loss_weights(logprobs.shape, seed, logprobs.device)
     loss = (logprobs.double() * w_lp).sum() + (entropy.double() * w_ent).sum()
     grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
     return logprobs.detach(), entropy.detach(), grad_hidden, grad_weight

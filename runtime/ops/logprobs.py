@@ -42,16 +42,25 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _matmul_out(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b returned in out_dtype; for bf16/fp16 CUDA inputs the fp32 accumulator is kept as
+    the output (torch.mm's out_dtype) instead of being rounded to bf16 first."""
+    if a.dtype == out_dtype:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=out_dtype)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass  # torch without mm(out_dtype=) for this dtype: round through the input dtype
+    return (a @ b).to(out_dtype)
+
+
 def _logits(hidden_chunk: torch.Tensor, weight: torch.Tensor, temperature: float,
             acc_dtype: torch.dtype) -> torch.Tensor:
     """[c, V] logits / temperature in the accumulation dtype (fp32 for bf16 inputs)."""
-    if hidden_chunk.dtype == acc_dtype:
-        logits = hidden_chunk @ weight.t()
-    elif hidden_chunk.is_cuda:
-        # bf16 inputs, fp32 accumulation *and* fp32 output: no rounding of logits to bf16
-        logits = torch.mm(hidden_chunk, weight.t(), out_dtype=acc_dtype)
-    else:
-        logits = (hidden_chunk @ weight.t()).to(acc_dtype)
+    logits = _matmul_out(hidden_chunk, weight.t(), acc_dtype)
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
@@ -62,10 +71,8 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
     """grad_weight += grad_logits^T @ hidden_chunk, with grad_weight in the accumulation dtype."""
     if hidden_chunk.dtype == grad_weight.dtype:
         grad_weight.addmm_(grad_logits.t(), hidden_chunk)
-    elif hidden_chunk.is_cuda:
-        grad_weight.add_(torch.mm(grad_logits.t(), hidden_chunk, out_dtype=grad_weight.dtype))
     else:
-        grad_weight.add_((grad_logits.t() @ hidden_chunk).to(grad_weight.dtype))
+        grad_weight.add_(_matmul_out(grad_logits.t(), hidden_chunk, grad_weight.dtype))
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
