@@ -58,15 +58,22 @@ def token_predecessor(node_parent, node_start, node_length) -> np.ndarray:
     return pred
 
 
-def conv_predecessors(token_pred: np.ndarray, conv_width: int) -> np.ndarray:
-    """[T, W-1]: conv_pred[i, j] = token at position pos(i)-(W-1)+j on i's path (-1 before 0)."""
+def conv_predecessors(token_pred: np.ndarray, node_start: np.ndarray,
+                      node_length: np.ndarray, conv_width: int) -> np.ndarray:
+    """[T, W-1]: conv_pred[i, j] = token at position pos(i)-(W-1)+j on i's path (-1 before 0).
+
+    Inside a node the path is the compact order, so conv_pred[i, j] = i-(W-1)+j; only the first
+    W-1 tokens of each node need a walk along predecessors (O(T) fill + O(N W^2) walk)."""
     cols = max(conv_width - 1, 0)
-    table = np.full((token_pred.size, cols), -1, np.int64)
-    if cols == 0:
-        return table
-    current = token_pred
+    total = token_pred.size
+    table = np.arange(total, dtype=np.int64)[:, None] + np.arange(-cols, 0, dtype=np.int64)
+    if cols == 0 or total == 0:
+        return table.reshape(total, cols)
+    offsets = np.arange(cols, dtype=np.int64)
+    near = (node_start[:, None] + offsets)[offsets[None, :] < node_length[:, None]]
+    current = token_pred[near]
     for j in range(cols - 1, -1, -1):
-        table[:, j] = current
+        table[near, j] = current
         current = np.where(current >= 0, token_pred[np.maximum(current, 0)], -1)
     return table
 
@@ -123,14 +130,17 @@ def trajectory_runs(node_parent, node_start, node_length, node_cont_child, traj_
 
 
 def layout_tables(node_parent, node_tree, node_start, node_length, node_position,
-                  node_cont_child, token_ids, traj_end_node, conv_width, num_trees) -> dict:
-    """All Forest fields that follow from a laid-out (preorder) node table."""
+                  node_cont_child, traj_end_node, num_trees) -> dict:
+    """All stored Forest fields that follow from a laid-out (preorder) node table.
+
+    The conv predecessor table and the log-prob target table are not stored batch-wide (they are
+    3 and 3 more int64 arrays of T rows): `Forest.conv_pred()` / `Forest.targets()` derive them
+    from token_pred on demand, and codegen builds them per microbatch."""
     token_node, token_position = token_node_and_position(node_start, node_length, node_position)
     node_end = subtree_node_end(node_parent)
     bounds = np.append(node_start, int(node_length.sum()))
     subtree_end = bounds[node_end]
     token_pred = token_predecessor(node_parent, node_start, node_length)
-    target_src, target_token, token_target = log_prob_targets(token_pred, token_ids)
     ptr, run_start, run_length = trajectory_runs(node_parent, node_start, node_length,
                                                  node_cont_child, traj_end_node)
     roots = np.flatnonzero(node_parent < 0)
@@ -142,7 +152,6 @@ def layout_tables(node_parent, node_tree, node_start, node_length, node_position
         token_node=token_node, token_position=token_position,
         node_subtree_end=subtree_end,
         node_multiplicity=multiplicity(node_parent, node_position, traj_end_node),
-        token_pred=token_pred, conv_pred=conv_predecessors(token_pred, conv_width),
-        target_src=target_src, target_token=target_token, token_target=token_target,
+        token_pred=token_pred,
         traj_run_ptr=ptr, run_start=run_start, run_length=run_length,
         tree_start=tree_start, tree_end=tree_end)

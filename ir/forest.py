@@ -10,10 +10,13 @@ Two stages share the one class:
   per-token tables (predecessor, conv predecessors, log-prob targets, trajectory gather runs) exist.
 
 Fields beyond INTERFACES.md: `token_pred` (path predecessor of each token, -1 at a tree start),
-`token_target` (target index whose predicted token is this one, -1 at a tree start),
 `traj_run_ptr`/`run_start`/`run_length` (the per-trajectory gather map, run-length encoded:
 trajectory j's compact indices are the concatenated ranges of its runs; one run per heavy-path
 segment of its path), `tree_start`/`tree_end`, `conv_width`.
+
+The conv predecessor table [T, W-1] and the distinct (source, next token) log-prob targets are
+fixed by the layout but derived on demand (`conv_pred()`, `targets()`) rather than stored, which
+keeps the batch-wide IR at a few int64 per token; codegen materialises them per microbatch.
 """
 from __future__ import annotations
 
@@ -22,9 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-LAYOUT_FIELDS = ("node_subtree_end", "node_cont_child", "token_pred", "conv_pred",
-                 "target_src", "target_token", "token_target", "traj_run_ptr", "run_start",
-                 "run_length", "tree_start", "tree_end")
+LAYOUT_FIELDS = ("node_subtree_end", "node_cont_child", "token_pred", "traj_run_ptr",
+                 "run_start", "run_length", "tree_start", "tree_end")
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,10 +49,6 @@ class Forest:
     node_subtree_end: np.ndarray | None = None
     node_cont_child: np.ndarray | None = None
     token_pred: np.ndarray | None = None
-    conv_pred: np.ndarray | None = None
-    target_src: np.ndarray | None = None
-    target_token: np.ndarray | None = None
-    token_target: np.ndarray | None = None
     traj_run_ptr: np.ndarray | None = None
     run_start: np.ndarray | None = None
     run_length: np.ndarray | None = None
@@ -90,6 +88,18 @@ class Forest:
         lo, hi = self.traj_run_ptr[j], self.traj_run_ptr[j + 1]
         return np.concatenate([np.arange(s, s + n) for s, n in
                                zip(self.run_start[lo:hi].tolist(), self.run_length[lo:hi].tolist())])
+
+    def conv_pred(self) -> np.ndarray:
+        """[T, conv_width-1] path predecessors, oldest first, -1 before position 0."""
+        from .derive import conv_predecessors
+        return conv_predecessors(self.token_pred, self.node_start, self.node_length,
+                                 self.conv_width)
+
+    def targets(self):
+        """(target_src [P], target_token [P], token_target [T]): one target per token with a
+        predecessor (P = T - trees); pairs (src, token) are distinct in a canonical forest."""
+        from .derive import log_prob_targets
+        return log_prob_targets(self.token_pred, self.token_ids)
 
     def verify(self) -> None:
         from .verify_forest import verify_forest

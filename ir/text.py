@@ -223,8 +223,8 @@ def _build_forest(records: dict, arrays: dict) -> Forest:
         return Forest(token_node=token_node, token_position=token_position, laid_out=False,
                       **common)
     cont = _col(nodes, "cont")
-    tables = derive.layout_tables(parent, tree, start, length, position, cont, token_ids,
-                                  end_node, head["conv_width"], len(tree_ids))
+    tables = derive.layout_tables(parent, tree, start, length, position, cont, end_node,
+                                  len(tree_ids))
     # Node-level facts come from the text (verify() then checks them against the derivation).
     tables["node_subtree_end"] = _col(nodes, "subtree_end")
     tables.pop("node_multiplicity")

@@ -7,7 +7,8 @@ Raises `IRError` naming the first broken invariant. Invariants of both stages:
   maximal run shared by one set of trajectories): sibling first tokens distinct, a node with one
   child has a trajectory ending at it, tree first tokens distinct.
 Extra invariants after layout: node order is DFS preorder with the continuation child first;
-  subtree ends bound contiguous subtrees; per-token tables equal their derivation in `derive`;
+  subtree ends bound contiguous subtrees; token_pred, subtree ends, runs, tree ranges equal their
+  derivation in `derive`;
   every trajectory's runs follow its root-to-end path.
 """
 from __future__ import annotations
@@ -103,8 +104,8 @@ def _verify_layout(f) -> None:
     _check(np.all(cont[has_cont] == np.flatnonzero(has_cont) + 1),
            "the continuation child is not laid out right after its node (heavy path broken)")
     expected = derive.layout_tables(parent, f.node_tree, f.node_start, f.node_length,
-                                    f.node_position, cont, f.token_ids, f.traj_end_node,
-                                    f.conv_width, f.num_trees)
+                                    f.node_position, cont, f.traj_end_node, f.num_trees)
+    expected.pop("token_node"), expected.pop("token_position")  # checked above
     # Preorder + subtree sizes: a node's subtree is the node range [v, node_end[v]).
     node_end = derive.subtree_node_end(parent)
     _check(np.all(node_end[np.maximum(parent, 0)][parent >= 0] >= node_end[parent >= 0]),

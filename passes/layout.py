@@ -22,10 +22,11 @@ class Layout(Pass):
     that minimise rounds (same function, `lay_out`).
 
     Output invariants (`Forest.verify()`, laid-out stage): node order = compact order = preorder;
-    every subtree is the compact range [node_start, node_subtree_end); every heavy path (a node and
-    its chain of continuation children) is one contiguous compact range; token_pred, conv_pred
-    [T, conv_width-1], the distinct (source, next token) log-prob targets (P = T - trees) and the
-    run-length trajectory gather map agree with their derivation.
+    every subtree is the compact range [node_start, node_subtree_end); every heavy path (a node
+    and its chain of continuation children) is one contiguous compact range; token_pred (which
+    fixes the conv predecessor table `Forest.conv_pred()` and the distinct (source, next token)
+    log-prob targets `Forest.targets()`, P = T - trees), multiplicities and the run-length
+    trajectory gather map agree with their derivation.
     Complexity: O(T) vectorised numpy, O(N log N + runs) Python over nodes.
     """
 
@@ -100,8 +101,7 @@ def lay_out(forest: Forest, conv_width: int, cont_child: np.ndarray | None = Non
     token_ids = forest.token_ids[gather]
     traj_end_node = new_of_old[forest.traj_end_node]
     tables = derive.layout_tables(node_parent, node_tree, node_start, node_length, node_position,
-                                  node_cont, token_ids, traj_end_node, conv_width,
-                                  forest.num_trees)
+                                  node_cont, traj_end_node, forest.num_trees)
     return Forest(token_ids=token_ids, node_parent=node_parent, node_tree=node_tree,
                   node_start=node_start, node_length=node_length, node_position=node_position,
                   tree_ids=list(forest.tree_ids), traj_ids=list(forest.traj_ids),

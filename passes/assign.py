@@ -1,0 +1,476 @@
+"""Assignment of planner items (trees or tree parts) to data-parallel (rank, slot) pairs.
+
+A pure function over two arrays, independent of the IR: item `i` has `item_tokens[i]` compact
+tokens and an estimated cost `item_cost[i]` (time, any unit). Every rank runs its slots in
+lockstep with the other ranks (one microbatch per slot, as FSDP does), so a slot lasts as long as
+its slowest rank. Objectives:
+
+* `sum_of_slot_max` (default): sum over slots of the largest rank cost in that slot;
+* `max_rank_total`: the largest total cost of one rank over all its slots.
+
+Constraints: every item in exactly one (rank, slot); tokens of a (rank, slot) <= `token_budget`.
+An empty (rank, slot) is allowed (the rank still takes part in that slot's collectives).
+
+Method (`assign`):
+
+1. greedy warm start: items by cost, largest first (ties: more tokens, lower index), each into
+   the least-loaded (rank, slot) with room for its tokens, opening a slot when none has room;
+2. CP-SAT (OR-Tools) improves it: the whole problem as one model when it is small, else a large
+   neighbourhood search (LNS) whose steps re-solve two slots (or two ranks) exactly as small
+   models, worst slot (rank) first, until the deterministic budget is spent or no step helps;
+3. the greedy plan comes back (status GREEDY_FALLBACK) when the solver finds nothing better in
+   the time limit; the status is OPTIMAL when the plan reaches a lower bound or the whole-problem
+   model is proven optimal.
+
+Lower bounds (documented because the benchmark's gap is measured against them):
+
+* averaging / LP bound `sum(cost) / dp_size` (a slot's max is at least its mean rank cost; the
+  slowest rank's total at least the mean total), and `max(cost)`;
+* for `sum_of_slot_max`, a staircase bound: with costs sorted c_1 >= c_2 >= ..., the k largest
+  items lie in slots whose max is >= c_k, and need at least N_k slots, N_k = max(ceil(tokens of
+  the k largest / (dp_size * budget)), ceil(k / (dp_size * q_k))) with q_k the most of them one
+  (rank, slot) can hold by tokens; as sum_s max_s = integral over t of #{s: max_s >= t},
+  the objective is >= sum_k (c_k - c_{k+1}) N_k. It is tight when items are large (about one per
+  (rank, slot)), where the averaging bound is loose;
+* the CP-SAT bound when the whole problem was one model.
+
+Determinism: ties are broken by index; CP-SAT runs with a fixed seed, a fixed number of workers
+and a *deterministic* time budget (proportional to `time_limit_s`); the wall-clock limit is a
+safety stop. A plan is the same for the same input unless the wall clock stopped the search
+first on a slow or busy machine (then `Assignment.deterministic` is False).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+OBJECTIVES = ("sum_of_slot_max", "max_rank_total")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    rank: np.ndarray          # [n] int64
+    slot: np.ndarray          # [n] int64
+    slot_tokens: np.ndarray   # [dp_size, num_slots] int64
+    slot_cost: np.ndarray     # [dp_size, num_slots] float64
+    objective: float          # in cost units, of this plan
+    lower_bound: float
+    greedy_objective: float   # objective of the greedy warm start
+    status: str               # OPTIMAL, FEASIBLE, GREEDY_FALLBACK
+    method: str               # greedy, cp-sat, cp-sat-lns
+    wall_time_s: float
+    deterministic: bool       # False if the wall clock (not the deterministic budget) stopped it
+    objective_kind: str
+    solver_steps: int = 0     # CP-SAT solves run
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_tokens.shape[1]
+
+    @property
+    def gap(self) -> float:
+        """Relative distance to the lower bound (0 = proven optimal)."""
+        return self.objective / self.lower_bound - 1.0 if self.lower_bound > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {"status": self.status, "method": self.method, "objective": self.objective,
+                "lower_bound": self.lower_bound, "gap": self.gap,
+                "greedy_objective": self.greedy_objective, "num_slots": self.num_slots,
+                "wall_time_s": self.wall_time_s, "deterministic": self.deterministic,
+                "solver_steps": self.solver_steps, "objective_kind": self.objective_kind}
+
+
+def assign(item_tokens, item_cost, *, token_budget: int | None, dp_size: int,
+           num_slots: int | None = None, objective: str = "sum_of_slot_max",
+           time_limit_s: float = 0.5, seed: int = 0, workers: int = 1) -> Assignment:
+    """Assign every item to one (rank, slot); see the module docstring."""
+    start = time.perf_counter()
+    tokens, cost = _check_inputs(item_tokens, item_cost, token_budget, dp_size, num_slots,
+                                 objective, time_limit_s, workers)
+    budget = int(token_budget) if token_budget is not None else int(max(tokens.sum(), 1))
+    greedy_rank, greedy_slot = greedy_assign(tokens, cost, budget, dp_size, num_slots, objective)
+    n_slots = num_slots if num_slots is not None else int(greedy_slot.max(initial=-1)) + 1
+    n_slots = max(n_slots, 1)
+    bound = lower_bound(tokens, cost, budget, dp_size, objective)
+    greedy_value = plan_objective(cost, greedy_rank, greedy_slot, dp_size, n_slots, objective)
+    rank, slot, status, method = greedy_rank, greedy_slot, "GREEDY_FALLBACK", "greedy"
+    steps, deterministic = 0, True
+    if greedy_value <= bound * (1 + 1e-9):
+        status = "OPTIMAL"
+    elif len(tokens) > 0:
+        result = _improve(tokens, cost, budget, dp_size, n_slots, objective, greedy_rank,
+                         greedy_slot, deadline=start + time_limit_s, time_limit_s=time_limit_s,
+                         seed=seed, workers=workers)
+        steps, deterministic = result.steps, result.deterministic
+        bound = max(bound, result.bound)
+        value = plan_objective(cost, result.rank, result.slot, dp_size, n_slots, objective)
+        if value < greedy_value * (1 - 1e-12):
+            rank, slot, method = result.rank, result.slot, result.method
+            status = "OPTIMAL" if result.optimal or value <= bound * (1 + 1e-9) else "FEASIBLE"
+        elif result.optimal:  # the solver proved the greedy plan optimal
+            status, bound = "OPTIMAL", max(bound, greedy_value)
+    slot_tokens, slot_cost = _slot_totals(tokens, cost, rank, slot, dp_size, n_slots)
+    return Assignment(
+        rank=rank, slot=slot, slot_tokens=slot_tokens, slot_cost=slot_cost,
+        objective=plan_objective(cost, rank, slot, dp_size, n_slots, objective),
+        lower_bound=float(bound), greedy_objective=float(greedy_value), status=status,
+        method=method, wall_time_s=time.perf_counter() - start, deterministic=deterministic,
+        objective_kind=objective, solver_steps=steps)
+
+
+def _check_inputs(item_tokens, item_cost, token_budget, dp_size, num_slots, objective,
+                  time_limit_s, workers):
+    tokens = np.asarray(item_tokens)
+    cost = np.asarray(item_cost, dtype=np.float64)
+    if tokens.ndim != 1 or cost.shape != tokens.shape:
+        raise ValueError(f"item_tokens, item_cost: need two 1-D arrays of the same length "
+                         f"(got shapes {tokens.shape} and {cost.shape})")
+    if tokens.size and (not np.issubdtype(tokens.dtype, np.integer) or tokens.min() < 0):
+        raise ValueError("item_tokens: need non-negative integers")
+    if cost.size and (not np.all(np.isfinite(cost)) or cost.min() < 0):
+        bad = int(np.flatnonzero(~np.isfinite(cost) | (cost < 0))[0])
+        raise ValueError(f"item_cost: item {bad} has cost {cost[bad]} (need finite and >= 0)")
+    if not isinstance(dp_size, (int, np.integer)) or dp_size < 1:
+        raise ValueError(f"dp_size: need an integer >= 1 (got {dp_size!r})")
+    if token_budget is not None:
+        if token_budget < 1:
+            raise ValueError(f"token_budget: need >= 1 or None (got {token_budget})")
+        over = np.flatnonzero(tokens > token_budget)
+        if over.size:
+            i = int(over[0])
+            raise ValueError(f"item {i}: {int(tokens[i])} tokens exceed token_budget "
+                             f"{token_budget} ({over.size} item(s) too large; split them first)")
+    if num_slots is not None and num_slots < 1:
+        raise ValueError(f"num_slots: need >= 1 or None (got {num_slots})")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
+    if not time_limit_s >= 0:
+        raise ValueError(f"time_limit_s: need >= 0 (got {time_limit_s})")
+    if workers < 1:
+        raise ValueError(f"workers: need >= 1 (got {workers})")
+    return tokens.astype(np.int64), cost
+
+
+def item_order(tokens: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """Largest cost first; ties: more tokens, then lower index (deterministic)."""
+    return np.lexsort((np.arange(len(cost)), -tokens, -cost))
+
+
+def greedy_assign(tokens, cost, budget: int, dp_size: int, num_slots: int | None,
+                  objective: str) -> tuple[np.ndarray, np.ndarray]:
+    """Largest first into the least-loaded (rank, slot) with room, opening slots as needed.
+
+    `sum_of_slot_max` balances every (rank, slot); `max_rank_total` balances rank totals and
+    puts the item into the rank's first slot with room. The first slot count tried is the
+    fewest that can hold the tokens (or `num_slots`); if `num_slots` is fixed and an item fits
+    nowhere, a ValueError says so.
+    """
+    n = len(tokens)
+    slots = num_slots or max(1, -(-int(tokens.sum()) // (dp_size * budget)))
+    load = np.zeros((dp_size, slots))
+    used = np.zeros((dp_size, slots), dtype=np.int64)
+    rank = np.zeros(n, dtype=np.int64)
+    slot = np.zeros(n, dtype=np.int64)
+    for i in item_order(tokens, cost):
+        room = used + tokens[i] <= budget
+        if not room.any():
+            if num_slots is not None:
+                raise ValueError(f"num_slots: item {i} ({tokens[i]} tokens) fits in no (rank, "
+                                 f"slot) of the greedy plan with {num_slots} slots; allow more")
+            load = np.hstack([load, np.zeros((dp_size, 1))])
+            used = np.hstack([used, np.zeros((dp_size, 1), dtype=np.int64)])
+            room = used + tokens[i] <= budget
+        if objective == "sum_of_slot_max":
+            # Least-loaded cell with room; ties: lowest slot, then lowest rank.
+            flat = np.where(room, load, np.inf).T.ravel()
+            s, r = divmod(int(np.argmin(flat)), dp_size)
+        else:
+            totals = np.where(room.any(axis=1), load.sum(axis=1), np.inf)
+            r = int(np.argmin(totals))
+            s = int(np.argmax(room[r]))
+        rank[i], slot[i] = r, s
+        load[r, s] += cost[i]
+        used[r, s] += tokens[i]
+    return rank, slot
+
+
+def _slot_totals(tokens, cost, rank, slot, dp_size, n_slots):
+    cell = rank * n_slots + slot
+    size = dp_size * n_slots
+    slot_tokens = np.bincount(cell, weights=tokens, minlength=size).astype(np.int64)
+    slot_cost = np.bincount(cell, weights=cost, minlength=size)
+    return slot_tokens.reshape(dp_size, n_slots), slot_cost.reshape(dp_size, n_slots)
+
+
+def plan_objective(cost, rank, slot, dp_size: int, n_slots: int, objective: str) -> float:
+    _, slot_cost = _slot_totals(np.zeros(len(cost)), cost, rank, slot, dp_size, n_slots)
+    if objective == "sum_of_slot_max":
+        return float(slot_cost.max(axis=0).sum())
+    return float(slot_cost.sum(axis=1).max())
+
+
+def lower_bound(tokens, cost, budget: int, dp_size: int, objective: str) -> float:
+    """The best of the averaging bound, the largest item and (sum_of_slot_max) the staircase
+    bound; see the module docstring."""
+    if len(cost) == 0:
+        return 0.0
+    bound = max(float(cost.sum()) / dp_size, float(cost.max()))
+    if objective != "sum_of_slot_max":
+        return bound
+    order = item_order(tokens, cost)
+    c = cost[order]
+    k = np.arange(1, len(c) + 1)
+    by_tokens = np.ceil(np.cumsum(tokens[order]) / (dp_size * budget))
+    smallest = np.maximum(np.minimum.accumulate(tokens[order]), 1)  # min tokens among the top k
+    per_cell = np.minimum(budget // smallest, k)                    # most of them in one cell
+    by_count = np.ceil(k / (dp_size * np.maximum(per_cell, 1)))
+    slots_needed = np.maximum(by_tokens, by_count)
+    steps = c - np.append(c[1:], 0.0)
+    return max(bound, float((steps * slots_needed).sum()))
+
+
+# ---------------------------------------------------------------------------------------------
+# CP-SAT improvement (OR-Tools is imported only here)
+
+FULL_MODEL_MAX_VARS = 3000     # items x ranks x slots up to which the whole problem is one model
+DET_UNITS_PER_SECOND = 0.4     # CP-SAT deterministic time granted per second of time_limit_s
+STEP_OVERHEAD_DET = 0.004      # model building per LNS step, charged to the deterministic budget
+COST_RESOLUTION = 10_000_000   # total cost in integer units inside the models
+
+
+@dataclass
+class _Improved:
+    rank: np.ndarray
+    slot: np.ndarray
+    bound: float = 0.0
+    optimal: bool = False
+    steps: int = 0
+    method: str = "greedy"
+    deterministic: bool = True
+
+
+class _Budget:
+    """Deterministic work budget (what decides the plan) with the wall clock as a safety stop."""
+
+    def __init__(self, deadline: float, det_units: float):
+        self.deadline, self.det_left, self.wall_stopped = deadline, det_units, False
+
+    def left(self) -> tuple[float, float]:
+        wall = self.deadline - time.perf_counter()
+        if wall <= 0 and self.det_left > 0:
+            self.wall_stopped = True
+        return wall, self.det_left
+
+    def solve(self, model, seed: int, workers: int, det_cap: float):
+        from ortools.sat.python import cp_model
+        wall, det = self.left()
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(wall, 1e-3)
+        solver.parameters.max_deterministic_time = max(min(det, det_cap), 1e-4)
+        solver.parameters.random_seed = seed
+        solver.parameters.num_workers = workers
+        status = solver.solve(model)
+        used = solver.response_proto.deterministic_time
+        self.det_left -= used + STEP_OVERHEAD_DET
+        if solver.wall_time >= solver.parameters.max_time_in_seconds * 0.99 and used < det * 0.99:
+            self.wall_stopped = True
+        return solver, status
+
+
+def _improve(tokens, cost, budget, dp_size, n_slots, objective, rank, slot, *, deadline,
+             time_limit_s, seed, workers) -> _Improved:
+    units = np.maximum(np.rint(cost * (COST_RESOLUTION / max(cost.sum(), 1e-300))), 0)
+    units = units.astype(np.int64)
+    clock = _Budget(deadline, time_limit_s * DET_UNITS_PER_SECOND)
+    out = _Improved(rank.copy(), slot.copy())
+    if clock.left()[0] <= 0.002:  # no time left for even a tiny model
+        out.deterministic = not clock.wall_stopped
+        return out
+    if len(tokens) * dp_size * n_slots <= FULL_MODEL_MAX_VARS:
+        items = np.arange(len(tokens))
+        solution = _solve_cells(clock, items, tokens, units, budget, dp_size, n_slots, objective,
+                                rank, slot, seed, workers, det_cap=np.inf)
+        out.steps, out.method = 1, "cp-sat"
+        if solution is not None:
+            out.rank, out.slot, optimal, bound_units = solution
+            out.optimal = optimal
+            out.bound = bound_units * max(cost.sum(), 1e-300) / COST_RESOLUTION * (1 - 1e-6)
+    else:
+        out.method = "cp-sat-lns"
+        _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective, seed, workers)
+    out.deterministic = not clock.wall_stopped
+    return out
+
+
+def _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective, seed, workers):
+    """Large neighbourhood search: each step frees the items of a few cells and re-solves them
+    exactly; a neighbourhood that did not improve is not tried again until the plan changes.
+
+    sum_of_slot_max: a slot with the largest excess (its max minus its mean rank cost) and a
+    partner slot (the nearest by max, so items of similar size meet, or a seeded random one).
+    max_rank_total: the busiest rank and a partner (least loaded, or random) over the two slots
+    where their loads differ most; the other slots' loads enter as constants.
+    """
+    rng = np.random.default_rng(seed)
+    tried: set[tuple] = set()
+    while clock.left()[0] > 0.002 and clock.left()[1] > 0:
+        _, cell_cost = _slot_totals(tokens, cost, out.rank, out.slot, dp_size, n_slots)
+        hood = _pick_neighbourhood(cell_cost, objective, tried, rng)
+        if hood is None:
+            return
+        tried.add(hood)
+        ranks, slots = hood
+        items = np.flatnonzero(np.isin(out.rank, ranks) & np.isin(out.slot, slots))
+        if len(items) == 0:
+            continue
+        local_r = np.searchsorted(ranks, out.rank[items])
+        local_s = np.searchsorted(slots, out.slot[items])
+        offset = None
+        if objective == "max_rank_total":
+            rest = cell_cost.sum(axis=1) - cell_cost[:, list(slots)].sum(axis=1)
+            scale = COST_RESOLUTION / max(cost.sum(), 1e-300)
+            offset = np.rint(rest[list(ranks)] * scale).astype(np.int64)
+        sub = _solve_cells(clock, items, tokens, units, budget, len(ranks), len(slots), objective,
+                           local_r, local_s, seed, workers, det_cap=0.05, offset=offset)
+        out.steps += 1
+        if sub is None:
+            continue
+        new_rank, new_slot = out.rank.copy(), out.slot.copy()
+        new_rank[items], new_slot[items] = np.asarray(ranks)[sub[0]], np.asarray(slots)[sub[1]]
+        before = plan_objective(cost, out.rank, out.slot, dp_size, n_slots, objective)
+        after = plan_objective(cost, new_rank, new_slot, dp_size, n_slots, objective)
+        if after < before * (1 - 1e-12):
+            out.rank, out.slot = new_rank, new_slot
+            tried.clear()
+
+
+def _pick_neighbourhood(cell_cost, objective, tried, rng):
+    """(ranks, slots) of the next LNS step (sorted tuples), or None when every candidate failed."""
+    dp_size, n_slots = cell_cost.shape
+    all_ranks, all_slots = tuple(range(dp_size)), tuple(range(n_slots))
+    if objective == "sum_of_slot_max":
+        worst = cell_cost.max(axis=0)
+        excess = worst - cell_cost.mean(axis=0)
+        for g in np.lexsort((np.arange(n_slots), -excess))[:8]:
+            if excess[g] <= 0:
+                return None
+            nearest = [int(p) for p in np.argsort(np.abs(worst - worst[g]), kind="stable")
+                       if p != g][:2]
+            for p in nearest + [int(rng.integers(n_slots))]:
+                hood = (all_ranks, tuple(sorted({int(g), p})))
+                if p != g and hood not in tried:
+                    return hood
+        return None
+    totals = cell_cost.sum(axis=1)
+    g = int(np.argmax(totals))
+    for p in [int(q) for q in np.argsort(totals, kind="stable")[:2]] + [int(rng.integers(dp_size))]:
+        if p == g:
+            continue
+        diff = cell_cost[g] - cell_cost[p]
+        picks = [int(s) for s in np.argsort(-diff, kind="stable")[:2]]
+        hood = (tuple(sorted({g, p})), tuple(sorted(set(picks))) if n_slots > 1 else all_slots)
+        if hood not in tried:
+            return hood
+    return None
+
+
+def _solve_cells(clock, items, tokens, units, budget, ranks, slots, objective, hint_rank,
+                 hint_slot, seed, workers, det_cap, offset=None):
+    """Exact model over `items` on `ranks` x `slots` cells: booleans x[i, r, s], the token
+    budget per cell, symmetry breaking, the hint, and a lower bound on the objective.
+
+    sum_of_slot_max: ranks are interchangeable inside each slot, so cell loads are ordered
+    load[0, s] >= load[1, s] >= ..., making load[0, s] the slot's max; slots are ordered by it.
+    max_rank_total: rank totals are ordered (total[0] is the max) and, inside a rank, slots are
+    interchangeable, so its cells are ordered by tokens. With `offset` (constant cost of each
+    rank outside these cells) ranks are no longer interchangeable and are not ordered.
+    Returns (rank, slot, proven optimal, bound in units) or None if nothing better was found.
+    """
+    from ortools.sat.python import cp_model
+    c, t = units[items].tolist(), tokens[items].tolist()
+    n = len(items)
+    model = cp_model.CpModel()
+    x = [[[model.new_bool_var("") for _ in range(slots)] for _ in range(ranks)] for _ in range(n)]
+    for a in range(n):
+        model.add_exactly_one(v for row in x[a] for v in row)
+    cap = int(sum(c))
+    load = [[model.new_int_var(0, cap, "") for _ in range(slots)] for _ in range(ranks)]
+    used = [[None] * slots for _ in range(ranks)]
+    for r in range(ranks):
+        for s in range(slots):
+            cell = [x[a][r][s] for a in range(n)]
+            model.add(load[r][s] == cp_model.LinearExpr.weighted_sum(cell, c))
+            used[r][s] = cp_model.LinearExpr.weighted_sum(cell, t)
+            if sum(t) > budget:
+                model.add(used[r][s] <= budget)
+    if objective == "sum_of_slot_max":
+        for s in range(slots):
+            for r in range(ranks - 1):
+                model.add(load[r][s] >= load[r + 1][s])
+            if s + 1 < slots:
+                model.add(load[0][s] >= load[0][s + 1])
+        value = sum(load[0][s] for s in range(slots))
+    else:
+        base = [0] * ranks if offset is None else [int(v) for v in offset]
+        totals = [base[r] + sum(load[r]) for r in range(ranks)]
+        value = model.new_int_var(0, cap + max(base), "")
+        for r in range(ranks):
+            model.add(value >= totals[r])
+            for s in range(slots - 1):
+                model.add(used[r][s] >= used[r][s + 1])
+            if offset is None and r + 1 < ranks:
+                model.add(totals[r] >= totals[r + 1])
+    free = units[items].astype(np.float64)
+    bound = int(np.ceil(lower_bound(tokens[items], free, budget, ranks, objective) - 1e-6))
+    if offset is not None:
+        bound = int(max(np.ceil((free.sum() + sum(base)) / ranks - 1e-6), max(base)))
+    model.add(value >= bound)
+    model.minimize(value)
+    hint_rank, hint_slot, hint_value = _canonical(c, t, hint_rank, hint_slot, ranks, slots,
+                                                  objective, base if offset is not None else None)
+    for a in range(n):
+        for r in range(ranks):
+            for s in range(slots):
+                model.add_hint(x[a][r][s], r == hint_rank[a] and s == hint_slot[a])
+    solver, status = clock.solve(model, seed, workers, det_cap)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    optimal = status == cp_model.OPTIMAL
+    if solver.objective_value >= hint_value and not optimal:
+        return None
+    rank = np.empty(n, dtype=np.int64)
+    slot = np.empty(n, dtype=np.int64)
+    for a in range(n):
+        for r in range(ranks):
+            for s in range(slots):
+                if solver.boolean_value(x[a][r][s]):
+                    rank[a], slot[a] = r, s
+    return rank, slot, optimal, solver.best_objective_bound
+
+
+def _canonical(c, t, rank, slot, ranks, slots, objective, offset=None):
+    """Relabel a plan so that it satisfies the model's symmetry breaking (for the hint)."""
+    load = np.zeros((ranks, slots), dtype=np.int64)
+    used = np.zeros((ranks, slots), dtype=np.int64)
+    np.add.at(load, (rank, slot), c)
+    np.add.at(used, (rank, slot), t)
+    rank, slot = np.asarray(rank).copy(), np.asarray(slot).copy()
+    if objective == "sum_of_slot_max":
+        rank_order = np.argsort(-load, axis=0, kind="stable")     # [ranks, slots]: new r -> old
+        new_rank = np.argsort(rank_order, axis=0, kind="stable")  # old r -> new r, per slot
+        rank = new_rank[rank, slot]
+        slot_order = np.argsort(-load.max(axis=0), kind="stable")
+        slot = np.argsort(slot_order, kind="stable")[slot]
+        value = int(load.max(axis=0).sum())
+    else:
+        totals = load.sum(axis=1) + (0 if offset is None else np.asarray(offset))
+        rank_order = np.argsort(-totals, kind="stable") if offset is None else np.arange(ranks)
+        new_rank_of = np.argsort(rank_order, kind="stable")
+        slot_order = np.argsort(-used, axis=1, kind="stable")     # per rank: new s -> old s
+        new_slot = np.argsort(slot_order, axis=1, kind="stable")
+        slot = new_slot[rank, slot]
+        rank = new_rank_of[rank]
+        value = int(totals.max())
+    return rank, slot, value
