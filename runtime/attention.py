@@ -10,16 +10,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harts_compiler.codegen.kernels.tree_attention import (tree_attention_reference,
+from harts_compiler.codegen.kernels.tree_attention import (build_block_index, config_for,
+                                                           tree_attention as tree_attention_kernel,
+                                                           tree_attention_reference,
                                                            tree_attention_reference_chunked)
 
 from .config import ModelConfig
 from .layers import ZeroCentredRMSNorm, apply_partial_rope
-
-try:
-    from harts_compiler.codegen.kernels.tree_attention import tree_attention as _kernel_tree_attention
-except ImportError:  # kernel not written yet
-    _kernel_tree_attention = None
 
 # Below this many tokens the dense [H, T, T] reference is cheapest; above it the query-chunked one
 # bounds memory.
@@ -27,9 +24,18 @@ _DENSE_REFERENCE_MAX_TOKENS = 1024
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
-                   scale: float) -> torch.Tensor:
-    if q.is_cuda and _kernel_tree_attention is not None:
-        return _kernel_tree_attention(q, k, v, subtree_end, scale=scale)
+                   scale: float, block_cache: dict | None = None) -> torch.Tensor:
+    """CUDA: the Triton kernel, its block index built once per microbatch (cached in `block_cache`).
+    CPU and fp64: the plain torch reference (not Triton's interpreter, which is for kernel tests)."""
+    if q.is_cuda and q.dtype != torch.float64:
+        block_index = None
+        if block_cache is not None:
+            key = q.shape[2]
+            if key not in block_cache:
+                config = config_for(q.shape[2])
+                block_cache[key] = build_block_index(subtree_end, config.block_m, config.block_n)
+            block_index = block_cache[key]
+        return tree_attention_kernel(q, k, v, subtree_end, scale=scale, block_index=block_index)
     if q.shape[0] <= _DENSE_REFERENCE_MAX_TOKENS:
         return tree_attention_reference(q, k, v, subtree_end, scale=scale)
     return tree_attention_reference_chunked(q, k, v, subtree_end, scale=scale)
@@ -60,6 +66,6 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         cos, sin = ctx.rope(x.dtype)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
-        out = tree_attention(q, k, v, ctx.index.subtree_end, scale=self.scaling)
+        out = tree_attention(q, k, v, ctx.index.subtree_end, scale=self.scaling, block_cache=ctx.attention_blocks)
         out = out.reshape(T, -1) * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -53,6 +53,7 @@ class ExecutionContext:
     linear_plan: LinearRoundsPlan
     config: ModelConfig
     gdn_kernel: Callable | None = None  # override of chunk_gated_delta_rule (tests: recurrent oracle)
+    attention_blocks: dict = dataclasses.field(default_factory=dict)  # CUDA tree-attention block index per head dim
     _rope: dict = dataclasses.field(default_factory=dict)
 
     def rope(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

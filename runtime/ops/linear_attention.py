@@ -10,15 +10,15 @@ ancestors' q/k/v/g/beta and routes exported-state gradients into the kernel's ba
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from harts_compiler.codegen.index import MicrobatchIndex
 
-try:  # public wrapper (Triton on CUDA, reference on CPU) once the kernel issue lands it
-    from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule as _chunk_gdn
-except ImportError:
-    from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference as _chunk_gdn
+from harts_compiler.codegen.kernels.chunk_gdn import (chunk_gated_delta_rule, chunk_gated_delta_rule_reference,
+                                                      prepare_gdn_index)
+from harts_compiler.codegen.kernels.chunk_gdn.function import TRITON_CHUNK_SIZE
 
 
 @dataclasses.dataclass
@@ -28,6 +28,7 @@ class LinearRoundsPlan:
     init_slot: list[torch.Tensor]  # per round [N]: row of the stacked state list (0 = the zero state)
     restore: torch.Tensor  # [T]: row of cat(own outputs of all rounds) holding compact token t
     identity_rows: list[bool]  # per round: packed rows are exactly the compact tokens in order
+    kernel_index: list | None  # CUDA: per round the Triton kernel's launch index, shared by all layers
 
 
 def plan_linear_rounds(index: MicrobatchIndex) -> LinearRoundsPlan:
@@ -54,7 +55,22 @@ def plan_linear_rounds(index: MicrobatchIndex) -> LinearRoundsPlan:
                      and bool(torch.equal(rnd.row_src.cpu(), torch.arange(T)))
                      and bool(torch.equal(rnd.own_rows.cpu(), torch.arange(T)))
                      and bool(torch.equal(rnd.own_dst.cpu(), torch.arange(T))) for rnd in index.rounds]
-    return LinearRoundsPlan(init_slot=init_slot, restore=restore, identity_rows=identity_rows)
+    kernel_index = None
+    if device.type == "cuda" and index.chunk_size == TRITON_CHUNK_SIZE:
+        kernel_index = [prepare_gdn_index(rnd.cu_seqlens, rnd.export_seq, rnd.export_offset, index.chunk_size,
+                                          device=device) for rnd in index.rounds]
+    return LinearRoundsPlan(init_slot=init_slot, restore=restore, identity_rows=identity_rows,
+                            kernel_index=kernel_index)
+
+
+def _default_kernel(q: torch.Tensor, plan: LinearRoundsPlan, round_id: int):
+    """CUDA: the Triton kernels with the prepared launch index; CPU: the plain torch reference (the
+    wrapper would run Triton's interpreter whenever TRITON_INTERPRET=1, far too slow for a model)."""
+    if q.is_cuda:
+        kernel_index = plan.kernel_index[round_id] if plan.kernel_index else None
+
+        return functools.partial(chunk_gated_delta_rule, index=kernel_index)
+    return chunk_gated_delta_rule_reference
 
 
 def gated_delta_rule_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -63,23 +79,24 @@ def gated_delta_rule_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             kernel=None) -> torch.Tensor:
     """Compact q, k [T, HK, K], v [T, HV, V], g, beta [T, HV] -> o [T, HV, V] (dtype of v).
 
-    `kernel` defaults to `chunk_gated_delta_rule`; tests pass the recurrent reference here.
+    `kernel` defaults to `chunk_gated_delta_rule` (CUDA) / its reference (CPU); tests pass the
+    recurrent reference here.
     """
-    kernel = _chunk_gdn if kernel is None else kernel
     heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
     states = [torch.zeros((1, heads, k_dim, v_dim), dtype=state_dtype, device=v.device)]
     outputs = []
-    for rnd, init_slot, identity in zip(index.rounds, plan.init_slot, plan.identity_rows):
+    for round_id, (rnd, init_slot, identity) in enumerate(zip(index.rounds, plan.init_slot, plan.identity_rows)):
+        call = kernel if kernel is not None else _default_kernel(q, plan, round_id)
         bank = torch.cat(states) if len(states) > 1 else states[0]
         if identity:  # trajectory-wise index: no gather/scatter needed
             rows_q, rows_k, rows_v, rows_g, rows_beta = q, k, v, g, beta
         else:
             src = rnd.row_src
             rows_q, rows_k, rows_v, rows_g, rows_beta = q[src], k[src], v[src], g[src], beta[src]
-        out, exported = kernel(rows_q, rows_k, rows_v, rows_g, rows_beta, scale=scale,
-                               initial_state=bank[init_slot], cu_seqlens=rnd.cu_seqlens,
-                               export_seq=rnd.export_seq, export_offset=rnd.export_offset,
-                               chunk_size=index.chunk_size, use_qk_l2norm=use_qk_l2norm)
+        out, exported = call(rows_q, rows_k, rows_v, rows_g, rows_beta, scale=scale,
+                             initial_state=bank[init_slot], cu_seqlens=rnd.cu_seqlens,
+                             export_seq=rnd.export_seq, export_offset=rnd.export_offset,
+                             chunk_size=index.chunk_size, use_qk_l2norm=use_qk_l2norm)
         states.append(exported.to(state_dtype))
         outputs.append(out if identity else out[rnd.own_rows])
     if len(outputs) == 1 and plan.identity_rows[0]:

@@ -57,15 +57,6 @@ def _matmul_out(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> tor
     return (a @ b).to(out_dtype)
 
 
-def _logits(hidden_chunk: torch.Tensor, weight: torch.Tensor, temperature: float,
-            acc_dtype: torch.dtype) -> torch.Tensor:
-    """[c, V] logits / temperature in the accumulation dtype (fp32 for bf16 inputs)."""
-    logits = _matmul_out(hidden_chunk, weight.t(), acc_dtype)
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits
-
-
 def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor,
                             hidden_chunk: torch.Tensor) -> None:
     """grad_weight += grad_logits^T @ hidden_chunk, with grad_weight in the accumulation dtype."""
@@ -75,12 +66,76 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
         grad_weight.add_(_matmul_out(grad_logits.t(), hidden_chunk, grad_weight.dtype))
 
 
+# Per-chunk element-wise math over raw logits z [c, V] (accumulation dtype); `slot`/`token`
+# locate this chunk's targets (row in the chunk, token id). Two implementations, same results:
+# plain torch (any device/dtype, the CPU path) and one-pass Triton kernels (fp32 logits).
+
+def _chunk_stats_torch(z, slot, token, inv_temp):
+    """-> (lse [c], entropy [c], target log-probs); consumes z."""
+    if inv_temp != 1.0:
+        z.mul_(inv_temp)
+    lse = torch.logsumexp(z, dim=-1)
+    log_p = z.sub_(lse[:, None])
+    target_logprob = log_p[slot, token]
+    # H = -sum p log p, in place so the chunk needs only two [c, V] buffers
+    entropy = log_p.exp().mul_(log_p).sum(dim=-1).neg_()
+    return lse, entropy, target_logprob
+
+
+def _chunk_stats_triton(z, slot, token, inv_temp):
+    lse, entropy = logits_kernels().logits_stats(z, inv_temp)
+    return lse, entropy, z[slot, token] * inv_temp - lse[slot]
+
+
+def _chunk_grad_logits_torch(z, lse, entropy, per_src, grad_entropy, slot, token, grad_target,
+                             inv_temp, out_dtype):
+    """d loss / d z (consumes z): sum_t g_t (onehot_t - p) + g_H (-p (log p + H)), all / T,
+    = onehot terms - p (G + g_H (log p + H)) with G = per_src = sum of g_t over a row's targets."""
+    if inv_temp != 1.0:
+        z.mul_(inv_temp)
+    coef = z.sub_(lse[:, None])  # log p
+    probs = coef.exp()
+    if grad_entropy is not None:
+        coef.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(per_src[:, None])
+    else:
+        coef.copy_(per_src[:, None].expand_as(coef))
+    grad = coef.mul_(probs).neg_()
+    del probs
+    if grad_target is not None:
+        grad.index_put_((slot, token), grad_target, accumulate=True)
+    if inv_temp != 1.0:
+        grad.mul_(inv_temp)
+    return grad.to(out_dtype)
+
+
+def _chunk_grad_logits_triton(z, lse, entropy, per_src, grad_entropy, slot, token, grad_target,
+                              inv_temp, out_dtype):
+    grad = logits_kernels().logits_grad(z, lse, entropy, per_src, grad_entropy, inv_temp, out_dtype)
+    if grad_target is not None:
+        # overwrite the target entries with their exact fp32 value (pairs are distinct)
+        log_p = z[slot, token] * inv_temp - lse[slot]
+        coef = per_src[slot]
+        if grad_entropy is not None:
+            coef = coef + grad_entropy[slot] * (log_p + entropy[slot])
+        grad[slot, token] = ((grad_target - torch.exp(log_p) * coef) * inv_temp).to(out_dtype)
+    return grad
+
+
+def logits_kernels():
+    """The Triton kernel module, imported on first use (keeps CPU-only imports light and lets
+    tests set TRITON_INTERPRET before any kernel is defined)."""
+    from . import logprobs_kernels
+    return logprobs_kernels
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     """(hidden [T, D], weight [V, D]) -> (target log-probs [P], entropy of needed tokens [N])."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, plan: _TargetPlan, temperature: float):
+    def forward(ctx, hidden, weight, plan: _TargetPlan, temperature: float, use_triton: bool):
         acc_dtype = _accumulation_dtype(hidden.dtype)
+        inv_temp = 1.0 / temperature
+        chunk_stats = _chunk_stats_triton if use_triton else _chunk_stats_torch
         n_needed = plan.needed.numel()
         lse = torch.empty(n_needed, dtype=acc_dtype, device=hidden.device)
         entropy = torch.empty(n_needed, dtype=acc_dtype, device=hidden.device)
@@ -89,18 +144,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for c in range(len(plan.token_bounds) - 1):
             a, b = plan.token_bounds[c], plan.token_bounds[c + 1]
             ta, tb = plan.target_bounds[c], plan.target_bounds[c + 1]
-            log_p = _logits(hidden[plan.needed[a:b]], weight, temperature, acc_dtype)  # [c, V]
-            lse[a:b] = torch.logsumexp(log_p, dim=-1)
-            log_p.sub_(lse[a:b, None])
-            target_logprob_sorted[ta:tb] = log_p[plan.target_slot[ta:tb] - a, plan.target_token[ta:tb]]
-            # H = -sum p log p, computed in place so the chunk needs only two [c, V] buffers
-            entropy[a:b] = log_p.exp().mul_(log_p).sum(dim=-1).neg_()
-            del log_p
+            z = _matmul_out(hidden[plan.needed[a:b]], weight.t(), acc_dtype)  # [c, V]
+            lse[a:b], entropy[a:b], target_logprob_sorted[ta:tb] = chunk_stats(
+                z, plan.target_slot[ta:tb] - a, plan.target_token[ta:tb], inv_temp)
+            del z
         target_logprob = torch.empty_like(target_logprob_sorted)
         target_logprob[plan.target_order] = target_logprob_sorted
         ctx.save_for_backward(hidden, weight, lse, entropy)
-        ctx.plan = plan
-        ctx.temperature = temperature
+        ctx.plan, ctx.inv_temp, ctx.use_triton = plan, inv_temp, use_triton
         ctx.set_materialize_grads(False)
         return target_logprob, entropy
 
@@ -109,12 +160,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
         hidden, weight, lse, entropy = ctx.saved_tensors
         plan: _TargetPlan = ctx.plan
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        nothing = (None,) * 5
         if (grad_target_logprob is None and grad_entropy is None) or not (need_hidden or need_weight):
-            return None, None, None, None
+            return nothing
         acc_dtype = lse.dtype
+        grad_logits_of = _chunk_grad_logits_triton if ctx.use_triton else _chunk_grad_logits_torch
         grad_sorted = None
         if grad_target_logprob is not None:
             grad_sorted = grad_target_logprob.to(acc_dtype)[plan.target_order]
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.to(acc_dtype)
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
 
@@ -122,29 +177,19 @@ class _ChunkedLogProbs(torch.autograd.Function):
             a, b = plan.token_bounds[c], plan.token_bounds[c + 1]
             ta, tb = plan.target_bounds[c], plan.target_bounds[c + 1]
             rows = plan.needed[a:b]
+            slot, token = plan.target_slot[ta:tb] - a, plan.target_token[ta:tb]
+            per_src = torch.zeros(b - a, dtype=acc_dtype, device=hidden.device)
+            grad_target = None
+            if grad_sorted is not None:
+                grad_target = grad_sorted[ta:tb]
+                per_src.index_add_(0, slot, grad_target)
             hidden_chunk = hidden[rows]
-            coef = _logits(hidden_chunk, weight, ctx.temperature, acc_dtype)  # [c, V]
-            coef.sub_(lse[a:b, None])  # log p
-            probs = coef.exp()
-            # d logits = sum_t g_t (onehot_t - p) + g_H * (-p (log p + H))
-            #          = onehot terms - p * (G + g_H (log p + H)),  G = sum of g_t per src
-            if grad_entropy is not None:
-                g_h = grad_entropy[a:b].to(acc_dtype)[:, None]
-                coef.add_(entropy[a:b, None]).mul_(g_h)
-            else:
-                coef.zero_()
-            if grad_sorted is not None:
-                per_src = torch.zeros(b - a, dtype=acc_dtype, device=hidden.device)
-                per_src.index_add_(0, plan.target_slot[ta:tb] - a, grad_sorted[ta:tb])
-                coef.add_(per_src[:, None])
-            grad_logits = coef.mul_(probs).neg_()
-            del probs
-            if grad_sorted is not None:
-                grad_logits.index_put_((plan.target_slot[ta:tb] - a, plan.target_token[ta:tb]),
-                                       grad_sorted[ta:tb], accumulate=True)
-            if ctx.temperature != 1.0:
-                grad_logits.div_(ctx.temperature)
-            grad_logits = grad_logits.to(hidden.dtype)
+            z = _matmul_out(hidden_chunk, weight.t(), acc_dtype)  # recomputed [c, V] logits
+            grad_logits = grad_logits_of(
+                z, lse[a:b], entropy[a:b], per_src,
+                None if grad_entropy is None else grad_entropy[a:b],
+                slot, token, grad_target, ctx.inv_temp, hidden.dtype)
+            del z
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight
             if need_weight:
@@ -152,7 +197,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             del grad_logits
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def _check_inputs(hidden, lm_head_weight, index, chunk_tokens, temperature) -> None:
@@ -205,6 +250,9 @@ def _check_index_values(index, n_tokens: int, vocab: int) -> None:
         pred_mismatch = (valid & (row_pred != src[safe])).any()
     else:
         pred_mismatch = valid.any()
+    # (src, token) pairs must be distinct: the Triton backward writes each target entry once
+    pair_key = src * vocab + tok
+    duplicate_pairs = (torch.unique(pair_key).numel() != n_targets)
     expected_valid = torch.arange(max_len, device=src.device)[None, :]
     expected_valid = (expected_valid >= 1) & (expected_valid < index.lengths.long()[:, None])
     problems = torch.stack([
@@ -213,13 +261,14 @@ def _check_index_values(index, n_tokens: int, vocab: int) -> None:
         (row_target >= n_targets).any() | (row_target < -1).any(),
         (valid != (row_pred >= 0)).any() | pred_mismatch,
         (valid != expected_valid).any() | (index.lengths.long() > max_len).any(),
-    ]).cpu().tolist()
+    ]).cpu().tolist() + [duplicate_pairs]
     messages = [
         f"index.target_src has values outside [0, T={n_tokens})",
         f"index.target_token has token ids outside the vocabulary [0, V={vocab})",
         f"index.row_target has values outside [-1, P={n_targets})",
         "index.row_pred disagrees with index.target_src[index.row_target]",
         "index.row_target is not valid exactly at 1 <= p < index.lengths[row]",
+        "index.target_src/target_token hold repeated (src, token) pairs",
     ]
     bad = [m for m, flag in zip(messages, problems) if flag]
     if bad:
@@ -251,7 +300,8 @@ def _to_rows(values: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, index, *,
                    chunk_tokens: int = 4096, temperature: float = 1.0,
-                   check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   check_values: bool = True,
+                   use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-trajectory token log-probs and entropies, trajectory-wise layout.
 
     hidden         [T, D]  compact tokens after the final norm
@@ -261,6 +311,8 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, index, *,
     chunk_tokens   tokens whose [chunk_tokens, V] fp32 logits are live at once
     temperature    logits are divided by it before the softmax (log-probs *and* entropy)
     check_values   validate index ranges/consistency (one host sync; the plan needs one anyway)
+    use_triton     one-pass Triton kernels for the element-wise softmax work (default: on CUDA
+                   for fp32/bf16/fp16 inputs); False = plain torch (the CPU path)
 
     Returns (logprobs, entropy), both [rows, max_len]: logprobs[r, p] = log P(token_p | <p) and
     entropy[r, p] the entropy of the distribution predicting token_p, for 1 <= p < lengths[r];
@@ -270,9 +322,13 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, index, *,
     _check_inputs(hidden, lm_head_weight, index, chunk_tokens, temperature)
     if check_values:
         _check_index_values(index, hidden.shape[0], lm_head_weight.shape[0])
+    if use_triton is None:
+        use_triton = hidden.is_cuda and hidden.dtype != torch.float64
+    elif use_triton and hidden.dtype == torch.float64:
+        raise ValueError("token_logprobs: use_triton=True needs fp32/bf16/fp16 inputs, got float64")
     plan = _plan_targets(index, hidden.shape[0], chunk_tokens)
     target_logprob, needed_entropy = _ChunkedLogProbs.apply(hidden, lm_head_weight, plan,
-                                                            float(temperature))
+                                                            float(temperature), bool(use_triton))
     logprobs = _to_rows(target_logprob, index.row_target.long())
     row_slot = torch.where(index.row_pred >= 0,
                            plan.compact_to_needed[index.row_pred.long().clamp(min=0)], -1)
