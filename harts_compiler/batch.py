@@ -129,7 +129,10 @@ class TreeBatch:
                 if any(err.get("type") == "json_invalid" for err in exc.errors()):
                     problems.append(f"{where}: invalid JSON")
                 else:
-                    kind = "tree" if is_tree else "trajectory"
+                    kind = "trajectory"
+                    if is_tree:
+                        kind = (f"tree {head['id']!r}" if isinstance(head.get("id"), str)
+                                else "tree")
                     problems += describe_pydantic_error(f"{where} ({kind})", exc)
                 continue
             if not is_tree:

@@ -1,7 +1,49 @@
-"""`harts` command line (placeholder until the compiler-core work lands)."""
+"""`harts` command line: one table of subcommands, each `main(argv) -> exit code`.
+
+Adding a command is one line in COMMANDS ("module:function" is imported only when run, so
+`harts --help` stays fast). Bad input (InputError) prints one line per problem and exits 2.
+"""
+from __future__ import annotations
+
+import importlib
 import sys
 
+COMMANDS: dict[str, tuple[str, str]] = {
+    "compile": ("harts_compiler.commands:compile_main", "compile a JSONL batch into a plan"),
+    "ir": ("harts_compiler.commands:ir_main", "pretty-print and validate a .hir dump"),
+    "demo": ("harts_compiler.demo:demo_main", "compile the built-in example batch"),
+    "gen": ("harts_compiler.generator:gen_main", "generate a seeded rollout batch (JSONL)"),
+}
 
-def main(argv=None) -> int:
-    print("harts: not implemented yet", file=sys.stderr)
-    return 1
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: harts COMMAND [options]   (harts COMMAND --help for its options)", "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import InputError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"harts: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, _, function = COMMANDS[name][0].partition(":")
+    command = getattr(importlib.import_module(module_name), function)
+    try:
+        return int(command(rest) or 0)
+    except InputError as error:
+        for problem in error.problems:
+            print(f"harts {name}: {problem}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""`harts compile` and `harts ir`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import InputError
+
+
+def format_summary(plan) -> str:
+    stats = plan.stats
+    lines = [
+        f"trajectories       {stats['trajectories']:>12,}   -> {stats['trees']:,} trees, "
+        f"{stats['nodes']:,} nodes",
+        f"trajectory tokens  {stats['trajectory_tokens']:>12,}",
+        f"compact tokens     {stats['compact_tokens']:>12,}   compression "
+        f"{stats['compression']:.2f}x",
+        f"replay tokens      {stats['replay_tokens']:>12,}   sequences {stats['sequences']:,}, "
+        f"rounds (max per tree) {stats['rounds']}",
+        "passes             " + ", ".join(f"{p['name']} {p['ms']:.1f} ms" for p in stats["passes"]),
+    ]
+    if stats["microbatches"]:
+        lines.append("microbatches")
+        for mb in stats["microbatches"]:
+            lines.append(f"  rank {mb['rank']} slot {mb['slot']}: {mb['compact_tokens']:,} compact "
+                         f"tokens, {mb['trajectories']:,} trajectories, {mb['rounds']} rounds")
+    return "\n".join(lines)
+
+
+def compile_main(argv: list[str]) -> int:
+    from . import CompileOptions, TreeBatch, compile
+
+    parser = argparse.ArgumentParser(prog="harts compile",
+                                     description="Compile a JSONL rollout batch into a plan.")
+    parser.add_argument("input", help="JSONL: trajectories {id, tokens} and/or trees {id, nodes}")
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--conv-width", type=int, default=4)
+    parser.add_argument("--microbatch-tokens", type=int, default=None)
+    parser.add_argument("--dp-size", type=int, default=1)
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--dump-ir", metavar="DIR", help="write a .hir after every pass")
+    parser.add_argument("--no-verify", action="store_true", help="skip IR verification")
+    parser.add_argument("--json", action="store_true", help="print statistics as one JSON object")
+    parser.add_argument("-o", "--output", metavar="PLAN", help="save the plan (.hir)")
+    args = parser.parse_args(argv)
+    options = CompileOptions.checked(
+        chunk_size=args.chunk_size, conv_width=args.conv_width,
+        microbatch_tokens=args.microbatch_tokens, dp_size=args.dp_size,
+        vocab_size=args.vocab_size, verify=not args.no_verify)
+    if not Path(args.input).is_file():
+        raise InputError(f"{args.input}: no such file")
+    plan = compile(TreeBatch.load(args.input), options, dump_ir=args.dump_ir)
+    if args.output:
+        plan.save(args.output)
+    print(json.dumps(plan.stats) if args.json else format_summary(plan))
+    return 0
+
+
+def ir_main(argv: list[str]) -> int:
+    from .ir import IRError, format_program, read_hir
+
+    parser = argparse.ArgumentParser(prog="harts ir",
+                                     description="Pretty-print and validate a .hir dump.")
+    parser.add_argument("file")
+    parser.add_argument("--full", action="store_true", help="print every record")
+    parser.add_argument("--lines", type=int, default=8,
+                        help="records of each kind to print without --full")
+    args = parser.parse_args(argv)
+    try:
+        program = read_hir(args.file)
+        program.verify()
+    except (OSError, IRError) as error:
+        raise InputError(f"{args.file}: {error}") from None
+    print(describe_program(program))
+    print(_abridged(format_program(program)[0].splitlines(), None if args.full else args.lines))
+    print(f"{args.file}: valid ({program.stage})")
+    return 0
+
+
+def describe_program(program) -> str:
+    parts = [f"stage {program.stage}"]
+    if program.trajectories is not None:
+        t = program.trajectories
+        parts.append(f"{len(t.ids)} trajectories, {t.num_tokens} tokens")
+    if program.forest is not None:
+        f = program.forest
+        parts.append(f"{f.num_trees} trees, {f.num_nodes} nodes, {f.num_tokens} compact tokens, "
+                     f"{f.num_trajectories} trajectories ({int(f.traj_length.sum())} tokens)")
+    if program.sequences is not None:
+        q = program.sequences
+        parts.append(f"{q.num_sequences} sequences, C={q.chunk_size}, "
+                     f"rounds {int(q.tree_rounds.max(initial=0))}, {q.replay_tokens} replay tokens")
+    if program.microbatches is not None:
+        parts.append(f"{program.microbatches.num_microbatches} microbatches on "
+                     f"{program.microbatches.dp_size} ranks")
+    if program.provenance:
+        parts.append("passes " + " -> ".join(name for name, _ in program.provenance))
+    return "# " + "\n# ".join(parts)
+
+
+def _abridged(lines: list[str], per_kind: int | None) -> str:
+    """The records, at most `per_kind` consecutive records of each kind (None = all)."""
+    out, run_kind, run_length, hidden = [], None, 0, 0
+    for line in lines + [""]:
+        kind = line.partition(" ")[0]
+        if kind != run_kind:
+            if hidden:
+                out.append(f"  ... {hidden} more {run_kind} records (--full)")
+            run_kind, run_length, hidden = kind, 0, 0
+        run_length += 1
+        if per_kind is None or run_length <= per_kind:
+            out.append(line)
+        else:
+            hidden += 1
+    return "\n".join(out).rstrip()

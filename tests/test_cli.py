@@ -1,0 +1,91 @@
+"""`harts compile / ir / demo` through the console entry point's `main`."""
+import json
+
+import pytest
+
+import harts_compiler as hc
+from harts_compiler.cli import COMMANDS, main
+from harts_compiler.demo import example_batch
+
+
+@pytest.fixture
+def batch_file(tmp_path):
+    path = tmp_path / "batch.jsonl"
+    example_batch(seed=1).save(path)
+    return path
+
+
+def test_compile_json_keys(batch_file, capsys):
+    assert main(["compile", str(batch_file), "--json", "--dp-size", "2", "--chunk-size", "16"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    for key in ("trajectories", "trajectory_tokens", "compact_tokens", "compression",
+                "replay_tokens", "passes", "microbatches"):
+        assert key in stats
+    assert [p["name"] for p in stats["passes"]] == ["prefix-compress", "layout", "replay-min", "schedule"]
+    assert all(p["ms"] >= 0 for p in stats["passes"])
+    batch = hc.TreeBatch.load(batch_file)
+    assert stats["trajectories"] == len(batch)
+    assert stats["trajectory_tokens"] == batch.tokens.size
+    assert stats["compression"] == pytest.approx(stats["trajectory_tokens"] / stats["compact_tokens"], abs=1e-3)
+    mbs = stats["microbatches"]
+    assert {m["rank"] for m in mbs} <= {0, 1}
+    assert sum(m["compact_tokens"] for m in mbs) == stats["compact_tokens"]
+    assert sum(m["trajectories"] for m in mbs) == stats["trajectories"]
+    assert all(set(m) == {"rank", "slot", "compact_tokens", "trajectories", "rounds"} for m in mbs)
+
+
+def test_compile_summary_dump_and_plan(batch_file, tmp_path, capsys):
+    dump = tmp_path / "ir"
+    out = tmp_path / "plan.hir"
+    assert main(["compile", str(batch_file), "--dump-ir", str(dump), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "compression" in text and "rank 0 slot 0" in text
+    names = sorted(p.name for p in dump.glob("*.hir"))
+    assert names == ["00-input.hir", "01-prefix-compress.hir", "02-layout.hir",
+                     "03-replay-min.hir", "04-schedule.hir"]
+    plan = hc.Plan.load(out)
+    assert plan.stats["compact_tokens"] == hc.compile(hc.TreeBatch.load(batch_file)).stats["compact_tokens"]
+    assert main(["ir", str(dump / "03-replay-min.hir")]) == 0
+    printed = capsys.readouterr().out
+    assert "valid (sequenced)" in printed and "seq tree=" in printed
+
+
+@pytest.mark.parametrize("lines, needle", [
+    (['{"id": "a", "tokens": []}'], "line 1 (trajectory): field tokens: empty token list"),
+    (['{"id": "a", "tokens": [1]}', '{"id": "a", "tokens": [2]}'], "duplicate trajectory id 'a'"),
+    (['{"id": "a", "tokens": [1, 500]}'], "token 500 >= vocab_size 100"),
+])
+def test_bad_input_exit_code_2_without_traceback(tmp_path, capsys, lines, needle):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["compile", str(path), "--vocab-size", "100"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_too_large_tree_and_bad_options_exit_2(batch_file, capsys):
+    assert main(["compile", str(batch_file), "--microbatch-tokens", "10"]) == 2
+    assert "exceed --microbatch-tokens 10" in capsys.readouterr().err
+    assert main(["compile", str(batch_file), "--dp-size", "0"]) == 2
+    assert "option dp_size" in capsys.readouterr().err
+
+
+def test_ir_rejects_corrupt_file(tmp_path, capsys, batch_file):
+    dump = tmp_path / "ir"
+    assert main(["compile", str(batch_file), "--dump-ir", str(dump)]) == 0
+    text = (dump / "02-layout.hir").read_text()
+    # Corrupt one node's multiplicity: the verifier must name it.
+    broken = text.replace(" mult=", " mult=9", 1)
+    (tmp_path / "broken.hir").write_text(broken)
+    capsys.readouterr()
+    assert main(["ir", str(tmp_path / "broken.hir")]) == 2
+    assert "node_multiplicity" in capsys.readouterr().err
+
+
+def test_demo_and_usage(capsys):
+    assert main(["demo", "--dp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "compression" in out and "stage scheduled" in out
+    assert main([]) == 2 and main(["--help"]) == 0
+    assert main(["nonsense"]) == 2
+    assert {"compile", "ir", "demo"} <= set(COMMANDS)

@@ -1,0 +1,130 @@
+"""Input: JSONL trajectories and explicit trees, validation errors naming line/tree/node/field."""
+import json
+
+import numpy as np
+import pytest
+
+import harts_compiler as hc
+from harts_compiler import InputError, TreeBatch
+
+
+def load_lines(*objects):
+    return TreeBatch.from_jsonl_lines([o if isinstance(o, str) else json.dumps(o) for o in objects])
+
+
+def problems_of(*objects):
+    with pytest.raises(InputError) as info:
+        load_lines(*objects)
+    return info.value.problems
+
+
+def test_flat_trajectories_and_default_ids():
+    batch = TreeBatch.from_trajectories([[1, 2], [3]])
+    assert batch.ids == ("0", "1") and batch.trajectory(1).tolist() == [3]
+    batch = TreeBatch.from_trajectories([np.array([5, 6], np.int32)], ids=["x"])
+    assert batch.tokens.dtype == np.int64 and batch.ids == ("x",)
+
+
+def test_explicit_tree_expands_to_root_to_node_paths():
+    tree = {"id": "t", "nodes": [{"id": 0, "parent": None, "tokens": [1, 2]},
+                                 {"id": "b", "parent": 0, "tokens": [3]},
+                                 {"id": 2, "parent": 0, "tokens": [4, 5]}]}
+    batch = load_lines(tree)  # trajectories omitted: every leaf is one
+    assert [batch.trajectory(j).tolist() for j in range(len(batch))] == [[1, 2, 3], [1, 2, 4, 5]]
+    assert batch.ids == ("t/b", "t/2") and batch.groups == ("t", "t")
+    tree["trajectories"] = [{"id": "inner", "node": 0}, {"id": "leaf", "node": 2}]
+    batch = load_lines(tree, {"id": "flat", "tokens": [9]})
+    assert batch.ids == ("inner", "leaf", "flat")
+    assert batch.trajectory(0).tolist() == [1, 2] and batch.lines.tolist() == [1, 1, 2]
+
+
+def test_save_load_round_trip(tmp_path):
+    tree = {"id": "t", "nodes": [{"id": 0, "parent": None, "tokens": [1, 2]},
+                                 {"id": 1, "parent": 0, "tokens": [3]}],
+            "trajectories": [{"id": "a", "node": 1}]}
+    batch = load_lines({"id": "x", "tokens": [4, 4]}, tree)
+    batch.save(tmp_path / "b.jsonl")
+    again = TreeBatch.load(tmp_path / "b.jsonl")
+    assert again.ids == batch.ids and np.array_equal(again.tokens, batch.tokens)
+    assert again.groups == batch.groups
+
+
+@pytest.mark.parametrize("record, expected", [
+    ({"id": "a", "tokens": []}, "line 1 (trajectory): field tokens: empty token list"),
+    ({"id": "a", "tokens": [1, 2.5]}, "field tokens[1]"),
+    ({"id": "a", "tokens": [1, "2"]}, "field tokens[1]"),
+    ({"id": "a", "tokens": [1, -3]}, "field tokens[1]: Input should be greater than or equal to 0"),
+    ({"id": 7, "tokens": [1]}, "field id"),
+    ({"id": "a"}, "field tokens: Field required"),
+    ({"id": "a", "tokens": [1], "extra": 1}, "field extra"),
+    ("{not json", "line 1: invalid JSON"),
+])
+def test_bad_trajectory(record, expected):
+    problems = problems_of(record)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def node(i, parent, tokens=(1,)):
+    return {"id": i, "parent": parent, "tokens": list(tokens)}
+
+
+@pytest.mark.parametrize("nodes, trajectories, expected", [
+    ([node(0, None), node(1, 9)], None, "field nodes[1].parent: node 1 names unknown parent 9"),
+    ([node(0, None), node(1, 2), node(2, 1)], None, "lies on a parent cycle"),
+    ([node(0, None), node(1, 0), node(1, None)], None, "node 1 has several parents (0 and None)"),
+    ([node(0, None), node(1, 0), node(1, 0)], None, "field nodes[2].id: duplicate node id 1"),
+    ([node(0, None), node(1, 0, [])], None, "field nodes[1].tokens: empty token list"),
+    ([node(0, None)], [{"id": "a", "node": 5}],
+     "field trajectories[0].node: trajectory 'a' names unknown node 5"),
+    ([node(0, None, [1, -1])], None, "field nodes[0].tokens[1]"),
+])
+def test_bad_tree(nodes, trajectories, expected):
+    tree = {"id": "T", "nodes": nodes}
+    if trajectories is not None:
+        tree["trajectories"] = trajectories
+    problems = problems_of({"id": "ok", "tokens": [1]}, tree)
+    assert any(expected in p for p in problems), problems
+    assert all(p.startswith("line 2") for p in problems), problems
+
+
+def test_duplicate_trajectory_ids_across_records():
+    problems = problems_of({"id": "a", "tokens": [1]},
+                           {"id": "T", "nodes": [node(0, None)], "trajectories": [{"id": "a", "node": 0}]})
+    assert len(problems) == 1 and "duplicate trajectory id 'a'" in problems[0]
+    assert problems[0].startswith("line 2") and "first at line 1" in problems[0]
+    with pytest.raises(InputError, match="duplicate trajectory id"):
+        TreeBatch.from_trajectories([[1], [2]], ids=["x", "x"])
+
+
+def test_every_problem_reported_once_per_line():
+    problems = problems_of({"id": "a", "tokens": []}, {"id": "b", "tokens": [1]},
+                           {"id": "c", "tokens": [-1]})
+    assert [p.split(":")[0] for p in problems] == ["line 1 (trajectory)", "line 3 (trajectory)"]
+
+
+def test_python_api_errors():
+    with pytest.raises(InputError, match="empty trajectory"):
+        TreeBatch.from_trajectories([[1], []])
+    with pytest.raises(InputError, match=r"tokens\[1\]: negative token -2"):
+        TreeBatch.from_trajectories([[1, -2]])
+    with pytest.raises(InputError, match="non-integer"):
+        TreeBatch.from_trajectories([[1.5]])
+
+
+def test_vocab_bound():
+    batch = load_lines({"id": "a", "tokens": [1, 2]}, {"id": "b", "tokens": [1, 99, 100]})
+    with pytest.raises(InputError) as info:
+        hc.compile(batch, hc.CompileOptions(vocab_size=99))
+    assert info.value.problems == ["line 2: trajectory 'b': field tokens[1]: token 99 >= vocab_size 99"]
+    hc.compile(batch, hc.CompileOptions(vocab_size=101))
+
+
+def test_tree_larger_than_microbatch_budget():
+    batch = TreeBatch.from_trajectories([[1, 2, 3, 4], [5, 6]], ids=["big", "small"])
+    with pytest.raises(InputError, match="tree 'big': 4 compact tokens exceed --microbatch-tokens 3"):
+        hc.compile(batch, hc.CompileOptions(microbatch_tokens=3))
+
+
+def test_bad_options():
+    with pytest.raises(InputError, match="option chunk_size"):
+        hc.CompileOptions.checked(chunk_size=0)
