@@ -14,13 +14,17 @@ An empty (rank, slot) is allowed (the rank still takes part in that slot's colle
 Method (`assign`):
 
 1. greedy warm start: items by cost, largest first (ties: more tokens, lower index), each into
-   the least-loaded (rank, slot) with room for its tokens, opening a slot when none has room;
-2. CP-SAT (OR-Tools) improves it: the whole problem as one model when it is small, else a large
-   neighbourhood search (LNS) whose steps re-solve two slots (or two ranks) exactly as small
-   models, worst slot (rank) first, until the deterministic budget is spent or no step helps;
-3. the greedy plan comes back (status GREEDY_FALLBACK) when the solver finds nothing better in
-   the time limit; the status is OPTIMAL when the plan reaches a lower bound or the whole-problem
-   model is proven optimal.
+   the least-loaded (rank, slot) with room for its tokens, opening a slot when none has room
+   (the slot count is the greedy's unless `num_slots` fixes it);
+2. small problems (items x ranks x slots <= FULL_MODEL_MAX_VARS): the whole problem as one
+   CP-SAT model, hinted with the greedy plan;
+3. larger ones: a local search (sum_of_slot_max: move or swap an item off a slot's slowest rank,
+   best improving step first) and then a CP-SAT large neighbourhood search whose steps re-solve
+   two slots (max_rank_total: two ranks over two slots) exactly as small models;
+4. status OPTIMAL when the plan reaches a lower bound or the whole model is proven optimal
+   (exact up to rounding costs to 1e-7 of their total), FEASIBLE when CP-SAT improved the warm
+   start, GREEDY_FALLBACK when it found nothing better in time: the plan is then the greedy one
+   (after the local search, if `method` says greedy+local).
 
 Lower bounds (documented because the benchmark's gap is measured against them):
 
@@ -35,9 +39,11 @@ Lower bounds (documented because the benchmark's gap is measured against them):
 * the CP-SAT bound when the whole problem was one model.
 
 Determinism: ties are broken by index; CP-SAT runs with a fixed seed, a fixed number of workers
-and a *deterministic* time budget (proportional to `time_limit_s`); the wall-clock limit is a
-safety stop. A plan is the same for the same input unless the wall clock stopped the search
-first on a slow or busy machine (then `Assignment.deterministic` is False).
+and a *deterministic* time budget, and the local search tries a fixed number of items (both
+proportional to `time_limit_s`); the wall-clock limit is a safety stop. A plan is the same for
+the same input unless the wall clock stopped the search first on a slow or busy machine (then
+`Assignment.deterministic` is False). The first solver call in a process also pays the OR-Tools
+import (about 1 s cold), which the limit cannot bound.
 """
 from __future__ import annotations
 
@@ -58,8 +64,9 @@ class Assignment:
     objective: float          # in cost units, of this plan
     lower_bound: float
     greedy_objective: float   # objective of the greedy warm start
-    status: str               # OPTIMAL, FEASIBLE, GREEDY_FALLBACK
-    method: str               # greedy, cp-sat, cp-sat-lns
+    status: str               # OPTIMAL (proven), FEASIBLE (CP-SAT improved the warm start),
+    #                           GREEDY_FALLBACK (CP-SAT found nothing better in time)
+    method: str               # greedy, greedy+local (local search), cp-sat, cp-sat-lns
     wall_time_s: float
     deterministic: bool       # False if the wall clock (not the deterministic budget) stopped it
     objective_kind: str
@@ -108,9 +115,12 @@ def assign(item_tokens, item_cost, *, token_budget: int | None, dp_size: int,
         value = plan_objective(cost, result.rank, result.slot, dp_size, n_slots, objective)
         if value < greedy_value * (1 - 1e-12):
             rank, slot, method = result.rank, result.slot, result.method
-            status = "OPTIMAL" if result.optimal or value <= bound * (1 + 1e-9) else "FEASIBLE"
-        elif result.optimal:  # the solver proved the greedy plan optimal
+        if value <= bound * (1 + 1e-9) or (result.optimal and method == "cp-sat"):
+            status = "OPTIMAL"
+        elif result.optimal:  # the whole-problem model proved the greedy plan optimal
             status, bound = "OPTIMAL", max(bound, greedy_value)
+        elif method.startswith("cp-sat"):
+            status = "FEASIBLE"
     slot_tokens, slot_cost = _slot_totals(tokens, cost, rank, slot, dp_size, n_slots)
     return Assignment(
         rank=rank, slot=slot, slot_tokens=slot_tokens, slot_cost=slot_cost,
@@ -165,7 +175,7 @@ def greedy_assign(tokens, cost, budget: int, dp_size: int, num_slots: int | None
     `sum_of_slot_max` balances every (rank, slot); `max_rank_total` balances rank totals and
     puts the item into the rank's first slot with room. The first slot count tried is the
     fewest that can hold the tokens (or `num_slots`); if `num_slots` is fixed and an item fits
-    nowhere, a ValueError says so.
+    nowhere, the items are packed first-fit by tokens instead (ValueError if that fails too).
     """
     n = len(tokens)
     slots = num_slots or max(1, -(-int(tokens.sum()) // (dp_size * budget)))
@@ -176,9 +186,8 @@ def greedy_assign(tokens, cost, budget: int, dp_size: int, num_slots: int | None
     for i in item_order(tokens, cost):
         room = used + tokens[i] <= budget
         if not room.any():
-            if num_slots is not None:
-                raise ValueError(f"num_slots: item {i} ({tokens[i]} tokens) fits in no (rank, "
-                                 f"slot) of the greedy plan with {num_slots} slots; allow more")
+            if num_slots is not None:  # cost-balancing got stuck: pack by tokens instead
+                return _first_fit_by_tokens(tokens, budget, dp_size, num_slots)
             load = np.hstack([load, np.zeros((dp_size, 1))])
             used = np.hstack([used, np.zeros((dp_size, 1), dtype=np.int64)])
             room = used + tokens[i] <= budget
@@ -194,6 +203,21 @@ def greedy_assign(tokens, cost, budget: int, dp_size: int, num_slots: int | None
         load[r, s] += cost[i]
         used[r, s] += tokens[i]
     return rank, slot
+
+
+def _first_fit_by_tokens(tokens, budget: int, dp_size: int, num_slots: int):
+    """Most tokens first into the first (slot, rank) with room; ValueError if one fits nowhere."""
+    used = np.zeros(num_slots * dp_size, dtype=np.int64)  # cell = slot * dp_size + rank
+    cell = np.zeros(len(tokens), dtype=np.int64)
+    for i in np.lexsort((np.arange(len(tokens)), -tokens)):
+        fits = np.flatnonzero(used + tokens[i] <= budget)
+        if not fits.size:
+            raise ValueError(f"num_slots: item {i} ({tokens[i]} tokens) fits in no (rank, slot) "
+                             f"with {num_slots} slots of {dp_size} ranks x {budget} tokens "
+                             f"(first fit by tokens); allow more slots")
+        cell[i] = fits[0]
+        used[fits[0]] += tokens[i]
+    return cell % dp_size, cell // dp_size
 
 
 def _slot_totals(tokens, cost, rank, slot, dp_size, n_slots):
@@ -235,7 +259,10 @@ def lower_bound(tokens, cost, budget: int, dp_size: int, objective: str) -> floa
 # CP-SAT improvement (OR-Tools is imported only here)
 
 FULL_MODEL_MAX_VARS = 3000     # items x ranks x slots up to which the whole problem is one model
-DET_UNITS_PER_SECOND = 0.4     # CP-SAT deterministic time granted per second of time_limit_s
+# Work granted per second of time_limit_s, sized to use about half of it on the 2-core dev
+# machine (one CP-SAT deterministic unit took 3.5-6 s of wall there; one local-search try ~0.2 ms).
+DET_UNITS_PER_SECOND = 0.05    # CP-SAT deterministic time
+MOVES_PER_SECOND = 1_500       # local-search item tries
 STEP_OVERHEAD_DET = 0.004      # model building per LNS step, charged to the deterministic budget
 COST_RESOLUTION = 10_000_000   # total cost in integer units inside the models
 
@@ -281,6 +308,7 @@ class _Budget:
 
 def _improve(tokens, cost, budget, dp_size, n_slots, objective, rank, slot, *, deadline,
              time_limit_s, seed, workers) -> _Improved:
+    from ortools.sat.python import cp_model  # noqa: F401  (lazy: the first import takes ~1 s)
     units = np.maximum(np.rint(cost * (COST_RESOLUTION / max(cost.sum(), 1e-300))), 0)
     units = units.astype(np.int64)
     clock = _Budget(deadline, time_limit_s * DET_UNITS_PER_SECOND)
@@ -296,10 +324,20 @@ def _improve(tokens, cost, budget, dp_size, n_slots, objective, rank, slot, *, d
         if solution is not None:
             out.rank, out.slot, optimal, bound_units = solution
             out.optimal = optimal
-            out.bound = bound_units * max(cost.sum(), 1e-300) / COST_RESOLUTION * (1 - 1e-6)
+            # Back to cost units; each item's rounding moves a plan's value by <= half a unit.
+            unit = max(cost.sum(), 1e-300) / COST_RESOLUTION
+            out.bound = max(0.0, (bound_units - 0.5 * len(tokens)) * unit)
     else:
-        out.method = "cp-sat-lns"
-        _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective, seed, workers)
+        if objective == "sum_of_slot_max":
+            moved, cut = _local_search(tokens, cost, budget, out.rank, out.slot, dp_size,
+                                       n_slots, deadline,
+                                       int(MOVES_PER_SECOND * time_limit_s))
+            clock.wall_stopped |= cut
+            out.method = "greedy+local" if moved else "greedy"
+        solved_before = _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective,
+                             seed, workers)
+        if solved_before:
+            out.method = "cp-sat-lns"
     out.deterministic = not clock.wall_stopped
     return out
 
@@ -315,11 +353,12 @@ def _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective, s
     """
     rng = np.random.default_rng(seed)
     tried: set[tuple] = set()
+    improved = False
     while clock.left()[0] > 0.002 and clock.left()[1] > 0:
         _, cell_cost = _slot_totals(tokens, cost, out.rank, out.slot, dp_size, n_slots)
         hood = _pick_neighbourhood(cell_cost, objective, tried, rng)
         if hood is None:
-            return
+            return improved
         tried.add(hood)
         ranks, slots = hood
         items = np.flatnonzero(np.isin(out.rank, ranks) & np.isin(out.slot, slots))
@@ -333,7 +372,7 @@ def _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective, s
             scale = COST_RESOLUTION / max(cost.sum(), 1e-300)
             offset = np.rint(rest[list(ranks)] * scale).astype(np.int64)
         sub = _solve_cells(clock, items, tokens, units, budget, len(ranks), len(slots), objective,
-                           local_r, local_s, seed, workers, det_cap=0.05, offset=offset)
+                           local_r, local_s, seed, workers, det_cap=0.01, offset=offset)
         out.steps += 1
         if sub is None:
             continue
@@ -344,6 +383,94 @@ def _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective, s
         if after < before * (1 - 1e-12):
             out.rank, out.slot = new_rank, new_slot
             tried.clear()
+            improved = True
+    return improved
+
+
+def _local_search(tokens, cost, budget, rank, slot, dp_size, n_slots, deadline,
+                  max_tries: int) -> tuple[bool, bool]:
+    """Local search for sum_of_slot_max, in place. For each item on a slot's slowest rank (slots
+    by excess first) take the best of: moving it into any (rank, slot) with room -- typically
+    into the slack under another slot's max, which costs nothing there -- or swapping it with a
+    cheaper item anywhere; apply it if it lowers the objective. Stops when a pass finds nothing
+    or after `max_tries` items (deterministic); the wall clock is only a safety stop.
+    Returns (changed anything, stopped by the wall clock)."""
+    load = np.zeros((dp_size, n_slots))
+    used = np.zeros((dp_size, n_slots), dtype=np.int64)
+    np.add.at(load, (rank, slot), cost)
+    np.add.at(used, (rank, slot), tokens)
+    changed, improving, tries = False, True, 0
+    while improving and tries < max_tries:
+        if time.perf_counter() > deadline:
+            return changed, True
+        improving = False
+        slot_max = load.max(axis=0)
+        for s in np.lexsort((np.arange(n_slots), -(slot_max - load.mean(axis=0)))):
+            r = int(np.argmax(load[:, s]))
+            for i in np.flatnonzero((rank == r) & (slot == s)):
+                tries += 1
+                step = _best_step(i, r, s, tokens, cost, budget, rank, slot, load, used, slot_max)
+                if step is None:
+                    continue
+                target_rank, target_slot, partner = step
+                for item, r_from, s_from, r_to, s_to in (
+                        [(i, r, s, target_rank, target_slot)]
+                        + ([(partner, target_rank, target_slot, r, s)] if partner >= 0 else [])):
+                    load[r_from, s_from] -= cost[item]
+                    used[r_from, s_from] -= tokens[item]
+                    load[r_to, s_to] += cost[item]
+                    used[r_to, s_to] += tokens[item]
+                    rank[item], slot[item] = r_to, s_to
+                slot_max = load.max(axis=0)
+                changed = improving = True
+                break  # the slot's slowest rank may have changed
+            if tries >= max_tries:
+                break
+    return changed, False
+
+
+def _best_step(i, r, s, tokens, cost, budget, rank, slot, load, used, slot_max):
+    """Best improving move or swap of item i (on the slowest rank r of slot s), as
+    (target rank, target slot, swap partner or -1), or None."""
+    dp_size = load.shape[0]
+    c, t = cost[i], tokens[i]
+    column = load[:, s].copy()
+    column[r] = -np.inf
+    # Move: the source slot's max drops to max(load - c, other ranks); the target may rise.
+    source_max = max(load[r, s] - c, column.max(initial=0.0))
+    rise = np.maximum(load + c - slot_max, 0.0)
+    rise[:, s] = np.maximum(load[:, s] + c - source_max, 0.0)
+    room = used + t <= budget
+    room[r, s] = False
+    move = np.where(room, rise, np.inf) + source_max - slot_max[s]
+    best_move = int(np.argmin(move.T))  # ties: lowest slot, then lowest rank
+    ms, mr = divmod(best_move, dp_size)
+    best = (move[mr, ms], mr, ms, -1)
+    # Swap with a cheaper item j at (r2, s2): the source cell sheds d = c - c_j, the target gains d.
+    d = c - cost
+    r2, s2 = rank, slot
+    ok = (d > 0) & ~((r2 == r) & (s2 == s))
+    ok &= (used[r, s] - t + tokens <= budget) & (used[r2, s2] + t - tokens <= budget)
+    if ok.any():
+        js = np.flatnonzero(ok)
+        dj, rj, sj = d[js], r2[js], s2[js]
+        # Other slot: source max = max(load - d, other ranks); target max may rise.
+        src = np.maximum(load[r, s] - dj, column.max(initial=0.0))
+        gain = np.where(sj == s, 0.0, np.maximum(load[rj, sj] + dj - slot_max[sj], 0.0)) \
+            + src - slot_max[s]
+        same = sj == s
+        if same.any():  # same slot: ranks r and rj both change
+            without = np.array([np.delete(load[:, s], [r, q]).max(initial=0.0)
+                                for q in range(dp_size)])
+            new_max = np.maximum.reduce([load[r, s] - dj[same], load[rj[same], s] + dj[same],
+                                         without[rj[same]]])
+            gain[same] = new_max - slot_max[s]
+        k = int(np.argmin(gain))
+        if gain[k] < best[0]:
+            best = (gain[k], int(rj[k]), int(sj[k]), int(js[k]))
+    if not best[0] < -1e-9 * slot_max[s]:
+        return None
+    return best[1], best[2], best[3]
 
 
 def _pick_neighbourhood(cell_cost, objective, tried, rng):
