@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -47,14 +48,57 @@ class _Rollout:
     turn_context: list[int]     # context length at the start of each turn
 
 
-@dataclass
+@dataclass(eq=False)
 class RolloutBatch:
-    """A generated batch: flat trajectories plus the same data as explicit trees."""
+    """A generated batch as its segment trie; flat trajectories and explicit-tree records are
+    built on first use (a large batch's summary never needs the flat token lists)."""
 
     preset: Preset
     seed: int
-    trajectories: list[tuple[str, np.ndarray]]
-    trees: list[dict] = field(repr=False)  # JSONL tree records (see `to_tree_records`)
+    node_parent: list[int] = field(repr=False)
+    node_tokens: list[np.ndarray] = field(repr=False)
+    ends: list[tuple[str, int]] = field(repr=False)  # (trajectory id, end node), output order
+
+    @cached_property
+    def trajectories(self) -> list[tuple[str, np.ndarray]]:
+        return [(traj_id, self._path_tokens(node)) for traj_id, node in self.ends]
+
+    @cached_property
+    def trees(self) -> list[dict]:
+        """JSONL tree records (see `to_tree_records`)."""
+        return to_tree_records(self.node_parent, self.node_tokens, self.ends)
+
+    def _path_tokens(self, node: int) -> np.ndarray:
+        parts = []
+        while node >= 0:
+            parts.append(self.node_tokens[node])
+            node = self.node_parent[node]
+        return np.concatenate(parts[::-1])
+
+    def tree_summary(self) -> dict[str, np.ndarray]:
+        """Per tree (root of the trie, creation order): compact tokens, tree-attention pairs
+        (sum over compact tokens of position + 1: every token attends its whole path),
+        trajectories and trajectory tokens. Used to size planner items without token lists."""
+        n = len(self.node_parent)
+        parent = np.asarray(self.node_parent, dtype=np.int64)
+        length = np.array([len(t) for t in self.node_tokens], dtype=np.int64)
+        start = np.zeros(n, dtype=np.int64)  # position of each node's first token
+        tree = np.arange(n)
+        for node in range(n):  # parents precede children
+            if parent[node] >= 0:
+                start[node] = start[parent[node]] + length[parent[node]]
+                tree[node] = tree[parent[node]]
+        roots = np.flatnonzero(parent < 0)
+        index = np.searchsorted(roots, tree)
+        pairs = length * start + length * (length + 1) // 2
+        end_nodes = np.array([node for _, node in self.ends], dtype=np.int64)
+        return {
+            "compact_tokens": np.bincount(index, weights=length, minlength=len(roots)).astype(np.int64),
+            "attention_pairs": np.bincount(index, weights=pairs, minlength=len(roots)),
+            "trajectories": np.bincount(index[end_nodes], minlength=len(roots)),
+            "trajectory_tokens": np.bincount(index[end_nodes], weights=start[end_nodes] + length[end_nodes],
+                                             minlength=len(roots)).astype(np.int64),
+        }
 
 
 def generate(preset: str | Preset = "swe", seed: int = 0, **overrides) -> RolloutBatch:
@@ -76,8 +120,7 @@ def generate(preset: str | Preset = "swe", seed: int = 0, **overrides) -> Rollou
         rollouts: list[_Rollout] = []
         for r in range(cfg.rollouts):
             ends.extend(_grow_rollout(cfg, rng, trie, rollouts, task_node, context, f"t{task}-r{r}"))
-    trajectories = [(traj_id, _path_tokens(trie, node)) for traj_id, node in ends]
-    return RolloutBatch(cfg, seed, trajectories, to_tree_records(trie.parent, trie.tokens, ends))
+    return RolloutBatch(cfg, seed, trie.parent, trie.tokens, ends)
 
 
 def _grow_rollout(cfg: Preset, rng, trie: _SegmentTrie, rollouts: list[_Rollout],
@@ -118,14 +161,6 @@ def _grow_rollout(cfg: Preset, rng, trie: _SegmentTrie, rollouts: list[_Rollout]
         rollout.turn_context.append(context)
     emitted.append((name, node))
     return emitted
-
-
-def _path_tokens(trie: _SegmentTrie, node: int) -> np.ndarray:
-    parts = []
-    while node >= 0:
-        parts.append(trie.tokens[node])
-        node = trie.parent[node]
-    return np.concatenate(parts[::-1])
 
 
 def to_tree_records(parent: list[int], tokens: list[np.ndarray],
