@@ -81,6 +81,9 @@ def main(argv=None):
 
     variants = [(f"chunked c={c}", 4, lambda h, w, c=c: token_logprobs(h, w, index, chunk_tokens=c))
                 for c in args.chunks]
+    # the same op with its element-wise work in plain torch instead of the Triton kernels
+    variants.append((f"torch-ew c={args.chunks[0]}", 4,
+                     lambda h, w: token_logprobs(h, w, index, chunk_tokens=args.chunks[0], use_triton=False)))
     if not args.skip_dense:
         variants.append(("dense", 3, lambda h, w: dense_token_logprobs(h, w, index)))
     print(f"T={T} V={V} D={D} bf16, {args.trajectories} trajectories, GPU {torch.cuda.get_device_name()}")

@@ -124,13 +124,14 @@ def run_and_grad(fn, hidden, weight, seed):
 
 
 def assert_tree_matches_trajectory_wise(token_lists, vocab, dtype, chunk_tokens, temperature=1.0,
-                                        seed=0, tol=1e-11):
+                                        seed=0, tol=1e-11, use_triton=False):
     tree = prefix_tree_index(token_lists)
     traj = trajectory_index(token_lists)
     hidden, weight = random_params(tree.token_ids.numel(), 6, vocab, dtype, seed)
 
     got = run_and_grad(lambda h, w: token_logprobs(h, w, tree, chunk_tokens=chunk_tokens,
-                                                   temperature=temperature), hidden, weight, seed)
+                                                   temperature=temperature, use_triton=use_triton),
+                       hidden, weight, seed)
     want = run_and_grad(lambda h, w: dense_token_logprobs(h[flat_paths(tree)], w, traj,
                                                           temperature=temperature),
                         hidden, weight, seed)
@@ -145,16 +146,17 @@ def test_tree_index_matches_trajectory_wise_fp64(token_lists, chunk_tokens):
                                         chunk_tokens=chunk_tokens)
 
 
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("chunk_tokens", [2, 7, 64])
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
-def test_hand_made_tree_fp32(chunk_tokens, temperature):
+def test_hand_made_tree_fp32(chunk_tokens, temperature, use_triton):
     # root "1 2 3" branches into "4 ..." (itself branching: shared src, several target tokens)
     # and "6 7 8"; trajectory 3 duplicates 1, trajectory 4 is a strict prefix of trajectory 0
     token_lists = [[1, 2, 3, 4, 5, 0, 2], [1, 2, 3, 6, 7, 8], [1, 2, 3, 4, 9, 9],
                    [1, 2, 3, 6, 7, 8], [1, 2, 3, 4], [1, 2, 3, 4, 0]]
     assert_tree_matches_trajectory_wise(token_lists, vocab=11, dtype=torch.float32,
                                         chunk_tokens=chunk_tokens, temperature=temperature,
-                                        tol=2e-6)
+                                        tol=2e-6, use_triton=use_triton)
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 5, 13, 10_000])
@@ -176,6 +178,32 @@ def test_trajectory_index_matches_dense(chunk_tokens, dtype, tol):
     valid = index.row_target >= 0
     assert torch.all(got[0][~valid] == 0) and torch.all(got[1][~valid] == 0)
     assert torch.all(got[0][valid] < 0) and torch.all(got[1][valid] > 0)
+
+
+# 4100: several vocabulary blocks per row (online max/sum rescaling across blocks)
+@pytest.mark.parametrize("vocab,tol", [(37, 2e-6), (4100, 2e-6)])
+def test_triton_kernels_match_dense_fp32(vocab, tol):
+    rng = np.random.default_rng(vocab)
+    token_lists = [rng.integers(0, vocab, size=n).tolist() for n in (6, 11, 3)]
+    token_lists.append(token_lists[1][:7] + [1, 2])  # a branch: shared src, two target tokens
+    tree = prefix_tree_index(token_lists)
+    traj = trajectory_index(token_lists)
+    hidden, weight = random_params(tree.token_ids.numel(), 8, vocab, torch.float32, seed=1)
+    for pick in (None, 0, 1):  # both outputs, log-probs only, entropy only
+        def loss_of(fn):
+            outputs = fn()
+            return outputs if pick is None else outputs[pick:pick + 1]
+
+        got_out = loss_of(lambda: token_logprobs(hidden, weight, tree, chunk_tokens=5,
+                                                 temperature=0.7, use_triton=True))
+        want_out = loss_of(lambda: dense_token_logprobs(hidden[flat_paths(tree)], weight, traj,
+                                                        temperature=0.7))
+        got_grads = torch.autograd.grad(sum((o * (i + 1.5)).sum() for i, o in enumerate(got_out)),
+                                        (hidden, weight))
+        want_grads = torch.autograd.grad(sum((o * (i + 1.5)).sum() for i, o in enumerate(want_out)),
+                                         (hidden, weight))
+        for g, w in zip(list(got_out) + list(got_grads), list(want_out) + list(want_grads)):
+            assert_close_scaled(g.detach(), w.detach(), tol)
 
 
 def test_one_output_only_gets_its_gradient():
@@ -249,6 +277,11 @@ def test_bad_inputs_get_clear_errors():
          "lengths"),
         (dict(index=types.SimpleNamespace(**{**vars(index), "target_src": index.target_src.float()})),
          "index.target_src must be an integer tensor"),
+        (dict(index=types.SimpleNamespace(**{**vars(index), "target_src": index.target_src[[0, 0, 2]],
+                                             "target_token": index.target_token[[0, 0, 2]],
+                                             "row_pred": torch.where(index.row_target >= 0, index.target_src[[0, 0, 2]][
+                                                 index.row_target.clamp(min=0)], -1)})),
+         "repeated \\(src, token\\) pairs"),
     ]
     for override, message in cases:
         args = dict(hidden=hidden, weight=weight, index=index, chunk_tokens=4, temperature=1.0) | override
@@ -258,8 +291,9 @@ def test_bad_inputs_get_clear_errors():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
 @pytest.mark.parametrize("chunk_tokens", [512, 1000])
-def test_bf16_cuda_no_worse_than_dense_bf16(chunk_tokens):
+def test_bf16_cuda_no_worse_than_dense_bf16(chunk_tokens, use_triton):
     """bf16 chunked op vs fp32 dense reference: error within 2x of the dense bf16 baseline's."""
     rng = np.random.default_rng(1)
     vocab, dim = 32_000, 256
@@ -277,9 +311,12 @@ def test_bf16_cuda_no_worse_than_dense_bf16(chunk_tokens):
             lambda a, b: dense_token_logprobs(a[flat_paths(tree)], b, traj), h, w, 0)
         if dtype == torch.bfloat16:
             results["bf16_chunked"] = run_and_grad(
-                lambda a, b: token_logprobs(a, b, tree, chunk_tokens=chunk_tokens), h, w, 0)
+                lambda a, b: token_logprobs(a, b, tree, chunk_tokens=chunk_tokens,
+                                            use_triton=use_triton), h, w, 0)
     for i, name in enumerate(("logprobs", "entropy", "grad hidden", "grad weight")):
         ref = results["ref_dense"][i].double()
+        print(name, "dense bf16", (results["bf16_dense"][i].double() - ref).abs().max().item(),
+              "chunked bf16", (results["bf16_chunked"][i].double() - ref).abs().max().item())
         dense_err = (results["bf16_dense"][i].double() - ref).abs().max().item()
         ours_err = (results["bf16_chunked"][i].double() - ref).abs().max().item()
         assert ours_err <= 2.0 * dense_err + 1e-6, f"{name}: chunked {ours_err:.3g} vs dense bf16 {dense_err:.3g}"
