@@ -1,0 +1,132 @@
+"""Scheduled microbatch of a Program -> `MicrobatchIndex` (docs/INTERFACES.md section 3).
+
+All compact indices become local to the microbatch: its trees are concatenated in schedule
+order, so a token of tree t moves by the constant `shift[t] = tree_start[t] - local base of t`.
+Cost: O(compact tokens + trajectory tokens of the microbatch) vectorised numpy, plus O(sequences)
+Python for the round tables.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from harts_compiler.ir import derive
+
+from .index import LinearRound, MicrobatchIndex
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s+n) for every (s, n), vectorised."""
+    total = int(lengths.sum())
+    bases = derive.exclusive_cumsum(lengths)
+    return np.repeat(starts - bases, lengths) + np.arange(total, dtype=np.int64)
+
+
+def _tensor(array, dtype=torch.int64, device="cpu") -> torch.Tensor:
+    return torch.as_tensor(np.ascontiguousarray(array)).to(dtype=dtype, device=device)
+
+
+def build_microbatch_index(program, microbatch, device="cpu") -> MicrobatchIndex:
+    """`program`: a Program or Plan (scheduled); `microbatch`: its index or a PlannedMicrobatch."""
+    program = getattr(program, "program", program)
+    m = microbatch if isinstance(microbatch, (int, np.integer)) else microbatch.index
+    forest, seqs, mbs = program.forest, program.sequences, program.microbatches
+    if forest is None or seqs is None or mbs is None:
+        raise ValueError("build_microbatch_index: the program must be laid out, sequenced and "
+                         "scheduled (run the full pipeline)")
+    trees = mbs.trees_of(int(m))
+    tree_len = forest.tree_end[trees] - forest.tree_start[trees]
+    base = derive.exclusive_cumsum(tree_len)
+    shift = np.zeros(forest.num_trees, np.int64)
+    shift[trees] = forest.tree_start[trees] - base
+    glob = _ranges(forest.tree_start[trees], tree_len)  # global compact index of local token i
+
+    def local(global_index: np.ndarray) -> np.ndarray:
+        """Global -> local compact index (-1 stays -1); only for tokens of this microbatch."""
+        safe = np.maximum(global_index, 0)
+        return np.where(global_index >= 0,
+                        global_index - shift[forest.node_tree[forest.token_node[safe]]], -1)
+
+    # --- per-token tables --------------------------------------------------------------------
+    token_node = forest.token_node[glob]
+    pred = local(forest.token_pred[glob])
+    first_node = np.concatenate([[0], np.flatnonzero(np.diff(token_node) != 0) + 1])
+    node_start_local = first_node.astype(np.int64)
+    node_length_local = np.diff(np.append(first_node, glob.size)).astype(np.int64)
+    conv_pred = derive.conv_predecessors(pred, node_start_local, node_length_local,
+                                         forest.conv_width)
+    target_src, target_token, token_target = derive.log_prob_targets(pred, forest.token_ids[glob])
+    subtree_end = local(forest.node_subtree_end[token_node] - 1) + 1
+
+    # --- trajectory rows ---------------------------------------------------------------------
+    traj_tree = forest.node_tree[forest.traj_end_node]
+    trajs = np.flatnonzero(np.isin(traj_tree, trees))
+    lengths = forest.traj_length[trajs]
+    run_lo, run_hi = forest.traj_run_ptr[trajs], forest.traj_run_ptr[trajs + 1]
+    runs = _ranges(run_lo, run_hi - run_lo)
+    compact = local(_ranges(forest.run_start[runs], forest.run_length[runs]))
+    max_len = int(lengths.max(initial=0))
+    row = np.repeat(np.arange(trajs.size), lengths)
+    col = np.arange(compact.size) - np.repeat(derive.exclusive_cumsum(lengths), lengths)
+    row_target = np.full((trajs.size, max_len), -1, np.int64)
+    row_pred = np.full((trajs.size, max_len), -1, np.int64)
+    later = col > 0
+    row_target[row[later], col[later]] = token_target[compact[later]]
+    row_pred[row[later], col[later]] = compact[np.flatnonzero(later) - 1]
+
+    rounds, num_states = _rounds(seqs, trees, local, device)
+    index = MicrobatchIndex(
+        trajectory_ids=[forest.traj_ids[j] for j in trajs.tolist()],
+        token_ids=_tensor(forest.token_ids[glob], device=device),
+        positions=_tensor(forest.token_position[glob], device=device),
+        multiplicity=_tensor(forest.node_multiplicity[token_node], device=device),
+        conv_pred=_tensor(conv_pred, device=device),
+        subtree_end=_tensor(subtree_end, torch.int32, device),
+        rounds=rounds, num_states=num_states,
+        target_src=_tensor(target_src, device=device),
+        target_token=_tensor(target_token, device=device),
+        row_target=_tensor(row_target, device=device),
+        row_pred=_tensor(row_pred, device=device),
+        lengths=_tensor(lengths, device=device),
+        chunk_size=seqs.chunk_size, conv_width=forest.conv_width)
+    return index
+
+
+def _rounds(seqs, trees: np.ndarray, local, device) -> tuple[list[LinearRound], int]:
+    """One LinearRound per round index; a tree's round k runs in the microbatch's round k.
+    Exported states get bank ids in execution order (round, then sequence, then offset)."""
+    chosen = np.flatnonzero(np.isin(seqs.seq_tree, trees))
+    n_rounds = int(seqs.tree_rounds[trees].max(initial=0))
+    bank: dict[tuple[int, int], int] = {}
+    out = []
+    for k in range(n_rounds):
+        members = chosen[seqs.seq_round[chosen] == k]
+        replay_len = seqs.replay_ptr[members + 1] - seqs.replay_ptr[members]
+        own_len = seqs.seq_own_end[members] - seqs.seq_own_start[members]
+        seq_len = replay_len + own_len
+        cu = np.concatenate([[0], np.cumsum(seq_len)])
+        replay_rows = seqs.replay[_ranges(seqs.replay_ptr[members], replay_len)]
+        # Packed rows: per sequence, its replay rows then its own rows.
+        row_src = np.empty(int(cu[-1]), np.int64)
+        row_src[_ranges(cu[:-1], replay_len)] = local(replay_rows)
+        own_rows = _ranges(cu[:-1] + replay_len, own_len)
+        row_src[own_rows] = local(_ranges(seqs.seq_own_start[members], own_len))
+        own_dst = row_src[own_rows]
+        init_state = np.asarray([-1 if s < 0 else bank[(s, o)] for s, o in
+                                 zip(seqs.seq_init_seq[members].tolist(),
+                                     seqs.seq_init_offset[members].tolist())], np.int64)
+        export_seq, export_offset, export_bank = [], [], []
+        for i, s in enumerate(members.tolist()):
+            for offset in seqs.exports_of(s).tolist():
+                bank[(s, offset)] = len(bank)
+                export_seq.append(i)
+                export_offset.append(offset)
+                export_bank.append(bank[(s, offset)])
+        out.append(LinearRound(
+            cu_seqlens=_tensor(cu, torch.int32, device), row_src=_tensor(row_src, device=device),
+            own_rows=_tensor(own_rows, device=device), own_dst=_tensor(own_dst, device=device),
+            init_state=_tensor(init_state, device=device),
+            export_seq=_tensor(np.asarray(export_seq, np.int64), device=device),
+            export_offset=_tensor(np.asarray(export_offset, np.int64), device=device),
+            export_bank=_tensor(np.asarray(export_bank, np.int64), device=device)))
+    return out, len(bank)
