@@ -262,7 +262,7 @@ FULL_MODEL_MAX_VARS = 3000     # items x ranks x slots up to which the whole pro
 # Work granted per second of time_limit_s, sized to use about half of it on the 2-core dev
 # machine (one CP-SAT deterministic unit took 3.5-6 s of wall there; one local-search try ~0.2 ms).
 DET_UNITS_PER_SECOND = 0.05    # CP-SAT deterministic time
-MOVES_PER_SECOND = 1_500       # local-search item tries
+MOVES_PER_SECOND = 1_000       # local-search item tries
 STEP_OVERHEAD_DET = 0.004      # model building per LNS step, charged to the deterministic budget
 COST_RESOLUTION = 10_000_000   # total cost in integer units inside the models
 
@@ -460,8 +460,11 @@ def _best_step(i, r, s, tokens, cost, budget, rank, slot, load, used, slot_max):
             + src - slot_max[s]
         same = sj == s
         if same.any():  # same slot: ranks r and rj both change
-            without = np.array([np.delete(load[:, s], [r, q]).max(initial=0.0)
-                                for q in range(dp_size)])
+            # Max load of slot s over the ranks other than r and q, for every q.
+            top = np.argsort(-column, kind="stable")
+            first = column[top[0]]
+            second = column[top[1]] if dp_size > 1 else -np.inf
+            without = np.maximum(np.where(np.arange(dp_size) == top[0], second, first), 0.0)
             new_max = np.maximum.reduce([load[r, s] - dj[same], load[rj[same], s] + dj[same],
                                          without[rj[same]]])
             gain[same] = new_max - slot_max[s]

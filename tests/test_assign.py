@@ -131,3 +131,21 @@ def test_bad_input_names_the_offending_field():
         assign(np.array([1, 2]), np.array([1.0]), token_budget=None, dp_size=1)
     with pytest.raises(ValueError, match="num_slots: item"):
         assign(np.array([6, 6, 6]), np.ones(3), token_budget=10, dp_size=1, num_slots=2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 60), st.integers(1, 4))
+def test_local_search_never_worsens_and_keeps_budgets(seed, n, dp_size):
+    from harts_compiler.passes.assign import _local_search
+    tokens, cost = _instance(seed, n, 1, 50)
+    budget = 120
+    rank, slot = greedy_assign(tokens, cost, budget, dp_size, None, "sum_of_slot_max")
+    n_slots = int(slot.max()) + 1
+    before = plan_objective(cost, rank, slot, dp_size, n_slots, "sum_of_slot_max")
+    _local_search(tokens, cost, budget, rank, slot, dp_size, n_slots, float("inf"), 10_000)
+    used = np.zeros((dp_size, n_slots), dtype=np.int64)
+    np.add.at(used, (rank, slot), tokens)
+    assert (used <= budget).all() and ((0 <= slot) & (slot < n_slots)).all()
+    after = plan_objective(cost, rank, slot, dp_size, n_slots, "sum_of_slot_max")
+    assert after <= before * (1 + 1e-12)
+    assert after >= lower_bound(tokens, cost, budget, dp_size, "sum_of_slot_max") * (1 - 1e-9)
