@@ -162,3 +162,23 @@ def test_gen_main_writes_and_prints_statistics(tmp_path, capsys):
     n_traj = int(text.split("trajectories")[1].split()[0])
     assert n_traj == len(out.read_text().splitlines())
     assert gen_main(["--preset", "swe", "--turns", "9", "3"]) == 2
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_tree_summary_matches_the_tree_records(preset):
+    batch = generate(preset, 2, **SMALL[preset])
+    summary = batch.tree_summary()
+    assert len(summary["compact_tokens"]) == len(batch.trees)
+    for t, tree in enumerate(batch.trees):
+        nodes = {n["id"]: n for n in tree["nodes"]}
+
+        def start(node_id):  # position of the node's first token
+            parent = nodes[node_id]["parent"]
+            return 0 if parent is None else start(parent) + len(nodes[parent]["tokens"])
+
+        lengths = {i: len(n["tokens"]) for i, n in nodes.items()}
+        pairs = sum(sum(range(start(i) + 1, start(i) + length + 1)) for i, length in lengths.items())
+        assert summary["compact_tokens"][t] == sum(lengths.values())
+        assert summary["attention_pairs"][t] == pairs
+        assert summary["trajectories"][t] == len(tree["trajectories"])
+    assert summary["trajectory_tokens"].sum() == sum(len(x) for _, x in batch.trajectories)
