@@ -182,3 +182,20 @@ def test_tree_summary_matches_the_tree_records(preset):
         assert summary["attention_pairs"][t] == pairs
         assert summary["trajectories"][t] == len(tree["trajectories"])
     assert summary["trajectory_tokens"].sum() == sum(len(x) for _, x in batch.trajectories)
+
+
+@pytest.mark.parametrize("form", ["flat", "trees"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_generated_batch_compiles_to_the_same_trie(tmp_path, capsys, preset, form):
+    from harts_compiler.cli import main as harts_main
+    batch = generate(preset, 6, **dict(SMALL[preset], tasks=3))
+    path = tmp_path / "batch.jsonl"
+    write_jsonl(batch, path, form)
+    capsys.readouterr()
+    assert harts_main(["compile", "--json", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    stats = batch_stats(batch.trajectories)
+    assert report["trajectories"] == stats.trajectories
+    assert report["compact_tokens"] == stats.compact_tokens
+    assert report["nodes"] == stats.nodes
+    assert report["trees"] == stats.trees
