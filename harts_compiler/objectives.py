@@ -14,9 +14,10 @@ Aggregation (how per-token losses become one scalar):
 - ``"seq-mean-token-mean"``: sum over sequences of (mean over its tokens) / ``num_sequences``
 
 ``num_tokens`` / ``num_sequences`` default to this call's counts (sequences with at least one
-counted token). With several microbatches or data-parallel ranks, pass the *global* counts: the
-per-call losses then add up (over microbatches and ranks) to the loss of the whole batch. Note
-that DDP averages gradients over ranks, so multiply by the world size there if you want the sum.
+counted token). With several microbatches or data-parallel ranks, pass the *global* counts
+(`global_counts` all-reduces them): the per-call losses then add up (over microbatches and
+ranks) to the loss of the whole batch. DDP *averages* gradients over ranks, so multiply the loss
+by the world size there to get the gradient of that sum.
 
 All functions are plain torch, differentiable in ``logprobs`` (and ``entropy``), and return a
 loss to *minimise*.
@@ -79,6 +80,25 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     else:
         denominator = _positive(num_sequences, "num_sequences")
     return per_sequence.sum() / denominator
+
+
+def global_counts(masks: Sequence[torch.Tensor], *, process_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_tokens, num_sequences) over all ``masks`` (e.g. `loss_mask` of every microbatch of
+    this rank's step), summed over the data-parallel ranks when torch.distributed is initialised.
+    Pass the results as ``num_tokens`` / ``num_sequences`` to every loss call of the step.
+    Every rank must call this (it is a collective when distributed)."""
+    if not masks:
+        raise ValueError("global_counts: need at least one mask")
+    device = masks[0].device
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for mask in masks:
+        mask = mask.to(device=device, dtype=torch.bool)
+        counts[0] += mask.sum()
+        counts[1] += (mask.sum(dim=-1) > 0).sum()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts, group=process_group)
+    counts = counts.clamp(min=1)  # an all-empty step gives loss 0, not 0 / 0
+    return counts[0], counts[1]
 
 
 def _positive(value, name: str):

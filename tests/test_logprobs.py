@@ -97,10 +97,14 @@ def branching_token_lists(draw, max_trajectories=7, vocab=5):
     return lists
 
 
-def random_params(n_tokens, dim, vocab, dtype, seed):
+# Triton kernels run compiled on a GPU, else under the CPU interpreter (conftest.py sets it)
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_params(n_tokens, dim, vocab, dtype, seed, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n_tokens, dim, generator=gen, dtype=torch.float64).to(dtype)
-    weight = (torch.randn(vocab, dim, generator=gen, dtype=torch.float64) * 0.7).to(dtype)
+    hidden = torch.randn(n_tokens, dim, generator=gen, dtype=torch.float64).to(device, dtype)
+    weight = (torch.randn(vocab, dim, generator=gen, dtype=torch.float64) * 0.7).to(device, dtype)
     return hidden.requires_grad_(), weight.requires_grad_()
 
 
@@ -125,9 +129,10 @@ def run_and_grad(fn, hidden, weight, seed):
 
 def assert_tree_matches_trajectory_wise(token_lists, vocab, dtype, chunk_tokens, temperature=1.0,
                                         seed=0, tol=1e-11, use_triton=False):
-    tree = prefix_tree_index(token_lists)
-    traj = trajectory_index(token_lists)
-    hidden, weight = random_params(tree.token_ids.numel(), 6, vocab, dtype, seed)
+    device = TRITON_DEVICE if use_triton else "cpu"
+    tree = prefix_tree_index(token_lists, device=device)
+    traj = trajectory_index(token_lists, device=device)
+    hidden, weight = random_params(tree.token_ids.numel(), 6, vocab, dtype, seed, device)
 
     got = run_and_grad(lambda h, w: token_logprobs(h, w, tree, chunk_tokens=chunk_tokens,
                                                    temperature=temperature, use_triton=use_triton),
@@ -186,9 +191,10 @@ def test_triton_kernels_match_dense_fp32(vocab, tol):
     rng = np.random.default_rng(vocab)
     token_lists = [rng.integers(0, vocab, size=n).tolist() for n in (6, 11, 3)]
     token_lists.append(token_lists[1][:7] + [1, 2])  # a branch: shared src, two target tokens
-    tree = prefix_tree_index(token_lists)
-    traj = trajectory_index(token_lists)
-    hidden, weight = random_params(tree.token_ids.numel(), 8, vocab, torch.float32, seed=1)
+    tree = prefix_tree_index(token_lists, device=TRITON_DEVICE)
+    traj = trajectory_index(token_lists, device=TRITON_DEVICE)
+    hidden, weight = random_params(tree.token_ids.numel(), 8, vocab, torch.float32, seed=1,
+                                   device=TRITON_DEVICE)
     for pick in (None, 0, 1):  # both outputs, log-probs only, entropy only
         def loss_of(fn):
             outputs = fn()

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from harts_compiler.codegen import trajectory_index
 from harts_compiler.objectives import (
-    aggregate, grpo_advantages, grpo_loss, kl_penalty, loss_mask, ppo_clip_loss)
+    aggregate, global_counts, grpo_advantages, grpo_loss, kl_penalty, loss_mask, ppo_clip_loss)
 from harts_compiler.runtime.ops.logprobs import token_logprobs
 from test_logprobs import branching_token_lists, prefix_tree_index
 
@@ -162,6 +162,42 @@ def test_global_normalisers_make_microbatch_losses_add_up(seed, split, mode):
     g_whole, = torch.autograd.grad(whole, logprobs)
     g_parts, = torch.autograd.grad(parts, logprobs)
     torch.testing.assert_close(g_parts, g_whole, rtol=1e-12, atol=1e-12)
+
+
+def test_global_counts_make_microbatches_and_ranks_add_up_to_the_batch():
+    """Two "ranks" x two microbatches each, normalised by `global_counts` over all of them (what
+    the all-reduce returns), sum to one call on the whole batch, for every aggregation."""
+    gen = torch.Generator().manual_seed(3)
+    rows, max_len = 6, 7
+    lengths = torch.tensor([7, 2, 5, 1, 6, 4])
+    response = torch.rand(rows, max_len, generator=gen) > 0.25
+    logprobs = (-torch.rand(rows, max_len, generator=gen, dtype=F64)).requires_grad_()
+    old = logprobs.detach() + 0.3 * torch.randn(rows, max_len, generator=gen, dtype=F64)
+    advantages = torch.randn(rows, generator=gen, dtype=F64)
+    microbatches = [slice(0, 1), slice(1, 3), slice(3, 5), slice(5, 6)]  # ranks: 0-1 and 2-3
+    counts = global_counts([loss_mask(lengths[m], max_len, response[m]) for m in microbatches])
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        parts = sum(ppo_clip_loss(logprobs[m], old[m], advantages[m], lengths[m],
+                                  response_mask=response[m], aggregation=mode,
+                                  num_tokens=counts[0], num_sequences=counts[1]).loss
+                    for m in microbatches)
+        whole = ppo_clip_loss(logprobs, old, advantages, lengths, response_mask=response,
+                              aggregation=mode).loss
+        torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.autograd.grad(parts, logprobs)[0],
+                                   torch.autograd.grad(whole, logprobs)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_global_counts_all_reduce_under_torch_distributed(tmp_path):
+    """The collective path runs (one gloo rank in-process: the sum over ranks is its own count)."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}",
+                                         rank=0, world_size=1)
+    try:
+        masks = [loss_mask(torch.tensor([3, 1, 4]), 4), loss_mask(torch.tensor([2]), 2)]
+        num_tokens, num_sequences = global_counts(masks)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (num_tokens.item(), num_sequences.item()) == (2 + 0 + 3 + 1, 3)
 
 
 def test_bad_inputs_get_clear_errors():

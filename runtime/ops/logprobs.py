@@ -19,6 +19,7 @@ accumulator for low-precision weights.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -326,6 +327,9 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, index, *,
         use_triton = hidden.is_cuda and hidden.dtype != torch.float64
     elif use_triton and hidden.dtype == torch.float64:
         raise ValueError("token_logprobs: use_triton=True needs fp32/bf16/fp16 inputs, got float64")
+    elif use_triton and not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("token_logprobs: use_triton=True needs CUDA tensors (or TRITON_INTERPRET=1 "
+                         f"on CPU), got hidden on {hidden.device}")
     plan = _plan_targets(index, hidden.shape[0], chunk_tokens)
     target_logprob, needed_entropy = _ChunkedLogProbs.apply(hidden, lm_head_weight, plan,
                                                             float(temperature), bool(use_triton))
