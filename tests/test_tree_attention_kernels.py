@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harts_compiler.codegen.kernels.tree_attention.block_index import build_block_index
-from harts_compiler.codegen.kernels.tree_attention.configs import KernelConfig
+from harts_compiler.codegen.kernels.tree_attention.configs import uniform_config
 from harts_compiler.codegen.kernels.tree_attention.function import tree_attention, uses_triton
 from harts_compiler.codegen.kernels.tree_attention.reference import tree_attention_reference
 from harts_compiler.codegen.kernels.tree_attention.trees import (
@@ -18,10 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def small_config(block_m, block_n, block_ms):
-    return KernelConfig(block_m=block_m, block_n=block_n,
-                        fwd=dict(num_warps=4, num_stages=1),
-                        dq=dict(block_ms=block_ms, num_warps=4, num_stages=1),
-                        dkdv=dict(block_ms=block_ms, num_warps=4, num_stages=1))
+    return uniform_config(block_m, block_n, block_ms, num_warps=4, num_stages=1)
 
 
 def relative_error(actual, expected):
@@ -29,7 +26,7 @@ def relative_error(actual, expected):
 
 
 def check_against_reference(subtree_end, heads, head_dim, config, *, dtype=torch.float32,
-                            seed=0, tolerance=1e-5, use_default_index=False):
+                            seed=0, tolerance=1e-5, use_default_index=False, index_blocks=None):
     n_tokens = subtree_end.shape[0]
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(n_tokens, heads[0], head_dim, generator=gen, dtype=torch.float64)
@@ -40,8 +37,8 @@ def check_against_reference(subtree_end, heads, head_dim, config, *, dtype=torch
     leaves = [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
     subtree_end = subtree_end.to(DEVICE)
     assert uses_triton(leaves[0])
-    index = None if use_default_index else build_block_index(subtree_end, config.block_m,
-                                                              config.block_n)
+    index_blocks = index_blocks or (config.block_m, config.block_n) if config else None
+    index = None if use_default_index else build_block_index(subtree_end, *index_blocks)
     o = tree_attention(*leaves, subtree_end, scale=scale, block_index=index, config=config)
     # poison check: every output row must have been written with a finite value
     assert torch.isfinite(o).all()
@@ -66,8 +63,9 @@ def test_random_forests_gqa(seed):
 @pytest.mark.parametrize("block_m, block_n, block_ms", [(32, 16, 16), (16, 32, 16), (32, 32, 32)])
 def test_block_shapes(block_m, block_n, block_ms):
     layout = random_forest(np.random.default_rng(7), n_trees=2, wide_prob=1.0)
+    # the index is built at 16 x 16; the kernels derive their own tiles' lists from it
     check_against_reference(layout.subtree_end_tensor(), (2, 1), 32,
-                            small_config(block_m, block_n, block_ms))
+                            small_config(block_m, block_n, block_ms), index_blocks=(16, 16))
 
 
 def test_wide_tree_of_single_token_children():

@@ -3,13 +3,17 @@
 Deterministic: every gradient element is written by exactly one program, with a fixed loop
 order (no atomics).
 - ``delta[h, i] = sum_d o[i, h, d] * do[i, h, d]`` (fp32);
-- dq: one program per (query block, query head) walks the query block's visit list, in
-  sub-tiles of ``BMS`` rows (keeps q, do and the dq accumulator small at head dim 256);
+- dq: one program per (query sub-tile of ``BMS`` rows, query head) walks the visit list of the
+  query block that holds the sub-tile (small sub-tiles keep q, do and the fp32 dq accumulator
+  in registers at head dim 256);
 - dk/dv: one program per (key block, kv head) walks the *transposed* visit list (query blocks
-  that see the key block) for every query head of its GQA group, accumulating dk and dv in fp32.
+  that see the key block), in sub-tiles of ``BMS`` rows, for every query head of its GQA group.
+  It accumulates the *transposed* gradients ``dk^T, dv^T [D, BN]`` (fp32) as
+  ``do^T p`` and ``q^T ds``: k and v then only ever serve as shared-memory B operands, which
+  leaves the registers to the two accumulators (with ``k q^T`` as A operand, k and v would sit
+  in registers too and spill at D = 256).
 No ``tl.trans`` of a dot accumulator feeds another dot (Triton 3.6 Hopper miscompile, GPU.md):
-the dk/dv kernel computes the transposed scores ``k q^T`` directly, and only loaded tiles are
-transposed.
+only loaded tiles are transposed; p and ds enter the next dots untransposed.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .block_index import BlockIndex
+from .configs import KernelConfig
 from .forward import LOG2E
 from .interpreter_safe import interpreting
 
@@ -87,36 +92,44 @@ def tree_attn_bwd_dq_kernel(q, k, v, do, dq, lse, delta, subtree_end,
                             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, BMS: tl.constexpr,
                             INTERPRET: tl.constexpr):
+    SUBS: tl.constexpr = BM // BMS
     pid = tl.program_id(0)
     i_h = pid % HQ
-    i_m = tl.load(q_order + pid // HQ)
+    sub = (pid // HQ) % SUBS
+    i_m = tl.load(q_order + pid // (HQ * SUBS))
     i_kvh = i_h // (HQ // HKV)
     offs_d = tl.arange(0, D)
+    offs_m = i_m * BM + sub * BMS + tl.arange(0, BMS)
+    m_valid = offs_m < T
+    rows_m = offs_m.to(tl.int64) * (HQ * D) + i_h * D
+    b_q = tl.load(q + rows_m[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
+    b_do = tl.load(do + rows_m[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
+    b_lse = tl.load(lse + i_h.to(tl.int64) * T + offs_m, mask=m_valid, other=0.0)
+    b_delta = tl.load(delta + i_h.to(tl.int64) * T + offs_m, mask=m_valid, other=0.0)
+    b_dq = tl.zeros([BMS, D], dtype=tl.float32)
     start = tl.load(q_ptr + i_m)
     stop = tl.load(q_ptr + i_m + 1)
     full_stop = start + tl.load(q_full + i_m)
-    for sub in tl.static_range(BM // BMS):
-        offs_m = i_m * BM + sub * BMS + tl.arange(0, BMS)
-        m_valid = offs_m < T
-        rows_m = offs_m.to(tl.int64) * (HQ * D) + i_h * D
-        b_q = tl.load(q + rows_m[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
-        b_do = tl.load(do + rows_m[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
-        b_lse = tl.load(lse + i_h.to(tl.int64) * T + offs_m, mask=m_valid, other=0.0)
-        b_delta = tl.load(delta + i_h.to(tl.int64) * T + offs_m, mask=m_valid, other=0.0)
-        b_dq = tl.zeros([BMS, D], dtype=tl.float32)
-        b_dq = _dq_range(b_q, b_do, b_lse, b_delta, b_dq, k, v, subtree_end, q_cols, start,
-                         full_stop, offs_m, offs_d, T, i_kvh, scale_log2, HKV, D, BN, False,
-                         INTERPRET)
-        b_dq = _dq_range(b_q, b_do, b_lse, b_delta, b_dq, k, v, subtree_end, q_cols, full_stop,
-                         stop, offs_m, offs_d, T, i_kvh, scale_log2, HKV, D, BN, True, INTERPRET)
-        tl.store(dq + rows_m[:, None] + offs_d[None, :], (b_dq * scale).to(dq.dtype.element_ty),
-                 mask=m_valid[:, None])
+    b_dq = _dq_range(b_q, b_do, b_lse, b_delta, b_dq, k, v, subtree_end, q_cols, start,
+                     full_stop, offs_m, offs_d, T, i_kvh, scale_log2, HKV, D, BN, False,
+                     INTERPRET)
+    b_dq = _dq_range(b_q, b_do, b_lse, b_delta, b_dq, k, v, subtree_end, q_cols, full_stop,
+                     stop, offs_m, offs_d, T, i_kvh, scale_log2, HKV, D, BN, True, INTERPRET)
+    tl.store(dq + rows_m[:, None] + offs_d[None, :], (b_dq * scale).to(dq.dtype.element_ty),
+             mask=m_valid[:, None])
 
 
 @triton.jit
-def _dkdv_block(b_k, b_v, b_dk, b_dv, q, do, lse, delta, offs_n, b_end, i_h, i_m, sub, offs_d,
-                T, scale_log2, HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                BMS: tl.constexpr, MASKED: tl.constexpr):
+def _dkdv_step(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows, first, count,
+               it, i_kvh, offs_d, T, scale_log2, HQ: tl.constexpr, HKV: tl.constexpr,
+               D: tl.constexpr, BM: tl.constexpr, BMS: tl.constexpr, MASKED: tl.constexpr):
+    # flat step `it` = (group head, visiting query block, sub-tile), sub-tile fastest
+    G: tl.constexpr = HQ // HKV
+    SUBS: tl.constexpr = BM // BMS
+    sub = it % SUBS
+    pair = it // SUBS
+    i_h = i_kvh * G + pair // count
+    i_m = tl.load(k_rows + first + pair % count)
     offs_m = i_m * BM + sub * BMS + tl.arange(0, BMS)
     rows_m = offs_m.to(tl.int64) * (HQ * D) + i_h * D
     head_row = i_h.to(tl.int64) * T
@@ -131,53 +144,41 @@ def _dkdv_block(b_k, b_v, b_dk, b_dv, q, do, lse, delta, offs_n, b_end, i_h, i_m
         b_do = tl.load(do + rows_m[:, None] + offs_d[None, :])
         b_lse = tl.load(lse + head_row + offs_m)
         b_delta = tl.load(delta + head_row + offs_m)
-    # transposed probabilities [BN, BMS], computed directly from k q^T
-    b_pt = tl.exp2(tl.dot(b_k, tl.trans(b_q)) * scale_log2 - b_lse[None, :])
+    # [BMS, BN] probabilities of this query sub-tile against the key block
+    b_p = tl.exp2(tl.dot(b_q, tl.trans(b_k)) * scale_log2 - b_lse[:, None])
     if MASKED:
-        visible = ((offs_n[:, None] <= offs_m[None, :]) & (offs_m[None, :] < b_end[:, None])
-                   & (offs_m[None, :] < T))
-        b_pt = tl.where(visible, b_pt, 0.0)
-    b_dv += tl.dot(b_pt.to(b_do.dtype), b_do)
-    b_dpt = tl.dot(b_v, tl.trans(b_do))
-    b_dst = b_pt * (b_dpt - b_delta[None, :])
-    b_dk += tl.dot(b_dst.to(b_q.dtype), b_q)
-    return b_dk, b_dv
+        visible = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < b_end[None, :])
+                   & (offs_m[:, None] < T))
+        b_p = tl.where(visible, b_p, 0.0)
+    b_dvt += tl.dot(tl.trans(b_do), b_p.to(b_do.dtype))
+    b_dp = tl.dot(b_do, tl.trans(b_v))
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    b_dkt += tl.dot(tl.trans(b_q), b_ds.to(b_q.dtype))
+    return b_dkt, b_dvt
 
 
 @triton.jit
-def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, offs_n, b_end, k_rows, first, count, it,
-               i_kvh, offs_d, T, scale_log2, HQ: tl.constexpr, HKV: tl.constexpr,
-               D: tl.constexpr, BM: tl.constexpr, BMS: tl.constexpr, MASKED: tl.constexpr):
-    G: tl.constexpr = HQ // HKV
-    i_h = i_kvh * G + it // count
-    i_m = tl.load(k_rows + first + it % count)
-    for sub in tl.static_range(BM // BMS):
-        b_dk, b_dv = _dkdv_block(b_k, b_v, b_dk, b_dv, q, do, lse, delta, offs_n, b_end, i_h, i_m,
-                                 sub, offs_d, T, scale_log2, HQ, D, BM, BMS, MASKED)
-    return b_dk, b_dv
-
-
-@triton.jit
-def _dkdv_range(b_k, b_v, b_dk, b_dv, q, do, lse, delta, offs_n, b_end, k_rows, first, count,
+def _dkdv_range(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows, first, count,
                 i_kvh, offs_d, T, scale_log2, HQ: tl.constexpr, HKV: tl.constexpr,
                 D: tl.constexpr, BM: tl.constexpr, BMS: tl.constexpr, MASKED: tl.constexpr,
                 INTERPRET: tl.constexpr):
-    # one flat loop over (group head, visiting query block) pairs: Triton software-pipelines
-    # only innermost loops; the while loop is for the interpreter (interpreter_safe.py)
+    # one flat loop: Triton software-pipelines only innermost loops, and a single loop body
+    # keeps one set of pipeline buffers; the while loop is for the interpreter
     G: tl.constexpr = HQ // HKV
+    SUBS: tl.constexpr = BM // BMS
     if INTERPRET:
         it = count * 0
-        while it < G * count:
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, offs_n, b_end, k_rows,
-                                    first, count, it, i_kvh, offs_d, T, scale_log2, HQ, HKV, D,
-                                    BM, BMS, MASKED)
+        while it < G * count * SUBS:
+            b_dkt, b_dvt = _dkdv_step(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end,
+                                      k_rows, first, count, it, i_kvh, offs_d, T, scale_log2,
+                                      HQ, HKV, D, BM, BMS, MASKED)
             it += 1
     else:
-        for it in range(0, G * count):
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, offs_n, b_end, k_rows,
-                                    first, count, it, i_kvh, offs_d, T, scale_log2, HQ, HKV, D,
-                                    BM, BMS, MASKED)
-    return b_dk, b_dv
+        for it in range(0, G * count * SUBS):
+            b_dkt, b_dvt = _dkdv_step(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end,
+                                      k_rows, first, count, it, i_kvh, offs_d, T, scale_log2,
+                                      HQ, HKV, D, BM, BMS, MASKED)
+    return b_dkt, b_dvt
 
 
 @triton.jit
@@ -196,49 +197,73 @@ def tree_attn_bwd_dkdv_kernel(q, k, v, do, dk, dv, lse, delta, subtree_end,
     b_k = tl.load(k + rows_n[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
     b_v = tl.load(v + rows_n[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
     b_end = tl.load(subtree_end + offs_n, mask=n_valid, other=0)
-    b_dk = tl.zeros([BN, D], dtype=tl.float32)
-    b_dv = tl.zeros([BN, D], dtype=tl.float32)
+    # transposed accumulators [D, BN]
+    b_dkt = tl.zeros([D, BN], dtype=tl.float32)
+    b_dvt = tl.zeros([D, BN], dtype=tl.float32)
     start = tl.load(k_ptr + i_n)
     n_full = tl.load(k_full + i_n)
     n_partial = tl.load(k_ptr + i_n + 1) - start - n_full
-    b_dk, b_dv = _dkdv_range(b_k, b_v, b_dk, b_dv, q, do, lse, delta, offs_n, b_end, k_rows,
-                             start, n_full, i_kvh, offs_d, T, scale_log2, HQ, HKV, D, BM, BMS,
-                             False, INTERPRET)
-    b_dk, b_dv = _dkdv_range(b_k, b_v, b_dk, b_dv, q, do, lse, delta, offs_n, b_end, k_rows,
-                             start + n_full, n_partial, i_kvh, offs_d, T, scale_log2, HQ, HKV, D,
-                             BM, BMS, True, INTERPRET)
-    tl.store(dk + rows_n[:, None] + offs_d[None, :], (b_dk * scale).to(dk.dtype.element_ty),
-             mask=n_valid[:, None])
-    tl.store(dv + rows_n[:, None] + offs_d[None, :], b_dv.to(dv.dtype.element_ty),
-             mask=n_valid[:, None])
+    b_dkt, b_dvt = _dkdv_range(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows,
+                               start, n_full, i_kvh, offs_d, T, scale_log2, HQ, HKV, D, BM, BMS,
+                               False, INTERPRET)
+    b_dkt, b_dvt = _dkdv_range(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows,
+                               start + n_full, n_partial, i_kvh, offs_d, T, scale_log2, HQ, HKV,
+                               D, BM, BMS, True, INTERPRET)
+    # store through transposed pointers (no tl.trans of the accumulators)
+    p_t = rows_n[None, :] + offs_d[:, None]
+    tl.store(dk + p_t, (b_dkt * scale).to(dk.dtype.element_ty), mask=n_valid[None, :])
+    tl.store(dv + p_t, b_dvt.to(dv.dtype.element_ty), mask=n_valid[None, :])
+
+
+def bwd_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """delta [HQ, T] fp32 = rowsum(o * do)."""
+    n_tokens, n_q_heads, head_dim = o.shape
+    delta = torch.empty(n_q_heads, n_tokens, dtype=torch.float32, device=o.device)
+    rows = 64 if head_dim <= 128 else 32
+    if n_tokens:
+        tree_attn_bwd_delta_kernel[(triton.cdiv(n_tokens, rows), n_q_heads)](
+            o, do, delta, n_tokens, HQ=n_q_heads, D=head_dim, BT=rows)
+    return delta
+
+
+def _launch_args(q, k, index: BlockIndex, launch: dict) -> dict:
+    return dict(HQ=q.shape[1], HKV=k.shape[1], D=q.shape[2], BM=index.block_m, BN=index.block_n,
+                BMS=min(launch["block_ms"], index.block_m), INTERPRET=interpreting(),
+                num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+
+
+def bwd_dq(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scale: float,
+           launch: dict) -> torch.Tensor:
+    index = index.with_blocks(launch["block_m"], launch["block_n"])
+    dq = torch.empty_like(q)
+    args = _launch_args(q, k, index, launch)
+    grid = (index.num_query_blocks * (index.block_m // args["BMS"]) * q.shape[1],)
+    if grid[0]:
+        tree_attn_bwd_dq_kernel[grid](
+            q, k, v, do, dq, lse, delta, subtree_end, index.q_ptr, index.q_cols, index.q_full,
+            index.q_order, scale, scale * LOG2E, q.shape[0], **args)
+    return dq
+
+
+def bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scale: float,
+             launch: dict):
+    index = index.with_blocks(launch["block_m"], launch["block_n"])
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    grid = (index.num_key_blocks * k.shape[1],)
+    if grid[0]:
+        tree_attn_bwd_dkdv_kernel[grid](
+            q, k, v, do, dk, dv, lse, delta, subtree_end, index.k_ptr, index.k_rows,
+            index.k_full, index.k_order, scale, scale * LOG2E, q.shape[0],
+            **_launch_args(q, k, index, launch))
+    return dk, dv
 
 
 def tree_attention_backward(q, k, v, o, do, lse, subtree_end, index: BlockIndex, scale: float,
-                            *, dq_config: dict, dkdv_config: dict):
-    """Gradients (dq, dk, dv) with the dtypes of q, k, v. Configs: dicts with keys
-    ``block_ms`` (query sub-tile rows), ``num_warps``, ``num_stages``."""
-    n_tokens, n_q_heads, head_dim = q.shape
-    n_kv_heads = k.shape[1]
+                            config: KernelConfig):
+    """Gradients (dq, dk, dv) with the dtypes of q, k, v (launch shapes from ``config``)."""
     do = do.contiguous()
-    delta = torch.empty(n_q_heads, n_tokens, dtype=torch.float32, device=q.device)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    if n_tokens == 0:
-        return dq, dk, dv
-    delta_rows = 64 if head_dim <= 128 else 32
-    tree_attn_bwd_delta_kernel[(triton.cdiv(n_tokens, delta_rows), n_q_heads)](
-        o, do, delta, n_tokens, HQ=n_q_heads, D=head_dim, BT=delta_rows)
-    common = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, BM=index.block_m, BN=index.block_n,
-                  INTERPRET=interpreting())
-    tree_attn_bwd_dq_kernel[(index.num_query_blocks * n_q_heads,)](
-        q, k, v, do, dq, lse, delta, subtree_end, index.q_ptr, index.q_cols, index.q_full,
-        index.q_order, scale, scale * LOG2E, n_tokens, **common,
-        BMS=min(dq_config["block_ms"], index.block_m), num_warps=dq_config["num_warps"],
-        num_stages=dq_config["num_stages"])
-    tree_attn_bwd_dkdv_kernel[(index.num_key_blocks * n_kv_heads,)](
-        q, k, v, do, dk, dv, lse, delta, subtree_end, index.k_ptr, index.k_rows, index.k_full,
-        index.k_order, scale, scale * LOG2E, n_tokens, **common,
-        BMS=min(dkdv_config["block_ms"], index.block_m), num_warps=dkdv_config["num_warps"],
-        num_stages=dkdv_config["num_stages"])
+    delta = bwd_delta(o, do)
+    dq = bwd_dq(q, k, v, do, lse, delta, subtree_end, index, scale, config.dq)
+    dk, dv = bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index, scale, config.dkdv)
     return dq, dk, dv

@@ -17,7 +17,7 @@ each key block) drive the dk/dv kernel, so it owns its key block's gradients: no
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,18 @@ class BlockIndex:
     k_rows: torch.Tensor     # [nnz] int32
     k_full: torch.Tensor     # [NN] int32
     k_order: torch.Tensor    # [NN] int32
+    subtree_end: torch.Tensor = field(repr=False, compare=False, default=None)
+    # lists at other block sizes, built on first request (kernels may tile differently)
+    _derived: dict = field(repr=False, compare=False, default_factory=dict)
+
+    def with_blocks(self, block_m: int, block_n: int) -> "BlockIndex":
+        """The visit lists of the same mask at other block sizes (built once, then cached)."""
+        if (block_m, block_n) == (self.block_m, self.block_n):
+            return self
+        key = (block_m, block_n)
+        if key not in self._derived:
+            self._derived[key] = build_block_index(self.subtree_end, block_m, block_n)
+        return self._derived[key]
 
     @property
     def num_query_blocks(self) -> int:
@@ -118,4 +130,4 @@ def build_block_index(subtree_end: torch.Tensor, block_m: int, block_n: int) -> 
     q_ptr, q_cols, q_full, q_order = _csr(visible, full)
     k_ptr, k_rows, k_full, k_order = _csr(visible.T, full.T)
     return BlockIndex(block_m, block_n, n_tokens, q_ptr, q_cols, q_full, q_order,
-                      k_ptr, k_rows, k_full, k_order)
+                      k_ptr, k_rows, k_full, k_order, subtree_end)

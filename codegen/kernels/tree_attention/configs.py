@@ -1,31 +1,52 @@
 """Launch configurations of the tree-attention kernels, per head dim (tuned on one H200).
 
-The block index fixes the query/key block sizes shared by all three kernels (BM x BN); the
-backward kernels further split each query block into sub-tiles of ``block_ms`` rows so that
-q, do and the fp32 accumulators fit in registers and shared memory at head dim 256.
-See bench/NOTES_attention.md for the measurements behind these numbers.
+Each kernel has its own tile: ``block_m`` x ``block_n`` are the query/key block sizes of the
+visit lists it walks (``BlockIndex.with_blocks`` derives lists at other sizes from the one index
+codegen builds per microbatch, once); the backward kernels split each query block into sub-tiles
+of ``block_ms`` rows. Sizes were chosen with ``resources.py`` (no register spills, shared memory
+within Hopper's 227 KB) and timed on the H200: see bench/NOTES_attention.md.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 
+def _launch(block_m, block_n, num_warps, num_stages, block_ms=None) -> dict:
+    out = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    if block_ms is not None:
+        out["block_ms"] = block_ms
+    return out
+
+
 @dataclass(frozen=True)
 class KernelConfig:
-    block_m: int = 128
-    block_n: int = 64
-    fwd: dict = field(default_factory=lambda: dict(num_warps=8, num_stages=2))
-    dq: dict = field(default_factory=lambda: dict(block_ms=64, num_warps=8, num_stages=2))
-    dkdv: dict = field(default_factory=lambda: dict(block_ms=64, num_warps=8, num_stages=2))
+    fwd: dict = field(default_factory=lambda: _launch(128, 32, 8, 3))
+    dq: dict = field(default_factory=lambda: _launch(128, 32, 8, 2, block_ms=64))
+    dkdv: dict = field(default_factory=lambda: _launch(128, 32, 8, 2, block_ms=64))
+
+    @property
+    def block_m(self) -> int:
+        """Block sizes of the index built when the caller passes none (the forward's)."""
+        return self.fwd["block_m"]
+
+    @property
+    def block_n(self) -> int:
+        return self.fwd["block_n"]
+
+
+def uniform_config(block_m: int, block_n: int, block_ms: int, num_warps: int,
+                   num_stages: int) -> KernelConfig:
+    """One tile and launch shape for all three kernels (tests, sweeps)."""
+    return KernelConfig(fwd=_launch(block_m, block_n, num_warps, num_stages),
+                        dq=_launch(block_m, block_n, num_warps, num_stages, block_ms),
+                        dkdv=_launch(block_m, block_n, num_warps, num_stages, block_ms))
 
 
 CONFIGS = {
-    64: KernelConfig(fwd=dict(num_warps=4, num_stages=3),
-                     dq=dict(block_ms=64, num_warps=4, num_stages=3),
-                     dkdv=dict(block_ms=64, num_warps=4, num_stages=3)),
-    128: KernelConfig(fwd=dict(num_warps=8, num_stages=3),
-                      dq=dict(block_ms=64, num_warps=4, num_stages=2),
-                      dkdv=dict(block_ms=64, num_warps=8, num_stages=2)),
+    64: KernelConfig(fwd=_launch(128, 64, 4, 3), dq=_launch(128, 64, 4, 2, block_ms=64),
+                     dkdv=_launch(128, 64, 4, 2, block_ms=64)),
+    128: KernelConfig(fwd=_launch(128, 64, 8, 3), dq=_launch(128, 64, 8, 2, block_ms=64),
+                      dkdv=_launch(128, 64, 8, 2, block_ms=64)),
     256: KernelConfig(),
 }
 

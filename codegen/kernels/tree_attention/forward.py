@@ -104,9 +104,11 @@ def tree_attn_fwd_kernel(q, k, v, o, lse, subtree_end, q_ptr, q_cols, q_full, q_
 
 def tree_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            subtree_end: torch.Tensor, index: BlockIndex, scale: float,
-                           *, num_warps: int, num_stages: int):
-    """Returns o [T, HQ, D] (dtype of q) and lse [HQ, T] fp32 (base 2, scaled scores)."""
+                           launch: dict):
+    """Returns o [T, HQ, D] (dtype of q) and lse [HQ, T] fp32 (base 2, scaled scores).
+    ``launch``: block_m, block_n, num_warps, num_stages (configs.py)."""
     n_tokens, n_q_heads, head_dim = q.shape
+    index = index.with_blocks(launch["block_m"], launch["block_n"])
     o = torch.empty_like(q)
     lse = torch.empty(n_q_heads, n_tokens, dtype=torch.float32, device=q.device)
     grid = (index.num_query_blocks * n_q_heads,)
@@ -115,5 +117,5 @@ def tree_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q, k, v, o, lse, subtree_end, index.q_ptr, index.q_cols, index.q_full, index.q_order,
             scale * LOG2E, n_tokens, HQ=n_q_heads, HKV=k.shape[1], D=head_dim,
             BM=index.block_m, BN=index.block_n, INTERPRET=interpreting(),
-            num_warps=num_warps, num_stages=num_stages)
+            num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     return o, lse

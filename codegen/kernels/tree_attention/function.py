@@ -22,7 +22,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class TreeAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, subtree_end, scale: float, index: BlockIndex, config: KernelConfig):
-        o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, **config.fwd)
+        o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, config.fwd)
         ctx.save_for_backward(q, k, v, o, lse, subtree_end)
         ctx.scale, ctx.index, ctx.config = scale, index, config
         return o
@@ -31,8 +31,7 @@ class TreeAttentionFunction(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, subtree_end = ctx.saved_tensors
         dq, dk, dv = tree_attention_backward(q, k, v, o, do, lse, subtree_end, ctx.index,
-                                             ctx.scale, dq_config=ctx.config.dq,
-                                             dkdv_config=ctx.config.dkdv)
+                                             ctx.scale, ctx.config)
         return dq, dk, dv, None, None, None, None
 
 
@@ -51,9 +50,6 @@ def _check_block_index(index: BlockIndex, subtree_end: torch.Tensor) -> None:
                          f"but subtree_end has T={subtree_end.shape[0]}")
     if index.device != subtree_end.device:
         raise ValueError(f"block_index is on {index.device}, subtree_end on {subtree_end.device}")
-    if index.block_m < 16 or index.block_n < 16:
-        raise ValueError(f"block_index blocks ({index.block_m}, {index.block_n}) must be >= 16 "
-                         "for the Triton kernels")
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor,
@@ -64,6 +60,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     q [T, HQ, D], k/v [T, HKV, D] (HQ % HKV == 0), subtree_end [T] int32 -> o [T, HQ, D].
     ``block_index``: from ``build_block_index(subtree_end, block_m, block_n)``, built once per
     microbatch and reused by every layer; built here (with the config's block sizes) if omitted.
+    Kernels whose tiles differ from its block sizes derive their lists from it once (cached on
+    the index), so any block sizes work; ``config_for(D).block_m, .block_n`` avoid the derivation.
     ``config``: launch configuration override (benchmarks); default per head dim.
     """
     check_tree_attention_inputs(q, k, v, subtree_end)
