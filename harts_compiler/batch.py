@@ -65,6 +65,8 @@ class TreeBatch:
         problems = []
         if len(ids) != len(token_lists):
             raise InputError(f"ids: {len(ids)} ids for {len(token_lists)} trajectories")
+        if not ids:
+            raise InputError("input: no trajectories")
         arrays = []
         for j, tokens in enumerate(token_lists):
             if not isinstance(ids[j], str):
@@ -78,6 +80,9 @@ class TreeBatch:
             if array.dtype.kind not in "iu":
                 problems.append(f"trajectory {ids[j]!r}: field tokens: non-integer token "
                                 f"(dtype {array.dtype})")
+                continue
+            if array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max:
+                problems.append(f"trajectory {ids[j]!r}: field tokens: token id beyond int64")
                 continue
             if array.dtype.kind == "i" and array.min() < 0:
                 at = int(np.argmax(array < 0))

@@ -20,8 +20,10 @@ def token_node_and_position(node_start, node_length, node_position):
     """Per-token node and position, for nodes stored back to back in node order."""
     total = int(node_length.sum())
     token_node = np.repeat(np.arange(node_length.size, dtype=np.int64), node_length)
-    offset_in_node = np.arange(total, dtype=np.int64) - node_start[token_node]
-    return token_node, node_position[token_node] + offset_in_node
+    # position = compact index - node start + node position, one repeat instead of two gathers
+    token_position = np.repeat(node_position - node_start, node_length)
+    token_position += np.arange(total, dtype=np.int64)
+    return token_node, token_position
 
 
 def bottom_up_order(node_position: np.ndarray) -> np.ndarray:
@@ -130,13 +132,12 @@ def trajectory_runs(node_parent, node_start, node_length, node_cont_child, traj_
 
 
 def layout_tables(node_parent, node_tree, node_start, node_length, node_position,
-                  node_cont_child, traj_end_node, num_trees) -> dict:
+                  node_cont_child, traj_end_node, num_trees, with_token_tables=True) -> dict:
     """All stored Forest fields that follow from a laid-out (preorder) node table.
 
     The conv predecessor table and the log-prob target table are not stored batch-wide (they are
     3 and 3 more int64 arrays of T rows): `Forest.conv_pred()` / `Forest.targets()` derive them
     from token_pred on demand, and codegen builds them per microbatch."""
-    token_node, token_position = token_node_and_position(node_start, node_length, node_position)
     node_end = subtree_node_end(node_parent)
     bounds = np.append(node_start, int(node_length.sum()))
     subtree_end = bounds[node_end]
@@ -148,10 +149,13 @@ def layout_tables(node_parent, node_tree, node_start, node_length, node_position
     tree_end = np.zeros(num_trees, np.int64)
     tree_start[node_tree[roots]] = node_start[roots]
     tree_end[node_tree[roots]] = subtree_end[roots]
-    return dict(
-        token_node=token_node, token_position=token_position,
+    tables = dict(
         node_subtree_end=subtree_end,
         node_multiplicity=multiplicity(node_parent, node_position, traj_end_node),
         token_pred=token_pred,
         traj_run_ptr=ptr, run_start=run_start, run_length=run_length,
         tree_start=tree_start, tree_end=tree_end)
+    if with_token_tables:
+        tables["token_node"], tables["token_position"] = token_node_and_position(
+            node_start, node_length, node_position)
+    return tables

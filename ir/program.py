@@ -156,19 +156,26 @@ class Program:
             return "laid-out" if self.forest.laid_out else "compressed"
         return "input"
 
-    def verify(self) -> None:
-        if self.trajectories is not None:
+    def verify(self, unchanged_from: "Program | None" = None) -> None:
+        """Check every invariant of every present part. With `unchanged_from` (an already
+        verified Program), parts that are the very same objects there — and whose inputs are
+        too — are not checked again (the pass manager uses this between passes)."""
+        same = (lambda name: unchanged_from is not None
+                and getattr(unchanged_from, name) is getattr(self, name))
+        if self.trajectories is not None and not same("trajectories"):
             self.trajectories.verify()
-        if self.forest is not None:
+        if self.forest is not None and not same("forest"):
             self.forest.verify()
         if self.sequences is not None:
             if self.forest is None or not self.forest.laid_out:
                 raise IRError("Program: sequences need a laid-out forest")
-            self.sequences.verify(self.forest)
+            if not (same("sequences") and same("forest")):
+                self.sequences.verify(self.forest)
         if self.microbatches is not None:
             if self.forest is None or not self.forest.laid_out:
                 raise IRError("Program: microbatches need a laid-out forest")
-            self.microbatches.verify(self.forest)
+            if not (same("microbatches") and same("forest")):
+                self.microbatches.verify(self.forest)
         if self.forest is None and self.trajectories is None:
             raise IRError("Program: empty (neither trajectories nor forest)")
 

@@ -109,6 +109,10 @@ def test_python_api_errors():
         TreeBatch.from_trajectories([[1, -2]])
     with pytest.raises(InputError, match="non-integer"):
         TreeBatch.from_trajectories([[1.5]])
+    with pytest.raises(InputError, match="no trajectories"):
+        TreeBatch.from_trajectories([])
+    with pytest.raises(InputError, match="no trajectories"):
+        TreeBatch.from_jsonl_lines(["", "  "])
 
 
 def test_vocab_bound():

@@ -1,0 +1,111 @@
+"""Compile speed: trajectory tokens per second of `harts compile` without the schedule pass.
+
+Batch (seeded): `--groups` groups x `--rollouts` trajectories x `--length` tokens each (default
+64 x 8 x 32768 = 16.8 M trajectory tokens): one system prompt shared by every group, a task
+statement per group, and rollouts that fork from an earlier rollout of their group at a random
+point (tree rollouts) or start fresh after the task. Goal (issue 2): >= 5 M tokens/s on the 2-core
+CPU machine.
+
+Measures, best of `--repeats`:
+  compile          TreeBatch in memory -> prefix-compress, layout, replay-min (no IR verification)
+  compile+verify   the same with Program.verify() between passes (the CLI default)
+  load+compile     with `--jsonl`: parse + validate the JSONL file first (what `harts compile` does)
+
+    python bench/compile_speed.py [--groups 64 --rollouts 8 --length 32768] [--jsonl] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+
+import numpy as np
+
+import harts_compiler as hc
+
+PASSES = ["prefix-compress", "layout", "replay-min"]
+
+
+def make_batch(groups: int, rollouts: int, length: int, seed: int = 0,
+               vocab: int = 151936) -> hc.TreeBatch:
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab, min(4096, length // 4))
+    token_lists = []
+    for _ in range(groups):
+        task = np.concatenate([system, rng.integers(0, vocab, int(rng.integers(200, 1500)))])
+        group: list[np.ndarray] = []
+        for _ in range(rollouts):
+            if group and rng.random() < 0.6:
+                parent = group[int(rng.integers(len(group)))]
+                cut = int(rng.integers(task.size, length))
+                prefix = parent[:cut]
+            else:
+                prefix = task
+            group.append(np.concatenate([prefix, rng.integers(0, vocab, length - prefix.size)]))
+        token_lists += group
+    return hc.TreeBatch.from_trajectories(token_lists)
+
+
+def best_of(repeats: int, fn) -> tuple[float, object]:
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--rollouts", type=int, default=8)
+    parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jsonl", action="store_true", help="also time JSONL load + compile")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+
+    batch = make_batch(args.groups, args.rollouts, args.length, args.seed)
+    tokens = int(batch.tokens.size)
+    fast = hc.CompileOptions(verify=False)
+    checked = hc.CompileOptions(verify=True)
+    results = {"trajectory_tokens": tokens, "trajectories": len(batch), "cpus": os.cpu_count(),
+               "machine": platform.processor() or platform.machine()}
+    seconds, plan = best_of(args.repeats, lambda: hc.compile(batch, fast, passes=PASSES))
+    results.update(compact_tokens=plan.stats["compact_tokens"],
+                   compression=plan.stats["compression"], rounds=plan.stats["rounds"],
+                   compile_s=round(seconds, 4), compile_tokens_per_s=round(tokens / seconds),
+                   passes_ms={p["name"]: p["ms"] for p in plan.stats["passes"]})
+    seconds, _ = best_of(args.repeats, lambda: hc.compile(batch, checked, passes=PASSES))
+    results.update(compile_verify_s=round(seconds, 4),
+                   compile_verify_tokens_per_s=round(tokens / seconds))
+    if args.jsonl:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "batch.jsonl")
+            batch.save(path)
+            seconds, _ = best_of(args.repeats, lambda: hc.compile(hc.TreeBatch.load(path), fast,
+                                                                  passes=PASSES))
+        results.update(load_compile_s=round(seconds, 4),
+                       load_compile_tokens_per_s=round(tokens / seconds))
+    if args.json:
+        print(json.dumps(results))
+        return
+    print(f"batch: {results['trajectories']} trajectories, {tokens:,} trajectory tokens -> "
+          f"{results['compact_tokens']:,} compact (compression {results['compression']}x), "
+          f"rounds {results['rounds']}")
+    print(f"compile (no verify):  {results['compile_s']:.3f} s  "
+          f"{results['compile_tokens_per_s'] / 1e6:.1f} M tokens/s  {results['passes_ms']}")
+    print(f"compile + verify:     {results['compile_verify_s']:.3f} s  "
+          f"{results['compile_verify_tokens_per_s'] / 1e6:.1f} M tokens/s")
+    if args.jsonl:
+        print(f"load JSONL + compile: {results['load_compile_s']:.3f} s  "
+              f"{results['load_compile_tokens_per_s'] / 1e6:.1f} M tokens/s")
+
+
+if __name__ == "__main__":
+    main()
