@@ -15,6 +15,12 @@ forms ``d logits`` in closed form (``onehot - softmax`` for a log-prob, ``-p (lo
 entropy), then ``d hidden`` and ``d lm_head_weight`` (accumulated over chunks in fp32).
 Peak extra memory is a few ``[chunk_tokens, V]`` fp32 buffers plus one fp32 ``[V, D]`` gradient
 accumulator for low-precision weights.
+
+Per chunk the matmuls are cuBLAS (bf16 in, fp32 logits out, no bf16 rounding of logits); the
+element-wise softmax work is either plain torch (CPU, fp64, the oracle path) or one-pass Triton
+kernels (`logprobs_kernels`, the default on CUDA). Measured on one H200 (bench/logprobs.py,
+T=32768, V=151936, D=2048, bf16, log-probs + entropy, fwd+bwd): 144 ms and 4.8 GiB peak at
+chunk_tokens=4096 vs 261 ms and 92.7 GiB for dense log_softmax + gather.
 """
 from __future__ import annotations
 
