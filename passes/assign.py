@@ -112,13 +112,12 @@ def assign(item_tokens, item_cost, *, token_budget: int | None, dp_size: int,
                          seed=seed, workers=workers)
         steps, deterministic = result.steps, result.deterministic
         bound = max(bound, result.bound)
+        # The result is never worse than the greedy plan (every stage keeps the best plan).
         value = plan_objective(cost, result.rank, result.slot, dp_size, n_slots, objective)
         if value < greedy_value * (1 - 1e-12):
             rank, slot, method = result.rank, result.slot, result.method
-        if value <= bound * (1 + 1e-9) or (result.optimal and method == "cp-sat"):
+        if result.optimal or value <= bound * (1 + 1e-9):
             status = "OPTIMAL"
-        elif result.optimal:  # the whole-problem model proved the greedy plan optimal
-            status, bound = "OPTIMAL", max(bound, greedy_value)
         elif method.startswith("cp-sat"):
             status = "FEASIBLE"
     slot_tokens, slot_cost = _slot_totals(tokens, cost, rank, slot, dp_size, n_slots)
@@ -313,31 +312,29 @@ def _improve(tokens, cost, budget, dp_size, n_slots, objective, rank, slot, *, d
     units = units.astype(np.int64)
     clock = _Budget(deadline, time_limit_s * DET_UNITS_PER_SECOND)
     out = _Improved(rank.copy(), slot.copy())
-    if clock.left()[0] <= 0.002:  # no time left for even a tiny model
-        out.deterministic = not clock.wall_stopped
-        return out
-    if len(tokens) * dp_size * n_slots <= FULL_MODEL_MAX_VARS:
-        items = np.arange(len(tokens))
-        solution = _solve_cells(clock, items, tokens, units, budget, dp_size, n_slots, objective,
-                                rank, slot, seed, workers, det_cap=np.inf)
-        out.steps, out.method = 1, "cp-sat"
+    search = _local_search if objective == "sum_of_slot_max" else _local_search_total
+    moved, cut = search(tokens, cost, budget, out.rank, out.slot, dp_size, n_slots, deadline,
+                        int(MOVES_PER_SECOND * time_limit_s))
+    clock.wall_stopped |= cut
+    out.method = "greedy+local" if moved else "greedy"
+    if clock.left()[0] <= 0.002:
+        pass
+    elif len(tokens) * dp_size * n_slots <= FULL_MODEL_MAX_VARS:
+        solution = _solve_cells(clock, np.arange(len(tokens)), tokens, units, budget, dp_size,
+                                n_slots, objective, out.rank, out.slot, seed, workers,
+                                det_cap=np.inf)
+        out.steps = 1
         if solution is not None:
-            out.rank, out.slot, optimal, bound_units = solution
-            out.optimal = optimal
+            new_rank, new_slot, out.optimal, bound_units = solution
             # Back to cost units; each item's rounding moves a plan's value by <= half a unit.
             unit = max(cost.sum(), 1e-300) / COST_RESOLUTION
             out.bound = max(0.0, (bound_units - 0.5 * len(tokens)) * unit)
-    else:
-        if objective == "sum_of_slot_max":
-            moved, cut = _local_search(tokens, cost, budget, out.rank, out.slot, dp_size,
-                                       n_slots, deadline,
-                                       int(MOVES_PER_SECOND * time_limit_s))
-            clock.wall_stopped |= cut
-            out.method = "greedy+local" if moved else "greedy"
-        solved_before = _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective,
-                             seed, workers)
-        if solved_before:
-            out.method = "cp-sat-lns"
+            if plan_objective(cost, new_rank, new_slot, dp_size, n_slots, objective) < \
+                    plan_objective(cost, out.rank, out.slot, dp_size, n_slots, objective):
+                out.rank, out.slot, out.method = new_rank, new_slot, "cp-sat"
+    elif _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective, seed,
+              workers):
+        out.method = "cp-sat-lns"
     out.deterministic = not clock.wall_stopped
     return out
 
@@ -426,6 +423,55 @@ def _local_search(tokens, cost, budget, rank, slot, dp_size, n_slots, deadline,
                 break  # the slot's slowest rank may have changed
             if tries >= max_tries:
                 break
+    return changed, False
+
+
+def _local_search_total(tokens, cost, budget, rank, slot, dp_size, n_slots, deadline,
+                        max_tries: int) -> tuple[bool, bool]:
+    """Local search for max_rank_total, in place: move an item off the busiest rank into any
+    cell with room, or swap it with a cheaper item, when the two ranks' larger total drops
+    below the busiest rank's. Budgets and return values as `_local_search`."""
+    load = np.zeros((dp_size, n_slots))
+    used = np.zeros((dp_size, n_slots), dtype=np.int64)
+    np.add.at(load, (rank, slot), cost)
+    np.add.at(used, (rank, slot), tokens)
+    changed, tries = False, 0
+    while tries < max_tries:
+        if time.perf_counter() > deadline:
+            return changed, True
+        total = load.sum(axis=1)
+        g = int(np.argmax(total))
+        best = (total[g] * (1 - 1e-12), -1, -1, -1, -1)  # (new max of the pair, i, r2, s2, j)
+        for i in np.flatnonzero(rank == g):
+            tries += 1
+            s, c, t = slot[i], cost[i], tokens[i]
+            room = used + t <= budget
+            room[g] = False
+            pair_max = np.maximum(total[g] - c, total[:, None] + c)  # [ranks, slots]
+            cand = np.where(room, pair_max, np.inf)
+            r2, s2 = np.unravel_index(int(np.argmin(cand)), cand.shape)
+            if cand[r2, s2] < best[0]:
+                best = (cand[r2, s2], i, int(r2), int(s2), -1)
+            d = c - cost
+            ok = (d > 0) & (rank != g) & (used[g, s] - t + tokens <= budget)
+            ok &= used[rank, slot] + t - tokens <= budget
+            if ok.any():
+                js = np.flatnonzero(ok)
+                swap_max = np.maximum(total[g] - d[js], total[rank[js]] + d[js])
+                k = int(np.argmin(swap_max))
+                if swap_max[k] < best[0]:
+                    best = (swap_max[k], i, int(rank[js[k]]), int(slot[js[k]]), int(js[k]))
+        if best[1] < 0:
+            return changed, False
+        _, i, r2, s2, j = best
+        moves = [(i, g, slot[i], r2, s2)] + ([(j, r2, s2, g, slot[i])] if j >= 0 else [])
+        for item, r_from, s_from, r_to, s_to in moves:
+            load[r_from, s_from] -= cost[item]
+            used[r_from, s_from] -= tokens[item]
+            load[r_to, s_to] += cost[item]
+            used[r_to, s_to] += tokens[item]
+            rank[item], slot[item] = r_to, s_to
+        changed = True
     return changed, False
 
 

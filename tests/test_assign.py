@@ -94,11 +94,15 @@ def test_optimal_on_small_instances(seed, n, dp_size, num_slots, objective):
     assert a.status == "OPTIMAL"
 
 
-def test_solver_beats_greedy_on_the_classic_lpt_trap():
+def test_improves_on_greedy_lpt_trap_and_cp_sat_beats_local_search():
     # Two ranks, one slot: LPT puts 3,3 apart then 2,2,2 -> 7; the optimum is 3+3 | 2+2+2 = 6.
     cost = np.array([3.0, 3.0, 2.0, 2.0, 2.0])
     a = assign(np.ones(5, dtype=np.int64), cost, token_budget=None, dp_size=2, time_limit_s=5.0)
-    assert a.greedy_objective == 7.0 and a.objective == 6.0
+    assert a.greedy_objective == 7.0 and a.objective == 6.0 and a.status == "OPTIMAL"
+    # Here no single move or swap helps (greedy 72), only the exact model finds 71 = sum / 2.
+    cost = np.array([23.0, 33, 17, 30, 4, 21, 14])
+    a = assign(np.ones(7, dtype=np.int64), cost, token_budget=None, dp_size=2, time_limit_s=5.0)
+    assert a.greedy_objective == 72.0 and a.objective == 71.0
     assert a.status == "OPTIMAL" and a.method == "cp-sat"
 
 
