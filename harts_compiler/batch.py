@@ -153,7 +153,7 @@ class TreeBatch:
                 problems += tree_problems
                 continue
             node_tokens = {node.id: np.array(node.tokens, dtype=np.int64) for node in tree.nodes}
-            traj_ids, paths = tree_paths(tree, tree_where)
+            traj_ids, paths = tree_paths(tree)
             records.append(("tree", tree, len(ids), len(traj_ids)))
             for traj_id, path in zip(traj_ids, paths):
                 arrays.append(np.concatenate([node_tokens[n] for n in path]))

@@ -64,11 +64,11 @@ def _format_loc(loc) -> str:
     return out
 
 
-def tree_paths(tree: TreeRecord, where: str) -> tuple[list[str], list[list[NodeId]]]:
-    """Check an explicit tree's structure; return (trajectory ids, root-to-end node-id paths).
+def tree_paths(tree: TreeRecord) -> tuple[list[str], list[list[NodeId]]]:
+    """(trajectory ids, root-to-end node-id paths) of a tree that passed `check_tree`.
 
-    Raises nothing: structural problems are returned by `check_tree` instead. Call it first.
-    """
+    Without `trajectories` every leaf is one trajectory, named "<tree id>/<node id>". Nodes on
+    no trajectory's path carry no training signal and are dropped by the compiler."""
     by_id = {node.id: node for node in tree.nodes}
     if tree.trajectories is None:
         has_child = {node.parent for node in tree.nodes if node.parent is not None}

@@ -164,7 +164,7 @@ def parse_hir(text: str, arrays: dict | None = None) -> Program:
         raise IRError(f".hir: malformed record ({type(exc).__name__}: {exc})") from None
 
 
-def _tokens(record_list, key, external):
+def _tokens(record_list, external):
     if external is not None:
         return external
     parts = [r["tokens"] for r in record_list]
@@ -186,7 +186,7 @@ def _build(records: dict, arrays: dict | None) -> Program:
         else:
             offsets = np.zeros(len(trajs) + 1, np.int64)
             np.cumsum([r["tokens"].size for r in trajs], out=offsets[1:])
-        batch = Trajectories(tokens=_tokens(trajs, "tokens", arrays.get("trajectories.tokens")),
+        batch = Trajectories(tokens=_tokens(trajs, arrays.get("trajectories.tokens")),
                              offsets=offsets, ids=[r["id"] for r in trajs],
                              groups=[r["group"] for r in trajs])
     forest = _build_forest(records, arrays) if "forest" in records else None
@@ -207,7 +207,7 @@ def _build(records: dict, arrays: dict | None) -> Program:
 def _build_forest(records: dict, arrays: dict) -> Forest:
     head = records["forest"][0]
     nodes, ends = records.get("node", []), records.get("end", [])
-    token_ids = _tokens(nodes, "tokens", arrays.get("forest.token_ids"))
+    token_ids = _tokens(nodes, arrays.get("forest.token_ids"))
     parent, tree = _col(nodes, "parent"), _col(nodes, "tree")
     start, length, position = _col(nodes, "start"), _col(nodes, "len"), _col(nodes, "pos")
     end_node = _col(ends, "node")

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import derive
 from .errors import IRError
+from .forest import LAYOUT_FIELDS
 
 
 def _check(condition, message: str) -> None:
@@ -72,7 +73,7 @@ def verify_forest(f) -> None:
     if f.laid_out:
         _verify_layout(f)
     else:
-        for name in ("node_subtree_end", "node_cont_child", "token_pred"):
+        for name in LAYOUT_FIELDS:
             _check(getattr(f, name) is None, f"{name} is set before layout")
 
 
