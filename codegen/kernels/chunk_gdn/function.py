@@ -36,9 +36,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         g, beta = g.contiguous(), beta.contiguous()
         h0 = initial_state.to(torch.float32).contiguous()
-        gc, T, w, u = wy_fwd(k, v, g, beta, index)
-        h, v_new, bank = state_fwd(k, w, u, gc, h0, index)
-        o = output_fwd(q, k, v_new, gc, h, scale, index)
+        cfg = index.config
+        gc, T, w, u = wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps)
+        h, v_new, bank = state_fwd(k, w, u, gc, h0, index, block_v=cfg.scan_block_v, num_warps=cfg.scan_warps)
+        o = output_fwd(q, k, v_new, gc, h, scale, index, block_v=cfg.out_block_v, num_warps=cfg.out_warps)
         exported = bank[index.export_slot]
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
         ctx.scale, ctx.index = scale, index
@@ -59,8 +60,12 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             else:  # duplicates summed in a fixed order (index_add_ may use atomics on CUDA)
                 for e, slot in enumerate(index.export_slot.tolist()):
                     bank_grad[slot] += d_exported[e]
-        dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank_grad, ctx.scale, index)
-        dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index)
+        cfg = index.config
+        dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank_grad, ctx.scale, index, block_v=cfg.scan_block_v,
+                                 num_warps=cfg.scan_warps)
+        dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index,
+                                          block_v=cfg.out_block_v, warps_qk=cfg.bwd_qk_warps,
+                                          warps_wy=cfg.wy_bwd_warps)
         q_dt, k_dt, v_dt, g_dt, beta_dt, h0_dt = ctx.dtypes
         hk = q.shape[1]
         return (_group_sum(dq, hk).to(q_dt), _group_sum(dk, hk).to(k_dt), dv.to(v_dt), dg.to(g_dt),

@@ -13,6 +13,18 @@ import torch
 
 
 @dataclass(frozen=True)
+class GDNKernelConfig:
+    """Launch configuration: fixed per plan (never autotuned), so equal chunks give equal bits in any call."""
+    scan_block_v: int = 64      # state columns per scan program (more programs for few sequences when smaller)
+    scan_warps: int = 4
+    out_block_v: int = 64
+    out_warps: int = 4
+    wy_fwd_warps: int = 4
+    bwd_qk_warps: int = 8
+    wy_bwd_warps: int = 2       # GPU.md: WY backward at BT=64 miscompiled with 4 warps in fla on Hopper
+
+
+@dataclass(frozen=True)
 class GDNIndex:
     chunk_size: int
     num_seqs: int
@@ -27,6 +39,7 @@ class GDNIndex:
     export_slot: torch.Tensor       # [E] int64, slot of each requested export (duplicates share a slot)
     export_seq: tuple[int, ...]
     export_offset: tuple[int, ...]
+    config: GDNKernelConfig = GDNKernelConfig()
 
     def matches(self, seq_lengths, export_seq, export_offset, chunk_size) -> bool:
         return (self.seq_lengths == tuple(seq_lengths) and self.export_seq == tuple(export_seq)
@@ -34,7 +47,7 @@ class GDNIndex:
 
 
 def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_size: int = 64,
-                      device=None) -> GDNIndex:
+                      device=None, config: GDNKernelConfig | None = None) -> GDNIndex:
     """Chunk tables and the export bank layout for `cu_seqlens` (host tensor or list) and the exports.
 
     Exports must already be valid (see `inputs.validate_gdn_inputs`); this only lays them out.
@@ -72,4 +85,4 @@ def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_siz
         seq_chunk_start=as_tensor(seq_chunk_start, torch.int64), chunk_row_start=as_tensor(row_start, torch.int64),
         chunk_row_end=as_tensor(row_end, torch.int64), chunk_export=as_tensor(chunk_export, torch.int32),
         num_slots=len(slot_of), export_slot=as_tensor(np.asarray(export_slot, dtype=np.int64), torch.int64),
-        export_seq=e_seq, export_offset=e_off)
+        export_seq=e_seq, export_offset=e_off, config=config or GDNKernelConfig())

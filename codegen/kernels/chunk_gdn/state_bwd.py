@@ -77,7 +77,7 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export,
 def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seqlens, seq_chunk_start,
                       chunk_export, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads can pass 65535
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // HK)
     bos = tl.load(cu_seqlens + i_n)
@@ -117,7 +117,7 @@ def state_bwd(q, k, w, gc, do, bank_grad, scale, index, *, block_v: int = 64, nu
             q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, scale,
             HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, num_warps=num_warps)
     if index.num_seqs:
-        _state_bwd_kernel[(vd // bv, index.num_seqs * hv)](
+        _state_bwd_kernel[(index.num_seqs * hv, vd // bv)](
             q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens, index.seq_chunk_start,
             index.chunk_export, scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv,
             INTERPRET=interpreting(), num_warps=num_warps)

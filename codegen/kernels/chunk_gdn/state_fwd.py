@@ -55,7 +55,7 @@ def _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos
 def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_start, chunk_export,
                       HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads can pass 65535
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // HK)
     bos = tl.load(cu_seqlens + i_n)
@@ -116,7 +116,7 @@ def state_fwd(k, w, u, gc, initial_state, index, *, block_v: int = 64, num_warps
     v_new = torch.empty_like(u)
     bank = torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)
     if index.num_seqs:
-        _state_fwd_kernel[(vd // bv, index.num_seqs * hv)](
+        _state_fwd_kernel[(index.num_seqs * hv, vd // bv)](
             k, w, u, gc, initial_state, h, v_new, bank, index.cu_seqlens, index.seq_chunk_start,
             index.chunk_export, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(),
             num_warps=num_warps)
