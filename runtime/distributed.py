@@ -1,0 +1,235 @@
+"""Data-parallel execution of a compiled plan: one training step's forward, backward and
+gradient reduction over the (rank, slot) schedule of `harts_compiler.compile(..., dp_size=N)`.
+
+Every rank runs the same number of slots, in slot order (ranks proceed in lockstep, as the
+planner's cost model assumes); a (rank, slot) without a microbatch is an *empty slot*: the rank
+computes nothing there but still takes part in that slot's collectives (with `sync="slot"`), so
+no rank ever waits for a collective the others skip.
+
+Per non-empty slot: build the microbatch's index, forward, gather the per-trajectory loss inputs
+into the output's row order, loss with batch-global normalisers (known from the plan before any
+compute, so no collective is needed for them), backward; local gradients accumulate. Gradients
+are then summed over ranks (`dp_reduce.GradientReducer`): once per step (`sync="step"`, default:
+fewest collectives) or after every slot (`sync="slot"`: FSDP-like lockstep, each slot's reduction
+can overlap the next slot's compute on GPUs). Both give the same sums up to rounding order.
+
+Result: with the same weights, the reduced gradients and the global loss equal those of one
+process running the whole batch trajectory-wise (tests/test_distributed.py checks it over gloo).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from harts_compiler.objectives import LossOutput, loss_mask
+
+from .dp_inputs import GlobalNormalisers, TrajectoryInputs
+from .dp_objective import LossContext, LossFn, PPOObjective
+from .dp_reduce import GradientReducer
+
+SYNC_MODES = ("step", "slot")
+
+
+@dataclasses.dataclass
+class SlotMetrics:
+    """One (rank, slot): what it held and where its time went (seconds, wall clock)."""
+
+    slot: int
+    microbatch: int  # plan microbatch index; -1 = empty slot
+    trees: int = 0
+    compact_tokens: int = 0
+    trajectories: int = 0
+    trajectory_tokens: int = 0
+    loss_tokens: int = 0
+    index_s: float = 0.0  # building the MicrobatchIndex (host)
+    forward_s: float = 0.0  # forward + loss
+    backward_s: float = 0.0
+    reduce_s: float = 0.0  # sync="slot": this slot's gradient all-reduce (includes waiting)
+
+    @property
+    def compute_s(self) -> float:
+        return self.index_s + self.forward_s + self.backward_s
+
+
+@dataclasses.dataclass
+class RankMetrics:
+    rank: int
+    slots: list[SlotMetrics]
+    reduce_s: float = 0.0  # end-of-step all-reduce (gradients and loss statistics)
+    total_s: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return sum(s.compute_s for s in self.slots)
+
+    @property
+    def compact_tokens(self) -> int:
+        return sum(s.compact_tokens for s in self.slots)
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float  # the batch's loss: sum over all ranks and slots
+    local_loss: float  # this rank's share
+    normalisers: GlobalNormalisers
+    metrics: RankMetrics
+    all_ranks: list[RankMetrics] | None = None  # every rank's metrics (gather_metrics=True)
+    loss_metrics: list[dict] = dataclasses.field(default_factory=list)  # per non-empty slot
+
+
+def slot_schedule(plan, rank: int) -> list:
+    """This rank's microbatch of every slot (None = empty), over the plan's global slot count."""
+    mbs = plan.program.microbatches
+    if mbs is None:
+        raise ValueError("plan has no microbatches: compile it with the schedule pass")
+    num_slots = int(mbs.mb_slot.max()) + 1 if mbs.num_microbatches else 0
+    schedule = [None] * num_slots
+    for mb in plan.microbatches(rank):
+        if schedule[mb.slot] is not None:
+            raise ValueError(f"plan: rank {rank} has two microbatches in slot {mb.slot}")
+        schedule[mb.slot] = mb
+    return schedule
+
+
+def _topology(plan, process_group, rank, world_size) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        actual = (dist.get_rank(process_group), dist.get_world_size(process_group))
+        for name, given, real in (("rank", rank, actual[0]), ("world_size", world_size, actual[1])):
+            if given is not None and given != real:
+                raise ValueError(f"{name}={given} but the process group says {real}")
+        rank, world_size = actual
+    else:
+        rank, world_size = (0 if rank is None else rank), (1 if world_size is None else world_size)
+        if world_size != 1:
+            raise ValueError(f"world_size={world_size} needs an initialised torch.distributed "
+                             "process group")
+    dp_size = plan.program.microbatches.dp_size if plan.program.microbatches is not None else None
+    if dp_size != world_size:
+        raise ValueError(f"plan was compiled with dp_size={dp_size} but the step runs on "
+                         f"{world_size} rank(s): compile with dp_size={world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside [0, {world_size})")
+    return rank, world_size
+
+
+def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | None = None, *,
+                       process_group=None, rank: int | None = None,
+                       world_size: int | None = None, sync: str = "step",
+                       bucket_bytes: int = 64 << 20, zero_grad: bool = True,
+                       gather_metrics: bool = False, time_device: bool = True,
+                       **forward_kwargs) -> StepResult:
+    """Forward + backward of this rank's slots and the gradient sum over ranks.
+
+    model: a TreeModel (every rank the same weights); plan: compiled with dp_size = world size;
+    inputs: `TrajectoryInputs` of all the plan's trajectories (every rank holds all of them; they
+    are small); loss_fn: `PPOObjective()` by default. After the call every rank's `.grad` holds
+    the gradient of the whole batch's loss (summed, not averaged). `forward_kwargs` go to the
+    model (e.g. activation_checkpointing=True). `time_device` synchronises the device around each
+    phase so the per-slot times are real (costs a little overlap on GPUs).
+    """
+    if sync not in SYNC_MODES:
+        raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+    rank, world_size = _topology(plan, process_group, rank, world_size)
+    loss_fn = PPOObjective() if loss_fn is None else loss_fn
+    forest = plan.program.forest
+    if list(inputs.trajectory_ids) != list(forest.traj_ids):
+        raise ValueError("inputs: trajectory ids differ from the plan's (build them with "
+                         "TrajectoryInputs.for_plan(plan, ...))")
+    normalisers = inputs.normalisers()
+    schedule = slot_schedule(plan, rank)
+    device = next(model.parameters()).device
+    sync_device = (lambda: torch.cuda.synchronize(device)) if (
+        time_device and device.type == "cuda") else (lambda: None)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if zero_grad:
+        for p in params:
+            p.grad = None
+    reducer = GradientReducer(params, process_group, bucket_bytes) if world_size > 1 else None
+    step_start = time.perf_counter()
+    local_loss = torch.zeros((), dtype=torch.float64, device=device)
+    counts = torch.zeros(2, dtype=torch.float64, device=device)  # trajectories, loss tokens
+    slots, loss_metrics = [], []
+    for slot, microbatch in enumerate(schedule):
+        metrics = SlotMetrics(slot=slot, microbatch=-1 if microbatch is None else microbatch.index)
+        if microbatch is not None:
+            value, stats = _run_microbatch(model, microbatch, inputs, normalisers, loss_fn,
+                                           metrics, device, sync_device, forward_kwargs)
+            local_loss += value
+            counts += torch.tensor([metrics.trajectories, metrics.loss_tokens],
+                                   dtype=torch.float64, device=device)
+            loss_metrics.append(stats)
+        if reducer is not None and sync == "slot":
+            start = time.perf_counter()
+            reducer.reduce_into_accumulator()
+            sync_device()
+            metrics.reduce_s = time.perf_counter() - start
+        slots.append(metrics)
+
+    start = time.perf_counter()
+    totals = torch.cat([local_loss.reshape(1), counts])
+    if reducer is not None:
+        reducer.finish() if sync == "slot" else reducer.reduce_in_place()
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=process_group)
+    sync_device()
+    rank_metrics = RankMetrics(rank=rank, slots=slots, reduce_s=time.perf_counter() - start,
+                               total_s=time.perf_counter() - step_start)
+    _check_coverage(totals, forest.num_trajectories, inputs)
+    all_ranks = None
+    if gather_metrics:
+        all_ranks = [rank_metrics]
+        if world_size > 1:
+            all_ranks = [None] * world_size
+            dist.all_gather_object(all_ranks, rank_metrics, group=process_group)
+    return StepResult(loss=float(totals[0]), local_loss=float(local_loss),
+                      normalisers=normalisers, metrics=rank_metrics, all_ranks=all_ranks,
+                      loss_metrics=loss_metrics)
+
+
+def _run_microbatch(model, microbatch, inputs, normalisers, loss_fn, metrics, device,
+                    sync_device, forward_kwargs) -> tuple[torch.Tensor, dict]:
+    start = time.perf_counter()
+    index = microbatch.build_index(device)
+    metrics.index_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    output = model(index, **forward_kwargs)
+    rows = inputs.rows_for(output.trajectory_ids, output.logprobs.shape[1],
+                           dtype=output.logprobs.dtype, device=device)
+    lengths = output.lengths
+    aux_weight = float(lengths.sum()) / max(normalisers.trajectory_tokens, 1)
+    result = loss_fn(output, LossContext(rows=rows, normalisers=normalisers, aux_weight=aux_weight))
+    loss, stats = ((result.loss, result.metrics) if isinstance(result, LossOutput) else (result, {}))
+    if loss.dim() != 0:
+        raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
+    sync_device()
+    metrics.forward_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    loss.backward()
+    sync_device()
+    metrics.backward_s = time.perf_counter() - start
+
+    metrics.trees = len(microbatch.trees)
+    metrics.compact_tokens = index.num_tokens
+    metrics.trajectories = len(output.trajectory_ids)
+    metrics.trajectory_tokens = int(lengths.sum())
+    metrics.loss_tokens = int(loss_mask(lengths, output.logprobs.shape[1], rows.response_mask).sum())
+    return loss.detach().to(torch.float64), {k: float(v) for k, v in stats.items() if v.dim() == 0}
+
+
+def _check_coverage(totals: torch.Tensor, num_trajectories: int, inputs: TrajectoryInputs) -> None:
+    """Every trajectory must have been a row of exactly one microbatch of one rank, else the
+    global normalisers do not match what was computed (all ranks see the same sums and raise
+    together, so none hangs)."""
+    trajectories, tokens = int(totals[1]), int(totals[2])
+    if trajectories != num_trajectories:
+        raise RuntimeError(f"data-parallel step: the ranks computed {trajectories} trajectory "
+                           f"rows, the plan has {num_trajectories}")
+    expected = int(inputs.counted_tokens().sum())
+    if tokens != expected:
+        raise RuntimeError(f"data-parallel step: the ranks counted {tokens} loss tokens, the "
+                           f"plan's normaliser counts {expected}")

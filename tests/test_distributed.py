@@ -1,0 +1,246 @@
+"""Data-parallel step (`runtime/distributed.py`) == one process over the whole batch.
+
+The reference runs the batch trajectory-wise in one process and computes the loss with
+`ppo_clip_loss`'s own local normalisers from hand-built full-batch tensors, so it shares neither
+the gather of per-trajectory inputs nor the global normalisers with the code under test.
+The 2-process test spawns two gloo ranks over a plan compiled with dp_size=2 whose schedule
+necessarily has an empty (rank, slot): an odd number of trees that each fill a microbatch.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import harts_compiler
+from harts_compiler.objectives import ppo_clip_loss
+from harts_compiler.runtime import trajectory_wise
+from harts_compiler.runtime.distributed import data_parallel_step, slot_schedule
+from harts_compiler.runtime.dp_inputs import TrajectoryInputs, group_advantages
+from harts_compiler.runtime.dp_objective import PPOObjective
+from harts_compiler.testing import random_token_lists
+from test_runtime_tree import rel, tiny_model
+
+CHUNK = 4
+BUDGET = 40
+TOL = 1e-10
+CHILD_TIMEOUT_S = 120
+# (preset, objective, sync): one run per row, all in the same two spawned processes
+RUNS = [
+    ("tiny-qwen3.5", PPOObjective(aggregation="token-mean", kl_coef=0.1, entropy_coef=0.01), "step"),
+    ("tiny-qwen3.5", PPOObjective(aggregation="seq-mean-token-mean", dual_clip=3.0), "slot"),
+    ("tiny-qwen3-next", PPOObjective(aggregation="seq-mean-token-sum", aux_loss_coef=0.5), "step"),
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny fp64 tensors: intra-op threads only add contention (and the workers use one too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tree_token_lists(n_trees: int = 5, seed: int = 0) -> list[list[int]]:
+    """Trees of 21-40 compact tokens (each fills a microbatch of BUDGET), distinct root tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for tree in range(n_trees):
+        while True:
+            lists = [[100 + tree] + t for t in random_token_lists(rng, n_traj=4, vocab=6, max_len=14)]
+            compact = len({tuple(t[:p + 1]) for t in lists for p in range(len(t))})
+            if BUDGET // 2 < compact <= BUDGET:
+                break
+        out += lists
+    return out
+
+
+def compile_plan(token_lists, dp_size: int):
+    batch = harts_compiler.TreeBatch.from_trajectories(token_lists)
+    options = harts_compiler.CompileOptions(chunk_size=CHUNK, conv_width=4, dp_size=dp_size,
+                                            microbatch_tokens=BUDGET)
+    return harts_compiler.compile(batch, options)
+
+
+def loss_data(model, token_lists, seed: int = 1) -> dict:
+    """Per-trajectory raw inputs: GRPO advantages, old/ref log-probs near the current policy,
+    a random response mask (keyed by the trajectory ids "0", "1", ...)."""
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        out = trajectory_wise(model, token_lists, chunk_size=CHUNK)
+    ids = [str(j) for j in range(len(token_lists))]
+    lp = {i: out.logprobs[j, :len(t)].double().numpy() for j, (i, t) in enumerate(zip(ids, token_lists))}
+    rewards = {i: float(rng.integers(0, 3)) for i in ids}
+    groups = [t[0] for t in token_lists]  # GRPO group = tree (its root token)
+    return dict(
+        advantages=group_advantages(rewards, ids, groups),
+        old_logprobs={i: lp[i] + 0.2 * rng.normal(size=lp[i].size) for i in ids},
+        ref_logprobs={i: lp[i] + 0.2 * rng.normal(size=lp[i].size) for i in ids},
+        response_mask={i: rng.random(lp[i].size) > 0.25 for i in ids})
+
+
+def reference(model, token_lists, data, objective: PPOObjective, plan) -> tuple[float, dict]:
+    """Loss and gradients of the whole batch, one process, trajectory-wise."""
+    model.zero_grad(set_to_none=True)
+    out = trajectory_wise(model, token_lists, chunk_size=CHUNK)
+    rows, max_len = len(token_lists), out.logprobs.shape[1]
+
+    def full(name, fill=0.0, dtype=torch.float64):
+        grid = torch.full((rows, max_len), fill, dtype=dtype)
+        for j, traj_id in enumerate(out.trajectory_ids):
+            grid[j, :len(token_lists[j])] = torch.as_tensor(data[name][traj_id])
+        return grid
+
+    advantages = torch.tensor([data["advantages"][i] for i in out.trajectory_ids], dtype=torch.float64)
+    loss = ppo_clip_loss(out.logprobs, full("old_logprobs"), advantages, out.lengths,
+                         response_mask=full("response_mask", False, torch.bool),
+                         clip_ratio_low=objective.clip_ratio_low, dual_clip=objective.dual_clip,
+                         aggregation=objective.aggregation, ref_logprobs=full("ref_logprobs"),
+                         kl_coef=objective.kl_coef, entropy=out.entropy,
+                         entropy_coef=objective.entropy_coef).loss
+    if objective.aux_loss_coef:
+        # per-microbatch aux losses, weighted by trajectory tokens (dp_objective's semantics)
+        forest = plan.program.forest
+        traj_tree = forest.node_tree[forest.traj_end_node]
+        total = sum(map(len, token_lists))
+        for mb in plan.microbatches():
+            members = [int(forest.traj_ids[j]) for j in np.flatnonzero(np.isin(traj_tree, mb.trees))]
+            sub = [token_lists[j] for j in members]
+            aux = trajectory_wise(model, sub, chunk_size=CHUNK).aux_loss
+            loss = loss + objective.aux_loss_coef * sum(map(len, sub)) / total * aux
+    loss.backward()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+             for n, p in model.named_parameters()}
+    return float(loss.detach()), grads
+
+
+def grads_of(model) -> dict:
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def assert_grads_close(got: dict, want: dict, what: str):
+    worst = max((rel(got[n], want[n]), n) for n in want)
+    assert worst[0] < TOL, f"{what}: gradient of {worst[1]} rel {worst[0]:.3g}"
+
+
+# ---- one process ------------------------------------------------------------------------------
+
+def test_single_rank_step_over_several_slots_matches_trajectory_wise():
+    token_lists = tree_token_lists()
+    plan = compile_plan(token_lists, dp_size=1)
+    assert len(slot_schedule(plan, 0)) >= 3
+    for preset, objective, _ in RUNS:
+        model = tiny_model(torch.float64, preset)
+        data = loss_data(model, token_lists)
+        want_loss, want_grads = reference(model, token_lists, data, objective, plan)
+        model.zero_grad(set_to_none=True)
+        result = data_parallel_step(model, plan, TrajectoryInputs.for_plan(plan, **data), objective)
+        assert abs(result.loss - want_loss) <= TOL * abs(want_loss)
+        assert_grads_close(grads_of(model), want_grads, f"{preset} {objective.aggregation}")
+
+
+def test_bad_inputs_and_topology_are_named():
+    token_lists = tree_token_lists(n_trees=3)
+    plan = compile_plan(token_lists, dp_size=2)
+    model = tiny_model(torch.float64, "tiny-qwen3.5")
+    data = loss_data(model, token_lists)
+    with pytest.raises(KeyError, match="advantages: no entry for trajectory id '3'"):
+        TrajectoryInputs.for_plan(plan, advantages={k: v for k, v in data["advantages"].items() if k != "3"})
+    short = dict(data["old_logprobs"], **{"2": data["old_logprobs"]["2"][:-1]})
+    with pytest.raises(ValueError, match=r"old_logprobs\['2'\]: shape"):
+        TrajectoryInputs.for_plan(plan, advantages=data["advantages"], old_logprobs=short)
+    extra = dict(data["advantages"], ghost=1.0)
+    with pytest.raises(KeyError, match="ghost"):
+        TrajectoryInputs.for_plan(plan, advantages=extra)
+    inputs = TrajectoryInputs.for_plan(plan, advantages=data["advantages"])
+    with pytest.raises(ValueError, match="dp_size=2 but the step runs on 1 rank"):
+        data_parallel_step(model, plan, inputs)
+    with pytest.raises(ValueError, match="sync must be one of"):
+        data_parallel_step(model, plan, inputs, sync="never")
+
+
+def test_normalisers_count_response_tokens_after_position_zero():
+    inputs = TrajectoryInputs.from_mappings(
+        ["a", "b", "c"], [3, 1, 2], advantages={"a": 1.0, "b": 0.0, "c": [0.0, 2.0]},
+        response_mask={"a": [True, True, False], "b": [True], "c": [True, False]})
+    assert inputs.counted_tokens().tolist() == [1, 0, 0]
+    norm = inputs.normalisers()
+    assert (norm.num_tokens, norm.num_sequences, norm.trajectory_tokens) == (1, 1, 6)
+    rows = inputs.rows_for(["c", "a"], 4)
+    assert rows.advantages.tolist() == [[0.0, 2.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]]
+    assert rows.response_mask.tolist() == [[True, False, False, False], [True, True, False, False]]
+
+
+# ---- two gloo processes -----------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, plan, inputs_per_run, out_dir: str):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        results = []
+        for (preset, objective, sync), inputs in zip(RUNS, inputs_per_run):
+            model = tiny_model(torch.float64, preset)
+            model.zero_grad(set_to_none=True)
+            step = data_parallel_step(model, plan, inputs, objective, sync=sync, gather_metrics=True)
+            results.append(dict(loss=step.loss, grads=grads_of(model), all_ranks=step.all_ranks))
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_ranks(plan, inputs_per_run, out_dir) -> list:
+    context = mp.start_processes(_worker, args=(2, _free_port(), plan, inputs_per_run, str(out_dir)),
+                                 nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    try:
+        while not context.join(timeout=1):  # raises with the child's traceback if one fails
+            if time.monotonic() > deadline:
+                pytest.fail(f"2-process gloo step did not finish in {CHILD_TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]  # our own file
+
+
+def test_two_gloo_ranks_give_the_gradients_of_one_process(tmp_path):
+    token_lists = tree_token_lists()
+    plan = compile_plan(token_lists, dp_size=2)
+    schedules = [slot_schedule(plan, r) for r in range(2)]
+    assert any(mb is None for s in schedules for mb in s), "the plan must have an empty slot"
+    references, inputs_per_run = [], []
+    for preset, objective, _ in RUNS:
+        model = tiny_model(torch.float64, preset)
+        data = loss_data(model, token_lists)
+        inputs_per_run.append(TrajectoryInputs.for_plan(plan, **data))
+        references.append(reference(model, token_lists, data, objective, plan))
+
+    ranks = run_two_ranks(plan, inputs_per_run, tmp_path)
+    forest = plan.program.forest
+    for (preset, objective, sync), (want_loss, want_grads), *per_rank in zip(RUNS, references, *ranks):
+        what = f"{preset} {objective.aggregation} sync={sync}"
+        for rank, got in enumerate(per_rank):
+            assert abs(got["loss"] - want_loss) <= TOL * abs(want_loss), what
+            assert_grads_close(got["grads"], want_grads, f"{what} rank {rank}")
+        metrics = per_rank[0]["all_ranks"]
+        assert [m.rank for m in metrics] == [0, 1]
+        assert {len(m.slots) for m in metrics} == {len(schedules[0])}  # lockstep slot count
+        assert sum(m.compact_tokens for m in metrics) == forest.num_tokens
+        empty = [s for m in metrics for s in m.slots if s.microbatch < 0]
+        assert empty and all(s.compact_tokens == 0 and s.compute_s == 0 for s in empty)
+        assert sum(s.trajectories for m in metrics for s in m.slots) == forest.num_trajectories
