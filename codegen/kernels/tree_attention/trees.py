@@ -31,9 +31,11 @@ class TreeLayout:
         return int(sum(len(p) for p in self.paths))
 
 
-def layout_from_parents(parents: list[int], lengths: list[int]) -> TreeLayout:
+def layout_from_parents(parents: list[int], lengths: list[int],
+                        ends: list[int] | None = None) -> TreeLayout:
     """Lay out a forest given per node its parent (-1 = root; parents precede children) and
-    token count. Children are visited in index order; trajectories end at every leaf."""
+    token count. Children are visited in index order; trajectories end at the nodes `ends`
+    (default: every leaf)."""
     n_nodes = len(parents)
     children: list[list[int]] = [[] for _ in range(n_nodes)]
     roots = []
@@ -62,9 +64,9 @@ def layout_from_parents(parents: list[int], lengths: list[int]) -> TreeLayout:
     for node in range(n_nodes):
         subtree_end[node_start[node]:node_start[node] + lengths[node]] = node_end[node]
     paths = []
-    for node in range(n_nodes):
-        if children[node]:
-            continue
+    if ends is None:
+        ends = [node for node in range(n_nodes) if not children[node]]
+    for node in ends:
         chain = []
         walk = node
         while walk >= 0:

@@ -1,0 +1,321 @@
+"""Tree attention on the H200: correctness at realistic size, then fwd+bwd timings.
+
+    python bench/attention.py            # check + table: SDPA (trajectories) / Flex (tree) / ours
+    python bench/attention.py --sweep    # per-kernel launch-config sweep at head dim 256
+    python bench/attention.py --no-flex  # skip FlexAttention (its compile takes a minute)
+
+Shapes: Qwen3-Next full attention, 16 query heads, 2 KV heads, head dim 256, bf16. Cases: the
+three anchor trees of GPU.md (root P + B branches of L tokens) and, when the generator is
+importable, one generated agentic (swe preset) tree of about 31k compact tokens. "ideal" = trajectory
+attention pairs / tree attention pairs; "of ideal" = (SDPA ms / ours ms) / ideal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import torch
+
+from harts_compiler.codegen.kernels.tree_attention import (
+    build_block_index, config_for, tree_attention, tree_attention_reference_chunked)
+from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dkdv, bwd_dq
+from harts_compiler.codegen.kernels.tree_attention.configs import _launch
+from harts_compiler.codegen.kernels.tree_attention.forward import tree_attention_forward
+from harts_compiler.codegen.kernels.tree_attention.trees import (
+    TreeLayout, anchor_tree, layout_from_parents)
+
+HQ, HKV, D = 16, 2, 256
+SCALE = D ** -0.5
+ANCHORS = {"P4096 B8 L3584": (4096, 8, 3584), "P16384 B8 L2048": (16384, 8, 2048),
+           "P2048 B16 L1920": (2048, 16, 1920)}
+
+# launch-config sweep (head dim 256): (block_m, block_n, warps, stages[, block_ms])
+SWEEP = {
+    "fwd": [(128, 32, 8, 3), (128, 32, 8, 2), (128, 32, 8, 4), (128, 64, 8, 2), (64, 64, 4, 2),
+            (128, 64, 16, 2)],
+    "dq": [(128, 32, 8, 2, 64), (128, 32, 8, 3, 64), (128, 32, 8, 2, 128), (128, 64, 8, 2, 64),
+           (128, 64, 16, 2, 64), (128, 64, 8, 1, 128)],
+    "dkdv": [(128, 32, 8, 2, 64), (128, 32, 8, 3, 64), (128, 64, 8, 2, 64), (128, 32, 4, 2, 32),
+             (64, 32, 8, 2, 64), (128, 64, 16, 2, 64)],
+}
+
+
+def log(*parts):
+    print(*parts, flush=True)
+
+
+def bench_ms(fn, rep=300):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=50, rep=rep, return_mode="median")
+
+
+def generated_layout() -> TreeLayout | None:
+    """One generated 'swe' rollout tree (1 task, lengths scaled by 0.25: ~31k compact tokens)."""
+    try:
+        from harts_compiler.generator import generate
+        batch = generate("swe", seed=1, tasks=1, scale=0.25)
+        lengths = [len(tokens) for tokens in batch.node_tokens]
+        return layout_from_parents(list(batch.node_parent), lengths,
+                                   ends=[node for _, node in batch.ends])
+    except Exception as exc:  # another engineer's module: the bench must not depend on it
+        log(f"generated batch unavailable: {exc!r}")
+        return None
+
+
+def pair_counts(layout: TreeLayout):
+    tree = int((layout.subtree_end - np.arange(layout.num_tokens)).sum())
+    traj = int(sum(len(p) * (len(p) + 1) // 2 for p in layout.paths))
+    return traj, tree
+
+
+def random_qkv(n_tokens, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda h: torch.randn(n_tokens, h, D, generator=gen, device="cuda").bfloat16()
+    return make(HQ), make(HKV), make(HKV), make(HQ)
+
+
+class no_tf32:
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+def fp32_reference(q, k, v, do, subtree_end):
+    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    with no_tf32():
+        out = tree_attention_reference_chunked(*leaves, subtree_end, scale=SCALE, query_chunk=512)
+        grads = torch.autograd.grad(out, leaves, do.float())
+    return [out.detach(), *grads]
+
+
+def rel(a, b):
+    return ((a.float() - b).norm() / b.norm()).item()
+
+
+# ---------------------------------------------------------------- trajectory-wise SDPA baseline
+def sdpa_fn(q, k, v, do, paths):
+    """fwd+bwd closure of SDPA flash causal over the trajectories (one batch when lengths agree)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    lengths = {len(p) for p in paths}
+    groups = [paths] if len(lengths) == 1 else [[p] for p in paths]
+    prepared = []
+    for group in groups:
+        index = torch.as_tensor(np.stack(group), device="cuda")            # [B, L]
+        leaves = [x[index].transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
+        prepared.append((leaves, do[index].transpose(1, 2).contiguous()))
+
+    def run():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            for leaves, grad_out in prepared:
+                out = sdpa_gqa(*leaves)
+                torch.autograd.grad(out, leaves, grad_out)
+    return run
+
+
+def sdpa_gqa(q, k, v):
+    """Causal SDPA with GQA; [B, H, L, D]. Uses enable_gqa where the backend takes it, else
+    repeats K/V heads (counted in the time, as a trajectory-wise trainer would do it)."""
+    try:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                scale=SCALE, enable_gqa=True)
+    except RuntimeError:
+        group = q.shape[1] // k.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True,
+            scale=SCALE)
+
+
+def sdpa_errors(q, k, v, do, paths, max_paths=8):
+    """SDPA flash (bf16) vs fp32 reference on whole trajectories (the baseline's own error)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    num, den = np.zeros(4), np.zeros(4)
+    for path in paths[:max_paths]:
+        index = torch.as_tensor(path, device="cuda")
+        chain = torch.full((len(path),), len(path), dtype=torch.int32, device="cuda")
+        ref = fp32_reference(q[index], k[index], v[index], do[index], chain)
+        leaves = [x[index].transpose(0, 1)[None].requires_grad_() for x in (q, k, v)]
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = sdpa_gqa(*leaves)
+            grads = torch.autograd.grad(out, leaves, do[index].transpose(0, 1)[None])
+        for slot, (a, b) in enumerate(zip([out, *grads], ref)):
+            a = a[0].transpose(0, 1).float()
+            num[slot] += (a - b).norm().item() ** 2
+            den[slot] += b.norm().item() ** 2
+    return np.sqrt(num / den).tolist()
+
+
+# ---------------------------------------------------------------- FlexAttention anchor
+def flex_fn(q, k, v, do, subtree_end):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    n_tokens = q.shape[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+
+    block_mask = create_block_mask(mask_mod, 1, None, n_tokens, n_tokens, device="cuda")
+    compiled = torch.compile(flex_attention)
+    leaves = [x.transpose(0, 1)[None].contiguous().requires_grad_() for x in (q, k, v)]
+    grad_out = do.transpose(0, 1)[None].contiguous()
+
+    def run():
+        out = compiled(*leaves, block_mask=block_mask, scale=SCALE, enable_gqa=True)
+        torch.autograd.grad(out, leaves, grad_out)
+    return run
+
+
+# ---------------------------------------------------------------- ours
+def ours_fn(q, k, v, do, subtree_end, index, config=None):
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def run():
+        out = tree_attention(*leaves, subtree_end, scale=SCALE, block_index=index, config=config)
+        torch.autograd.grad(out, leaves, do)
+    return run
+
+
+def _compile_worker(jobs):
+    """Compile kernels in a separate process (fills Triton's on-disk cache)."""
+    n_tokens = 512  # same specialisation as the benchmark sizes (T % 16 == 0, aligned pointers)
+    layout = anchor_tree(128, 3, 128)
+    subtree_end = layout.subtree_end_tensor("cuda")
+    q, k, v, do = random_qkv(n_tokens, 0)
+    index = build_block_index(subtree_end, 128, 32)
+    o, lse = tree_attention_forward(q, k, v, subtree_end, index, SCALE, _launch(128, 32, 8, 3))
+    delta = bwd_delta(o, do)
+    for kind, launch in jobs:
+        try:
+            if kind == "fwd":
+                tree_attention_forward(q, k, v, subtree_end, index, SCALE, launch)
+            elif kind == "dq":
+                bwd_dq(q, k, v, do, lse, delta, subtree_end, index, SCALE, launch)
+            else:
+                bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index, SCALE, launch)
+        except Exception as exc:
+            print(f"compile {kind} {launch}: {exc!r}", flush=True)
+    torch.cuda.synchronize()
+    return len(jobs)
+
+
+def precompile(jobs, workers=8):
+    start = time.time()
+    chunks = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
+    ctx = __import__("multiprocessing").get_context("spawn")
+    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
+        list(pool.map(_compile_worker, chunks))
+    log(f"precompiled {len(jobs)} kernels in {time.time() - start:.1f}s")
+
+
+def sweep(out_dir):
+    layout = anchor_tree(*ANCHORS["P4096 B8 L3584"])
+    subtree_end = layout.subtree_end_tensor("cuda")
+    q, k, v, do = random_qkv(layout.num_tokens, 1)
+    jobs = [(kind, _launch(*spec[:4], *(spec[4:] or [None]))) for kind in SWEEP
+            for spec in SWEEP[kind]]
+    precompile(jobs)
+    ref = fp32_reference(q, k, v, do, subtree_end)
+    index = build_block_index(subtree_end, 128, 32)
+    o, lse = tree_attention_forward(q, k, v, subtree_end, index, SCALE, _launch(128, 32, 8, 3))
+    delta = bwd_delta(o, do)
+    rows = []
+    for kind, launch in jobs:
+        try:
+            if kind == "fwd":
+                run = lambda: tree_attention_forward(q, k, v, subtree_end, index, SCALE, launch)
+                errs = [rel(run()[0], ref[0])]
+            elif kind == "dq":
+                run = lambda: bwd_dq(q, k, v, do, lse, delta, subtree_end, index, SCALE, launch)
+                errs = [rel(run(), ref[1])]
+            else:
+                run = lambda: bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index, SCALE, launch)
+                dk, dv = run()
+                errs = [rel(dk, ref[2]), rel(dv, ref[3])]
+            ms = bench_ms(run, rep=200)
+        except Exception as exc:
+            errs, ms = [float("nan")], float("nan")
+            log(f"{kind} {launch} failed: {exc!r}"[:300])
+        rows.append(dict(kind=kind, launch=launch, ms=ms, errors=errs))
+        log(f"{kind:5s} {json.dumps(launch):80s} {ms:8.3f} ms  err {' '.join(f'{e:.2e}' for e in errs)}")
+    with open(os.path.join(out_dir, "sweep.json"), "w") as handle:
+        json.dump(rows, handle, indent=1)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    if args.sweep:
+        return sweep(args.out)
+    config = config_for(D)
+    precompile([("fwd", config.fwd), ("dq", config.dq), ("dkdv", config.dkdv)], workers=3)
+    cases = {name: anchor_tree(*shape) for name, shape in ANCHORS.items()}
+    generated = generated_layout()
+    if generated is not None:
+        cases["generated swe 1 task x0.25"] = generated
+    results = {}
+    # correctness at realistic size: first anchor, 32k compact tokens
+    name = next(iter(cases))
+    layout = cases[name]
+    subtree_end = layout.subtree_end_tensor("cuda")
+    q, k, v, do = random_qkv(layout.num_tokens, 2)
+    index = build_block_index(subtree_end, config.block_m, config.block_n)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = tree_attention(*leaves, subtree_end, scale=SCALE, block_index=index)
+    ours = [out, *torch.autograd.grad(out, leaves, do)]
+    ref = fp32_reference(q, k, v, do, subtree_end)
+    ours_err = [rel(a, b) for a, b in zip(ours, ref)]
+    sdpa_err = sdpa_errors(q, k, v, do, layout.paths)
+    log(f"errors vs fp32 on {name} (T={layout.num_tokens}): o dq dk dv")
+    log("  ours        " + " ".join(f"{e:.2e}" for e in ours_err))
+    log("  SDPA flash  " + " ".join(f"{e:.2e}" for e in sdpa_err))
+    results["errors"] = dict(case=name, ours=ours_err, sdpa=sdpa_err)
+    del ours, ref, leaves, out
+    table = []
+    for name, layout in cases.items():
+        subtree_end = layout.subtree_end_tensor("cuda")
+        q, k, v, do = random_qkv(layout.num_tokens, 3)
+        traj_pairs, tree_pairs = pair_counts(layout)
+        start = time.time()
+        index = build_block_index(subtree_end, config.block_m, config.block_n)
+        torch.cuda.synchronize()
+        row = dict(case=name, compact=layout.num_tokens, traj=layout.trajectory_tokens,
+                   ideal=traj_pairs / tree_pairs, index_ms=(time.time() - start) * 1e3)
+        row["ours"] = bench_ms(ours_fn(q, k, v, do, subtree_end, index))
+        row["sdpa"] = bench_ms(sdpa_fn(q, k, v, do, layout.paths))
+        row["flex"] = float("nan")
+        if not args.no_flex:
+            try:
+                row["flex"] = bench_ms(flex_fn(q, k, v, do, subtree_end))
+            except Exception as exc:
+                log(f"flex failed on {name}: {exc!r}"[:400])
+        flops = 4 * tree_pairs * HQ * D * 3.5  # fwd 2 matmuls + bwd 5 matmuls, 2 flop/MAC
+        row["ours_tflops"] = flops / row["ours"] / 1e9
+        log(json.dumps(row))
+        table.append(row)
+        torch.cuda.empty_cache()
+    results["table"] = table
+    with open(os.path.join(args.out, "attention.json"), "w") as handle:
+        json.dump(results, handle, indent=1)
+    log("\n| case | compact | traj tokens | ideal (pairs) | SDPA ms | Flex tree ms | ours ms "
+        "| vs SDPA | of ideal | vs Flex | ours TFLOP/s |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in table:
+        speed = r["sdpa"] / r["ours"]
+        log(f"| {r['case']} | {r['compact']} | {r['traj']} | {r['ideal']:.2f}x | {r['sdpa']:.1f} "
+            f"| {r['flex']:.1f} | {r['ours']:.1f} | {speed:.2f}x | {speed / r['ideal']:.0%} "
+            f"| {r['flex'] / r['ours']:.2f}x | {r['ours_tflops']:.0f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
