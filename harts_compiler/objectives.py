@@ -155,6 +155,10 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
                          f"got {clip_ratio_low!r}, {clip_ratio_high!r}")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip!r}")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef!r} needs ref_logprobs (the reference policy's log-probs)")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef!r} needs entropy (e.g. TreeOutput.entropy)")
     advantages = _per_token(advantages, logprobs, "advantages")
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
@@ -179,9 +183,10 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
         "dual_clip_fraction": (dual_clipped & mask).sum() / n_local,
         "approx_kl_old": torch.where(mask, 0.5 * log_ratio.detach() ** 2, 0.0).sum() / n_local,
     }
-    if ref_logprobs is not None and kl_coef != 0.0:
+    if ref_logprobs is not None:
         kl = aggregate(kl_penalty(logprobs, ref_logprobs, kl_type), mask, aggregation, **normalisers)
-        loss = loss + kl_coef * kl
+        if kl_coef != 0.0:
+            loss = loss + kl_coef * kl
         metrics["kl_ref"] = kl.detach()
     if entropy is not None:
         entropy_term = aggregate(entropy, mask, aggregation, **normalisers)

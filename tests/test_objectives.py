@@ -217,6 +217,10 @@ def test_bad_inputs_get_clear_errors():
         ppo_clip_loss(lp, None, t([1.0, 1.0]), lengths, ref_logprobs=lp, kl_coef=0.1, kl_type="k9")
     with pytest.raises(ValueError, match="num_tokens must be > 0"):
         ppo_clip_loss(lp, None, t([1.0, 1.0]), lengths, num_tokens=0)
+    with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logprobs"):
+        ppo_clip_loss(lp, None, t([1.0, 1.0]), lengths, kl_coef=0.1)
+    with pytest.raises(ValueError, match="entropy_coef=0.01 needs entropy"):
+        ppo_clip_loss(lp, None, t([1.0, 1.0]), lengths, entropy_coef=0.01)
     with pytest.raises(ValueError, match="group_ids must have one id per row"):
         grpo_advantages(t([1.0, 2.0]), ["a"])
 
