@@ -10,17 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harts_compiler.codegen.kernels.tree_attention import (build_block_index, config_for,
-                                                           tree_attention as tree_attention_kernel,
-                                                           tree_attention_reference,
-                                                           tree_attention_reference_chunked)
+from harts_compiler.codegen.kernels.tree_attention import (build_block_index, check_tree_attention_inputs,
+                                                           config_for, tree_mask)
+from harts_compiler.codegen.kernels.tree_attention import tree_attention as tree_attention_kernel
 
 from .config import ModelConfig
 from .layers import ZeroCentredRMSNorm, apply_partial_rope
 
-# Below this many tokens the dense [H, T, T] reference is cheapest; above it the query-chunked one
-# bounds memory.
-_DENSE_REFERENCE_MAX_TOKENS = 1024
+_QUERY_BLOCK = 256  # CPU path: queries per block
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
@@ -36,9 +33,35 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
                 block_cache[key] = build_block_index(subtree_end, config.block_m, config.block_n)
             block_index = block_cache[key]
         return tree_attention_kernel(q, k, v, subtree_end, scale=scale, block_index=block_index)
-    if q.shape[0] <= _DENSE_REFERENCE_MAX_TOKENS:
-        return tree_attention_reference(q, k, v, subtree_end, scale=scale)
-    return tree_attention_reference_chunked(q, k, v, subtree_end, scale=scale)
+    return windowed_tree_attention(q, k, v, subtree_end, scale=scale)
+
+
+def windowed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
+                            scale: float, query_block: int = _QUERY_BLOCK) -> torch.Tensor:
+    """Plain torch tree attention that only touches keys a query block can see.
+
+    Same masked softmax as the kernels' dense reference, but query block [s, e) only reads keys
+    [lo, e), lo = the first key still open at s (subtree_end > s). Many trees or trajectories in
+    one microbatch (the trajectory-wise baseline) then cost O(T * tree length), not O(T^2).
+    Masked keys contribute exact zeros, so the result is the reference's up to summation order.
+    """
+    check_tree_attention_inputs(q, k, v, subtree_end)
+    T, HQ, _ = q.shape
+    group = HQ // k.shape[1]
+    positions = torch.arange(T, device=q.device)
+    outputs = []
+    for start in range(0, T, query_block):
+        end = min(start + query_block, T)
+        open_before = torch.nonzero(subtree_end[:start] > start)
+        lo = int(open_before[0, 0]) if open_before.numel() else start
+        mask = tree_mask(subtree_end, positions[start:end], positions[lo:end])  # [M, N]
+        q_b = q[start:end].transpose(0, 1)  # [HQ, M, D]
+        k_b = k[lo:end].transpose(0, 1).repeat_interleave(group, dim=0)  # [HQ, N, D]
+        v_b = v[lo:end].transpose(0, 1).repeat_interleave(group, dim=0)
+        scores = torch.matmul(q_b, k_b.transpose(1, 2)) * scale
+        probs = torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
+        outputs.append(torch.matmul(probs, v_b).transpose(0, 1))
+    return torch.cat(outputs) if outputs else q.new_empty(q.shape)
 
 
 class GatedAttention(nn.Module):
