@@ -343,8 +343,10 @@ def _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective, s
     """Large neighbourhood search: each step frees the items of a few cells and re-solves them
     exactly; a neighbourhood that did not improve is not tried again until the plan changes.
 
-    sum_of_slot_max: a slot with the largest excess (its max minus its mean rank cost) and a
-    partner slot (the nearest by max, so items of similar size meet, or a seeded random one).
+    sum_of_slot_max: in a slot with the largest excess (its max minus its mean rank cost), the
+    slowest cell and the two least loaded, plus the slowest and least loaded cell of a partner
+    slot (the nearest by max, so items of similar size meet, or a seeded random one); the other
+    cells of those slots enter as constant floors of the slot maxima.
     max_rank_total: the busiest rank and a partner (least loaded, or random) over the two slots
     where their loads differ most; the other slots' loads enter as constants.
     """
@@ -357,24 +359,18 @@ def _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective, s
         if hood is None:
             return improved
         tried.add(hood)
-        ranks, slots = hood
-        items = np.flatnonzero(np.isin(out.rank, ranks) & np.isin(out.slot, slots))
-        if len(items) == 0:
-            continue
-        local_r = np.searchsorted(ranks, out.rank[items])
-        local_s = np.searchsorted(slots, out.slot[items])
-        offset = None
-        if objective == "max_rank_total":
-            rest = cell_cost.sum(axis=1) - cell_cost[:, list(slots)].sum(axis=1)
-            scale = COST_RESOLUTION / max(cost.sum(), 1e-300)
-            offset = np.rint(rest[list(ranks)] * scale).astype(np.int64)
-        sub = _solve_cells(clock, items, tokens, units, budget, len(ranks), len(slots), objective,
-                           local_r, local_s, seed, workers, det_cap=0.01, offset=offset)
+        if objective == "sum_of_slot_max":
+            sub = _solve_cell_group(clock, hood, out.rank, out.slot, tokens, units, budget,
+                                    dp_size, n_slots, seed, workers)
+        else:
+            sub = _solve_rank_pair(clock, hood, out.rank, out.slot, tokens, cost, units, budget,
+                                   cell_cost, seed, workers)
         out.steps += 1
         if sub is None:
             continue
+        items, item_rank, item_slot = sub
         new_rank, new_slot = out.rank.copy(), out.slot.copy()
-        new_rank[items], new_slot[items] = np.asarray(ranks)[sub[0]], np.asarray(slots)[sub[1]]
+        new_rank[items], new_slot[items] = item_rank, item_slot
         before = plan_objective(cost, out.rank, out.slot, dp_size, n_slots, objective)
         after = plan_objective(cost, new_rank, new_slot, dp_size, n_slots, objective)
         if after < before * (1 - 1e-12):
@@ -523,7 +519,8 @@ def _best_step(i, r, s, tokens, cost, budget, rank, slot, load, used, slot_max):
 
 
 def _pick_neighbourhood(cell_cost, objective, tried, rng):
-    """(ranks, slots) of the next LNS step (sorted tuples), or None when every candidate failed."""
+    """The next LNS neighbourhood -- sum_of_slot_max: sorted (rank, slot) cells; max_rank_total:
+    (ranks, slots) -- or None when every candidate failed since the plan last changed."""
     dp_size, n_slots = cell_cost.shape
     all_ranks, all_slots = tuple(range(dp_size)), tuple(range(n_slots))
     if objective == "sum_of_slot_max":
@@ -532,11 +529,17 @@ def _pick_neighbourhood(cell_cost, objective, tried, rng):
         for g in np.lexsort((np.arange(n_slots), -excess))[:8]:
             if excess[g] <= 0:
                 return None
+            by_load = [int(r) for r in np.argsort(cell_cost[:, g], kind="stable")]
+            own = {(by_load[-1], int(g))} | {(r, int(g)) for r in by_load[:2]}
             nearest = [int(p) for p in np.argsort(np.abs(worst - worst[g]), kind="stable")
                        if p != g][:2]
             for p in nearest + [int(rng.integers(n_slots))]:
-                hood = (all_ranks, tuple(sorted({int(g), p})))
-                if p != g and hood not in tried:
+                if p == g:
+                    continue
+                partner = {(int(np.argmax(cell_cost[:, p])), p),
+                           (int(np.argmin(cell_cost[:, p])), p)}
+                hood = tuple(sorted(own | partner))
+                if hood not in tried:
                     return hood
         return None
     totals = cell_cost.sum(axis=1)
@@ -550,6 +553,86 @@ def _pick_neighbourhood(cell_cost, objective, tried, rng):
         if hood not in tried:
             return hood
     return None
+
+
+def _solve_rank_pair(clock, hood, rank, slot, tokens, cost, units, budget, cell_cost, seed,
+                     workers):
+    """max_rank_total step: re-solve the items of `ranks` x `slots` with the ranks' other
+    slots as constant offsets. Returns (items, rank, slot) or None."""
+    ranks, slots = hood
+    items = np.flatnonzero(np.isin(rank, ranks) & np.isin(slot, slots))
+    if len(items) == 0:
+        return None
+    rest = cell_cost.sum(axis=1) - cell_cost[:, list(slots)].sum(axis=1)
+    offset = np.rint(rest[list(ranks)] * (COST_RESOLUTION / max(cost.sum(), 1e-300)))
+    sub = _solve_cells(clock, items, tokens, units, budget, len(ranks), len(slots),
+                       "max_rank_total", np.searchsorted(ranks, rank[items]),
+                       np.searchsorted(slots, slot[items]), seed, workers, det_cap=0.01,
+                       offset=offset.astype(np.int64))
+    return None if sub is None else (items, np.asarray(ranks)[sub[0]], np.asarray(slots)[sub[1]])
+
+
+def _solve_cell_group(clock, cells, rank, slot, tokens, units, budget, dp_size, n_slots, seed,
+                      workers):
+    """sum_of_slot_max step: re-solve the items of a few (rank, slot) cells exactly.
+
+    Per involved slot u: m_u >= every involved cell's load in u, and m_u >= the largest load
+    of u's other cells (a constant); minimise sum_u m_u. Involved cells of one slot are
+    interchangeable, so their loads are ordered. Returns (items, rank, slot) or None."""
+    from ortools.sat.python import cp_model
+    cell_index = {cell: k for k, cell in enumerate(cells)}
+    item_cell = rank * n_slots + slot
+    wanted = np.array([r * n_slots + s for r, s in cells])
+    items = np.flatnonzero(np.isin(item_cell, wanted))
+    if len(items) == 0:
+        return None
+    unit_load = np.bincount(item_cell, weights=units, minlength=dp_size * n_slots)
+    unit_load = unit_load.reshape(dp_size, n_slots)
+    slots = sorted({s for _, s in cells})
+    floor = {}
+    for u in slots:
+        others = [r for r in range(dp_size) if (r, u) not in cell_index]
+        floor[u] = int(unit_load[others, u].max(initial=0))
+    c, t = units[items].tolist(), tokens[items].tolist()
+    model = cp_model.CpModel()
+    x = [[model.new_bool_var("") for _ in cells] for _ in items]
+    for row in x:
+        model.add_exactly_one(row)
+    cap = int(sum(c))
+    load = [model.new_int_var(0, cap, "") for _ in cells]
+    for k in range(len(cells)):
+        column = [x[a][k] for a in range(len(items))]
+        model.add(load[k] == cp_model.LinearExpr.weighted_sum(column, c))
+        model.add(cp_model.LinearExpr.weighted_sum(column, t) <= budget)
+    peak = {u: model.new_int_var(floor[u], floor[u] + cap, "") for u in slots}
+    for u in slots:
+        in_u = [k for k, (_, s) in enumerate(cells) if s == u]
+        for k in in_u:
+            model.add(peak[u] >= load[k])
+        for k, k2 in zip(in_u, in_u[1:]):
+            model.add(load[k] >= load[k2])
+    model.minimize(sum(peak.values()))
+    # Hint: the current plan, with each slot's involved cells relabelled by decreasing load.
+    current = np.array([cell_index[(int(r), int(s))] for r, s in zip(rank[items], slot[items])])
+    relabel = np.arange(len(cells))
+    for u in slots:
+        in_u = [k for k, (_, s) in enumerate(cells) if s == u]
+        by_load = sorted(in_u, key=lambda k: -unit_load[cells[k]])
+        relabel[by_load] = in_u
+    hint = relabel[current]
+    for a in range(len(items)):
+        for k in range(len(cells)):
+            model.add_hint(x[a][k], k == hint[a])
+    hint_value = sum(max([floor[u]] + [int(unit_load[cells[k]]) for k, (_, s) in
+                                       enumerate(cells) if s == u]) for u in slots)
+    solver, status = clock.solve(model, seed, workers, det_cap=0.01)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) or \
+            solver.objective_value >= hint_value:
+        return None
+    chosen = np.array([next(k for k in range(len(cells)) if solver.boolean_value(x[a][k]))
+                       for a in range(len(items))])
+    cells_arr = np.asarray(cells)
+    return items, cells_arr[chosen, 0], cells_arr[chosen, 1]
 
 
 def _solve_cells(clock, items, tokens, units, budget, ranks, slots, objective, hint_rank,
