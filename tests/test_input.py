@@ -3,6 +3,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import harts_compiler as hc
 from harts_compiler import InputError, TreeBatch
@@ -132,3 +134,29 @@ def test_tree_larger_than_microbatch_budget():
 def test_bad_options():
     with pytest.raises(InputError, match="option chunk_size"):
         hc.CompileOptions.checked(chunk_size=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=12), st.lists(st.one_of(st.integers(0, 2**70), st.integers(-5, -1),
+                                                 st.floats(allow_nan=False, allow_infinity=False)),
+                                       max_size=6),
+       st.sampled_from(['{"id": %s, "tokens": %s}', '{"tokens": %s, "id": %s}']))
+def test_fast_line_parser_agrees_with_pydantic(record_id, tokens, template):
+    """The numpy fast path either returns exactly what pydantic validation returns, or declines."""
+    from harts_compiler.batch import _fast_trajectory
+    from harts_compiler.records import TrajectoryRecord
+    from pydantic import ValidationError
+
+    parts = (json.dumps(record_id), json.dumps(tokens))
+    line = (template % (parts if template.startswith('{"id"') else parts[::-1])).encode()
+    fast = _fast_trajectory(line)
+    try:
+        record = TrajectoryRecord.model_validate_json(line)
+        reference = (record.id, record.tokens)
+    except ValidationError:
+        reference = None
+    if fast is not None:
+        assert reference is not None and fast[0] == reference[0]
+        assert fast[1].tolist() == reference[1]
+    elif reference is not None:
+        assert any(t >= 2**63 - 1 for t in reference[1])  # the only valid input it declines
