@@ -151,6 +151,33 @@ def test_tree_index_matches_trajectory_wise_fp64(token_lists, chunk_tokens):
                                         chunk_tokens=chunk_tokens)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_plan_index_matches_trajectory_wise(seed):
+    """The compiler's own MicrobatchIndex (hc.compile + build_microbatch_index): hidden of token p is
+    the compact hidden of the token predicting p + 1 (the last token of a row predicts nothing)."""
+    import harts_compiler as hc
+    from harts_compiler.codegen.microbatch import build_microbatch_index
+    from harts_compiler.testing import random_token_lists
+
+    vocab = 5
+    token_lists = random_token_lists(np.random.default_rng(seed), n_traj=12, vocab=vocab, max_len=20)
+    ids = [f"t{j}" for j in range(len(token_lists))]
+    plan = hc.compile(hc.TreeBatch.from_trajectories(token_lists, ids),
+                      hc.CompileOptions(chunk_size=4, microbatch_tokens=200))
+    for microbatch in plan.microbatches():
+        index = build_microbatch_index(plan, microbatch)
+        rows = [token_lists[ids.index(t)] for t in index.trajectory_ids]
+        hidden, weight = random_params(index.num_tokens, 6, vocab, torch.float64, seed)
+        padded = torch.cat([hidden, torch.zeros(1, hidden.shape[1], dtype=hidden.dtype)])
+        source = torch.cat([torch.cat([index.row_pred[r, 1:len(t)],
+                                       torch.tensor([index.num_tokens])]) for r, t in enumerate(rows)])
+        got = run_and_grad(lambda h, w: token_logprobs(h, w, index, chunk_tokens=3), hidden, weight, seed)
+        want = run_and_grad(lambda h, w: dense_token_logprobs(
+            torch.cat([h, padded[-1:]])[source], w, trajectory_index(rows)), hidden, weight, seed)
+        for name, g, w in zip(("logprobs", "entropy", "grad hidden", "grad weight"), got, want):
+            assert_close_scaled(g, w, 1e-12, name)
+
+
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("chunk_tokens", [2, 7, 64])
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
