@@ -199,3 +199,10 @@ def test_generated_batch_compiles_to_the_same_trie(tmp_path, capsys, preset, for
     assert report["compact_tokens"] == stats.compact_tokens
     assert report["nodes"] == stats.nodes
     assert report["trees"] == stats.trees
+
+
+def test_tiny_vocab_is_a_clear_error_not_a_hang():
+    with pytest.raises(ValueError, match="vocab_size"):
+        generate("grpo", 0, tasks=2, vocab_size=4)  # 8 responses need 8 distinct first tokens
+    batch = generate("grpo", 0, tasks=2, vocab_size=9, scale=0.01)
+    assert max(int(t.max()) for _, t in batch.trajectories) < 9

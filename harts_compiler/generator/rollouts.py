@@ -25,6 +25,9 @@ class _SegmentTrie:
         """Random tokens whose first token no child of `parent` uses yet (nor any in `exclude`)."""
         tokens = self.rng.integers(0, self.vocab_size, size=length, dtype=np.int64).astype(np.int32)
         used = self.first_tokens.get(parent, set())
+        if len(used | set(exclude)) >= self.vocab_size:
+            raise ValueError(f"vocab_size: {self.vocab_size} token ids cannot give "
+                             f"{len(used) + 1} siblings distinct first tokens; use a larger vocab")
         while int(tokens[0]) in used or int(tokens[0]) in exclude:
             tokens[0] = self.rng.integers(0, self.vocab_size)
         return tokens
