@@ -3,7 +3,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harts_compiler as hc
@@ -136,7 +136,7 @@ def test_bad_options():
         hc.CompileOptions.checked(chunk_size=0)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.text(max_size=12), st.lists(st.one_of(st.integers(0, 2**70), st.integers(-5, -1),
                                                  st.floats(allow_nan=False, allow_infinity=False)),
                                        max_size=6),

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harts_compiler as hc
@@ -45,7 +45,7 @@ def test_golden_files(tmp_path, stage):
     assert structural_diff(golden, fresh) is None
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(token_lists_strategy(max_traj=10, max_len=30), st.sampled_from([1, 3, 64]),
        st.sampled_from([0, 5, 4096]))
 def test_round_trip_random_programs(token_lists, chunk_size, inline_limit):

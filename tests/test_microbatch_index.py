@@ -9,7 +9,7 @@ replay rows, exports) and every own row's state must equal the trajectory-wise p
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harts_compiler as hc
@@ -136,7 +136,7 @@ def check_plan(token_lists, chunk_size, conv_width=4, **options):
     assert sorted(seen) == sorted(ids)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(token_lists_strategy(max_traj=8, max_len=24), st.sampled_from([1, 2, 3, 4, 8, 64]),
        st.integers(1, 4))
 def test_index_matches_brute_force(token_lists, chunk_size, conv_width):

@@ -2,7 +2,7 @@
 of every trajectory, tree mask = ancestor-or-self, conv predecessors and log-prob targets."""
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 
 import harts_compiler as hc
 from harts_compiler.driver import program_from_batch
@@ -60,7 +60,7 @@ def check_layout(token_lists, conv_width=4):
     return forest
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(token_lists_strategy())
 def test_layout_properties(token_lists):
     check_layout(token_lists)

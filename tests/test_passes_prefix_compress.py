@@ -1,7 +1,7 @@
 """prefix-compress: canonical forest, compact tokens = distinct prefixes, merges across groups."""
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 
 import harts_compiler as hc
 from harts_compiler.ir import IRError, Program
@@ -40,7 +40,7 @@ def check_against_brute_force(token_lists):
         assert forest.node_multiplicity[v] == expected
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(token_lists_strategy())
 def test_compact_tokens_equal_distinct_prefixes(token_lists):
     check_against_brute_force(token_lists)

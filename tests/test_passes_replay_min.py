@@ -4,7 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import harts_compiler as hc
@@ -109,7 +109,7 @@ def simulate(program):
     assert np.all(own_count == 1)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(token_lists_strategy(max_traj=7, max_len=14), st.sampled_from(CHUNKS))
 def test_rounds_equal_brute_force(token_lists, chunk_size):
     program = compile_to(token_lists, chunk_size)
