@@ -37,7 +37,9 @@ _MAX_LOG_RATIO = 20.0
 
 @dataclasses.dataclass
 class LossOutput:
-    """The scalar loss to minimise and detached per-batch statistics (local token means)."""
+    """The scalar loss to minimise and detached statistics: ``pg_loss``, ``kl_ref`` and
+    ``entropy`` are the terms as aggregated into the loss (same normalisers); ``clip_fraction``,
+    ``dual_clip_fraction`` and ``approx_kl_old`` are means over this call's counted tokens."""
 
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor]
@@ -160,8 +162,15 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError(f"entropy_coef={entropy_coef!r} needs entropy (e.g. TreeOutput.entropy)")
     advantages = _per_token(advantages, logprobs, "advantages")
-    if old_logprobs is None:
-        old_logprobs = logprobs.detach()
+    # padding and unmasked positions may hold anything (0, -inf, NaN): neutralise them so that
+    # no inf/NaN reaches the loss or leaks into gradients through 0 * NaN
+    current = logprobs.detach()
+    old_logprobs = current if old_logprobs is None else torch.where(mask, old_logprobs, current)
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(mask, ref_logprobs, current)
+    if entropy is not None:
+        entropy = torch.where(mask, entropy, torch.zeros_like(entropy))
+    advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
 
     log_ratio = (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)

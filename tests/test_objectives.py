@@ -88,6 +88,26 @@ def test_on_policy_loss_is_minus_mean_advantage_with_policy_gradient():
     torch.testing.assert_close(grad, t([[0.0, -2.0 / 3, 1.0 / 3], [0.0, -0.5 / 3, 0.0]]))
 
 
+def test_garbage_outside_the_mask_never_reaches_loss_or_gradient():
+    logprobs = t([[0.0, -0.7, -1.1, 0.0], [0.0, -0.2, -0.4, -0.3]]).requires_grad_()
+    lengths = torch.tensor([3, 4])
+    response = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1]])  # (1, 2) is a tool-output token
+    nan = float("nan")
+    old = t([[nan, -0.6, -1.0, -float("inf")], [nan, -0.1, nan, -0.35]])
+    ref = t([[nan, -0.8, -1.2, nan], [-float("inf"), -0.3, nan, -0.2]])
+    adv = t([[nan, 1.0, -1.0, nan], [nan, 0.5, nan, 2.0]])
+    entropy = t([[nan, 1.0, 2.0, nan], [nan, 0.5, nan, 0.7]])
+    clean = [torch.where(loss_mask(lengths, 4, response), x, 0.5) for x in (old, ref, adv, entropy)]
+    results = []
+    for o, r, a, e in ((old, ref, adv, entropy), clean):
+        out = ppo_clip_loss(logprobs, o, a, lengths, response_mask=response, dual_clip=3.0,
+                            ref_logprobs=r, kl_coef=0.1, entropy=e, entropy_coef=0.01)
+        results.append((out.loss, torch.autograd.grad(out.loss, logprobs)[0]))
+    assert torch.isfinite(results[0][0]) and torch.isfinite(results[0][1]).all()
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
+
+
 def test_kl_estimators_and_entropy_bonus():
     logprobs = t([[0.0, -0.5, -2.0]]).requires_grad_()
     ref = t([[0.0, -0.9, -2.0]])
