@@ -10,8 +10,9 @@ Per non-empty slot: build the microbatch's index, forward, gather the per-trajec
 into the output's row order, loss with batch-global normalisers (known from the plan before any
 compute, so no collective is needed for them), backward; local gradients accumulate. Gradients
 are then summed over ranks (`dp_reduce.GradientReducer`): once per step (`sync="step"`, default:
-fewest collectives) or after every slot (`sync="slot"`: FSDP-like lockstep, each slot's reduction
-can overlap the next slot's compute on GPUs). Both give the same sums up to rounding order.
+fewest collectives) or after every slot (`sync="slot"`: FSDP-like lockstep; each slot's reduction
+is launched asynchronously and runs beside the next slot's compute). Both give the same sums up to
+rounding order.
 
 Result: with the same weights, the reduced gradients and the global loss equal those of one
 process running the whole batch trajectory-wise (tests/test_distributed.py checks it over gloo).
@@ -47,7 +48,7 @@ class SlotMetrics:
     index_s: float = 0.0  # building the MicrobatchIndex (host)
     forward_s: float = 0.0  # forward + loss
     backward_s: float = 0.0
-    reduce_s: float = 0.0  # sync="slot": this slot's gradient all-reduce (includes waiting)
+    reduce_s: float = 0.0  # sync="slot": launching this slot's all-reduce + waiting for the previous one
 
     @property
     def compute_s(self) -> float:
@@ -58,7 +59,7 @@ class SlotMetrics:
 class RankMetrics:
     rank: int
     slots: list[SlotMetrics]
-    reduce_s: float = 0.0  # end-of-step all-reduce (gradients and loss statistics)
+    reduce_s: float = 0.0  # after the last slot: gradient all-reduce (or the last slot's wait) + loss sums
     total_s: float = 0.0
 
     @property
@@ -164,7 +165,7 @@ def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | 
             loss_metrics.append(stats)
         if reducer is not None and sync == "slot":
             start = time.perf_counter()
-            reducer.reduce_into_accumulator()
+            reducer.reduce_slot()
             sync_device()
             metrics.reduce_s = time.perf_counter() - start
         slots.append(metrics)

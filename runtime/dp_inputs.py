@@ -17,6 +17,7 @@ Per-token arrays of a trajectory of length L have L entries indexed by position,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Hashable, Mapping, Sequence
 
 import numpy as np
@@ -106,6 +107,10 @@ class TrajectoryInputs:
         forest = plan.program.forest
         return cls.from_mappings(forest.traj_ids, forest.traj_length, **mappings)
 
+    @functools.cached_property
+    def _position(self) -> dict[str, int]:
+        return {i: j for j, i in enumerate(self.trajectory_ids)}
+
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
@@ -129,7 +134,7 @@ class TrajectoryInputs:
     def rows_for(self, trajectory_ids: Sequence[str], max_len: int, *, dtype=torch.float32,
                  device="cpu") -> RowInputs:
         """Gather into `[rows, max_len]` right-padded tensors for this row order."""
-        position = {i: j for j, i in enumerate(self.trajectory_ids)}
+        position = self._position
         missing = [i for i in trajectory_ids if i not in position]
         if missing:
             raise KeyError(f"TrajectoryInputs: no inputs for trajectory id(s) {missing[:5]}")

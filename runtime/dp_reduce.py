@@ -18,9 +18,11 @@ import torch.distributed as dist
 class GradientReducer:
     """Bucketed SUM all-reduce of `params`' gradients over `process_group`.
 
-    `reduce_into_accumulator()` (per slot) reduces the current gradients, adds them to a running
-    sum and clears them; `finish()` writes the sum back to `.grad`. `reduce_in_place()` (once per
-    step) reduces the accumulated local gradients directly.
+    Per step: `reduce_in_place()` reduces the accumulated local gradients directly.
+    Per slot: `reduce_slot()` flattens the slot's gradients, clears `.grad` and *launches* their
+    reduction asynchronously (on GPUs NCCL runs it beside the next slot's compute); the previous
+    slot's reduction is waited for and added to a running sum first; `finish()` waits for the last
+    one and writes the sum to `.grad`. Costs one extra gradient-sized buffer per pending slot.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], process_group=None,
@@ -31,16 +33,17 @@ class GradientReducer:
         self.group = process_group
         self.buckets = _bucket(self.params, bucket_bytes)
         self._sums: list[torch.Tensor] | None = None
+        self._pending: tuple[list, list[torch.Tensor]] | None = None  # (works, flats)
 
     def _flat(self, bucket: list[int]) -> torch.Tensor:
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in (self.params[i] for i in bucket)])
 
-    def _all_reduce(self, flats: list[torch.Tensor]) -> None:
+    def _launch(self) -> tuple[list, list[torch.Tensor]]:
+        flats = [self._flat(bucket) for bucket in self.buckets]
         works = [dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
                  for flat in flats]
-        for work in works:
-            work.wait()
+        return works, flats
 
     def _write_back(self, flats: list[torch.Tensor]) -> None:
         for bucket, flat in zip(self.buckets, flats):
@@ -51,22 +54,34 @@ class GradientReducer:
                 offset += p.numel()
 
     def reduce_in_place(self) -> None:
-        flats = [self._flat(bucket) for bucket in self.buckets]
-        self._all_reduce(flats)
+        works, flats = self._launch()
+        for work in works:
+            work.wait()
         self._write_back(flats)
 
-    def reduce_into_accumulator(self) -> None:
-        flats = [self._flat(bucket) for bucket in self.buckets]
-        self._all_reduce(flats)
+    def reduce_slot(self) -> None:
+        launched = self._launch()
+        for p in self.params:
+            p.grad = None
+        self._settle()
+        self._pending = launched
+
+    def _settle(self) -> None:
+        """Wait for the pending slot reduction and add it to the running sum."""
+        if self._pending is None:
+            return
+        works, flats = self._pending
+        self._pending = None
+        for work in works:
+            work.wait()
         if self._sums is None:
             self._sums = flats
         else:
             for total, flat in zip(self._sums, flats):
                 total.add_(flat)
-        for p in self.params:
-            p.grad = None
 
     def finish(self) -> None:
+        self._settle()
         if self._sums is not None:
             self._write_back(self._sums)
             self._sums = None
