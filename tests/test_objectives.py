@@ -93,7 +93,7 @@ def test_garbage_outside_the_mask_never_reaches_loss_or_gradient():
     lengths = torch.tensor([3, 4])
     response = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1]])  # (1, 2) is a tool-output token
     nan = float("nan")
-    old = t([[nan, -0.6, -1.0, -float("inf")], [nan, -0.1, nan, -0.35]])
+    old = t([[nan, -0.6, -1.0, -float("inf")], [nan, -0.1, -0.5, -0.35]])  # (1, 2): finite old, NaN adv
     ref = t([[nan, -0.8, -1.2, nan], [-float("inf"), -0.3, nan, -0.2]])
     adv = t([[nan, 1.0, -1.0, nan], [nan, 0.5, nan, 2.0]])
     entropy = t([[nan, 1.0, 2.0, nan], [nan, 0.5, nan, 0.7]])
