@@ -73,7 +73,7 @@ def main(argv=None) -> int:
                           objective=objective, time_limit_s=args.time_limit, seed=args.seed)
             greedy_gap = plan.greedy_objective / plan.lower_bound - 1
             goal = plan.gap <= 0.03 and plan.wall_time_s < 1.0
-            rows.append({"preset": preset, "objective": objective, "items": len(tokens),
+            rows.append({"preset": preset, "items": len(tokens),
                          "trees": args.trees, "tokens": int(tokens.sum()),
                          "generate_s": generated, "greedy_gap": greedy_gap, "goal_met": goal,
                          **plan.summary()})

@@ -126,10 +126,12 @@ def assign(item_tokens, item_cost, *, token_budget: int | None, dp_size: int,
         elif method.startswith("cp-sat"):
             status = "FEASIBLE"
     slot_tokens, slot_cost = _slot_totals(tokens, cost, rank, slot, dp_size, n_slots)
+    value = plan_objective(cost, rank, slot, dp_size, n_slots, objective)
+    if bound > value and bound <= value * (1 + 1e-9):  # summation-order noise, not a real gap
+        bound = value
     return Assignment(
         rank=rank, slot=slot, slot_tokens=slot_tokens, slot_cost=slot_cost,
-        objective=plan_objective(cost, rank, slot, dp_size, n_slots, objective),
-        lower_bound=float(bound), greedy_objective=float(greedy_value), status=status,
+        objective=value, lower_bound=float(bound), greedy_objective=float(greedy_value), status=status,
         method=method, wall_time_s=time.perf_counter() - start, deterministic=deterministic,
         objective_kind=objective, solver_steps=steps)
 

@@ -153,3 +153,21 @@ def test_local_search_never_worsens_and_keeps_budgets(seed, n, dp_size):
     after = plan_objective(cost, rank, slot, dp_size, n_slots, "sum_of_slot_max")
     assert after <= before * (1 + 1e-12)
     assert after >= lower_bound(tokens, cost, budget, dp_size, "sum_of_slot_max") * (1 - 1e-9)
+
+
+def test_planner_benchmark_runs_on_a_small_batch(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "planner.py"
+    spec = importlib.util.spec_from_file_location("bench_planner", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    bench.main(["--presets", "grpo", "tau2", "--trees", "40", "--dp-size", "4", "--budget", "16384",
+                "--time-limit", "0.2", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4
+    for row in rows:
+        assert row["items"] >= 40 and row["objective"] >= row["lower_bound"] > 0
+        assert row["objective"] <= row["greedy_objective"] * (1 + 1e-12)
