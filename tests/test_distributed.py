@@ -203,8 +203,17 @@ def _worker(rank: int, world_size: int, port: int, plan, inputs_per_run, out_dir
         dist.destroy_process_group()
 
 
-def run_two_ranks(plan, inputs_per_run, out_dir) -> list:
-    context = mp.start_processes(_worker, args=(2, _free_port(), plan, inputs_per_run, str(out_dir)),
+def _crashing_worker(rank: int, world_size: int, port: int, *unused):
+    """Rank 1 dies before joining the group, so rank 0 blocks in init_process_group."""
+    import torch.distributed as dist
+    if rank == 1:
+        raise RuntimeError("rank 1 crashed on purpose")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=600))
+
+
+def run_two_ranks(plan, inputs_per_run, out_dir, worker=_worker) -> list:
+    context = mp.start_processes(worker, args=(2, _free_port(), plan, inputs_per_run, str(out_dir)),
                                  nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + CHILD_TIMEOUT_S
     try:
@@ -244,3 +253,10 @@ def test_two_gloo_ranks_give_the_gradients_of_one_process(tmp_path):
         empty = [s for m in metrics for s in m.slots if s.microbatch < 0]
         assert empty and all(s.compact_tokens == 0 and s.compute_s == 0 for s in empty)
         assert sum(s.trajectories for m in metrics for s in m.slots) == forest.num_trajectories
+
+
+def test_a_crashed_rank_fails_the_run_instead_of_hanging(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match="rank 1 crashed on purpose"):
+        run_two_ranks(None, None, tmp_path, worker=_crashing_worker)
+    assert time.monotonic() - start < CHILD_TIMEOUT_S
