@@ -40,41 +40,43 @@ def build_microbatch_index(program, microbatch, device="cpu") -> MicrobatchIndex
     shift = np.zeros(forest.num_trees, np.int64)
     shift[trees] = forest.tree_start[trees] - base
     glob = _ranges(forest.tree_start[trees], tree_len)  # global compact index of local token i
-
-    def local(global_index: np.ndarray) -> np.ndarray:
-        """Global -> local compact index (-1 stays -1); only for tokens of this microbatch."""
-        safe = np.maximum(global_index, 0)
-        return np.where(global_index >= 0,
-                        global_index - shift[forest.node_tree[forest.token_node[safe]]], -1)
+    # Every index a token refers to (predecessor, subtree end, replay row) lies in its own tree,
+    # so "global -> local" is a subtraction of that tree's shift, repeated per token.
+    token_shift = np.repeat(shift[trees], tree_len)
 
     # --- per-token tables --------------------------------------------------------------------
     token_node = forest.token_node[glob]
-    pred = local(forest.token_pred[glob])
+    global_pred = forest.token_pred[glob]
+    pred = np.where(global_pred >= 0, global_pred - token_shift, -1)
     first_node = np.concatenate([[0], np.flatnonzero(np.diff(token_node) != 0) + 1])
     node_start_local = first_node.astype(np.int64)
     node_length_local = np.diff(np.append(first_node, glob.size)).astype(np.int64)
     conv_pred = derive.conv_predecessors(pred, node_start_local, node_length_local,
                                          forest.conv_width)
     target_src, target_token, token_target = derive.log_prob_targets(pred, forest.token_ids[glob])
-    subtree_end = local(forest.node_subtree_end[token_node] - 1) + 1
+    subtree_end = forest.node_subtree_end[token_node] - token_shift
 
-    # --- trajectory rows ---------------------------------------------------------------------
+    # --- trajectory rows: [rows, max_len], row-major flat positions ----------------------------
     traj_tree = forest.node_tree[forest.traj_end_node]
     trajs = np.flatnonzero(np.isin(traj_tree, trees))
     lengths = forest.traj_length[trajs]
     run_lo, run_hi = forest.traj_run_ptr[trajs], forest.traj_run_ptr[trajs + 1]
     runs = _ranges(run_lo, run_hi - run_lo)
-    compact = local(_ranges(forest.run_start[runs], forest.run_length[runs]))
+    compact = _ranges(forest.run_start[runs], forest.run_length[runs])
+    compact -= np.repeat(shift[traj_tree[trajs]], lengths)
     max_len = int(lengths.max(initial=0))
-    row = np.repeat(np.arange(trajs.size), lengths)
-    col = np.arange(compact.size) - np.repeat(derive.exclusive_cumsum(lengths), lengths)
+    row_start = derive.exclusive_cumsum(lengths)
+    flat = np.repeat(np.arange(trajs.size, dtype=np.int64) * max_len - row_start, lengths)
+    flat += np.arange(compact.size, dtype=np.int64)
+    previous = np.empty_like(compact)
+    previous[1:] = compact[:-1]
+    previous[row_start] = -1  # p = 0 has no predecessor (and no target: token_target is -1)
     row_target = np.full((trajs.size, max_len), -1, np.int64)
     row_pred = np.full((trajs.size, max_len), -1, np.int64)
-    later = col > 0
-    row_target[row[later], col[later]] = token_target[compact[later]]
-    row_pred[row[later], col[later]] = compact[np.flatnonzero(later) - 1]
+    row_target.ravel()[flat] = token_target[compact]
+    row_pred.ravel()[flat] = previous
 
-    rounds, num_states = _rounds(seqs, trees, local, device)
+    rounds, num_states = _rounds(seqs, trees, shift, device)
     index = MicrobatchIndex(
         trajectory_ids=[forest.traj_ids[j] for j in trajs.tolist()],
         token_ids=_tensor(forest.token_ids[glob], device=device),
@@ -92,7 +94,7 @@ def build_microbatch_index(program, microbatch, device="cpu") -> MicrobatchIndex
     return index
 
 
-def _rounds(seqs, trees: np.ndarray, local, device) -> tuple[list[LinearRound], int]:
+def _rounds(seqs, trees: np.ndarray, shift: np.ndarray, device) -> tuple[list[LinearRound], int]:
     """One LinearRound per round index; a tree's round k runs in the microbatch's round k.
     Exported states get bank ids in execution order (round, then sequence, then offset)."""
     chosen = np.flatnonzero(np.isin(seqs.seq_tree, trees))
@@ -107,10 +109,11 @@ def _rounds(seqs, trees: np.ndarray, local, device) -> tuple[list[LinearRound], 
         cu = np.concatenate([[0], np.cumsum(seq_len)])
         replay_rows = seqs.replay[_ranges(seqs.replay_ptr[members], replay_len)]
         # Packed rows: per sequence, its replay rows then its own rows.
+        seq_shift = shift[seqs.seq_tree[members]]
         row_src = np.empty(int(cu[-1]), np.int64)
-        row_src[_ranges(cu[:-1], replay_len)] = local(replay_rows)
+        row_src[_ranges(cu[:-1], replay_len)] = replay_rows - np.repeat(seq_shift, replay_len)
         own_rows = _ranges(cu[:-1] + replay_len, own_len)
-        row_src[own_rows] = local(_ranges(seqs.seq_own_start[members], own_len))
+        row_src[own_rows] = _ranges(seqs.seq_own_start[members] - seq_shift, own_len)
         own_dst = row_src[own_rows]
         init_state = np.asarray([-1 if s < 0 else bank[(s, o)] for s, o in
                                  zip(seqs.seq_init_seq[members].tolist(),
