@@ -131,7 +131,8 @@ def assign(item_tokens, item_cost, *, token_budget: int | None, dp_size: int,
         bound = value
     return Assignment(
         rank=rank, slot=slot, slot_tokens=slot_tokens, slot_cost=slot_cost,
-        objective=value, lower_bound=float(bound), greedy_objective=float(greedy_value), status=status,
+        objective=value, lower_bound=float(bound), greedy_objective=float(greedy_value),
+        status=status,
         method=method, wall_time_s=time.perf_counter() - start, deterministic=deterministic,
         objective_kind=objective, solver_steps=steps)
 

@@ -1,4 +1,4 @@
-"""(rank, slot) assignment: budgets, completeness, determinism, time limit, optimality vs brute force."""
+"""(rank, slot) assignment: budgets, completeness, determinism, time limit, exact optimum."""
 import itertools
 
 import numpy as np
@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harts_compiler.passes.assign import OBJECTIVES, assign, greedy_assign, lower_bound, plan_objective
+from harts_compiler.passes.assign import (OBJECTIVES, assign, greedy_assign, lower_bound,
+                                          plan_objective)
 
 
 def _brute_force(tokens, cost, budget, dp_size, num_slots, objective):

@@ -1,4 +1,4 @@
-"""Rollout-batch generator: determinism, preset statistics, JSONL validity, statistics vs brute force."""
+"""Rollout-batch generator: determinism, preset statistics, JSONL validity, statistics oracle."""
 import json
 import time
 
@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from harts_compiler.generator import PRESETS, batch_stats, gen_main, generate, write_jsonl
 
 # Test scale: every length x0.03 keeps the batch shape (turns, forks, edits) but is tiny.
-SMALL = {"swe": dict(scale=0.03), "tau2": dict(tasks=16, scale=0.03), "grpo": dict(tasks=16, scale=0.1)}
+SMALL = {"swe": dict(scale=0.03), "tau2": dict(tasks=16, scale=0.03),
+         "grpo": dict(tasks=16, scale=0.1)}
 
 
 def _expand_trees(records):
@@ -177,7 +178,8 @@ def test_tree_summary_matches_the_tree_records(preset):
             return 0 if parent is None else start(parent) + len(nodes[parent]["tokens"])
 
         lengths = {i: len(n["tokens"]) for i, n in nodes.items()}
-        pairs = sum(sum(range(start(i) + 1, start(i) + length + 1)) for i, length in lengths.items())
+        pairs = sum(sum(range(start(i) + 1, start(i) + length + 1))
+                    for i, length in lengths.items())
         assert summary["compact_tokens"][t] == sum(lengths.values())
         assert summary["attention_pairs"][t] == pairs
         assert summary["trajectories"][t] == len(tree["trajectories"])

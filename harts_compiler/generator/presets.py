@@ -1,4 +1,4 @@
-"""Presets of the seeded generator of agentic RL rollout batches (`harts gen`), written as HARTS JSONL input.
+"""Seeded generator of agentic RL rollout batches (`harts gen`): the rollout model and presets.
 
 A batch is grown as one global *segment trie*: every segment (system prompt, task statement, model
 response, tool output) is a trie node, and a trajectory is the token concatenation of the nodes
@@ -21,6 +21,9 @@ One rollout of a task::
   on with the thinking dropped from the context; the later turns then branch off just before that
   response instead of extending the trajectory;
 * the rollout's final state is always emitted as one more trajectory.
+
+Trajectory ids: `t{task}-r{rollout}` (the rollout's final trajectory) and
+`t{task}-r{rollout}-e{turn}` (a context-edit trajectory ending at that turn's response).
 
 Presets (lengths in tokens, before `scale`; "~LN(m, s)" = lognormal with median m, log-sigma s;
 "Pareto(a, x)" = Pareto with shape a and minimum x):
@@ -45,8 +48,11 @@ compression (target)  5.0-6.2 (5.6)  8-10 (9)        ~1.3 (computed)
 ====================  =============  ==============  ===============
 
 `swe` is calibrated to the prefix-compression ratio HARTS reports for SWE-bench (about 5.6x),
-`tau2` to the ~9x AReaL-DTA reports for tau2-bench. Compression is computed over the whole batch
-(trajectory tokens / distinct prefixes), so the tau2 prompt shared by all tasks counts once.
+`tau2` to the ~9x AReaL-DTA reports for tau2-bench. Measured over seeds 0-19 at the default
+sizes: swe 5.12-5.97 (mean 5.60), tau2 8.94-9.52 (mean 9.15), grpo 1.30-1.36; at `scale=0.03`
+(the tests' size) swe stays within 5.2-6.0 and tau2 (16 tasks) within 8.7-9.5. Compression is
+computed over the whole batch (trajectory tokens / distinct prefixes), so the tau2 prompt shared
+by all tasks counts once.
 
 `scale` multiplies every length (and `max_context`), so tests and CPU demos make tiny batches
 with the same shape; `vocab_size` (default 151936, Qwen's) bounds the token ids.

@@ -96,10 +96,12 @@ class RolloutBatch:
         pairs = length * start + length * (length + 1) // 2
         end_nodes = np.array([node for _, node in self.ends], dtype=np.int64)
         return {
-            "compact_tokens": np.bincount(index, weights=length, minlength=len(roots)).astype(np.int64),
+            "compact_tokens": np.bincount(index, weights=length,
+                                          minlength=len(roots)).astype(np.int64),
             "attention_pairs": np.bincount(index, weights=pairs, minlength=len(roots)),
             "trajectories": np.bincount(index[end_nodes], minlength=len(roots)),
-            "trajectory_tokens": np.bincount(index[end_nodes], weights=start[end_nodes] + length[end_nodes],
+            "trajectory_tokens": np.bincount(index[end_nodes],
+                                             weights=start[end_nodes] + length[end_nodes],
                                              minlength=len(roots)).astype(np.int64),
         }
 
@@ -122,7 +124,8 @@ def generate(preset: str | Preset = "swe", seed: int = 0, **overrides) -> Rollou
         context = task_len + (len(trie.tokens[root]) if root >= 0 else 0)
         rollouts: list[_Rollout] = []
         for r in range(cfg.rollouts):
-            ends.extend(_grow_rollout(cfg, rng, trie, rollouts, task_node, context, f"t{task}-r{r}"))
+            ends.extend(_grow_rollout(cfg, rng, trie, rollouts, task_node, context,
+                                      f"t{task}-r{r}"))
     return RolloutBatch(cfg, seed, trie.parent, trie.tokens, ends)
 
 
