@@ -2,18 +2,25 @@
 
     python bench/logprobs.py                       # T=32768, V=151936, D=2048, bf16
     python bench/logprobs.py --tokens 8192 --chunks 2048 4096 --json out.json
+    python bench/logprobs.py --tree 4096 8 3584     # one root of 4096 tokens, 8 branches of 3584
 
 Both variants produce per-trajectory log-probs *and* entropies and backpropagate a random
 weighted sum of both into hidden and lm_head_weight (torch.autograd.grad, so no .grad buffers
-linger). Reports median wall time (CUDA events), peak extra memory over the inputs, achieved
+linger). Reports median wall time (host clock around a full sync), peak extra memory over the inputs, achieved
 matmul TFLOP/s (chunked: 4 matmuls of 2*T*V*D — logits, recomputed logits, d hidden, d weight;
 dense: 3) and the max difference of the outputs to the dense variant.
+
+With ``--tree P B L`` the batch is one compiled tree (harts_compiler.compile +
+build_microbatch_index): the op runs on the P + B*L compact tokens, against the same op and the
+dense variant on the B trajectories of P + L tokens each (trajectory hidden states gathered from
+the compact ones, so the log-probs must agree; gradient columns are then not comparable: n/a).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
@@ -24,6 +31,12 @@ from harts_compiler.runtime.ops.logprobs_reference import dense_token_logprobs
 
 def measure(fn, hidden, weight, grads, repeats):
     """(median ms fwd+bwd, median ms fwd, peak extra bytes, outputs) of one variant."""
+    cuda = hidden.is_cuda
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
     def step():
         logprobs, entropy = fn(hidden, weight)
         loss = (logprobs * grads[0]).sum() + (entropy * grads[1]).sum()
@@ -31,26 +44,46 @@ def measure(fn, hidden, weight, grads, repeats):
 
     outputs = step()  # warm-up, and the outputs for the accuracy check
     outputs = tuple(o.detach() for o in outputs[:2]) + tuple(outputs[2])
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    sync()
+    peak = float("nan")
+    if cuda:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        sync()
+        peak = torch.cuda.max_memory_allocated() - base
     times = {"fwd+bwd": [], "fwd": []}
     for _ in range(repeats):
         for kind in times:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            sync()
+            start = time.perf_counter()
             if kind == "fwd":
                 with torch.no_grad():
                     fn(hidden, weight)
             else:
                 step()
-            end.record()
-            torch.cuda.synchronize()
-            times[kind].append(start.elapsed_time(end))
+            sync()  # host timing around a full sync: launch gaps count, as they do in training
+            times[kind].append((time.perf_counter() - start) * 1e3)
     return statistics.median(times["fwd+bwd"]), statistics.median(times["fwd"]), peak, outputs
+
+
+def tree_case(prefix, branches, branch_length, vocab, device):
+    """(tree index, trajectory-wise index, compact -> trajectory token map) of one compiled tree."""
+    import harts_compiler as hc
+    from harts_compiler.codegen.microbatch import build_microbatch_index
+
+    root = torch.randint(0, vocab, (prefix,)).tolist()
+    token_lists = [root + torch.randint(0, vocab, (branch_length,)).tolist() for _ in range(branches)]
+    ids = [f"b{j}" for j in range(branches)]
+    plan = hc.compile(hc.TreeBatch.from_trajectories(token_lists, ids), hc.CompileOptions())
+    (microbatch,) = plan.microbatches()
+    tree = build_microbatch_index(plan, microbatch, device=device)
+    rows = [token_lists[ids.index(t)] for t in tree.trajectory_ids]
+    # trajectory token p has the hidden state of the compact token predicting p + 1; a row's last
+    # token predicts nothing, so any compact token will do there (its logits are never read)
+    source = torch.cat([torch.cat([tree.row_pred[r, 1:len(t)], tree.row_pred[r, 1:2]])
+                        for r, t in enumerate(rows)])
+    return tree, trajectory_index(rows, device=device), source
 
 
 def main(argv=None):
@@ -62,56 +95,82 @@ def main(argv=None):
     parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--tree", type=int, nargs=3, metavar=("P", "B", "L"), default=None,
+                        help="one tree: root of P tokens, B branches of L tokens (overrides --tokens)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only "
+                        "(fp32, Triton under TRITON_INTERPRET=1; use tiny sizes)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/logprobs.py needs CUDA")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/logprobs.py needs CUDA (or --device cpu for a smoke test)")
 
     torch.manual_seed(0)
-    device, dtype = "cuda", torch.bfloat16
-    T, V, D = args.tokens, args.vocab, args.dim
-    per_traj = T // args.trajectories
-    lengths = [per_traj] * (args.trajectories - 1) + [T - per_traj * (args.trajectories - 1)]
-    token_lists = [torch.randint(0, V, (n,)).tolist() for n in lengths]
-    index = trajectory_index(token_lists, device=device)
-    hidden = torch.randn(T, D, device=device, dtype=dtype).requires_grad_()
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    V, D = args.vocab, args.dim
+    if args.tree is None:
+        T = args.tokens
+        per_traj = T // args.trajectories
+        lengths = [per_traj] * (args.trajectories - 1) + [T - per_traj * (args.trajectories - 1)]
+        index = trajectory_index([torch.randint(0, V, (n,)).tolist() for n in lengths], device=device)
+        hidden = torch.randn(T, D, device=device, dtype=dtype).requires_grad_()
+        traj_index, traj_hidden = index, hidden
+        shape = f"{args.trajectories} trajectories"
+    else:
+        index, traj_index, source = tree_case(*args.tree, V, device)
+        T = index.num_tokens
+        hidden = torch.randn(T, D, device=device, dtype=dtype).requires_grad_()
+        traj_hidden = hidden.detach()[source].requires_grad_()
+        shape = (f"tree P={args.tree[0]} B={args.tree[1]} L={args.tree[2]}: {T} compact tokens, "
+                 f"{traj_hidden.shape[0]} trajectory tokens")
     weight = (torch.randn(V, D, device=device, dtype=dtype) * D ** -0.5).requires_grad_()
     grads = [torch.randn(index.row_target.shape, device=device) for _ in range(2)]
-    flops_per_matmul = 2 * T * V * D
 
-    variants = [(f"chunked c={c}", 4, lambda h, w, c=c: token_logprobs(h, w, index, chunk_tokens=c))
-                for c in args.chunks]
+    # (name, rows through the 2*V*D matmuls, fn(hidden, weight), the hidden leaf it takes)
+    c0 = args.chunks[0]
+    variants = [(f"chunked c={c}", 4 * T, lambda h, w, c=c: token_logprobs(h, w, index, chunk_tokens=c),
+                 hidden) for c in args.chunks]
     # the same op with its element-wise work in plain torch instead of the Triton kernels
-    variants.append((f"torch-ew c={args.chunks[0]}", 4,
-                     lambda h, w: token_logprobs(h, w, index, chunk_tokens=args.chunks[0], use_triton=False)))
+    variants.append((f"torch-ew c={c0}", 4 * T,
+                     lambda h, w: token_logprobs(h, w, index, chunk_tokens=c0, use_triton=False), hidden))
+    n_traj = traj_hidden.shape[0]
+    if args.tree is not None:
+        variants.append((f"traj chunked c={c0}", 4 * n_traj,
+                         lambda h, w: token_logprobs(h, w, traj_index, chunk_tokens=c0), traj_hidden))
     if not args.skip_dense:
-        variants.append(("dense", 3, lambda h, w: dense_token_logprobs(h, w, index)))
-    print(f"T={T} V={V} D={D} bf16, {args.trajectories} trajectories, GPU {torch.cuda.get_device_name()}")
-    print(f"{'variant':<18}{'fwd+bwd ms':>12}{'fwd ms':>10}{'peak GiB':>10}{'TFLOP/s':>10}"
+        variants.append(("dense" if args.tree is None else "traj dense", 3 * n_traj,
+                         lambda h, w: dense_token_logprobs(h, w, traj_index), traj_hidden))
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU smoke test"
+    print(f"T={T} V={V} D={D} {str(dtype)[6:]}, {shape}, {where}")
+    print(f"{'variant':<22}{'fwd+bwd ms':>12}{'fwd ms':>10}{'peak GiB':>10}{'TFLOP/s':>10}"
           f"{'|dlp|':>10}{'|dH|':>10}{'|dgh| rel':>11}{'|dgw| rel':>11}")
     results, reference = [], None
-    for name, n_matmuls, fn in reversed(variants):  # dense first: it is the accuracy reference
+    for name, matmul_rows, fn, leaf in reversed(variants):  # dense first: the accuracy reference
         try:
-            total_ms, fwd_ms, peak, outputs = measure(fn, hidden, weight, grads, args.repeats)
+            total_ms, fwd_ms, peak, outputs = measure(fn, leaf, weight, grads, args.repeats)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-            print(f"{name:<18}{'OOM':>12}")
+            print(f"{name:<22}{'OOM':>12}")
             results.append({"variant": name, "oom": True})
             continue
         if reference is None:
             reference = outputs
-        diffs = [(o.float() - r.float()).abs().max().item() for o, r in zip(outputs, reference)]
-        for i in (2, 3):  # gradients relative to their scale
+        # max |difference| (gradients: relative to their scale); n/a (nan) for grad hidden across
+        # tree and trajectory mode, whose hidden states are different tensors
+        diffs = [(o.float() - r.float()).abs().max().item() if o.shape == r.shape else float("nan")
+                 for o, r in zip(outputs, reference)]
+        for i in (2, 3):
             diffs[i] /= reference[i].float().abs().max().item()
-        tflops = n_matmuls * flops_per_matmul / (total_ms * 1e-3) / 1e12
+        tflops = matmul_rows * 2 * V * D / (total_ms * 1e-3) / 1e12
         row = {"variant": name, "fwd_bwd_ms": total_ms, "fwd_ms": fwd_ms, "peak_gib": peak / 2 ** 30,
                "tflops": tflops, "max_diff_logprobs": diffs[0], "max_diff_entropy": diffs[1],
                "rel_diff_grad_hidden": diffs[2], "rel_diff_grad_weight": diffs[3]}
         results.append(row)
-        print(f"{name:<18}{total_ms:>12.1f}{fwd_ms:>10.1f}{peak / 2 ** 30:>10.2f}{tflops:>10.0f}"
+        print(f"{name:<22}{total_ms:>12.1f}{fwd_ms:>10.1f}{peak / 2 ** 30:>10.2f}{tflops:>10.0f}"
               f"{diffs[0]:>10.2e}{diffs[1]:>10.2e}{diffs[2]:>11.2e}{diffs[3]:>11.2e}")
         del outputs
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"T": T, "V": V, "D": D, "results": results}, f, indent=2)
