@@ -124,6 +124,9 @@ class TreeBatch:
             except json.JSONDecodeError as exc:
                 problems.append(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})")
                 continue
+            except ValueError as exc:  # e.g. bytes that are not UTF-8
+                problems.append(f"{where}: invalid JSON: {exc}")
+                continue
             is_tree = isinstance(head, dict) and "nodes" in head
             fast = None if is_tree else _fast_trajectory(_as_bytes(text))
             if fast is not None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Annotated, Union
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 NodeId = Union[StrictInt, StrictStr]
-TokenList = Annotated[list[NonNegativeInt], Field(min_length=1)]
+Token = Annotated[int, Field(ge=0, le=2**63 - 1)]  # stored as int64
+TokenList = Annotated[list[Token], Field(min_length=1)]
 
 
 class TrajectoryRecord(BaseModel):

@@ -60,6 +60,8 @@ def test_save_load_round_trip(tmp_path):
     ({"id": "a"}, "field tokens: Field required"),
     ({"id": "a", "tokens": [1], "extra": 1}, "field extra"),
     ("{not json", "line 1: invalid JSON"),
+    ({"id": "a", "tokens": [2**63]}, "field tokens[0]: Input should be less than or equal to"),
+    ('{"id": "a", "nodes": "\xff"}', "line 1"),
 ])
 def test_bad_trajectory(record, expected):
     problems = problems_of(record)
@@ -79,6 +81,7 @@ def node(i, parent, tokens=(1,)):
     ([node(0, None)], [{"id": "a", "node": 5}],
      "field trajectories[0].node: trajectory 'a' names unknown node 5"),
     ([node(0, None, [1, -1])], None, "field nodes[0].tokens[1]"),
+    ([node(0, None, [2**64])], None, "field nodes[0].tokens[0]"),
 ])
 def test_bad_tree(nodes, trajectories, expected):
     tree = {"id": "T", "nodes": nodes}
