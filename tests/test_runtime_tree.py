@@ -121,8 +121,7 @@ def tricky_batches(chunk_size: int) -> dict[str, list[list[int]]]:
 
 # Every case at chunk size 4 (replay and multi-round paths at tiny sizes); the ones where the chunk
 # boundary matters also at the real chunk size 64. Checkpointing and fp32 on a subset (CPU time).
-_CASES = [(name, 4) for name in tricky_batches(4)] + [("branch_on_chunk_boundary", 64),
-                                                      ("replay_across_short_nodes", 64)]
+_CASES = [(name, 4) for name in tricky_batches(4)] + [("branch_on_chunk_boundary", 64)]
 
 
 @pytest.mark.parametrize("name,chunk_size", _CASES)
@@ -162,8 +161,8 @@ def test_qwen3_5_family(preset):
                                        chunk_size=4, preset=preset)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31 - 1), chunk_size=st.sampled_from([1, 2, 4, 64]),
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), chunk_size=st.sampled_from([1, 2, 3, 4]),
        vocab=st.sampled_from([2, 3, 128]))
 def test_random_rollout_trees(seed, chunk_size, vocab):
     batch = random_rollout_batch(random.Random(seed), vocab=vocab, n_traj=6, max_len=14)
