@@ -127,9 +127,11 @@ def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | 
     model: a TreeModel (every rank the same weights); plan: compiled with dp_size = world size;
     inputs: `TrajectoryInputs` of all the plan's trajectories (every rank holds all of them; they
     are small); loss_fn: `PPOObjective()` by default. After the call every rank's `.grad` holds
-    the gradient of the whole batch's loss (summed, not averaged). `forward_kwargs` go to the
-    model (e.g. activation_checkpointing=True). `time_device` synchronises the device around each
-    phase so the per-slot times are real (costs a little overlap on GPUs).
+    the gradient of the whole batch's loss (summed over ranks, not averaged), added to the
+    gradients from before the call when `zero_grad=False` (those are taken as already global).
+    `forward_kwargs` go to the model (e.g. activation_checkpointing=True). `time_device`
+    synchronises the device after each phase so that per-slot times are real; it serialises the
+    per-slot reductions of `sync="slot"` with compute, so turn it off where speed matters.
     """
     if sync not in SYNC_MODES:
         raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -146,9 +148,10 @@ def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | 
         time_device and device.type == "cuda") else (lambda: None)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    if zero_grad:
-        for p in params:
-            p.grad = None
+    # gradients from before the step are already global: set aside so they are not reduced again
+    carried = [None if zero_grad else p.grad for p in params]
+    for p in params:
+        p.grad = None
     reducer = GradientReducer(params, process_group, bucket_bytes) if world_size > 1 else None
     step_start = time.perf_counter()
     local_loss = torch.zeros((), dtype=torch.float64, device=device)
@@ -165,8 +168,7 @@ def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | 
             loss_metrics.append(stats)
         if reducer is not None and sync == "slot":
             start = time.perf_counter()
-            reducer.reduce_slot()
-            sync_device()
+            reducer.reduce_slot()  # asynchronous: no device sync, so it overlaps the next slot
             metrics.reduce_s = time.perf_counter() - start
         slots.append(metrics)
 
@@ -176,6 +178,9 @@ def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | 
         reducer.finish() if sync == "slot" else reducer.reduce_in_place()
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=process_group)
     sync_device()
+    for p, before in zip(params, carried):
+        if before is not None:
+            p.grad = before if p.grad is None else p.grad.add_(before)
     rank_metrics = RankMetrics(rank=rank, slots=slots, reduce_s=time.perf_counter() - start,
                                total_s=time.perf_counter() - step_start)
     _check_coverage(totals, forest.num_trajectories, inputs)

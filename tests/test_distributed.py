@@ -198,6 +198,9 @@ def _worker(rank: int, world_size: int, port: int, plan, inputs_per_run, out_dir
             model.zero_grad(set_to_none=True)
             step = data_parallel_step(model, plan, inputs, objective, sync=sync, gather_metrics=True)
             results.append(dict(loss=step.loss, grads=grads_of(model), all_ranks=step.all_ranks))
+            # a second step without zeroing adds the batch gradient once more (not re-reduced)
+            data_parallel_step(model, plan, inputs, objective, sync=sync, zero_grad=False)
+            results[-1]["grads_twice"] = grads_of(model)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -246,6 +249,8 @@ def test_two_gloo_ranks_give_the_gradients_of_one_process(tmp_path):
         for rank, got in enumerate(per_rank):
             assert abs(got["loss"] - want_loss) <= TOL * abs(want_loss), what
             assert_grads_close(got["grads"], want_grads, f"{what} rank {rank}")
+            assert_grads_close(got["grads_twice"], {n: 2 * g for n, g in want_grads.items()},
+                               f"{what} rank {rank}, second step with zero_grad=False")
         metrics = per_rank[0]["all_ranks"]
         assert [m.rank for m in metrics] == [0, 1]
         assert {len(m.slots) for m in metrics} == {len(schedules[0])}  # lockstep slot count
