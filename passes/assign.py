@@ -15,7 +15,8 @@ Method (`assign`):
 
 1. greedy warm start: items by cost, largest first (ties: more tokens, lower index), each into
    the least-loaded (rank, slot) with room for its tokens, opening a slot when none has room
-   (the slot count is the greedy's unless `num_slots` fixes it);
+   (the slot count is the greedy's unless `num_slots` fixes it; without `num_slots`, slots the
+   search empties on every rank are dropped at the end);
 2. small problems (items x ranks x slots <= FULL_MODEL_MAX_VARS): the whole problem as one
    CP-SAT model, hinted with the greedy plan;
 3. larger ones: a local search (sum_of_slot_max: move or swap an item off a slot's slowest rank,
@@ -125,6 +126,9 @@ def assign(item_tokens, item_cost, *, token_budget: int | None, dp_size: int,
             status = "OPTIMAL"
         elif method.startswith("cp-sat"):
             status = "FEASIBLE"
+    if num_slots is None and len(slot):  # drop slots the search emptied on every rank
+        used_slots, slot = np.unique(slot, return_inverse=True)
+        n_slots = len(used_slots)
     slot_tokens, slot_cost = _slot_totals(tokens, cost, rank, slot, dp_size, n_slots)
     value = plan_objective(cost, rank, slot, dp_size, n_slots, objective)
     if bound > value and bound <= value * (1 + 1e-9):  # summation-order noise, not a real gap

@@ -172,3 +172,15 @@ def test_planner_benchmark_runs_on_a_small_batch(tmp_path):
     for row in rows:
         assert row["items"] >= 40 and row["objective"] >= row["lower_bound"] > 0
         assert row["objective"] <= row["greedy_objective"] * (1 + 1e-12)
+
+
+def test_slots_emptied_on_every_rank_are_dropped_unless_fixed():
+    # The greedy opens 3 slots; the optimum (30) uses 2 of them.
+    tokens, cost = np.array([4, 4, 6, 8, 9, 3]), np.array([5.0, 11, 12, 5, 7, 18])
+    free = assign(tokens, cost, token_budget=10, dp_size=2, time_limit_s=2.0)
+    greedy_rank, greedy_slot = greedy_assign(tokens, cost, 10, 2, None, "sum_of_slot_max")
+    assert greedy_slot.max() + 1 == 3 and free.greedy_objective == 34.0
+    assert free.objective == 30.0 and free.status == "OPTIMAL"
+    assert free.num_slots == 2 and set(free.slot.tolist()) == {0, 1}
+    fixed = assign(tokens, cost, token_budget=10, dp_size=2, num_slots=4, time_limit_s=2.0)
+    assert fixed.num_slots == 4 and fixed.objective == 30.0
