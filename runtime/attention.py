@@ -13,6 +13,7 @@ from torch import nn
 from harts_compiler.codegen.kernels.tree_attention import (build_block_index, check_tree_attention_inputs,
                                                            config_for, tree_mask)
 from harts_compiler.codegen.kernels.tree_attention import tree_attention as tree_attention_kernel
+from harts_compiler.codegen.kernels.tree_attention.configs import SUPPORTED_HEAD_DIMS
 
 from .config import ModelConfig
 from .layers import ZeroCentredRMSNorm, apply_partial_rope
@@ -23,8 +24,9 @@ _QUERY_BLOCK = 256  # CPU path: queries per block
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
                    scale: float, block_cache: dict | None = None) -> torch.Tensor:
     """CUDA: the Triton kernel, its block index built once per microbatch (cached in `block_cache`).
-    CPU and fp64: the plain torch reference (not Triton's interpreter, which is for kernel tests)."""
-    if q.is_cuda and q.dtype != torch.float64:
+    CPU, fp64 and head dims the kernel lacks: plain torch (not Triton's interpreter, which is for
+    kernel tests)."""
+    if q.is_cuda and q.dtype != torch.float64 and q.shape[2] in SUPPORTED_HEAD_DIMS:
         block_index = None
         if block_cache is not None:
             key = q.shape[2]

@@ -1,0 +1,88 @@
+"""GPU (H200) bars of DESIGN.md section 11 for the runtime with the Triton kernels.
+
+- fp32 on CUDA: tree mode == trajectory-wise mode (both through the Triton GDN and tree-attention
+  kernels, chunk 64).
+- bf16 on CUDA: the tree-mode difference to an fp64 reference is no larger than the
+  trajectory-wise bf16 baseline's own difference to it, times BF16_FACTOR.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from harts_compiler.runtime import TreeModel, trajectory_wise
+from test_runtime_helpers import naive_tree_index, random_rollout_batch
+
+pytestmark = pytest.mark.gpu
+
+# power-of-two head dims so the Triton kernels (not the fallbacks) run
+GPU_CONFIG = dict(model_type="qwen3_next", vocab_size=1024, hidden_size=256, intermediate_size=512,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                  linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=2,
+                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                  shared_expert_intermediate_size=128, initializer_range=0.05,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+BF16_FACTOR = 2.0
+FP32_TOL = 1e-4
+
+
+def _batch():
+    return random_rollout_batch(random.Random(0), vocab=1024, n_traj=12, max_len=700)
+
+
+def _run(model, index_or_batch, weights):
+    model.zero_grad(set_to_none=True)
+    if isinstance(index_or_batch, list):
+        out = trajectory_wise(model, index_or_batch)
+    else:
+        out = model(index_or_batch)
+    lp = out.logprobs.float()
+    (lp * weights[:, :lp.shape[1]]).sum().add(out.aux_loss.float()).backward()
+    grads = {n: p.grad.detach().double() for n, p in model.named_parameters()}
+    return lp.detach().double(), grads
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _worst_grad(a, b):
+    return max(_rel(a[n], b[n]) for n in b)
+
+
+def _models():
+    return {dtype: TreeModel.from_config(GPU_CONFIG, seed=0, dtype=dtype, device="cuda")
+            for dtype in (torch.float64, torch.float32, torch.bfloat16)}
+
+
+def test_tree_equals_trajectory_wise_fp32_with_kernels():
+    batch = _batch()
+    models = _models()
+    model = models[torch.float32]
+    index = naive_tree_index(batch, chunk_size=64).to("cuda")
+    weights = torch.randn(len(batch), max(map(len, batch)), device="cuda")
+    lp_tree, g_tree = _run(model, index, weights)
+    lp_flat, g_flat = _run(model, batch, weights)
+    print(f"fp32 tree vs trajectory-wise: logprobs rel {_rel(lp_tree, lp_flat):.2e}, "
+          f"worst grad rel {_worst_grad(g_tree, g_flat):.2e}")
+    assert _rel(lp_tree, lp_flat) < FP32_TOL
+    assert _worst_grad(g_tree, g_flat) < FP32_TOL
+
+
+def test_bf16_tree_error_within_trajectory_wise_error():
+    batch = _batch()
+    models = _models()
+    index = naive_tree_index(batch, chunk_size=64).to("cuda")
+    weights = torch.randn(len(batch), max(map(len, batch)), device="cuda")
+    lp_ref, g_ref = _run(models[torch.float64], batch, weights.double())
+    lp_tree, g_tree = _run(models[torch.bfloat16], index, weights)
+    lp_flat, g_flat = _run(models[torch.bfloat16], batch, weights)
+    tree_err, flat_err = _rel(lp_tree, lp_ref), _rel(lp_flat, lp_ref)
+    tree_g, flat_g = _worst_grad(g_tree, g_ref), _worst_grad(g_flat, g_ref)
+    print(f"bf16 vs fp64: logprobs tree {tree_err:.2e} / trajectory-wise {flat_err:.2e}; "
+          f"worst grad tree {tree_g:.2e} / trajectory-wise {flat_g:.2e}")
+    assert tree_err <= BF16_FACTOR * flat_err
+    assert tree_g <= BF16_FACTOR * flat_g
