@@ -23,7 +23,8 @@ Method (`assign`):
    best improving step first) and then a CP-SAT large neighbourhood search whose steps re-solve
    two slots (max_rank_total: two ranks over two slots) exactly as small models;
 4. status OPTIMAL when the plan reaches a lower bound or the whole model is proven optimal
-   (exact up to rounding costs to 1e-7 of their total), FEASIBLE when CP-SAT improved the warm
+   (exact up to rounding costs to 1e-7 of their total, and for the slot count it was given: a
+   plan with more slots than the greedy opened is not searched), FEASIBLE when CP-SAT improved the warm
    start, GREEDY_FALLBACK when it found nothing better in time: the plan is then the greedy one
    (after the local search, if `method` says greedy+local).
 
