@@ -3,8 +3,8 @@
 The reference runs the batch trajectory-wise in one process and computes the loss with
 `ppo_clip_loss`'s own local normalisers from hand-built full-batch tensors, so it shares neither
 the gather of per-trajectory inputs nor the global normalisers with the code under test.
-The 2-process test spawns two gloo ranks over a plan compiled with dp_size=2 whose schedule
-necessarily has an empty (rank, slot): an odd number of trees that each fill a microbatch.
+The 2-process test spawns two gloo ranks that load the plan `harts compile --dp-size 2` saved; its
+schedule necessarily has an empty (rank, slot): an odd number of trees that each fill a microbatch.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 import harts_compiler
+from harts_compiler.commands import compile_main
 from harts_compiler.objectives import ppo_clip_loss
 from harts_compiler.runtime import trajectory_wise
 from harts_compiler.runtime.distributed import data_parallel_step, slot_schedule
@@ -186,9 +187,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, plan, inputs_per_run, out_dir: str):
+def _worker(rank: int, world_size: int, port: int, plan_path, inputs_per_run, out_dir: str):
     import torch.distributed as dist
     torch.set_num_threads(1)
+    plan = harts_compiler.Plan.load(plan_path)  # every rank reads the plan the CLI saved
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
@@ -232,7 +234,11 @@ def run_two_ranks(plan, inputs_per_run, out_dir, worker=_worker) -> list:
 
 def test_two_gloo_ranks_give_the_gradients_of_one_process(tmp_path):
     token_lists = tree_token_lists()
-    plan = compile_plan(token_lists, dp_size=2)
+    harts_compiler.TreeBatch.from_trajectories(token_lists).save(tmp_path / "batch.jsonl")
+    plan_path = tmp_path / "plan.hir"
+    assert compile_main([str(tmp_path / "batch.jsonl"), "--dp-size", "2", "--chunk-size", str(CHUNK),
+                         "--microbatch-tokens", str(BUDGET), "-o", str(plan_path)]) == 0
+    plan = harts_compiler.Plan.load(plan_path)
     schedules = [slot_schedule(plan, r) for r in range(2)]
     assert any(mb is None for s in schedules for mb in s), "the plan must have an empty slot"
     references, inputs_per_run = [], []
@@ -242,7 +248,7 @@ def test_two_gloo_ranks_give_the_gradients_of_one_process(tmp_path):
         inputs_per_run.append(TrajectoryInputs.for_plan(plan, **data))
         references.append(reference(model, token_lists, data, objective, plan))
 
-    ranks = run_two_ranks(plan, inputs_per_run, tmp_path)
+    ranks = run_two_ranks(str(plan_path), inputs_per_run, tmp_path)
     forest = plan.program.forest
     for (preset, objective, sync), (want_loss, want_grads), *per_rank in zip(RUNS, references, *ranks):
         what = f"{preset} {objective.aggregation} sync={sync}"
