@@ -170,3 +170,24 @@ def test_accepts_program_and_int_and_device():
     assert plan.microbatches()[0].build_index().num_tokens == index.num_tokens
     with pytest.raises(ValueError, match="scheduled"):
         build_microbatch_index(plan.program.replace(microbatches=None), 0)
+
+
+def tricky_batches(C: int) -> dict:
+    """DESIGN.md section 11's list of shapes, for chunk size C."""
+    root = list(range(100, 100 + 2 * C))
+    return {
+        "branch_on_boundary": [root + [1, 2], root + [3]],
+        "branch_in_first_chunk": [root[:C // 2 + 1] + [1], root[:C // 2 + 1] + [2, 2]],
+        "replay_across_short_nodes": [root[:C + 1] + [1] + [7, 7], root[:C + 1] + [1] + [8],
+                                      root[:C + 1] + [2], root[:C + 1] + [1, 7, 7, 9, 9]],
+        "nodes_shorter_than_conv": [[5, 1], [5, 2, 3], [5, 2, 4], [5, 2, 3, 6]],
+        "prefix_and_duplicates": [root, root[:C + 2], root, root[:1]],
+        "single_token_nodes": [[1, 2, 3], [1, 2, 4], [1, 5], [1, 2, 3, 6], [1, 2, 3, 7]],
+        "hundreds_of_children": [root + [1000 + k, k % 3] for k in range(300)],
+    }
+
+
+@pytest.mark.parametrize("chunk_size", [2, 4, 8])
+@pytest.mark.parametrize("name", list(tricky_batches(4)))
+def test_tricky_shapes(name, chunk_size):
+    check_plan(tricky_batches(chunk_size)[name], chunk_size)
