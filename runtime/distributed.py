@@ -16,6 +16,17 @@ rounding order.
 
 Result: with the same weights, the reduced gradients and the global loss equal those of one
 process running the whole batch trajectory-wise (tests/test_distributed.py checks it over gloo).
+
+Use (every rank, after `dist.init_process_group`; same plan and inputs everywhere):
+
+    plan = harts_compiler.compile(batch, CompileOptions(dp_size=world, microbatch_tokens=B))
+    advantages = group_advantages(rewards, plan.program.forest.traj_ids, groups)   # dp_inputs
+    inputs = TrajectoryInputs.for_plan(plan, advantages=advantages, old_logprobs=old)
+    result = data_parallel_step(model, plan, inputs, PPOObjective(kl_coef=0.0))
+    optimizer.step()          # .grad is the whole batch's gradient on every rank
+
+Not here: DDP/FSDP wrappers (a plain all-reduce gives the same sums without DDP's rule that
+every rank runs a synchronised backward, which an empty last slot cannot), sharded parameters.
 """
 from __future__ import annotations
 
