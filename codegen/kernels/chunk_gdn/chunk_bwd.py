@@ -81,10 +81,11 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
 @triton.jit
 def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dv, dbeta, dg, scratch, chunk_row_start, chunk_row_end,
                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BV: tl.constexpr):
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """Through w = T (beta exp(gc) k), u = T (beta v), T = (I + A)^-1, A = (beta k k^T exp(gc_i - gc_j))_{i>j}.
 
-    dk and dgc arrive holding the chunk_bwd_qk contributions; dg leaves as the reverse in-chunk cumsum of dgc.
+    dk and dgc (in dg) arrive holding the chunk_bwd_qk contributions; dg leaves as the reverse in-chunk
+    cumsum of dgc. K and V are walked in blocks so that only [BT, BT] tiles stay live (no spills).
     """
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
@@ -92,63 +93,74 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dv, dbeta, dg, scratch, chunk_
     row0 = tl.load(chunk_row_start + i_c)
     row_end = tl.load(chunk_row_end + i_c)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
     rows = row0 + o_t
     m_t = rows < row_end
+    dt = k.dtype.element_ty
 
-    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     b_eg = tl.exp(b_gc)
-    dt = b_k.dtype
-    p_t = T + (rows[:, None] * HV + i_h) * BT + o_t[None, :]
-    b_t = tl.load(p_t, mask=m_t[:, None], other=0.0)                                  # [i, j] = T_ij
-    b_tt = tl.load(T + (rows[None, :] * HV + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0)  # T_ji
+    b_tt = tl.load(T + (rows[None, :] * HV + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0).to(dt)  # T_ji
 
-    # w-path: dT = dw (beta exp(gc) k)^T ; d(beta exp(gc) k) = T^T dw
-    p_rk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
-    b_dw = tl.load(dw + p_rk, mask=m_t[:, None], other=0.0)
-    b_dt = tl.dot(b_dw.to(dt), (b_kt * (b_b * b_eg)[None, :]).to(dt))
-    b_dkb = tl.dot(b_tt.to(dt), b_dw.to(dt))
-    b_dk = tl.load(dk + p_rk, mask=m_t[:, None], other=0.0) + b_dkb * (b_b * b_eg)[:, None]
-    b_db = tl.sum(b_dkb * b_k.to(tl.float32), 1) * b_eg
-    b_dgc = tl.load(dg + rows * HV + i_h, mask=m_t, other=0.0) + tl.sum(b_dkb * b_k.to(tl.float32), 1) * b_b * b_eg
+    # dT = dw (beta exp(gc) k)^T + du (beta v)^T ;  kk = k k^T
+    b_dt = tl.zeros([BT, BT], dtype=tl.float32)
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+        b_dw = tl.load(dw + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_dt += tl.dot(b_dw.to(dt), (b_kt * (b_b * b_eg)[None, :]).to(dt))
+        b_kk += tl.dot(b_k, b_kt)
+    for i_v in range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_du = tl.load(du + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+        b_vt = tl.load(v + (rows[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
+        b_dt += tl.dot(b_du.to(dt), (b_vt * b_b[None, :]).to(dt))
 
-    # u-path: dT += du (beta v)^T ; d(beta v) = T^T du
+    # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept strictly lower
+    m_lower = o_t[:, None] > o_t[None, :]
+    b_da = -tl.dot(tl.dot(b_tt, b_dt.to(dt)).to(dt), b_tt)
+    b_decay = tl.where(m_lower, tl.exp(b_gc[:, None] - b_gc[None, :]), 0.0)
+    b_da = tl.where(m_lower, b_da, 0.0)
+    b_dkk = b_da * b_decay                                             # d(k_i . k_j) / beta_i, i > j
+    b_db = tl.sum(b_dkk * b_kk, 1)
+    b_dgc_a = b_dkk * b_kk * b_b[:, None]                              # dA * A
+    b_dgc = tl.load(dg + rows * HV + i_h, mask=m_t, other=0.0) + tl.sum(b_dgc_a, 1) - tl.sum(b_dgc_a, 0)
+    b_dkk = b_dkk * b_b[:, None]
+    # the other side of k_i . k_j needs b_dkk^T: round trip through this program's scratch tile
+    p_s = scratch + i_ch.to(tl.int64) * (BT * BT)
+    tl.store(p_s + o_t[:, None] * BT + o_t[None, :], b_dkk)
+    tl.debug_barrier()
+    b_dkkt = tl.load(p_s + o_t[None, :] * BT + o_t[:, None]).to(dt)
+    b_dkk = b_dkk.to(dt)
+
+    # dk += T^T dw * beta exp(gc) + dkk k + dkk^T k
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        p_rk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+        b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_dw = tl.load(dw + p_rk, mask=m_t[:, None], other=0.0)
+        b_dkb = tl.dot(b_tt, b_dw.to(dt))
+        b_kb = tl.sum(b_dkb * b_k.to(tl.float32), 1)
+        b_db += b_kb * b_eg
+        b_dgc += b_kb * b_b * b_eg
+        b_dk = tl.load(dk + p_rk, mask=m_t[:, None], other=0.0) + b_dkb * (b_b * b_eg)[:, None]
+        b_dk += tl.dot(b_dkk, b_k) + tl.dot(b_dkkt, b_k)
+        tl.store(dk + p_rk, b_dk, mask=m_t[:, None])
+    # dv = T^T du * beta
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_rv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
         b_du = tl.load(du + p_rv, mask=m_t[:, None], other=0.0)
         b_v = tl.load(v + p_rv, mask=m_t[:, None], other=0.0)
-        b_vt = tl.load(v + (rows[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
-        b_dt += tl.dot(b_du.to(dt), (b_vt * b_b[None, :]).to(dt))
-        b_dvb = tl.dot(b_tt.to(dt), b_du.to(dt))
+        b_dvb = tl.dot(b_tt, b_du.to(dt))
         b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
         tl.store(dv + p_rv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
-
-    # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept strictly lower
-    m_lower = o_t[:, None] > o_t[None, :]
-    b_da = -tl.dot(tl.dot(b_tt.to(dt), b_dt.to(dt)).to(dt), b_tt.to(dt))
-    b_decay = tl.where(m_lower, tl.exp(b_gc[:, None] - b_gc[None, :]), 0.0)
-    b_kk = tl.dot(b_k, b_kt)
-    b_da = tl.where(m_lower, b_da, 0.0)
-    b_dgc_a = b_da * b_kk * b_decay * b_b[:, None]                    # dA * A
-    b_dgc += tl.sum(b_dgc_a, 1) - tl.sum(b_dgc_a, 0)
-    b_db += tl.sum(b_da * b_kk * b_decay, 1)
-    b_dkk = b_da * b_decay * b_b[:, None]                              # d(k_i . k_j) for i > j
-    b_dk += tl.dot(b_dkk.to(dt), b_k)
-    # the other side of k_i . k_j needs b_dkk^T: round trip through this program's scratch tile
-    p_s = scratch + i_ch.to(tl.int64) * (BT * BT)
-    tl.store(p_s + o_t[:, None] * BT + o_t[None, :], b_dkk)
-    tl.debug_barrier()
-    b_dkkt = tl.load(p_s + o_t[None, :] * BT + o_t[:, None])
-    b_dk += tl.dot(b_dkkt.to(dt), b_k)
 
     # dg = reverse cumsum of dgc inside the chunk
     b_dgc = tl.where(m_t, b_dgc, 0.0)
     b_dg = tl.sum(b_dgc) - tl.cumsum(b_dgc, 0) + b_dgc
-    tl.store(dk + p_rk, b_dk, mask=m_t[:, None])
     tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
     tl.store(dg + rows * HV + i_h, b_dg, mask=m_t)
 
@@ -174,5 +186,5 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, *, bloc
         scratch = torch.empty(index.num_chunks * hv, BT, BT, device=q.device, dtype=torch.float32)
         _wy_bwd_kernel[grid](
             k, v, beta, gc, T, dw, dvn, dk, dv, dbeta, dgc, scratch, index.chunk_row_start, index.chunk_row_end,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, num_warps=warps_wy)
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, num_warps=warps_wy)
     return dq, dk, dv, dbeta, dgc

@@ -15,7 +15,8 @@ import torch
 from .chunk_bwd import chunk_bwd
 from .index import GDNIndex, prepare_gdn_index
 from .inputs import validate_gdn_inputs
-from .reference import chunk_gated_delta_rule_reference, l2norm
+from .l2norm import l2norm_fused
+from .reference import chunk_gated_delta_rule_reference
 from .state_bwd import state_bwd
 from .state_fwd import output_fwd, state_fwd
 from .wy_fwd import wy_fwd
@@ -99,7 +100,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens
         index = prepare_gdn_index(cu_seqlens, export_seq, export_offset, chunk_size, device=q.device)
     elif not index.matches(shapes.seq_lengths, shapes.export_seq, shapes.export_offset, chunk_size):
         raise ValueError("chunk_gated_delta_rule: `index` was built for other cu_seqlens/exports than this call")
-    if use_qk_l2norm:  # in fp32 as transformers and fla do, differentiated by autograd
-        q = l2norm(q.float()).to(q.dtype)
-        k = l2norm(k.float()).to(k.dtype)
+    if use_qk_l2norm:  # in fp32 as transformers and fla do, output in the input dtype
+        q, k = l2norm_fused(q), l2norm_fused(k)
     return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, float(scale), index)
