@@ -317,7 +317,8 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, index, *,
                    lengths are read, so any object with those tensors works)
     chunk_tokens   tokens whose [chunk_tokens, V] fp32 logits are live at once
     temperature    logits are divided by it before the softmax (log-probs *and* entropy)
-    check_values   validate index ranges/consistency (one host sync; the plan needs one anyway)
+    check_values   validate index ranges/consistency, incl. distinct (src, token) pairs, which
+                   the Triton path relies on (one host sync; the plan needs one anyway)
     use_triton     one-pass Triton kernels for the element-wise softmax work (default: on CUDA
                    for fp32/bf16/fp16 inputs); False = plain torch (the CPU path)
 
