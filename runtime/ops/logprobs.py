@@ -20,7 +20,9 @@ Per chunk the matmuls are cuBLAS (bf16 in, fp32 logits out, no bf16 rounding of 
 element-wise softmax work is either plain torch (CPU, fp64, the oracle path) or one-pass Triton
 kernels (`logprobs_kernels`, the default on CUDA). Measured on one H200 (bench/logprobs.py,
 T=32768, V=151936, D=2048, bf16, log-probs + entropy, fwd+bwd): 144 ms and 4.8 GiB peak at
-chunk_tokens=4096 vs 261 ms and 92.7 GiB for dense log_softmax + gather.
+chunk_tokens=4096 vs 257-261 ms and 92.7 GiB for dense log_softmax + gather. On one compiled
+tree (root 4096 + 8 branches of 3584: 32768 compact, 61440 trajectory tokens) 147 ms in tree
+mode vs 266 ms for the same op trajectory-wise (dense: out of memory), identical log-probs.
 """
 from __future__ import annotations
 
