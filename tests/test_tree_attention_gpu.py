@@ -6,12 +6,15 @@ gradients, and its error must not exceed a small factor times the error of torch
 backend on the same attention computed trajectory-wise. Also: determinism (bitwise repeatable
 gradients) and that every output element is written.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from harts_compiler.codegen.kernels.tree_attention import (
     build_block_index, config_for, tree_attention, tree_attention_reference_chunked)
+from harts_compiler.codegen.kernels.tree_attention.configs import CANDIDATES_256
 from harts_compiler.codegen.kernels.tree_attention.trees import layout_from_parents, random_forest
 
 pytestmark = pytest.mark.gpu
@@ -53,17 +56,18 @@ def random_inputs(n_tokens, heads, head_dim, seed):
     return [torch.randn(s, generator=gen, device="cuda").bfloat16() for s in shapes]
 
 
-def check_config(layout, heads, head_dim, seed):
+def check_config(layout, heads, head_dim, seed, config=None):
     subtree_end = layout.subtree_end_tensor("cuda")
     q, k, v, do = random_inputs(layout.num_tokens, heads, head_dim, seed)
     scale = head_dim ** -0.5
-    config = config_for(head_dim)
+    config = config or config_for(head_dim)
     index = build_block_index(subtree_end, config.block_m, config.block_n)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = tree_attention(*leaves, subtree_end, scale=scale, block_index=index)
+    out = tree_attention(*leaves, subtree_end, scale=scale, block_index=index, config=config)
     grads = torch.autograd.grad(out, leaves, do)
     # determinism: a second run gives the same bits
-    out_again = tree_attention(*leaves, subtree_end, scale=scale, block_index=index)
+    out_again = tree_attention(*leaves, subtree_end, scale=scale, block_index=index,
+                               config=config)
     grads_again = torch.autograd.grad(out_again, leaves, do)
     for a, b in zip((out, *grads), (out_again, *grads_again)):
         assert torch.equal(a, b), "tree attention is not bitwise deterministic"
@@ -102,3 +106,13 @@ def test_shipped_configs_on_odd_anchor_tree(head_dim):
     # odd T = 1023 + 5 * 333 with a long shared prefix: many full blocks, ragged tails
     layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
     check_config(layout, (16, 2), head_dim, seed=1 + head_dim)
+
+
+@pytest.mark.parametrize("kind, position", [(kind, i) for kind in CANDIDATES_256
+                                            for i in range(len(CANDIDATES_256[kind]))])
+def test_candidate_launch_shapes_256(kind, position):
+    # every launch shape the benchmark may pick must be right on the GPU too
+    shipped = config_for(256)
+    config = dataclasses.replace(shipped, **{kind: CANDIDATES_256[kind][position]})
+    layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
+    check_config(layout, (16, 2), 256, seed=7 + position, config=config)
