@@ -6,6 +6,7 @@ Adding a command is one line in COMMANDS ("module:function" is imported only whe
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         for problem in error.problems:
             print(f"harts {name}: {problem}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `harts ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
