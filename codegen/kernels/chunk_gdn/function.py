@@ -86,10 +86,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens
     """Chunkwise Gated DeltaNet (docs/INTERFACES.md section 4): returns (o [R, HV, V], exported [E, HV, K, V] fp32).
 
     Runs the Triton kernels on CUDA (or under TRITON_INTERPRET=1) and the plain-torch reference otherwise.
-    `index` (from `prepare_gdn_index`) may be built once per microbatch round and shared by all layers.
+    `index` (from `prepare_gdn_index`) may be built once per microbatch round and shared by all layers; it is
+    trusted to describe `cu_seqlens` and the exports (only their sizes are checked, so no device sync per call).
     """
+    known = None if index is None else (index.seq_lengths, index.export_seq, index.export_offset)
     shapes = validate_gdn_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                 export_seq=export_seq, export_offset=export_offset, chunk_size=chunk_size)
+                                 export_seq=export_seq, export_offset=export_offset, chunk_size=chunk_size,
+                                 known=known)
     triton_ok = (_use_triton(q) and chunk_size == TRITON_CHUNK_SIZE and q.dtype != torch.float64
                  and _power_of_two(shapes.key_dim) and _power_of_two(shapes.value_dim))
     if not triton_ok:
@@ -98,8 +101,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens
             export_offset=export_offset, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm)
     if index is None:
         index = prepare_gdn_index(cu_seqlens, export_seq, export_offset, chunk_size, device=q.device)
-    elif not index.matches(shapes.seq_lengths, shapes.export_seq, shapes.export_offset, chunk_size):
-        raise ValueError("chunk_gated_delta_rule: `index` was built for other cu_seqlens/exports than this call")
+    elif index.chunk_size != chunk_size:
+        raise ValueError(f"chunk_gated_delta_rule: `index` was built for chunk_size {index.chunk_size}, not {chunk_size}")
     if use_qk_l2norm:  # in fp32 as transformers and fla do, output in the input dtype
         q, k = l2norm_fused(q), l2norm_fused(k)
     return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, float(scale), index)

@@ -27,8 +27,12 @@ def _shape_error(name: str, tensor: torch.Tensor, expected: str) -> ValueError:
 
 
 def validate_gdn_inputs(q, k, v, g, beta, *, initial_state, cu_seqlens, export_seq, export_offset,
-                        chunk_size: int) -> GDNShapes:
-    """Check shapes/dtypes against docs/INTERFACES.md section 4 and return the sizes."""
+                        chunk_size: int, known=None) -> GDNShapes:
+    """Check shapes/dtypes against docs/INTERFACES.md section 4 and return the sizes.
+
+    `known` = (seq_lengths, export_seq, export_offset) already checked once (a prepared index): then the
+    values of `cu_seqlens` and the export tensors are not read back (no device sync per layer), only sizes.
+    """
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
                     ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
         if not isinstance(t, torch.Tensor):
@@ -58,7 +62,15 @@ def validate_gdn_inputs(q, k, v, g, beta, *, initial_state, cu_seqlens, export_s
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError("chunk_gated_delta_rule: `cu_seqlens` must be a 1-D int32/int64 tensor [N+1], got "
                          f"shape {tuple(cu_seqlens.shape)} dtype {cu_seqlens.dtype}")
-    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if known is not None:
+        bounds = [0] + [int(x) for x in torch.tensor(known[0], dtype=torch.long).cumsum(0).tolist()]
+        if cu_seqlens.numel() != len(bounds):
+            raise ValueError(f"chunk_gated_delta_rule: `cu_seqlens` has {cu_seqlens.numel()} entries, the index "
+                             f"was built for {len(bounds)}")
+        if bounds[-1] != rows:
+            raise ValueError(f"chunk_gated_delta_rule: the index was built for {bounds[-1]} rows, `q` has {rows}")
+    else:
+        bounds = [int(x) for x in cu_seqlens.tolist()]
     if bounds[0] != 0 or bounds[-1] != rows or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"chunk_gated_delta_rule: `cu_seqlens` must start at 0, be non-decreasing and end at "
                          f"R={rows}; got first={bounds[0]} last={bounds[-1]}")
@@ -71,7 +83,13 @@ def validate_gdn_inputs(q, k, v, g, beta, *, initial_state, cu_seqlens, export_s
         raise ValueError("chunk_gated_delta_rule: `export_seq` and `export_offset` must be given together")
     e_seq: tuple[int, ...] = ()
     e_off: tuple[int, ...] = ()
-    if export_seq is not None:
+    if known is not None:
+        e_seq, e_off = tuple(known[1]), tuple(known[2])
+        n_given = 0 if export_seq is None else torch.as_tensor(export_seq).numel()
+        if n_given != len(e_seq):
+            raise ValueError(f"chunk_gated_delta_rule: {n_given} exports requested, the index was built for "
+                             f"{len(e_seq)}")
+    elif export_seq is not None:
         e_seq = tuple(int(x) for x in torch.as_tensor(export_seq).reshape(-1).tolist())
         e_off = tuple(int(x) for x in torch.as_tensor(export_offset).reshape(-1).tolist())
         if len(e_seq) != len(e_off):
