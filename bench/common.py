@@ -1,0 +1,312 @@
+"""Shared helpers of the benchmark scripts: timing, peak memory, device description, tables,
+JSON output, the benchmark model, sized generated batches and a per-component time breakdown.
+
+Import from a script in bench/ as `from common import ...` (scripts run as `python bench/x.py`,
+which puts bench/ on sys.path).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+# -- the benchmark model ----------------------------------------------------------------------
+
+# A Qwen3-Next-like model of about 2.25B parameters (bf16: 4.5 GB): Qwen3-Next-80B-A3B's layer
+# shapes (hidden 2048, GDN with 16 key heads / 32 value heads of 128, gated attention with 16
+# query heads / 2 KV heads of 256 and partial RoPE 0.25, 3 linear-attention layers per full one,
+# Qwen's 151936 vocabulary), with 12 layers and 32 experts (top-4 of moe_intermediate 512, plus a
+# shared expert of 512) instead of 48 layers and 512 experts. Parameters: embeddings 0.31B,
+# lm_head 0.31B, 9 GDN mixers 0.30B, 3 attention mixers 0.08B, 12 MoE blocks 1.25B; about 0.9B
+# active per token (lm_head included).
+BENCH_MODEL = dict(
+    model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=12,
+    full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=32, num_experts_per_tok=4,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120,
+    decoder_sparse_step=1, norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    router_aux_loss_coef=0.001,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
+TINY_MODEL = "tiny-qwen3-next"  # runtime preset: vocab 128, hidden 64, 4 layers, 4 experts
+
+
+def model_config(tiny: bool, layer_types: list[str] | None = None):
+    """The benchmark ModelConfig (or the tiny CPU one), optionally with other layer types."""
+    from harts_compiler.runtime.config import PRESETS, ModelConfig
+    raw = dict(PRESETS[TINY_MODEL] if tiny else BENCH_MODEL)
+    if layer_types is not None:
+        raw.update(layer_types=list(layer_types), num_hidden_layers=len(layer_types))
+    return ModelConfig.from_dict(raw)
+
+
+def build_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                checkpointing: bool = True):
+    """Random TreeModel. CPU: `TreeModel.from_config` (transformers' init, CPU float64 draws).
+    Other devices: the same distributions drawn on the device, because from_config's CPU float64
+    draws take minutes for billions of parameters: N(0, initializer_range) for linear, embedding,
+    conv, expert and router weights; norms, dt_bias and A_log as the modules construct them."""
+    from harts_compiler.runtime import TreeModel
+    from harts_compiler.runtime.moe import Experts, Router
+    if device.type == "cpu":
+        return TreeModel.from_config(config, seed=seed, dtype=dtype,
+                                     activation_checkpointing=checkpointing)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = TreeModel(config, activation_checkpointing=checkpointing)
+    gen = torch.Generator(device).manual_seed(seed)
+    std = config.initializer_range
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
+                module.weight.normal_(0.0, std, generator=gen)
+            elif isinstance(module, Experts):
+                module.gate_up_proj.normal_(0.0, std, generator=gen)
+                module.down_proj.normal_(0.0, std, generator=gen)
+            elif isinstance(module, Router):
+                module.weight.normal_(0.0, std, generator=gen)
+    return model.to(dtype)
+
+
+def parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# -- generated batches ------------------------------------------------------------------------
+
+def sized_batch(preset: str, target_tokens: int, *, length_scale: float, vocab_size: int,
+                seed: int = 0, max_tasks: int = 4096, **overrides):
+    """(TreeBatch, tasks): the smallest number of tasks of a generated preset batch whose
+    trajectory tokens reach `target_tokens` (tasks grow in generation order, so a batch of k
+    tasks is a prefix of one of k+1). `overrides`: other generator parameters."""
+    from harts_compiler import TreeBatch
+    from harts_compiler.generator import generate
+    tasks = 1
+    while True:
+        rollouts = generate(preset, seed, tasks=tasks, scale=length_scale, vocab_size=vocab_size,
+                            **overrides)
+        total = int(rollouts.tree_summary()["trajectory_tokens"].sum())
+        if total >= target_tokens or tasks >= max_tasks:
+            break
+        tasks += 1
+    ids, lists = zip(*rollouts.trajectories)
+    return TreeBatch.from_trajectories([np.asarray(t, np.int64) for t in lists], list(ids)), tasks
+
+
+# -- timing and memory ------------------------------------------------------------------------
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[], object], device: torch.device, *, warmup: int, repeat: int) -> list[float]:
+    """Wall milliseconds of `repeat` calls after `warmup` calls, the device synchronised around
+    each call (so a call's time is all its host and device work)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def median(values) -> float:
+    return float(statistics.median(values)) if len(values) else float("nan")
+
+
+def kernel_ms(fn: Callable[[], object], device: torch.device, *, rep_ms: int = 100) -> float:
+    """Median ms of a short GPU call (triton's do_bench: L2 flushed, CUDA events); CPU: wall."""
+    if device.type == "cuda":
+        import triton.testing
+        return float(triton.testing.do_bench(fn, rep=rep_ms, return_mode="median"))
+    return median(time_calls(fn, device, warmup=1, repeat=3))
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device):
+    """Yields a dict whose 'gib' is the peak allocated GiB inside the block (None on CPU)."""
+    result = {"gib": None}
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    yield result
+    if device.type == "cuda":
+        synchronize(device)
+        result["gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def describe_device(device: torch.device) -> dict:
+    info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, sms=props.multi_processor_count,
+                    memory_gib=round(props.total_memory / 2**30, 1))
+    else:
+        info.update(name=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    return info
+
+
+# -- output -----------------------------------------------------------------------------------
+
+def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """rows of dicts -> aligned text; columns = (key, header); floats to 3 significant digits."""
+    def cell(value):
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1e5 else f"{value:.0f}"
+        return str(value)
+    body = [[cell(row.get(key)) for key, _ in columns] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h)
+              for i, (_, h) in enumerate(columns)]
+    lines = ["  ".join(h.rjust(w) for (_, h), w in zip(columns, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in body]
+    return "\n".join(lines)
+
+
+def write_json(name: str, payload: dict, path: str | None = None) -> list[Path]:
+    """Write `payload` to `path` when given and to $OUT/name when the OUT variable is set."""
+    written = []
+    targets = [Path(path)] if path else []
+    if os.environ.get("OUT"):
+        targets.append(Path(os.environ["OUT"]) / name)
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+        written.append(target)
+    return written
+
+
+def _jsonable(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+# -- per-component time breakdown -------------------------------------------------------------
+
+# component -> (module, attribute) of the runtime functions whose calls make that component; the
+# profiler ranges wrap them while a breakdown is recorded (nothing is changed otherwise).
+COMPONENT_HOOKS = {
+    "linear attention": [("harts_compiler.runtime.gated_deltanet", "gated_delta_rule_rounds"),
+                         ("harts_compiler.runtime.gated_deltanet", "tree_causal_conv")],
+    "attention": [("harts_compiler.runtime.attention", "tree_attention")],
+    "log-probs": [("harts_compiler.runtime.model", "token_logprobs")],
+    "MoE/MLP": [("harts_compiler.runtime.moe", "SparseMoeBlock.forward"),
+                ("harts_compiler.runtime.layers", "DenseMLP.forward")],
+}
+OTHER = "projections/norms/other"
+
+
+@contextlib.contextmanager
+def component_ranges():
+    """Wrap COMPONENT_HOOKS' functions in `record_function("harts:<component>")` ranges."""
+    import importlib
+    saved = []
+    try:
+        for component, targets in COMPONENT_HOOKS.items():
+            for module_name, attribute in targets:
+                owner = importlib.import_module(module_name)
+                *path, name = attribute.split(".")
+                for part in path:
+                    owner = getattr(owner, part)
+                original = getattr(owner, name)
+                setattr(owner, name, _ranged(original, f"harts:{component}"))
+                saved.append((owner, name, original))
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def _ranged(fn, label):
+    def wrapper(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def component_breakdown(step: Callable[[], object], device: torch.device) -> dict:
+    """Run `step` once under torch.profiler and split its time into COMPONENT_HOOKS' components.
+
+    Forward (and recomputed forward) work is attributed by the enclosing `harts:` range; backward
+    work by the autograd node's sequence number, which links it to the forward op that created
+    it. CUDA: kernel time; CPU: op self time. Returns {component: ms} plus 'total' and, on CUDA,
+    'step wall' (the profiled step's wall time; the gap to 'total' is GPU idle time)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with component_ranges(), profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    on_device = device.type == "cuda"
+    events = [e for e in prof.events() if getattr(e, "device_type", None) is None
+              or e.device_type == torch.autograd.DeviceType.CPU]
+    totals = attribute_events(events, on_device)
+    totals["step wall"] = wall_ms
+    return totals
+
+
+def attribute_events(events, on_device: bool) -> dict:
+    """See component_breakdown; `events` are the profiler's CPU-side FunctionEvents."""
+    def range_of(event):
+        while event is not None:
+            if event.name.startswith("harts:"):
+                return event.name[len("harts:"):]
+            event = event.cpu_parent
+        return None
+
+    def backward_node(event):
+        while event is not None:
+            if event.name.startswith("autograd::engine::evaluate_function"):
+                return event
+            event = event.cpu_parent
+        return None
+
+    forward_owner = {}
+    for event in events:
+        if event.sequence_nr >= 0 and not event.name.startswith("autograd::engine"):
+            component = range_of(event)
+            if component is not None:
+                forward_owner.setdefault((event.thread, event.sequence_nr), component)
+    totals: dict[str, float] = defaultdict(float)
+    for event in events:
+        us = event.self_device_time_total if on_device else event.self_cpu_time_total
+        if not us:
+            continue
+        component = range_of(event)
+        if component is None:
+            node = backward_node(event)
+            if node is not None:
+                component = forward_owner.get((node.fwd_thread, node.sequence_nr))
+        totals[component or OTHER] += us / 1e3
+    totals = dict(totals)
+    totals["total"] = sum(totals.values())
+    return totals

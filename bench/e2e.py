@@ -1,0 +1,386 @@
+"""End-to-end benchmark: one training step's forward + backward + gradients (no optimizer step)
+in tree mode vs trajectory-wise mode, on generated agentic rollout batches (issue 7, item 2).
+
+    PYTHONUNBUFFERED=1 python bench/e2e.py                      # H200: presets swe, tau2, grpo
+    python bench/e2e.py --device cpu --tiny                       # toy size (CI smoke test)
+    python bench/e2e.py --presets swe --scale 2 --microbatch-tokens 32768
+
+Model: `common.BENCH_MODEL` (Qwen3-Next-like, ~2.25B parameters, random weights, bf16,
+3 GDN layers per gated-attention layer, 32 experts top-4 + shared expert), activation
+recomputation on every decoder layer. `--tiny`: the runtime's tiny-qwen3-next preset.
+
+Batches: per preset, the smallest number of generated tasks whose trajectory tokens reach
+`--target-tokens` x `--scale` (default 96k), with lengths multiplied by the preset's length scale
+(swe 0.1, tau2 0.25, grpo 1: full-length swe rollouts are ~1M tokens per task). The compression
+ratio of the batch actually used is the ideal speedup printed.
+
+Modes, same model, same loss (-sum of token log-probs / trajectory tokens + aux coefficient x
+MoE aux loss per microbatch), gradients accumulated over microbatches:
+* tree: `compile(batch, CompileOptions(microbatch_tokens=B))`, one MicrobatchIndex per planned
+  microbatch (planning and index building are timed separately: "planner");
+* trajectory-wise: the runtime's trajectory mode (same kernels, every trajectory its own packed
+  sequence), trajectories packed first-fit decreasing into microbatches of at most B tokens
+  (a longer trajectory runs alone): the same memory budget per forward as tree mode.
+Time per step = median wall time of `--repeat` steps after `--warmup`, device synchronised.
+
+Numerics (forward only, on the first trajectories up to `--numerics-tokens`): max |log-prob|
+difference of tree bf16 and of trajectory-wise bf16 to a float64 trajectory-wise reference of
+the same weights (plain-torch GDN and attention references; stricter than fp32, whose Triton
+matmuls may round through TF32). Tree mode passes when its error <= `--error-factor` x the
+trajectory-wise error. The gradient agreement of the two bf16 modes is printed too.
+
+Breakdown (tree mode): one profiled step split by torch.profiler into linear attention (GDN rule
++ short conv), attention, log-probs, MoE/MLP and the rest (projections, norms, gathers); backward
+work follows its forward op through the autograd sequence numbers; plus planner time.
+
+Baseline: the runtime's trajectory mode. If `fla` (flash-linear-attention) is importable, the GDN
+kernel of the largest trajectory microbatch is also timed with fla and SDPA's flash attention is
+timed per trajectory against ours, and the output says whether they would be faster.
+JSON results go to $OUT/e2e.json when OUT is set (and to --json).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (build_model, component_breakdown, describe_device, format_table,  # noqa: E402
+                    kernel_ms, median, model_config, parameter_count, peak_memory, sized_batch,
+                    synchronize, time_calls, write_json)
+
+import harts_compiler as hc  # noqa: E402
+from harts_compiler.codegen.index import trajectory_index  # noqa: E402
+from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference  # noqa: E402
+from harts_compiler.passes.schedule import first_fit_decreasing  # noqa: E402
+
+LENGTH_SCALE = {"swe": 0.1, "tau2": 0.25, "grpo": 1.0}
+# --tiny: a few hundred tokens per preset, same rollout shapes with fewer turns and rollouts
+TINY_GENERATOR = {"swe": dict(scale=0.005, turns=(2, 5), rollouts=4),
+                  "tau2": dict(scale=0.01, turns=(2, 3), rollouts=4),
+                  "grpo": dict(scale=0.02, rollouts=4)}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="toy model and batches (CPU smoke test)")
+    p.add_argument("--presets", nargs="+", default=["swe", "tau2", "grpo"], choices=sorted(LENGTH_SCALE))
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the target trajectory tokens")
+    p.add_argument("--target-tokens", type=int, help="trajectory tokens per step (default 96k; tiny 1500)")
+    p.add_argument("--length-scale", type=float, help="override every preset's length scale")
+    p.add_argument("--microbatch-tokens", type=int, help="token budget per forward (default 16384; tiny 512)")
+    p.add_argument("--chunk-size", type=int, help="linear-attention chunk (default 64; tiny 16, "
+                   "which keeps the CPU reference fast)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 1; tiny 0)")
+    p.add_argument("--repeat", type=int, help="timed steps, median reported (default 3; tiny 1)")
+    p.add_argument("--numerics-tokens", type=int, help="trajectory tokens of the numerics subset "
+                   "(default 8192; tiny 600)")
+    p.add_argument("--error-factor", type=float, default=2.0)
+    p.add_argument("--no-breakdown", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the JSON results here")
+    args = p.parse_args(argv)
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available (use --device cpu --tiny)")
+    defaults = dict(target_tokens=(300, 96_000), microbatch_tokens=(256, 16384), chunk_size=(16, 64),
+                    numerics_tokens=(150, 8192), warmup=(0, 1), repeat=(1, 3))
+    for name, (tiny, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+    return args
+
+
+class Step:
+    """One training step over prepared microbatch indices: zero grads, then per microbatch
+    forward, loss, backward (gradients accumulate)."""
+
+    def __init__(self, model, indices, trajectory_tokens: int):
+        self.model, self.indices = model, indices
+        self.trajectory_tokens = trajectory_tokens
+        self.aux_coef = model.config.router_aux_loss_coef
+
+    def __call__(self):
+        self.model.zero_grad(set_to_none=True)
+        for index in self.indices:
+            out = self.model(index)
+            p = torch.arange(out.logprobs.shape[1], device=out.logprobs.device)
+            valid = (p[None, :] >= 1) & (p[None, :] < out.lengths[:, None])
+            loss = -(out.logprobs.float() * valid).sum() / self.trajectory_tokens
+            if out.aux_loss is not None:
+                loss = loss + self.aux_coef * out.aux_loss.float()
+            loss.backward()
+
+
+def trajectory_microbatches(batch, budget: int, model, device, chunk_size: int):
+    """Trajectory-wise indices: trajectories packed first-fit decreasing into <= budget tokens."""
+    lengths = batch.lengths.tolist()
+    bins = first_fit_decreasing(lengths, budget)
+    return [trajectory_index([batch.trajectory(j) for j in sorted(b)], [batch.ids[j] for j in sorted(b)],
+                             chunk_size=chunk_size, conv_width=model.conv_width, device=device)
+            for b in bins]
+
+
+def plan_microbatches(batch, budget: int, model, device, chunk_size: int):
+    """(plan, indices, compile ms, index-building ms). A tree above the budget (no splitting
+    yet) raises the budget to the largest tree."""
+    largest = max_tree_tokens(batch)
+    budget = max(budget, largest)
+    start = time.perf_counter()
+    plan = hc.compile(batch, hc.CompileOptions(microbatch_tokens=budget,
+                                                vocab_size=model.config.vocab_size,
+                                                conv_width=model.conv_width, chunk_size=chunk_size))
+    compile_ms = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    indices = [mb.build_index(device) for mb in plan.microbatches()]
+    synchronize(device)
+    return plan, indices, compile_ms, (time.perf_counter() - start) * 1e3, budget
+
+
+def max_tree_tokens(batch) -> int:
+    plan = hc.compile(batch, hc.CompileOptions(), passes=["prefix-compress", "layout"])
+    forest = plan.program.forest
+    return int((forest.tree_end - forest.tree_start).max())
+
+
+def subset(batch, tokens: int):
+    """The first trajectories (input order) whose tokens fit in `tokens` (at least one)."""
+    cut = max(1, int(np.searchsorted(np.cumsum(batch.lengths), tokens, side="right")))
+    return hc.TreeBatch.from_trajectories([batch.trajectory(j) for j in range(cut)], list(batch.ids[:cut]))
+
+
+def time_mode(model, indices, trajectory_tokens, args):
+    step = Step(model, indices, trajectory_tokens)
+    with peak_memory(args.device) as memory:
+        times = time_calls(step, args.device, warmup=args.warmup, repeat=args.repeat)
+    grads = [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
+    return {"ms": median(times), "all_ms": times, "peak_gib": memory["gib"]}, step, grads
+
+
+def gradient_difference(grads_a, grads_b) -> float:
+    """||a - b|| / ||b|| over all parameters (fp32 accumulation)."""
+    num = den = 0.0
+    for a, b in zip(grads_a, grads_b):
+        if a is None or b is None:
+            continue
+        num += float((a.float() - b.float()).pow(2).sum())
+        den += float(b.float().pow(2).sum())
+    return (num / den) ** 0.5 if den else float("nan")
+
+
+def fla_comparison(model, traj_indices, device) -> dict:
+    """Is fla's GDN kernel or SDPA's flash attention faster than ours in trajectory mode?
+
+    Times one layer's kernel, fwd+bwd, on the largest trajectory microbatch's shapes (random
+    inputs): our chunk_gated_delta_rule vs fla's, our tree attention (trajectory mask) vs SDPA
+    per trajectory; the step estimate swaps those kernel times in for every layer."""
+    import importlib.util
+    if importlib.util.find_spec("fla") is None:
+        return {"fla": "not importable: baseline kernels are ours"}
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+        import torch.nn.functional as F
+        # As bench/gdn.py: fla refuses its GDN backward on Triton < 3.7.1 + Hopper (fla issue 640);
+        # at K = V = 128 it runs with BK = 128, the workaround GPU.md names.
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+
+        from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule
+        from harts_compiler.codegen.kernels.tree_attention import tree_attention
+        c = model.config
+        index = max(traj_indices, key=lambda i: i.num_tokens)
+        T, cu = index.num_tokens, index.rounds[0].cu_seqlens
+        HK, HV, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        bf = dict(device=device, dtype=torch.bfloat16)
+        q, k = torch.randn(T, HK, K, **bf), torch.randn(T, HK, K, **bf)
+        v, beta = torch.randn(T, HV, V, **bf), torch.rand(T, HV, **bf)
+        g = -torch.rand(T, HV, device=device) * 0.1
+        h0 = torch.zeros(cu.numel() - 1, HV, K, V, device=device)
+
+        def gdn_ours(q, k, v, g, beta):
+            return chunk_gated_delta_rule(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0, cu_seqlens=cu,
+                                          use_qk_l2norm=True)[0]
+
+        def gdn_fla(q, k, v, g, beta):  # value-head groups expanded for fla
+            rep = HV // HK
+            o, _ = fla_gdn(q.repeat_interleave(rep, 1)[None], k.repeat_interleave(rep, 1)[None], v[None],
+                           g[None], beta[None], scale=K ** -0.5, initial_state=h0, output_final_state=False,
+                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
+            return o[0]
+
+        D, HQ, HKV = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        aq, ak, av = torch.randn(T, HQ, D, **bf), torch.randn(T, HKV, D, **bf), torch.randn(T, HKV, D, **bf)
+        bounds = cu.tolist()
+
+        def attn_ours(q, k, v):
+            return tree_attention(q, k, v, index.subtree_end, scale=D ** -0.5)
+
+        def attn_sdpa(q, k, v):
+            outs = [F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
+                                                   v[s:e].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+                    for s, e in zip(bounds[:-1], bounds[1:])]
+            return torch.cat([o[0].transpose(0, 1) for o in outs])
+
+        def fwd_bwd(fn, tensors):
+            leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+            fn(*leaves).float().sum().backward()
+
+        ms = {name: kernel_ms(lambda fn=fn, ts=ts: fwd_bwd(fn, ts), device) for name, fn, ts in [
+            ("gdn_ours_ms", gdn_ours, (q, k, v, g, beta)), ("gdn_fla_ms", gdn_fla, (q, k, v, g, beta)),
+            ("attn_ours_ms", attn_ours, (aq, ak, av)), ("attn_sdpa_ms", attn_sdpa, (aq, ak, av))]}
+        L_lin, L_full = c.layer_types.count("linear_attention"), c.layer_types.count("full_attention")
+        saving = (L_lin * max(0.0, ms["gdn_ours_ms"] - ms["gdn_fla_ms"])
+                  + L_full * max(0.0, ms["attn_ours_ms"] - ms["attn_sdpa_ms"]))
+        import fla
+        return {"fla": f"importable ({getattr(fla, '__version__', '?')})", "tokens": T, **ms,
+                "est_saving_per_microbatch_ms": saving,
+                "faster": [n for n, a, b in [("fla GDN", "gdn_fla_ms", "gdn_ours_ms"),
+                                             ("SDPA flash", "attn_sdpa_ms", "attn_ours_ms")] if ms[a] < ms[b]]}
+    except Exception as exc:  # noqa: BLE001 - an optional comparison must not sink the benchmark
+        return {"fla": f"importable, comparison failed: {exc!r}"}
+
+
+def run_preset(preset, model, args) -> dict:
+    overrides = dict(TINY_GENERATOR[preset]) if args.tiny else {"scale": LENGTH_SCALE[preset]}
+    scale = args.length_scale or overrides.pop("scale")
+    overrides.pop("scale", None)
+    batch, tasks = sized_batch(preset, int(args.target_tokens * args.scale), length_scale=scale,
+                               vocab_size=model.config.vocab_size, seed=args.seed, **overrides)
+    plan, tree_indices, compile_ms, index_ms, budget = plan_microbatches(
+        batch, args.microbatch_tokens, model, args.device, args.chunk_size)
+    stats = plan.stats
+    traj_indices = trajectory_microbatches(batch, budget, model, args.device, args.chunk_size)
+    row = {"preset": preset, "tasks": tasks, "length_scale": scale, "trajectories": len(batch),
+           "trajectory_tokens": stats["trajectory_tokens"], "compact_tokens": stats["compact_tokens"],
+           "ideal": stats["compression"], "replay_tokens": stats["replay_tokens"],
+           "rounds": stats["rounds"], "microbatch_tokens": budget,
+           "tree_microbatches": len(tree_indices), "traj_microbatches": len(traj_indices),
+           "planner_ms": compile_ms, "index_ms": index_ms}
+    print(f"\n[{preset}] {tasks} tasks, {len(batch)} trajectories, {row['trajectory_tokens']} trajectory "
+          f"tokens, {row['compact_tokens']} compact (ideal {row['ideal']:.2f}x), budget {budget}: "
+          f"{len(tree_indices)} tree / {len(traj_indices)} trajectory microbatches; planner "
+          f"{compile_ms:.0f} ms + index {index_ms:.0f} ms", flush=True)
+    tree, tree_step, tree_grads = time_mode(model, tree_indices, row["trajectory_tokens"], args)
+    print(f"  tree: {tree['ms']:.1f} ms/step, peak {tree['peak_gib']} GiB", flush=True)
+    traj, _, traj_grads = time_mode(model, traj_indices, row["trajectory_tokens"], args)
+    print(f"  trajectory-wise: {traj['ms']:.1f} ms/step, peak {traj['peak_gib']} GiB", flush=True)
+    row.update(tree_ms=tree["ms"], traj_ms=traj["ms"], tree_all_ms=tree["all_ms"], traj_all_ms=traj["all_ms"],
+               tree_peak_gib=tree["peak_gib"], traj_peak_gib=traj["peak_gib"],
+               speedup=traj["ms"] / tree["ms"], grad_rel_diff=gradient_difference(tree_grads, traj_grads))
+    row["of_ideal"] = row["speedup"] / row["ideal"]
+    del tree_grads, traj_grads
+    model.zero_grad(set_to_none=True)
+    if not args.no_breakdown:
+        row["breakdown_ms"] = component_breakdown(tree_step, args.device)
+        row["breakdown_ms"]["planner (compile + index)"] = compile_ms + index_ms
+    if args.device.type == "cuda":
+        row["baseline_kernels"] = fla_comparison(model, traj_indices, args.device)
+    row["_batch"] = batch
+    return row
+
+
+def logprob_rows(outputs) -> dict:
+    """{trajectory id: float64 log-probs of positions 1..len-1} from TreeOutputs."""
+    rows = {}
+    for out in outputs:
+        logprobs = out.logprobs.detach().double().cpu().numpy()
+        for r, (traj_id, n) in enumerate(zip(out.trajectory_ids, out.lengths.tolist())):
+            rows[traj_id] = logprobs[r, 1:n]
+    return rows
+
+
+def max_abs_difference(rows, reference) -> float:
+    return max(float(np.abs(rows[k] - v).max(initial=0.0)) for k, v in reference.items())
+
+
+def numerics(row, model, reference, args) -> None:
+    """Fills row['err_tree'], row['err_traj'] (max |log-prob - float64 reference|)."""
+    batch = subset(row.pop("_batch"), args.numerics_tokens)
+    with torch.no_grad():
+        _, tree_indices, *_ = plan_microbatches(batch, args.microbatch_tokens, model, args.device,
+                                                args.chunk_size)
+        traj_indices = trajectory_microbatches(batch, args.microbatch_tokens, model, args.device,
+                                               args.chunk_size)
+        tree = logprob_rows(model(i) for i in tree_indices)
+        traj = logprob_rows(model(i) for i in traj_indices)
+        ref = logprob_rows(reference(i, gdn_kernel=chunk_gated_delta_rule_reference) for i in traj_indices)
+    row.update(numerics_trajectories=len(batch), numerics_tokens=int(batch.lengths.sum()),
+               err_tree=max_abs_difference(tree, ref), err_traj=max_abs_difference(traj, ref),
+               err_tree_vs_traj=max_abs_difference(tree, traj))
+    row["numerics_ok"] = bool(row["err_tree"] <= args.error_factor * row["err_traj"])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device
+    info = describe_device(device)
+    config = model_config(args.tiny)
+    start = time.perf_counter()
+    model = build_model(config, device, torch.bfloat16, seed=args.seed, checkpointing=True)
+    print(f"device {info}\nmodel {'tiny-qwen3-next' if args.tiny else 'BENCH_MODEL'}: "
+          f"{parameter_count(model) / 1e9:.3f}B parameters, {config.num_hidden_layers} layers "
+          f"({config.layer_types.count('linear_attention')} GDN, {config.layer_types.count('full_attention')} "
+          f"attention), {config.num_experts} experts top-{config.num_experts_per_tok}, bf16, "
+          f"activation recomputation on (built in {time.perf_counter() - start:.1f} s)", flush=True)
+    rows, failures = [], []
+    for preset in args.presets:
+        try:
+            rows.append(run_preset(preset, model, args))
+        except Exception:  # keep the other presets' results; exit non-zero at the end
+            failures.append(preset)
+            traceback.print_exc()
+    reference = copy.deepcopy(model).to(torch.float64)  # same (bf16-exact) weights, float64 math
+    for row in rows:
+        try:
+            numerics(row, model, reference, args)
+        except Exception:
+            failures.append(f"{row['preset']} numerics")
+            row.pop("_batch", None)
+            traceback.print_exc()
+    del reference
+    report(rows, args, info, config, failures)
+    return 1 if failures else 0
+
+
+def report(rows, args, info, config, failures) -> None:
+    for row in rows:
+        parts = row.get("breakdown_ms")
+        if parts:
+            total = parts["total"]
+            print(f"\n[{row['preset']}] tree-mode breakdown (one profiled step; % of "
+                  f"{'GPU kernel' if args.device.type == 'cuda' else 'CPU op'} time {total:.1f} ms):")
+            for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+                if name not in ("total", "step wall", "planner (compile + index)"):
+                    print(f"  {name:28s} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
+            print(f"  {'planner (compile + index)':28s} {parts['planner (compile + index)']:9.1f} ms  (host, "
+                  f"not in the step time)\n  profiled step wall {parts['step wall']:.1f} ms")
+        base = row.get("baseline_kernels")
+        if base:
+            print(f"  baseline kernels: {base}")
+    print("\nBaseline: HARTS runtime in trajectory mode (same kernels, one packed sequence per "
+          f"trajectory). fla: {rows[0].get('baseline_kernels', {}).get('fla', 'not checked') if rows else '-'}")
+    print(f"Numerics: max |log-prob - float64 reference| on the first trajectories; tree ok when "
+          f"<= {args.error_factor} x trajectory-wise error.\n")
+    columns = [("preset", "preset"), ("trajectory_tokens", "traj tok"), ("compact_tokens", "compact"),
+               ("ideal", "ideal"), ("traj_ms", "traj ms"), ("tree_ms", "tree ms"), ("speedup", "speedup"),
+               ("of_ideal", "of ideal"), ("traj_peak_gib", "traj GiB"), ("tree_peak_gib", "tree GiB"),
+               ("err_traj", "err traj"), ("err_tree", "err tree"), ("numerics_ok", "ok"),
+               ("grad_rel_diff", "grad diff")]
+    print(format_table(rows, columns))
+    if failures:
+        print(f"\nFAILED: {', '.join(failures)} (tracebacks above)")
+    payload = {"device": info, "args": {k: str(v) for k, v in vars(args).items()},
+               "model": config.to_dict(), "rows": rows, "failures": failures}
+    for path in write_json("e2e.json", payload, args.json):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
