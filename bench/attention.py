@@ -2,6 +2,7 @@
 
     python bench/attention.py            # sweep, check, table: SDPA (trajectories) / Flex / ours
     python bench/attention.py --no-flex  # skip FlexAttention (its compile takes a minute)
+    python bench/attention.py --sdpa-backends  # SDPA per backend vs ours, anchors only
 
 First every candidate launch shape of configs.CANDIDATES_256 is timed kernel by kernel on the
 first anchor (and checked against the fp32 reference); the fastest correct one per kernel makes
@@ -10,7 +11,9 @@ the config used for the rest of the run (printed; configs.py ships it after revi
 Shapes: Qwen3-Next full attention, 16 query heads, 2 KV heads, head dim 256, bf16. Cases: the
 three anchor trees of GPU.md (root P + B branches of L tokens) and, when the generator is
 importable, one generated agentic (swe preset) tree of about 31k compact tokens. "ideal" = trajectory
-attention pairs / tree attention pairs; "of ideal" = (SDPA ms / ours ms) / ideal.
+attention pairs / tree attention pairs; "of ideal" = (SDPA ms / ours ms) / ideal. Two
+baselines: SDPA forced to its flash backend (the issue's baseline; FA2 kernels) and SDPA as torch
+chooses (cuDNN attention on the H200, about 1.6x faster at head dim 256: GPU.md's anchor numbers).
 """
 from __future__ import annotations
 
@@ -93,7 +96,7 @@ def rel(a, b):
 
 
 # ---------------------------------------------------------------- trajectory-wise SDPA baseline
-def sdpa_fn(q, k, v, do, paths, expand_kv=False):
+def sdpa_fn(q, k, v, do, paths, expand_kv=False, backend="flash"):
     """fwd+bwd closure of SDPA flash causal over the trajectories (one batch when lengths agree).
     ``expand_kv``: K/V heads repeated to the query heads before timing (plain MHA flash, the
     gradient then has HQ heads; a trainer would add a reduction, not counted here)."""
@@ -109,11 +112,48 @@ def sdpa_fn(q, k, v, do, paths, expand_kv=False):
         prepared.append((leaves, do[index].transpose(1, 2).contiguous()))
 
     def run():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            for leaves, grad_out in prepared:
+        for leaves, grad_out in prepared:
+            if backend == "flash":
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    out = sdpa_gqa(*leaves)
+            else:  # torch picks the backend
                 out = sdpa_gqa(*leaves)
-                torch.autograd.grad(out, leaves, grad_out)
+            torch.autograd.grad(out, leaves, grad_out)
     return run
+
+
+def sdpa_backends(config):
+    """SDPA fwd+bwd on the anchors under each backend (and torch's own choice), KV expanded to
+    16 heads; plus ours again (run-to-run spread). Explains which baseline a table used."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "default": None}
+    for name, shape in ANCHORS.items():
+        layout = anchor_tree(*shape)
+        subtree_end = layout.subtree_end_tensor("cuda")
+        q, k, v, do = random_qkv(layout.num_tokens, 4)
+        index = torch.as_tensor(np.stack(layout.paths), device="cuda")
+        leaves = [x[index].repeat_interleave(1 if x is q else HQ // HKV, 2).transpose(1, 2)
+                  .contiguous().requires_grad_() for x in (q, k, v)]
+        grad_out = do[index].transpose(1, 2).contiguous()
+        row = dict(case=name)
+        for backend_name, backend in backends.items():
+            def run():
+                if backend is None:
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        *leaves, is_causal=True, scale=SCALE)
+                else:
+                    with sdpa_kernel(backend):
+                        out = torch.nn.functional.scaled_dot_product_attention(
+                            *leaves, is_causal=True, scale=SCALE)
+                torch.autograd.grad(out, leaves, grad_out)
+            try:
+                row[backend_name] = round(bench_ms(run), 2)
+            except Exception as exc:
+                row[backend_name] = f"failed: {type(exc).__name__}"
+        block_index = build_block_index(subtree_end, config.block_m, config.block_n)
+        row["ours"] = round(bench_ms(ours_fn(q, k, v, do, subtree_end, block_index, config)), 2)
+        log(json.dumps(row))
 
 
 def sdpa_gqa(q, k, v):
@@ -261,10 +301,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-sweep", action="store_true", help="use the shipped config")
     parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--sdpa-backends", action="store_true",
+                        help="only time SDPA per backend vs ours (shipped config)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     torch.manual_seed(0)
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    if args.sdpa_backends:
+        return sdpa_backends(config_for(D))
     config = config_for(D) if args.no_sweep else sweep(args.out)
     precompile([("fwd", config.fwd), ("dq", config.dq), ("dkdv", config.dkdv)], workers=3)
     cases = {name: anchor_tree(*shape) for name, shape in ANCHORS.items()}
@@ -304,6 +348,9 @@ def main():
         row["sdpa_mha"] = bench_ms(sdpa_fn(q, k, v, do, layout.paths, expand_kv=True))
         # the baseline is the faster of the two ways to run GQA through SDPA flash
         row["sdpa"] = min(row["sdpa_gqa"], row["sdpa_mha"])
+        # torch's own backend choice (cuDNN attention on the H200: GPU.md's anchor numbers)
+        row["sdpa_default"] = bench_ms(sdpa_fn(q, k, v, do, layout.paths, expand_kv=True,
+                                               backend=None))
         row["flex"] = float("nan")
         if not args.no_flex:
             try:
@@ -319,14 +366,17 @@ def main():
     with open(os.path.join(args.out, "attention.json"), "w") as handle:
         json.dump(results, handle, indent=1)
     log(f"\nconfig: {config}")
-    log("\n| case | compact | traj tokens | ideal (pairs) | SDPA ms (gqa / kv expanded) "
-        "| Flex tree ms | ours ms | vs SDPA | of ideal | vs Flex | ours TFLOP/s |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|")
+    log("\n| case | compact | traj tokens | ideal (pairs) | SDPA flash ms (gqa / kv expanded) "
+        "| SDPA default ms | Flex tree ms | ours ms | vs SDPA flash | of ideal "
+        "| vs SDPA default | of ideal | vs Flex | ours TFLOP/s |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
         speed = r["sdpa"] / r["ours"]
+        speed_default = r["sdpa_default"] / r["ours"]
         log(f"| {r['case']} | {r['compact']} | {r['traj']} | {r['ideal']:.2f}x "
-            f"| {r['sdpa_gqa']:.1f} / {r['sdpa_mha']:.1f} "
+            f"| {r['sdpa_gqa']:.1f} / {r['sdpa_mha']:.1f} | {r['sdpa_default']:.1f} "
             f"| {r['flex']:.1f} | {r['ours']:.1f} | {speed:.2f}x | {speed / r['ideal']:.0%} "
+            f"| {speed_default:.2f}x | {speed_default / r['ideal']:.0%} "
             f"| {r['flex'] / r['ours']:.2f}x | {r['ours_tflops']:.0f} |")
 
 

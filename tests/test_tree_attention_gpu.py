@@ -3,8 +3,8 @@
 Compiled Triton can differ from the interpreter (GPU.md lists Hopper miscompiles), so every
 shipped configuration runs here on fresh random inputs at odd sizes, forward and all three
 gradients, and its error must not exceed a small factor times the error of torch SDPA's flash
-backend on the same attention computed trajectory-wise. Also: determinism (bitwise repeatable
-gradients) and that every output element is written.
+backend on the same attention computed trajectory-wise (factor 1.25). Also: determinism
+(bitwise repeatable gradients) and that every output element is finite (written).
 """
 import dataclasses
 
@@ -81,7 +81,8 @@ def check_config(layout, heads, head_dim, seed, config=None):
           + " | SDPA flash " + " ".join(f"{e:.2e}" for e in baseline))
     for name, mine, theirs in zip(("o", "dq", "dk", "dv"), ours, baseline):
         assert np.isfinite(mine)
-        assert mine <= 2.0 * theirs + 1e-3, f"D={head_dim} {name}: {mine:.2e} vs SDPA {theirs:.2e}"
+        # measured on the H200: ours / SDPA between 0.8 and 1.06 for every tensor and config
+        assert mine <= 1.25 * theirs, f"D={head_dim} {name}: {mine:.2e} vs SDPA {theirs:.2e}"
     return ours, baseline
 
 

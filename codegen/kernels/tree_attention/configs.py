@@ -20,10 +20,11 @@ def _launch(block_m, block_n, num_warps, num_stages, block_ms=None) -> dict:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    # head dim 256 on the H200 (sweep 1, anchor P4096 B8 L3584): fwd 7.5 ms, dq 8.9 ms, dk/dv 22.3 ms
+    # head dim 256 on the H200 (sweep 2, anchor P4096 B8 L3584, 16/2 heads): fwd 7.5 ms
+    # (385 TFLOP/s), dq 9.0 ms (485), dk/dv 14.6 ms (399); see bench/NOTES_attention.md
     fwd: dict = field(default_factory=lambda: _launch(128, 64, 8, 2))
     dq: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
-    dkdv: dict = field(default_factory=lambda: _launch(128, 64, 8, 2, block_ms=64))
+    dkdv: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
 
     @property
     def block_m(self) -> int:
@@ -58,7 +59,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 CANDIDATES_256 = {
     "fwd": [_launch(128, 64, 8, 2), _launch(128, 128, 8, 1), _launch(128, 32, 8, 3)],
     "dq": [_launch(128, 64, 8, 1, block_ms=128), _launch(128, 32, 8, 2, block_ms=128)],
-    "dkdv": [_launch(128, 64, 8, 2, block_ms=64), _launch(128, 64, 8, 1, block_ms=128),
+    "dkdv": [_launch(128, 64, 8, 1, block_ms=128), _launch(128, 64, 8, 2, block_ms=64),
              _launch(64, 64, 8, 2, block_ms=64)],
 }
 
