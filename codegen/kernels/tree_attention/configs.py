@@ -3,8 +3,10 @@
 Each kernel has its own tile: ``block_m`` x ``block_n`` are the query/key block sizes of the
 visit lists it walks (``BlockIndex.with_blocks`` derives lists at other sizes from the one index
 codegen builds per microbatch, once); the backward kernels split each query block into sub-tiles
-of ``block_ms`` rows. Sizes were chosen with ``resources.py`` (no register spills, shared memory
-within Hopper's 227 KB) and timed on the H200: see bench/NOTES_attention.md.
+of ``block_ms`` rows. Candidates were screened offline with ``resources.py`` (shared memory
+within Hopper's 227 KB) and timed on the H200; the fastest won even where it spills a few hundred
+bytes: what matters most is 128-row score tiles (n64 wgmma per warpgroup). See
+bench/NOTES_attention.md. Head dims 64 and 128 are checked on the GPU but not tuned.
 """
 from __future__ import annotations
 
