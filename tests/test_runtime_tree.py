@@ -19,6 +19,9 @@ from harts_compiler.runtime import TreeModel, trajectory_wise
 from test_runtime_helpers import naive_tree_index, random_rollout_batch
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+# fp32 gradients of shared prefixes are sums over many trajectories with cancelling random loss
+# weights; measured up to 2.1e-5 (single_token_nodes), pure reordering noise (fp64 agrees to 4e-14)
+GRAD_TOLERANCE = {torch.float64: 1e-10, torch.float32: 5e-5}
 _MODELS: dict = {}
 
 
@@ -93,7 +96,7 @@ def assert_tree_equals_trajectory_wise(batch, tree_index, *, dtype, chunk_size, 
     if flat[2] is not None:
         assert rel(tree[2], flat[2]) < tol, f"aux rel {rel(tree[2], flat[2]):.3g}"
     worst = max(((rel(tree[4][n], flat[4][n]), n) for n in flat[4]))
-    assert worst[0] < tol, f"gradient of {worst[1]} rel {worst[0]:.3g}"
+    assert worst[0] < GRAD_TOLERANCE[dtype], f"gradient of {worst[1]} rel {worst[0]:.3g}"
     return worst[0]
 
 
