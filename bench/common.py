@@ -21,6 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
+import harts_compiler as hc
+from harts_compiler.codegen.index import trajectory_index
+from harts_compiler.passes.schedule import first_fit_decreasing
+
 # -- the benchmark model ----------------------------------------------------------------------
 
 # A Qwen3-Next-like model of about 2.25B parameters (bf16: 4.5 GB): Qwen3-Next-80B-A3B's layer
@@ -105,7 +109,70 @@ def sized_batch(preset: str, target_tokens: int, *, length_scale: float, vocab_s
     return TreeBatch.from_trajectories([np.asarray(t, np.int64) for t in lists], list(ids)), tasks
 
 
+# -- one training step -------------------------------------------------------------------------
+
+class Step:
+    """One training step over prepared microbatch indices: zero grads, then per microbatch
+    forward, loss, backward (gradients accumulate)."""
+
+    def __init__(self, model, indices, trajectory_tokens: int):
+        self.model, self.indices = model, indices
+        self.trajectory_tokens = trajectory_tokens
+        self.aux_coef = model.config.router_aux_loss_coef
+
+    def __call__(self):
+        self.model.zero_grad(set_to_none=True)
+        for index in self.indices:
+            out = self.model(index)
+            p = torch.arange(out.logprobs.shape[1], device=out.logprobs.device)
+            valid = (p[None, :] >= 1) & (p[None, :] < out.lengths[:, None])
+            loss = -(out.logprobs.float() * valid).sum() / self.trajectory_tokens
+            if out.aux_loss is not None:
+                loss = loss + self.aux_coef * out.aux_loss.float()
+            loss.backward()
+
+
+def trajectory_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width: int):
+    """Trajectory-wise indices: trajectories packed first-fit decreasing into <= budget tokens
+    (a longer trajectory runs alone)."""
+    lengths = batch.lengths.tolist()
+    bins = first_fit_decreasing(lengths, budget)
+    return [trajectory_index([batch.trajectory(j) for j in sorted(b)], [batch.ids[j] for j in sorted(b)],
+                             chunk_size=chunk_size, conv_width=conv_width, device=device)
+            for b in bins]
+
+
+def plan_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width: int,
+                      vocab_size: int | None = None):
+    """(plan, indices, compile ms, index-building ms, budget used). A tree above the budget
+    (the schedule pass cannot split trees yet) raises the budget to the largest tree."""
+    largest = max_tree_tokens(batch)
+    budget = max(budget, largest)
+    start = time.perf_counter()
+    plan = hc.compile(batch, hc.CompileOptions(microbatch_tokens=budget,
+                                                vocab_size=vocab_size, conv_width=conv_width,
+                                                chunk_size=chunk_size))
+    compile_ms = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    indices = [mb.build_index(device) for mb in plan.microbatches()]
+    synchronize(device)
+    return plan, indices, compile_ms, (time.perf_counter() - start) * 1e3, budget
+
+
+def max_tree_tokens(batch) -> int:
+    plan = hc.compile(batch, hc.CompileOptions(), passes=["prefix-compress", "layout"])
+    forest = plan.program.forest
+    return int((forest.tree_end - forest.tree_start).max())
+
+
 # -- timing and memory ------------------------------------------------------------------------
+
+def quiet_cpu_threads(device: torch.device) -> None:
+    """Toy CPU runs use one thread: on small shared machines OpenMP threads spin against other
+    processes and made the smoke runs 4-5x slower (measured here, 2 cores)."""
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":

@@ -51,14 +51,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (build_model, component_breakdown, describe_device, format_table,  # noqa: E402
-                    kernel_ms, median, model_config, parameter_count, peak_memory, sized_batch,
-                    synchronize, time_calls, write_json)
+from common import (Step, build_model, component_breakdown, describe_device,  # noqa: E402
+                    format_table, kernel_ms, median, model_config, parameter_count, peak_memory,
+                    plan_microbatches, quiet_cpu_threads, sized_batch, time_calls,
+                    trajectory_microbatches, write_json)
 
 import harts_compiler as hc  # noqa: E402
-from harts_compiler.codegen.index import trajectory_index  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference  # noqa: E402
-from harts_compiler.passes.schedule import first_fit_decreasing  # noqa: E402
+from harts_compiler.passes import cost_model  # noqa: E402
 
 LENGTH_SCALE = {"swe": 0.1, "tau2": 0.25, "grpo": 1.0}
 # --tiny: a few hundred tokens per preset, same rollout shapes with fewer turns and rollouts
@@ -90,64 +90,14 @@ def parse_args(argv):
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available (use --device cpu --tiny)")
+    if args.tiny:
+        quiet_cpu_threads(args.device)
     defaults = dict(target_tokens=(300, 96_000), microbatch_tokens=(256, 16384), chunk_size=(16, 64),
                     numerics_tokens=(150, 8192), warmup=(0, 1), repeat=(1, 3))
     for name, (tiny, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
     return args
-
-
-class Step:
-    """One training step over prepared microbatch indices: zero grads, then per microbatch
-    forward, loss, backward (gradients accumulate)."""
-
-    def __init__(self, model, indices, trajectory_tokens: int):
-        self.model, self.indices = model, indices
-        self.trajectory_tokens = trajectory_tokens
-        self.aux_coef = model.config.router_aux_loss_coef
-
-    def __call__(self):
-        self.model.zero_grad(set_to_none=True)
-        for index in self.indices:
-            out = self.model(index)
-            p = torch.arange(out.logprobs.shape[1], device=out.logprobs.device)
-            valid = (p[None, :] >= 1) & (p[None, :] < out.lengths[:, None])
-            loss = -(out.logprobs.float() * valid).sum() / self.trajectory_tokens
-            if out.aux_loss is not None:
-                loss = loss + self.aux_coef * out.aux_loss.float()
-            loss.backward()
-
-
-def trajectory_microbatches(batch, budget: int, model, device, chunk_size: int):
-    """Trajectory-wise indices: trajectories packed first-fit decreasing into <= budget tokens."""
-    lengths = batch.lengths.tolist()
-    bins = first_fit_decreasing(lengths, budget)
-    return [trajectory_index([batch.trajectory(j) for j in sorted(b)], [batch.ids[j] for j in sorted(b)],
-                             chunk_size=chunk_size, conv_width=model.conv_width, device=device)
-            for b in bins]
-
-
-def plan_microbatches(batch, budget: int, model, device, chunk_size: int):
-    """(plan, indices, compile ms, index-building ms). A tree above the budget (no splitting
-    yet) raises the budget to the largest tree."""
-    largest = max_tree_tokens(batch)
-    budget = max(budget, largest)
-    start = time.perf_counter()
-    plan = hc.compile(batch, hc.CompileOptions(microbatch_tokens=budget,
-                                                vocab_size=model.config.vocab_size,
-                                                conv_width=model.conv_width, chunk_size=chunk_size))
-    compile_ms = (time.perf_counter() - start) * 1e3
-    start = time.perf_counter()
-    indices = [mb.build_index(device) for mb in plan.microbatches()]
-    synchronize(device)
-    return plan, indices, compile_ms, (time.perf_counter() - start) * 1e3, budget
-
-
-def max_tree_tokens(batch) -> int:
-    plan = hc.compile(batch, hc.CompileOptions(), passes=["prefix-compress", "layout"])
-    forest = plan.program.forest
-    return int((forest.tree_end - forest.tree_start).max())
 
 
 def subset(batch, tokens: int):
@@ -253,10 +203,11 @@ def run_preset(preset, model, args) -> dict:
     overrides.pop("scale", None)
     batch, tasks = sized_batch(preset, int(args.target_tokens * args.scale), length_scale=scale,
                                vocab_size=model.config.vocab_size, seed=args.seed, **overrides)
+    shape = dict(chunk_size=args.chunk_size, conv_width=model.conv_width)
     plan, tree_indices, compile_ms, index_ms, budget = plan_microbatches(
-        batch, args.microbatch_tokens, model, args.device, args.chunk_size)
+        batch, args.microbatch_tokens, args.device, vocab_size=model.config.vocab_size, **shape)
     stats = plan.stats
-    traj_indices = trajectory_microbatches(batch, budget, model, args.device, args.chunk_size)
+    traj_indices = trajectory_microbatches(batch, budget, args.device, **shape)
     row = {"preset": preset, "tasks": tasks, "length_scale": scale, "trajectories": len(batch),
            "trajectory_tokens": stats["trajectory_tokens"], "compact_tokens": stats["compact_tokens"],
            "ideal": stats["compression"], "replay_tokens": stats["replay_tokens"],
@@ -275,6 +226,12 @@ def run_preset(preset, model, args) -> dict:
                tree_peak_gib=tree["peak_gib"], traj_peak_gib=traj["peak_gib"],
                speedup=traj["ms"] / tree["ms"], grad_rel_diff=gradient_difference(tree_grads, traj_grads))
     row["of_ideal"] = row["speedup"] / row["ideal"]
+    predictor, layers = cost_model.load_cost_model(), cost_model.LayerCounts.of(model.config)
+    row["cost_model"] = predictor.source
+    row["tree_predicted_ms"] = sum(predictor.predict(cost_model.features(i), layers) for i in tree_indices)
+    row["traj_predicted_ms"] = sum(predictor.predict(cost_model.features(i), layers) for i in traj_indices)
+    print(f"  cost model ({predictor.source}, {predictor.device}): tree {row['tree_predicted_ms']:.1f} ms, "
+          f"trajectory-wise {row['traj_predicted_ms']:.1f} ms predicted", flush=True)
     del tree_grads, traj_grads
     model.zero_grad(set_to_none=True)
     if not args.no_breakdown:
@@ -304,10 +261,9 @@ def numerics(row, model, reference, args) -> None:
     """Fills row['err_tree'], row['err_traj'] (max |log-prob - float64 reference|)."""
     batch = subset(row.pop("_batch"), args.numerics_tokens)
     with torch.no_grad():
-        _, tree_indices, *_ = plan_microbatches(batch, args.microbatch_tokens, model, args.device,
-                                                args.chunk_size)
-        traj_indices = trajectory_microbatches(batch, args.microbatch_tokens, model, args.device,
-                                               args.chunk_size)
+        shape = dict(chunk_size=args.chunk_size, conv_width=model.conv_width)
+        _, tree_indices, *_ = plan_microbatches(batch, args.microbatch_tokens, args.device, **shape)
+        traj_indices = trajectory_microbatches(batch, args.microbatch_tokens, args.device, **shape)
         tree = logprob_rows(model(i) for i in tree_indices)
         traj = logprob_rows(model(i) for i in traj_indices)
         ref = logprob_rows(reference(i, gdn_kernel=chunk_gated_delta_rule_reference) for i in traj_indices)
