@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from harts_compiler.runtime import TreeModel  # noqa: E402
 from test_runtime_helpers import naive_tree_index, random_rollout_batch  # noqa: E402
+from test_runtime_tree import compiled_index  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -84,13 +85,13 @@ def oracle_batch(seed=11):
     return random_rollout_batch(random.Random(seed), vocab=128, n_traj=5, max_len=40)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_logprobs_and_gradients_match_transformers(family):
+@pytest.mark.parametrize("family,builder", [(f, "naive") for f in FAMILIES] + [("qwen3_next", "compiled")])
+def test_logprobs_and_gradients_match_transformers(family, builder):
     model = hf_model(family)
     batch = oracle_batch()
     tree = TreeModel.from_hf(model)
     assert tree.lm_head.weight is model.lm_head.weight  # shared, not copied
-    index = naive_tree_index(batch, chunk_size=4)
+    index = naive_tree_index(batch, chunk_size=4) if builder == "naive" else compiled_index(batch, 4)
     moe = "num_experts" in FAMILIES[family][2]
     weights = torch.randn(len(batch), max(map(len, batch)), generator=torch.Generator().manual_seed(1))
 
