@@ -1,0 +1,58 @@
+"""Toy-size CPU runs of bench/e2e.py and bench/calibrate.py, so the GPU benchmarks cannot rot:
+they must finish, write their JSON to $OUT, and report what the GPU runs report."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from harts_compiler.passes import cost_model as cm
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def run_bench(script: str, out_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OUT=str(out_dir), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(BENCH / script), "--device", "cpu", "--tiny", *args],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_e2e_tiny_cpu(tmp_path):
+    result = run_bench("e2e.py", tmp_path)
+    payload = json.loads((tmp_path / "e2e.json").read_text())
+    assert payload["failures"] == []
+    rows = {row["preset"]: row for row in payload["rows"]}
+    assert set(rows) == {"swe", "tau2", "grpo"}
+    for preset, row in rows.items():
+        assert row["compact_tokens"] < row["trajectory_tokens"], preset
+        assert row["ideal"] == round(row["trajectory_tokens"] / row["compact_tokens"], 4)
+        assert row["tree_ms"] > 0 and row["traj_ms"] > 0
+        assert math.isclose(row["speedup"], row["traj_ms"] / row["tree_ms"])
+        # float64 reference: both bf16 modes carry a real, finite error; tree within the factor
+        assert 0 < row["err_traj"] < 0.1 and 0 <= row["err_tree"] < 0.1
+        assert row["numerics_ok"] is True
+        assert row["grad_rel_diff"] < 0.05
+        parts = row["breakdown_ms"]
+        for component in ("linear attention", "attention", "log-probs", "MoE/MLP"):
+            assert parts.get(component, 0) > 0, (preset, component, parts)
+        assert parts["total"] > 0 and row["tree_predicted_ms"] > 0
+    assert "Baseline: HARTS runtime in trajectory mode" in result.stdout
+    assert "speedup" in result.stdout and "of ideal" in result.stdout
+
+
+def test_calibrate_tiny_cpu(tmp_path):
+    result = run_bench("calibrate.py", tmp_path, "--write", str(tmp_path / "written.json"))
+    files = sorted(p.name for p in tmp_path.glob("cost_model_*.json"))
+    assert len(files) == 1, files
+    model = cm.load_cost_model(tmp_path / files[0])
+    assert model.device and model.date and model.source.endswith(files[0])  # loaded: source = file
+    assert json.loads((tmp_path / files[0]).read_text())["source"] == "bench/calibrate.py"
+    assert model.fit["held_out"]["count"] > 0 and model.fit["train"]["count"] > 0
+    assert model.fit["median_rel_err"] == model.fit["held_out"]["median_rel_err"]
+    assert min(model.coefficients.values()) >= 0
+    assert len(model.fit["measurements"]) == 3 * 8  # three layer variants x eight shapes
+    assert cm.load_cost_model(tmp_path / "written.json").coefficients == model.coefficients
+    assert "held_out" in result.stdout and "median relative error" in result.stdout
