@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,7 @@ def error_summary(model, rows) -> dict:
 
 
 def main(argv=None) -> int:
+    start = time.perf_counter()
     args = parse_args(argv)
     info = describe_device(args.device)
     base = model_config(args.tiny)
@@ -165,6 +167,7 @@ def main(argv=None) -> int:
     tag = "h200" if "h200" in tag else tag.strip("_") or "cpu"
     for path in write_json(f"cost_model_{tag}.json", fitted.to_json(), args.write):
         print(f"wrote {path}")
+    print(f"total wall time {time.perf_counter() - start:.0f} s")
     return 0
 
 

@@ -208,15 +208,19 @@ def kernel_ms(fn: Callable[[], object], device: torch.device, *, rep_ms: int = 1
 
 @contextlib.contextmanager
 def peak_memory(device: torch.device):
-    """Yields a dict whose 'gib' is the peak allocated GiB inside the block (None on CPU)."""
-    result = {"gib": None}
+    """Yields a dict; after the block 'gib' = peak allocated GiB *above what was allocated at
+    entry* (what the block itself needed: activations, gradients, workspaces), 'entry_gib' = what
+    was allocated at entry. Both None on CPU."""
+    result = {"gib": None, "entry_gib": None}
     if device.type == "cuda":
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        entry = torch.cuda.memory_allocated(device)
+        result["entry_gib"] = entry / 2**30
     yield result
     if device.type == "cuda":
         synchronize(device)
-        result["gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        result["gib"] = (torch.cuda.max_memory_allocated(device) - entry) / 2**30
 
 
 def describe_device(device: torch.device) -> dict:
