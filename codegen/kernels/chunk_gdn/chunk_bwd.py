@@ -102,16 +102,13 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dv, dbeta, dg, scratch, chunk_
     b_eg = tl.exp(b_gc)
     b_tt = tl.load(T + (rows[None, :] * HV + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0).to(dt)  # T_ji
 
-    # dT = dw (beta exp(gc) k)^T + du (beta v)^T ;  kk = k k^T
+    # dT = dw (beta exp(gc) k)^T + du (beta v)^T
     b_dt = tl.zeros([BT, BT], dtype=tl.float32)
-    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
         b_dw = tl.load(dw + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_dt += tl.dot(b_dw.to(dt), (b_kt * (b_b * b_eg)[None, :]).to(dt))
-        b_kk += tl.dot(b_k, b_kt)
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_du = tl.load(du + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
@@ -121,6 +118,12 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dv, dbeta, dg, scratch, chunk_
     # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept strictly lower
     m_lower = o_t[:, None] > o_t[None, :]
     b_da = -tl.dot(tl.dot(b_tt, b_dt.to(dt)).to(dt), b_tt)
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)  # k k^T, after dT is dead (2 warps hold few registers)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+        b_kk += tl.dot(b_k, b_kt)
     b_decay = tl.where(m_lower, tl.exp(b_gc[:, None] - b_gc[None, :]), 0.0)
     b_da = tl.where(m_lower, b_da, 0.0)
     b_dkk = b_da * b_decay                                             # d(k_i . k_j) / beta_i, i > j

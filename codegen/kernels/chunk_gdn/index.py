@@ -21,7 +21,7 @@ class GDNKernelConfig:
     out_warps: int = 4
     wy_fwd_warps: int = 4
     bwd_qk_warps: int = 8
-    wy_bwd_warps: int = 4       # checked on the H200 (GPU.md: fla's WY backward miscompiled at 4 warps)
+    wy_bwd_warps: int = 2       # GPU.md: a WY backward at BT=64 miscompiled with 4 warps on Hopper (fla 984)
 
 
 @dataclass(frozen=True)
