@@ -73,15 +73,15 @@ def parse_args(argv):
     p.add_argument("--tiny", action="store_true", help="toy model and batches (CPU smoke test)")
     p.add_argument("--presets", nargs="+", default=["swe", "tau2", "grpo"], choices=sorted(LENGTH_SCALE))
     p.add_argument("--scale", type=float, default=1.0, help="multiply the target trajectory tokens")
-    p.add_argument("--target-tokens", type=int, help="trajectory tokens per step (default 96k; tiny 1500)")
+    p.add_argument("--target-tokens", type=int, help="trajectory tokens per step (default 96k; tiny 300)")
     p.add_argument("--length-scale", type=float, help="override every preset's length scale")
-    p.add_argument("--microbatch-tokens", type=int, help="token budget per forward (default 16384; tiny 512)")
+    p.add_argument("--microbatch-tokens", type=int, help="token budget per forward (default 16384; tiny 256)")
     p.add_argument("--chunk-size", type=int, help="linear-attention chunk (default 64; tiny 16, "
                    "which keeps the CPU reference fast)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 1; tiny 0)")
     p.add_argument("--repeat", type=int, help="timed steps, median reported (default 3; tiny 1)")
     p.add_argument("--numerics-tokens", type=int, help="trajectory tokens of the numerics subset "
-                   "(default 8192; tiny 600)")
+                   "(default 8192; tiny 150)")
     p.add_argument("--error-factor", type=float, default=2.0)
     p.add_argument("--no-breakdown", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -325,7 +325,9 @@ def report(rows, args, info, config, failures) -> None:
                 if name not in ("total", "step wall", "planner (compile + index)"):
                     print(f"  {name:28s} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
             print(f"  {'planner (compile + index)':28s} {parts['planner (compile + index)']:9.1f} ms  (host, "
-                  f"not in the step time)\n  profiled step wall {parts['step wall']:.1f} ms")
+                  f"not in the step time)\n  profiled step wall {parts['step wall']:.1f} ms"
+                  + (f" (GPU idle, host-bound: {parts['step wall'] - total:.1f} ms)"
+                     if args.device.type == "cuda" else ""))
         base = row.get("baseline_kernels")
         if base:
             print(f"  baseline kernels: {base}")
@@ -337,7 +339,7 @@ def report(rows, args, info, config, failures) -> None:
                ("ideal", "ideal"), ("traj_ms", "traj ms"), ("tree_ms", "tree ms"), ("speedup", "speedup"),
                ("of_ideal", "of ideal"), ("traj_peak_gib", "traj GiB"), ("tree_peak_gib", "tree GiB"),
                ("err_traj", "err traj"), ("err_tree", "err tree"), ("numerics_ok", "ok"),
-               ("grad_rel_diff", "grad diff")]
+               ("grad_rel_diff", "grad diff"), ("planner_ms", "plan ms")]
     print(format_table(rows, columns))
     if failures:
         print(f"\nFAILED: {', '.join(failures)} (tracebacks above)")

@@ -331,6 +331,13 @@ def fit_cost_model(feature_rows, layer_rows, times_ms, *, device: str, model: di
                      model=dict(model or {}))
 
 
+def tree_costs(program, layers: LayerCounts, model: CostModel | None = None) -> np.ndarray:
+    """Predicted ms of every tree of a sequenced Program run alone (planner item costs);
+    `model` defaults to `load_cost_model()`."""
+    model = model or load_cost_model()
+    return np.asarray(model.predict(tree_features(program), layers), np.float64).reshape(-1)
+
+
 def relative_errors(model: CostModel, feature_rows, layer_rows, times_ms) -> np.ndarray:
     """|predicted - measured| / measured for each row."""
     times = np.asarray(times_ms, np.float64)

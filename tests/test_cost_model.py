@@ -123,6 +123,7 @@ def test_predict_vectorised_matches_scalar():
     scalar = [model.predict(cm.program_features(plan.program, [t]), layers)
               for t in range(plan.program.forest.num_trees)]
     np.testing.assert_allclose(vector, scalar)
+    np.testing.assert_allclose(cm.tree_costs(plan.program, layers, model), scalar)
     terms = model.terms(cm.program_features(plan.program, [0]), layers)
     assert sum(terms.values()) == pytest.approx(scalar[0])
 
