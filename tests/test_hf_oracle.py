@@ -156,3 +156,16 @@ def test_from_pretrained_reads_checkpoint_names(tmp_path):
     batch = oracle_batch(5)
     out = loaded(naive_tree_index(batch, chunk_size=4))
     assert rel(out.logprobs, hf_trajectory_logprobs(model, batch)) < LOGPROB_TOL
+
+
+def test_qwen3_5_multimodal_wrapper_uses_its_language_model():
+    """Qwen3_5ForConditionalGeneration: text weights under model.language_model, vision ignored."""
+    text = {k: v for k, v in FAMILIES["qwen3_5"][2].items() if k != "attn_implementation"}
+    config = transformers.Qwen3_5Config(text_config=text, attn_implementation="eager", vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64))
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    tree = TreeModel.from_hf(model)
+    assert tree.model.embed_tokens.weight is model.model.language_model.embed_tokens.weight
+    batch = oracle_batch(7)
+    out = tree(naive_tree_index(batch, chunk_size=4))
+    assert rel(out.logprobs, hf_trajectory_logprobs(model, batch)) < LOGPROB_TOL
