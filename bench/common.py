@@ -57,14 +57,15 @@ def model_config(tiny: bool, layer_types: list[str] | None = None):
 
 
 def build_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                checkpointing: bool = True):
+                checkpointing: bool = True, draw_on_device: bool | None = None):
     """Random TreeModel. CPU: `TreeModel.from_config` (transformers' init, CPU float64 draws).
-    Other devices: the same distributions drawn on the device, because from_config's CPU float64
-    draws take minutes for billions of parameters: N(0, initializer_range) for linear, embedding,
-    conv, expert and router weights; norms, dt_bias and A_log as the modules construct them."""
+    Other devices (or `draw_on_device`): the same distributions drawn on the device, because
+    from_config's CPU float64 draws took minutes for a billion parameters here: N(0,
+    initializer_range) for linear, embedding, conv, expert and router weights; norms, dt_bias and
+    A_log as the modules construct them."""
     from harts_compiler.runtime import TreeModel
     from harts_compiler.runtime.moe import Experts, Router
-    if device.type == "cpu":
+    if not (device.type != "cpu" if draw_on_device is None else draw_on_device):
         return TreeModel.from_config(config, seed=seed, dtype=dtype,
                                      activation_checkpointing=checkpointing)
     torch.manual_seed(seed)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from harts_compiler.passes import cost_model as cm
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -18,6 +20,33 @@ def run_bench(script: str, out_dir: Path, *args: str) -> subprocess.CompletedPro
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+def test_device_drawn_model_matches_from_config_distributions():
+    """The GPU benches draw weights on the device; check that path (here on CPU) initialises
+    every parameter like TreeModel.from_config does, and trains."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCH))
+    config = common.model_config(tiny=True)
+    cpu = torch.device("cpu")
+    drawn = common.build_model(config, cpu, torch.float32, seed=1, draw_on_device=True)
+    reference = common.build_model(config, cpu, torch.float32, seed=1)
+    named = dict(reference.named_parameters())
+    for name, param in drawn.named_parameters():
+        ref = named.pop(name)
+        assert param.shape == ref.shape and torch.isfinite(param).all(), name
+        if ref.numel() > 16 and ref.std() > 0:  # same distribution: std within 30%
+            assert abs(param.std().item() / ref.std().item() - 1) < 0.3, name
+        elif ref.numel() > 1 and "A_log" not in name:
+            assert torch.equal(param, ref), name  # constant inits (norms, dt_bias)
+    assert not named
+    batch, _ = common.sized_batch("grpo", 50, length_scale=0.01, vocab_size=config.vocab_size, rollouts=2)
+    _, indices, *_ = common.plan_microbatches(batch, 4096, cpu, chunk_size=16, conv_width=4)
+    common.Step(drawn, indices, int(batch.lengths.sum()))()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in drawn.parameters())
 
 
 def test_e2e_tiny_cpu(tmp_path):
