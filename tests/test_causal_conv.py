@@ -1,0 +1,113 @@
+"""Tree-aware short conv: Triton kernel (TRITON_INTERPRET=1 on CPU) vs reference, tree == trajectories bitwise."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harts_compiler.codegen.kernels.causal_conv import (
+    prepare_conv_index,
+    tree_causal_conv,
+    tree_causal_conv_reference,
+)
+
+W = 4
+
+
+def tree_tables(parents, lengths):
+    """Compact layout (nodes in index order, parents first) -> conv_pred [T, W-1] and every leaf's path."""
+    starts, cursor = [], 0
+    for n in lengths:
+        starts.append(cursor)
+        cursor += n
+    node_path = []  # compact indices from the root to the end of each node
+    for node, parent in enumerate(parents):
+        prefix = node_path[parent] if parent >= 0 else []
+        node_path.append(prefix + list(range(starts[node], starts[node] + lengths[node])))
+    pred = torch.full((cursor, W - 1), -1, dtype=torch.long)
+    for node in range(len(parents)):
+        path = node_path[node]
+        for depth in range(len(path) - lengths[node], len(path)):
+            for j in range(W - 1):
+                src = depth - (W - 1) + j
+                pred[path[depth], j] = path[src] if src >= 0 else -1
+    leaves = [n for n in range(len(parents)) if n not in parents]
+    return pred, [node_path[n] for n in leaves]
+
+
+def linear_pred(length):
+    pred = torch.arange(length)[:, None] - (W - 1) + torch.arange(W - 1)[None, :]
+    return pred.masked_fill(pred < 0, -1)
+
+
+trees = st.integers(1, 6).flatmap(lambda n: st.tuples(
+    st.tuples(*[st.integers(-1, i - 1) if i else st.just(-1) for i in range(n)]),
+    st.lists(st.integers(1, 7), min_size=n, max_size=n)))
+
+
+@settings(max_examples=6, deadline=None)
+@given(tree=trees, seed=st.integers(0, 2 ** 16), silu=st.booleans())
+def test_kernel_matches_reference_forward_and_grads(tree, seed, silu):
+    parents, lengths = tree
+    pred, _ = tree_tables(list(parents), lengths)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(pred.shape[0], 24, generator=gen, requires_grad=True)
+    w = torch.randn(24, W, generator=gen, requires_grad=True)
+    act = "silu" if silu else None
+    y = tree_causal_conv(x, w, pred, act, index=prepare_conv_index(pred))
+    y_ref = tree_causal_conv_reference(x, w, pred, act)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    dy = torch.randn(y.shape, generator=gen)
+    grads = torch.autograd.grad((y * dy).sum(), [x, w])
+    grads_ref = torch.autograd.grad((y_ref * dy).sum(), [x, w])
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_rows_equal_trajectory_rows_bitwise():
+    # root of 5, a 2-token child shorter than the conv, three leaves under it and one under the root
+    parents, lengths = [-1, 0, 1, 1, 1, 0], [5, 2, 3, 1, 6, 4]
+    pred, paths = tree_tables(parents, lengths)
+    x = torch.randn(pred.shape[0], 40, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(40, W, generator=torch.Generator().manual_seed(1))
+    y_tree = tree_causal_conv(x, w, pred)
+    for path in paths:
+        y_traj = tree_causal_conv(x[path], w, linear_pred(len(path)))
+        assert torch.equal(y_traj, y_tree[path])
+
+
+def test_successor_lists_invert_conv_pred():
+    pred, _ = tree_tables([-1, 0, 0, 0, 1], [3, 2, 4, 1, 2])
+    index = prepare_conv_index(pred)
+    for m in range(pred.shape[0]):
+        got = [(int(i), int(j)) for i, j in zip(index.succ_row[index.succ_ptr[m]:index.succ_ptr[m + 1]],
+                                                 index.succ_tap[index.succ_ptr[m]:index.succ_ptr[m + 1]])]
+        want = [(i, j) for i in range(pred.shape[0]) for j in range(W - 1) if pred[i, j] == m]
+        assert got == want
+    degrees = [(pred == m).sum().item() for m in range(pred.shape[0])]
+    assert index.max_degree == max(degrees) > W - 1  # the root's last token is read by every child
+
+
+@pytest.mark.parametrize("shape, message", [((5, 3), "conv_pred"), ((6, 2), "conv_pred")])
+def test_bad_conv_pred_is_named(shape, message):
+    with pytest.raises(ValueError, match=message):
+        tree_causal_conv(torch.randn(6, 8), torch.randn(8, W), torch.zeros(shape, dtype=torch.long))
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_bf16_vs_fp32_reference_and_tree_bitwise():
+    parents = [-1] + [0] * 8 + list(range(1, 9))
+    lengths = [3000] + [700] * 8 + [300] * 8
+    pred, paths = tree_tables(parents, lengths)
+    pred = pred.cuda()
+    x = torch.randn(pred.shape[0], 2048, device="cuda").bfloat16().requires_grad_(True)
+    w = torch.randn(2048, W, device="cuda").bfloat16().requires_grad_(True)
+    y = tree_causal_conv(x, w, pred, index=prepare_conv_index(pred))
+    y_ref = tree_causal_conv_reference(x.float(), w.float(), pred)
+    dy = torch.randn(y.shape, device="cuda")
+    grads = torch.autograd.grad((y.float() * dy).sum(), [x, w])
+    grads_ref = torch.autograd.grad((y_ref * dy).sum(), [x, w])
+    for a, b in zip([y, *grads], [y_ref, *grads_ref]):
+        assert float((a.double() - b.double()).norm() / b.double().norm()) < 1e-2
+    path = torch.tensor(paths[3], device="cuda")
+    y_traj = tree_causal_conv(x[path], w, linear_pred(len(paths[3])).cuda())
+    assert torch.equal(y_traj, y[path])
