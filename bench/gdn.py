@@ -262,6 +262,31 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
     log.append(dict(section="stages", **stages))
 
 
+def conv_section(log, rows=32768, channels=8192, width=4):
+    """Tree-aware short conv: Triton kernel vs the plain-torch gather (the runtime's other CUDA option)."""
+    from harts_compiler.codegen.kernels.causal_conv import (prepare_conv_index, tree_causal_conv,
+                                                            tree_causal_conv_reference)
+    pred = torch.arange(rows, device="cuda")[:, None] - (width - 1) + torch.arange(width - 1, device="cuda")
+    pred = pred.masked_fill(pred < 0, -1)
+    pred[rows // 2:rows // 2 + width - 1] = pred[:width - 1]  # a second sequence starting mid-way
+    index = prepare_conv_index(pred)
+    x = torch.randn(rows, channels, device="cuda").bfloat16().requires_grad_(True)
+    w = (torch.randn(channels, width, device="cuda") * 0.5).bfloat16().requires_grad_(True)
+    dy = torch.randn(rows, channels, device="cuda").bfloat16()
+    y_ref = tree_causal_conv_reference(x.float(), w.float(), pred)
+    ref = [y_ref, *torch.autograd.grad((y_ref * dy.float()).sum(), [x, w])]
+    print(f"\n== tree causal conv, T={rows}, Ch={channels}, W={width}, bf16 (rel err vs fp32; fwd+bwd ms) ==")
+    for name, fn in (("triton", lambda: tree_causal_conv(x, w, pred, index=index)),
+                     ("torch gather", lambda: tree_causal_conv_reference(x, w, pred))):
+        y = fn()
+        got = [y, *torch.autograd.grad((y.float() * dy.float()).sum(), [x, w])]
+        errs = [rel_err(a, b) for a, b in zip(got, ref)]
+        ms = triton.testing.do_bench(lambda: torch.autograd.grad(fn(), [x, w], dy), warmup=20, rep=100,
+                                     return_mode="median")
+        print(f"{name:13s} y {errs[0]:.1e} dx {errs[1]:.1e} dw {errs[2]:.1e}   {ms:.3f} ms")
+        log.append(dict(section="conv", path=name, errors=errs, ms=ms))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-check", action="store_true")
@@ -274,6 +299,7 @@ def main():
     log: list[dict] = []
     summary = {}
     # cheapest and most telling first: a GPU session may end before the script does
+    conv_section(log)
     if not args.skip_check:
         summary["check_ok[exports]"] = check_against_reference(fla, log, only_exports=True)[0]
         summary["tree_bitwise"] = check_tree_bitwise(log)
