@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from harts_compiler.codegen.kernels.tree_attention import (build_block_index, check_tree_attention_inputs,
                                                            config_for, tree_mask)
@@ -51,18 +52,24 @@ def windowed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     T, HQ, _ = q.shape
     group = HQ // k.shape[1]
     positions = torch.arange(T, device=q.device)
+    # under autograd each block is checkpointed, so only one block's [HQ, M, N] scores are alive
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+
+    def block(q_rows, k_rows, v_rows, query_index, key_index):
+        mask = tree_mask(subtree_end, query_index, key_index)  # [M, N]
+        k_heads = k_rows.transpose(0, 1).repeat_interleave(group, dim=0)  # [HQ, N, D]
+        v_heads = v_rows.transpose(0, 1).repeat_interleave(group, dim=0)
+        scores = torch.matmul(q_rows.transpose(0, 1), k_heads.transpose(1, 2)) * scale
+        probs = torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
+        return torch.matmul(probs, v_heads).transpose(0, 1)  # [M, HQ, D]
+
     outputs = []
     for start in range(0, T, query_block):
         end = min(start + query_block, T)
         open_before = torch.nonzero(subtree_end[:start] > start)
         lo = int(open_before[0, 0]) if open_before.numel() else start
-        mask = tree_mask(subtree_end, positions[start:end], positions[lo:end])  # [M, N]
-        q_b = q[start:end].transpose(0, 1)  # [HQ, M, D]
-        k_b = k[lo:end].transpose(0, 1).repeat_interleave(group, dim=0)  # [HQ, N, D]
-        v_b = v[lo:end].transpose(0, 1).repeat_interleave(group, dim=0)
-        scores = torch.matmul(q_b, k_b.transpose(1, 2)) * scale
-        probs = torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
-        outputs.append(torch.matmul(probs, v_b).transpose(0, 1))
+        args = (q[start:end], k[lo:end], v[lo:end], positions[start:end], positions[lo:end])
+        outputs.append(checkpoint(block, *args, use_reentrant=False) if needs_grad else block(*args))
     return torch.cat(outputs) if outputs else q.new_empty(q.shape)
 
 

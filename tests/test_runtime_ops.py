@@ -98,11 +98,15 @@ def test_windowed_attention_equals_dense_reference():
     tree = naive_tree_index(batch, chunk_size=4)
     gen = torch.Generator().manual_seed(2)
     T = tree.num_tokens
-    q, k, v = (torch.randn(T, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    q, k, v = (torch.randn(T, h, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    weight = torch.randn(T, 4, 8, generator=gen, dtype=torch.float64)
+    expect = tree_attention_reference(q, k, v, tree.subtree_end, scale=0.3)
+    expect_grads = torch.autograd.grad((expect * weight).sum(), (q, k, v))
     for block in (1, 7, 256):
         out = windowed_tree_attention(q, k, v, tree.subtree_end, scale=0.3, query_block=block)
-        torch.testing.assert_close(out, tree_attention_reference(q, k, v, tree.subtree_end, scale=0.3),
-                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out, expect, rtol=1e-12, atol=1e-12)
+        for got, want in zip(torch.autograd.grad((out * weight).sum(), (q, k, v)), expect_grads):
+            torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
 
 
 def test_activation_checkpointing_recomputes_rounds_and_gives_same_gradients():
