@@ -21,6 +21,18 @@ def format_summary(plan) -> str:
         f"rounds (max per tree) {stats['rounds']}",
         "passes             " + ", ".join(f"{p['name']} {p['ms']:.1f} ms" for p in stats["passes"]),
     ]
+    if "split" in stats:
+        split = stats["split"]
+        lines.append(f"split              {split['split_trees']:,} trees over the budget -> "
+                     f"{split['parts']:,} parts, {split['recomputed_tokens']:,} recomputed tokens "
+                     f"({100 * split['recomputed_fraction']:.1f}%)")
+    if "schedule" in stats:
+        sched = stats["schedule"]
+        lines.append(f"schedule           {sched['status']} ({sched['method']}), "
+                     f"{sched['objective_kind']} {sched['objective']:.4g} vs bound "
+                     f"{sched['lower_bound']:.4g} (gap {100 * sched['gap']:.2f}%, greedy "
+                     f"{sched['greedy_objective']:.4g}), {sched['num_slots']} slots, "
+                     f"{1e3 * sched['wall_time_s']:.0f} ms")
     if stats["microbatches"]:
         lines.append("microbatches")
         for mb in stats["microbatches"]:
@@ -40,6 +52,13 @@ def compile_main(argv: list[str]) -> int:
     parser.add_argument("--microbatch-tokens", type=int, default=None)
     parser.add_argument("--dp-size", type=int, default=1)
     parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--objective", default="sum_of_slot_max",
+                        help="schedule objective: sum_of_slot_max (ranks run slots in lockstep) "
+                             "or max_rank_total")
+    parser.add_argument("--schedule-time-limit", type=float, default=0.2, metavar="SECONDS",
+                        help="CP-SAT planner time limit (the greedy plan is the fallback)")
+    parser.add_argument("--cost-model", metavar="JSON", default=None,
+                        help="fitted cost model (default: the repository's fit, else guesses)")
     parser.add_argument("--dump-ir", metavar="DIR", help="write a .hir after every pass")
     parser.add_argument("--no-verify", action="store_true", help="skip IR verification")
     parser.add_argument("--json", action="store_true", help="print statistics as one JSON object")
@@ -48,7 +67,8 @@ def compile_main(argv: list[str]) -> int:
     options = CompileOptions.checked(
         chunk_size=args.chunk_size, conv_width=args.conv_width,
         microbatch_tokens=args.microbatch_tokens, dp_size=args.dp_size,
-        vocab_size=args.vocab_size, verify=not args.no_verify)
+        vocab_size=args.vocab_size, verify=not args.no_verify, objective=args.objective,
+        schedule_time_limit_s=args.schedule_time_limit, cost_model=args.cost_model)
     if not Path(args.input).is_file():
         raise InputError(f"{args.input}: no such file")
     plan = compile(TreeBatch.load(args.input), options, dump_ir=args.dump_ir)

@@ -79,6 +79,12 @@ class Plan:
             "rounds": int(seqs.tree_rounds.max(initial=0)) if seqs is not None else 0,
             "passes": [{"name": name, "ms": round(ms, 3)} for name, ms in self.program.provenance],
         }
+        # What split-oversize and schedule reported (parts and recomputed tokens; the solver's
+        # status, objective, lower bound and time); absent when the pass did not run / split.
+        for key, pass_name in (("split", "split-oversize"), ("schedule", "schedule")):
+            note = self.program.note(pass_name)
+            if note is not None:
+                stats[key] = note
         stats["microbatches"] = ([mb.summary() for mb in self.microbatches()]
                                  if self.program.microbatches is not None else [])
         return stats

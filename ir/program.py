@@ -95,7 +95,9 @@ class Sequences:
 @dataclass(frozen=True, eq=False)
 class Microbatches:
     """schedule output: microbatch m holds trees mb_trees[mb_tree_ptr[m]:mb_tree_ptr[m+1]] (laid
-    out in that order) and runs on data-parallel rank mb_rank[m] as its slot mb_slot[m]."""
+    out in that order) and runs on data-parallel rank mb_rank[m] as its slot mb_slot[m]. Ranks
+    run slots 0..S-1 in lockstep; a rank without a microbatch in a slot has an empty slot there
+    (it still joins that slot's collectives), so each (rank, slot) holds at most one."""
 
     dp_size: int
     microbatch_tokens: int  # 0 = no limit
@@ -119,10 +121,13 @@ class Microbatches:
             raise IRError("Microbatches: every tree must be in exactly one microbatch")
         if M and (self.mb_rank.min() < 0 or self.mb_rank.max() >= self.dp_size):
             raise IRError("Microbatches: rank out of range")
-        for rank in range(self.dp_size):
-            slots = np.sort(self.mb_slot[self.mb_rank == rank])
-            if not np.array_equal(slots, np.arange(slots.size)):
-                raise IRError(f"Microbatches: slots of rank {rank} are not 0..k-1")
+        if M and self.mb_slot.min() < 0:
+            raise IRError("Microbatches: negative slot")
+        cells = self.mb_rank * (int(self.mb_slot.max(initial=0)) + 1) + self.mb_slot
+        if np.unique(cells).size != M:
+            raise IRError("Microbatches: two microbatches on one (rank, slot)")
+        if not np.array_equal(np.unique(self.mb_slot), np.arange(int(self.mb_slot.max(initial=-1)) + 1)):
+            raise IRError("Microbatches: a slot that no rank uses")
         if np.any(np.diff(self.mb_tree_ptr) < 1):
             raise IRError("Microbatches: empty microbatch")
         if self.microbatch_tokens:
@@ -142,6 +147,15 @@ class Program:
     microbatches: Microbatches | None = None
     # (pass name, milliseconds) of every pass that produced this program, in order.
     provenance: tuple[tuple[str, float], ...] = ()
+    # (pass name, JSON object text): what a pass reports about its own work (e.g. the split's
+    # recomputed tokens, the schedule solver's status/objective/bound/time), in pass order.
+    notes: tuple[tuple[str, str], ...] = ()
+
+    def note(self, pass_name: str) -> dict | None:
+        """The last note of `pass_name` as a dict, or None."""
+        import json
+        found = [text for name, text in self.notes if name == pass_name]
+        return json.loads(found[-1]) if found else None
 
     def replace(self, **changes) -> "Program":
         return dataclasses.replace(self, **changes)

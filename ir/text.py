@@ -9,10 +9,11 @@ are rebuilt by `ir.derive`, the same code the passes use.
 
     hir 1
     pass name="prefix-compress" ms=0.41
+    note pass="schedule" json="{\"status\": \"OPTIMAL\"}"
     trajectories count=2
     traj id="a" group="a" tokens=[5 6 7]
     forest laid_out=1 conv_width=4 nodes=3 trees=1 trajectories=2
-    tree id="a"
+    tree id="a"                                  (after split-oversize: tree id="a/0" source=0)
     node parent=-1 tree=0 pos=0 len=2 start=0 mult=2 cont=1 subtree_end=4 tokens=[5 6]
     end id="a" node=1
     sequences chunk_size=64 count=2 tree_rounds=[1]
@@ -53,6 +54,8 @@ def format_program(program: Program, arrays_name: str | None = None,
         lines.append(f"arrays {json.dumps(arrays_name)}")
     for name, ms in program.provenance:
         lines.append(f"pass name={json.dumps(name)} ms={ms!r}")
+    for name, text in program.notes:
+        lines.append(f"note pass={json.dumps(name)} json={json.dumps(text)}")
     batch = program.trajectories
     if batch is not None:
         lines.append(f"trajectories count={len(batch.ids)}")
@@ -66,8 +69,9 @@ def format_program(program: Program, arrays_name: str | None = None,
     if f is not None:
         lines.append(f"forest laid_out={int(f.laid_out)} conv_width={f.conv_width} "
                      f"nodes={f.num_nodes} trees={f.num_trees} trajectories={f.num_trajectories}")
-        for tid in f.tree_ids:
-            lines.append(f"tree id={json.dumps(tid)}")
+        for t, tid in enumerate(f.tree_ids):
+            source = "" if f.tree_source is None else f" source={int(f.tree_source[t])}"
+            lines.append(f"tree id={json.dumps(tid)}{source}")
         if external:
             arrays["forest.token_ids"] = f.token_ids
         for v in range(f.num_nodes):
@@ -178,6 +182,7 @@ def _col(records, key) -> np.ndarray:
 def _build(records: dict, arrays: dict | None) -> Program:
     arrays = arrays or {}
     provenance = tuple((r["name"], float(r["ms"])) for r in records.get("pass", []))
+    notes = tuple((r["pass"], r["json"]) for r in records.get("note", []))
     batch = None
     if "trajectories" in records:
         trajs = records.get("traj", [])
@@ -201,7 +206,7 @@ def _build(records: dict, arrays: dict | None) -> Program:
             mb_rank=_col(mbs, "rank"), mb_slot=_col(mbs, "slot"), mb_tree_ptr=ptr,
             mb_trees=np.concatenate([r["trees"] for r in mbs]) if mbs else np.zeros(0, np.int64))
     return Program(trajectories=batch, forest=forest, sequences=sequences,
-                   microbatches=microbatches, provenance=provenance)
+                   microbatches=microbatches, provenance=provenance, notes=notes)
 
 
 def _build_forest(records: dict, arrays: dict) -> Forest:
@@ -211,13 +216,17 @@ def _build_forest(records: dict, arrays: dict) -> Forest:
     parent, tree = _col(nodes, "parent"), _col(nodes, "tree")
     start, length, position = _col(nodes, "start"), _col(nodes, "len"), _col(nodes, "pos")
     end_node = _col(ends, "node")
-    tree_ids = [r["id"] for r in records.get("tree", [])]
+    trees = records.get("tree", [])
+    tree_ids = [r["id"] for r in trees]
+    tree_source = (_col(trees, "source") if trees and all("source" in r for r in trees)
+                   else None)
     common = dict(token_ids=token_ids, node_parent=parent, node_tree=tree, node_start=start,
                   node_length=length, node_position=position,
                   node_multiplicity=_col(nodes, "mult"), tree_ids=tree_ids,
                   traj_ids=[r["id"] for r in ends], traj_end_node=end_node,
                   traj_length=position[end_node] + length[end_node] if ends else
-                  np.zeros(0, np.int64), conv_width=head["conv_width"])
+                  np.zeros(0, np.int64), conv_width=head["conv_width"],
+                  tree_source=tree_source)
     if not head["laid_out"]:
         token_node, token_position = derive.token_node_and_position(start, length, position)
         return Forest(token_node=token_node, token_position=token_position, laid_out=False,

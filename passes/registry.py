@@ -6,13 +6,19 @@ from .layout import Layout
 from .prefix_compress import PrefixCompress
 from .replay_min import ReplayMin
 from .schedule import Schedule
+from .split_oversize import SplitOversize
 
 # name -> (pass class, {pass field: CompileOptions attribute})
 PASSES: dict[str, tuple[type[Pass], dict[str, str]]] = {
     "prefix-compress": (PrefixCompress, {}),
     "layout": (Layout, {"conv_width": "conv_width"}),
+    "split-oversize": (SplitOversize, {"microbatch_tokens": "microbatch_tokens"}),
     "replay-min": (ReplayMin, {"chunk_size": "chunk_size"}),
-    "schedule": (Schedule, {"microbatch_tokens": "microbatch_tokens", "dp_size": "dp_size"}),
+    "schedule": (Schedule, {"microbatch_tokens": "microbatch_tokens", "dp_size": "dp_size",
+                            "objective": "objective", "time_limit_s": "schedule_time_limit_s",
+                            "seed": "schedule_seed", "workers": "schedule_workers",
+                            "cost_model": "cost_model", "linear_layers": "linear_layers",
+                            "full_layers": "full_layers"}),
 }
 
 

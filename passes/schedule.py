@@ -1,6 +1,7 @@
-"""`schedule` (first version): greedy microbatches and (rank, slot) assignment."""
+"""`schedule`: trees (or tree parts) -> microbatches on data-parallel (rank, slot) pairs."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -8,57 +9,93 @@ import numpy as np
 from harts_compiler.errors import InputError
 from harts_compiler.ir import Microbatches, Program
 
+from .assign import OBJECTIVES, assign
 from .base import Pass
+from .cost_model import LayerCounts, default_cost_model, load_cost_model, tree_features
 
 
 @dataclass(frozen=True)
 class Schedule(Pass):
     """Sequenced program -> + microbatches.
 
-    Work of a tree = its compact tokens. With a token budget (`microbatch_tokens` > 0) trees are
-    packed first-fit decreasing into microbatches of at most that many compact tokens, and the
-    microbatches go largest first to the least-loaded of the `dp_size` ranks (ties: lowest rank),
-    each taking the rank's next slot. Without a budget every rank gets one microbatch: trees go
-    largest first to the least-loaded rank. A tree larger than the budget is an InputError for now
-    (tree splitting comes with the CP-SAT planner). Trees keep input order inside a microbatch.
+    Items are the trees (after `split-oversize`, every tree fits the budget). Item cost is the
+    cost model's predicted fwd+bwd time of the tree alone (`cost_model.tree_features` +
+    `predict`, for a model with `linear_layers` / `full_layers`; `cost_model` names a fitted
+    JSON file, "default" the built-in guesses, None the repository's fit if any), less the per-microbatch
+    constant, which packed trees share. `assign.assign` places
+    every item on one (rank, slot) with at most `microbatch_tokens` compact tokens per (rank,
+    slot), minimising `objective` (`sum_of_slot_max`: ranks run slots in lockstep; or
+    `max_rank_total`) with a greedy warm start, CP-SAT under `time_limit_s` (deterministic work
+    budget, fixed `seed` and `workers`: the same input gives the same plan) and the greedy plan
+    as the fallback. Without a budget every rank gets one slot. Each non-empty (rank, slot) is one
+    microbatch, its trees in tree order; a rank may have empty slots (it still joins that slot's
+    collectives at run time). The solver's status, objective, lower bound, greedy objective and
+    time go into the program's notes (`Program.note("schedule")`).
 
     Output invariants (`Microbatches.verify`): every tree in exactly one non-empty microbatch,
-    ranks in range, each rank's slots are 0..k-1, budgets respected.
-    Complexity: O(n_trees * microbatches) first fit, O(n log n) sorting.
+    ranks in range, at most one microbatch per (rank, slot), every slot used by some rank,
+    budgets respected.
+    Complexity: O(trees) features and greedy (x ranks x slots), then the solver's time limit.
     """
 
     name = "schedule"
     microbatch_tokens: int | None = None  # None or 0 = no limit
     dp_size: int = 1
+    objective: str = "sum_of_slot_max"
+    time_limit_s: float = 0.2
+    seed: int = 0
+    workers: int = 1
+    cost_model: str | None = None
+    linear_layers: int = 36
+    full_layers: int = 12
 
     def run(self, program: Program) -> Program:
         budget = self.microbatch_tokens or 0
         forest = program.forest
-        self.require(forest is not None and forest.laid_out, "a laid-out forest")
+        self.require(forest is not None and forest.laid_out and program.sequences is not None,
+                     "a sequenced program (run replay-min)")
         self.require(self.dp_size >= 1, "dp_size >= 1")
-        sizes = (forest.tree_end - forest.tree_start).tolist()
-        if budget:
-            too_big = [t for t, size in enumerate(sizes) if size > budget]
-            if too_big:
-                raise InputError([f"tree {forest.tree_ids[t]!r}: {sizes[t]} compact tokens exceed "
-                                  f"--microbatch-tokens {budget} (tree splitting "
-                                  f"is not implemented yet)" for t in too_big])
-            bins = first_fit_decreasing(sizes, budget)
-        else:
-            bins = [[t] for t in range(len(sizes))]
-        ranks, slots, groups = assign_largest_first(bins, sizes, self.dp_size,
-                                                    merge_per_rank=not budget)
-        ptr = np.zeros(len(groups) + 1, np.int64)
-        np.cumsum([len(g) for g in groups], out=ptr[1:])
-        microbatches = Microbatches(
-            dp_size=self.dp_size, microbatch_tokens=budget,
-            mb_rank=np.asarray(ranks, np.int64), mb_slot=np.asarray(slots, np.int64),
-            mb_tree_ptr=ptr,
-            mb_trees=np.asarray([t for g in groups for t in g], np.int64))
-        return program.replace(microbatches=microbatches)
+        self.require(self.objective in OBJECTIVES, f"objective in {OBJECTIVES}")
+        sizes = forest.tree_end - forest.tree_start
+        if budget and sizes.size and sizes.max() > budget:
+            too_big = np.flatnonzero(sizes > budget)[:5].tolist()
+            raise InputError([f"tree {forest.tree_ids[t]!r}: {int(sizes[t])} compact tokens exceed "
+                              f"--microbatch-tokens {budget} (run split-oversize first)"
+                              for t in too_big])
+        model = (default_cost_model() if self.cost_model == "default"
+                 else load_cost_model(self.cost_model))
+        # A tree alone would pay the per-microbatch constant; packed trees share it, so it is
+        # not an item's cost (it is about the same for every non-empty (rank, slot)).
+        cost = np.atleast_1d(model.predict(tree_features(program),
+                                           LayerCounts(self.linear_layers, self.full_layers)))
+        cost = np.maximum(cost - model.coefficients.get("microbatch", 0.0), 0.0)
+        result = assign(sizes, cost, token_budget=budget or None, dp_size=self.dp_size,
+                        num_slots=None if budget else 1, objective=self.objective,
+                        time_limit_s=self.time_limit_s, seed=self.seed, workers=self.workers)
+        microbatches = _microbatches(result.rank, result.slot, self.dp_size, budget)
+        note = {**result.summary(), "items": int(sizes.size),
+                "cost_model": {"source": model.source, "device": model.device,
+                               "date": model.date}}
+        return program.replace(microbatches=microbatches,
+                               notes=program.notes + ((self.name, json.dumps(note)),))
+
+
+def _microbatches(rank: np.ndarray, slot: np.ndarray, dp_size: int, budget: int) -> Microbatches:
+    """One microbatch per non-empty (rank, slot), ordered by (rank, slot); trees in tree order."""
+    cell = rank * (int(slot.max(initial=0)) + 1) + slot
+    order = np.lexsort((np.arange(cell.size), cell))
+    cells, first, counts = np.unique(cell[order], return_index=True, return_counts=True)
+    ptr = np.zeros(cells.size + 1, np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    head = order[first]
+    return Microbatches(dp_size=dp_size, microbatch_tokens=budget,
+                        mb_rank=rank[head].astype(np.int64), mb_slot=slot[head].astype(np.int64),
+                        mb_tree_ptr=ptr, mb_trees=order.astype(np.int64))
 
 
 def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
+    """Bins of item indices, largest first into the first bin with room (used by the benches
+    as the naive packing baseline)."""
     bins: list[list[int]] = []
     loads: list[int] = []
     for t in sorted(range(len(sizes)), key=lambda t: (-sizes[t], t)):
@@ -71,24 +108,3 @@ def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
             bins.append([t])
             loads.append(sizes[t])
     return bins
-
-
-def assign_largest_first(bins, sizes, dp_size: int, merge_per_rank: bool):
-    """(rank, slot, trees) per microbatch, ordered by (rank, slot). With merge_per_rank every
-    rank's bins become its single microbatch."""
-    load = [0] * dp_size
-    per_rank: list[list[list[int]]] = [[] for _ in range(dp_size)]
-    bin_size = [sum(sizes[t] for t in b) for b in bins]
-    for b in sorted(range(len(bins)), key=lambda b: (-bin_size[b], min(bins[b]))):
-        rank = min(range(dp_size), key=lambda r: (load[r], r))
-        load[rank] += bin_size[b]
-        per_rank[rank].append(sorted(bins[b]))
-    ranks, slots, groups = [], [], []
-    for rank, rank_bins in enumerate(per_rank):
-        if merge_per_rank and rank_bins:
-            rank_bins = [sorted(t for b in rank_bins for t in b)]
-        for slot, trees in enumerate(rank_bins):
-            ranks.append(rank)
-            slots.append(slot)
-            groups.append(trees)
-    return ranks, slots, groups

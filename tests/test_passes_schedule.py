@@ -1,4 +1,7 @@
-"""schedule (greedy first version) and the pass manager: budgets, ranks/slots, verify, dumps."""
+"""schedule (cost model + CP-SAT assignment) and the pass manager: budgets, ranks/slots,
+determinism, time limit and fallback, notes, verify, dumps."""
+import time
+
 import numpy as np
 import pytest
 
@@ -7,13 +10,17 @@ from harts_compiler.ir import IRError, Program
 from harts_compiler.driver import program_from_batch
 from harts_compiler.passes import PASSES, build_pipeline, run_passes
 from harts_compiler.passes.base import Pass
-from harts_compiler.passes.schedule import assign_largest_first, first_fit_decreasing
+from harts_compiler.passes.schedule import Schedule, first_fit_decreasing
 from harts_compiler.testing import random_token_lists
 
 
 def batch_of_trees(sizes):
     """One tree per size (distinct first tokens, one trajectory each)."""
     return hc.TreeBatch.from_trajectories([[1000 + t] + [0] * (n - 1) for t, n in enumerate(sizes)])
+
+
+def _cells(plan):
+    return [(mb.rank, mb.slot, mb.trees) for mb in plan.microbatches()]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -26,35 +33,91 @@ def test_budget_ranks_and_slots(seed, dp_size):
     mbs = plan.microbatches()
     assert sorted(t for mb in mbs for t in mb.trees) == list(range(len(sizes)))
     assert all(mb.compact_tokens <= budget for mb in mbs)
-    for rank in range(dp_size):
-        slots = sorted(mb.slot for mb in mbs if mb.rank == rank)
-        assert slots == list(range(len(slots)))
-    # first-fit decreasing: an item in a later bin did not fit into any earlier bin, and loads
-    # only grow, so no two microbatches would fit into one
-    loads = [mb.compact_tokens for mb in mbs]
-    assert all(a + b > budget for i, a in enumerate(loads) for b in loads[i + 1:])
+    assert len({(mb.rank, mb.slot) for mb in mbs}) == len(mbs)
+    assert {mb.slot for mb in mbs} == set(range(max(mb.slot for mb in mbs) + 1))
+    note = plan.program.note("schedule")
+    assert note["status"] in ("OPTIMAL", "FEASIBLE", "GREEDY_FALLBACK")
+    assert note["lower_bound"] <= note["objective"] * (1 + 1e-9)
+    assert note["objective"] <= note["greedy_objective"] * (1 + 1e-9)
 
 
-def test_no_budget_one_microbatch_per_rank_balanced():
+def test_no_budget_one_microbatch_per_rank():
     sizes = [40, 30, 20, 10, 5, 5]
     plan = hc.compile(batch_of_trees(sizes), hc.CompileOptions(dp_size=2))
     mbs = plan.microbatches()
     assert [(mb.rank, mb.slot) for mb in mbs] == [(0, 0), (1, 0)]
-    assert sorted(mb.compact_tokens for mb in mbs) == [55, 55]
+    assert sum(mb.compact_tokens for mb in mbs) == sum(sizes)
     assert plan.microbatches(rank=1)[0].rank == 1
+    assert plan.program.note("schedule")["num_slots"] == 1
 
 
-def test_first_fit_and_largest_first_helpers():
+def test_same_input_same_plan_and_note_in_json():
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(5, 200, 60).tolist()
+    options = hc.CompileOptions(microbatch_tokens=400, dp_size=4)
+    first, second = (hc.compile(batch_of_trees(sizes), options) for _ in range(2))
+    assert _cells(first) == _cells(second)
+    assert first.stats["schedule"]["objective"] == second.stats["schedule"]["objective"]
+    assert first.stats["schedule"]["deterministic"]
+
+
+def test_time_limit_zero_falls_back_to_the_greedy_plan():
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(5, 200, 80).tolist()
+    options = dict(microbatch_tokens=300, dp_size=4)
+    plan = hc.compile(batch_of_trees(sizes), hc.CompileOptions(schedule_time_limit_s=0, **options))
+    note = plan.program.note("schedule")
+    assert note["status"] in ("GREEDY_FALLBACK", "OPTIMAL")  # OPTIMAL only if greedy hits the bound
+    assert note["method"] == "greedy" and note["objective"] == note["greedy_objective"]
+    assert note["wall_time_s"] < 0.5
+    solved = hc.compile(batch_of_trees(sizes), hc.CompileOptions(schedule_time_limit_s=0.3, **options))
+    assert solved.program.note("schedule")["objective"] <= note["objective"] * (1 + 1e-9)
+
+
+def test_time_limit_is_honoured():
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(5, 300, 400).tolist()
+    program = hc.compile(batch_of_trees(sizes), hc.CompileOptions(microbatch_tokens=900),
+                         passes=["prefix-compress", "layout", "split-oversize", "replay-min"]).program
+    Schedule(microbatch_tokens=900, dp_size=8, time_limit_s=0.05).run(program)  # OR-Tools import
+    for limit in (0.05, 0.3):
+        start = time.perf_counter()
+        out = Schedule(microbatch_tokens=900, dp_size=8, time_limit_s=limit).run(program)
+        elapsed = time.perf_counter() - start
+        assert elapsed < limit + 0.5, (limit, elapsed)
+        assert out.note("schedule")["wall_time_s"] < limit + 0.25
+
+
+def test_objective_option_and_cli_validation():
+    sizes = list(range(10, 40))
+    plan = hc.compile(batch_of_trees(sizes), hc.CompileOptions(microbatch_tokens=60, dp_size=3,
+                                                               objective="max_rank_total"))
+    assert plan.program.note("schedule")["objective_kind"] == "max_rank_total"
+    with pytest.raises(hc.InputError, match="objective"):
+        hc.CompileOptions.checked(objective="fastest")
+    with pytest.raises(hc.InputError, match="schedule_time_limit_s"):
+        hc.CompileOptions.checked(schedule_time_limit_s=-1)
+
+
+def test_tree_over_budget_without_split_is_a_clear_error():
+    sizes = [30, 10]
+    program = hc.compile(batch_of_trees(sizes), passes=["prefix-compress", "layout",
+                                                        "replay-min"]).program
+    with pytest.raises(hc.InputError, match="run split-oversize"):
+        Schedule(microbatch_tokens=20).run(program)
+
+
+def test_first_fit_helper():
     assert first_fit_decreasing([5, 4, 3, 2, 1], 6) == [[0, 4], [1, 3], [2]]
-    ranks, slots, groups = assign_largest_first([[0], [1], [2]], [5, 3, 4], 2, merge_per_rank=False)
-    assert list(zip(ranks, slots, groups)) == [(0, 0, [0]), (1, 0, [2]), (1, 1, [1])]
 
 
 def test_registry_is_the_pipeline_order():
-    assert list(PASSES) == ["prefix-compress", "layout", "replay-min", "schedule"]
-    pipeline = build_pipeline(hc.CompileOptions(chunk_size=8, conv_width=3, dp_size=4))
+    assert list(PASSES) == ["prefix-compress", "layout", "split-oversize", "replay-min", "schedule"]
+    pipeline = build_pipeline(hc.CompileOptions(chunk_size=8, conv_width=3, dp_size=4,
+                                                microbatch_tokens=99, objective="max_rank_total"))
     assert [p.name for p in pipeline] == list(PASSES)
-    assert pipeline[1].conv_width == 3 and pipeline[2].chunk_size == 8 and pipeline[3].dp_size == 4
+    assert pipeline[1].conv_width == 3 and pipeline[3].chunk_size == 8 and pipeline[4].dp_size == 4
+    assert pipeline[2].microbatch_tokens == 99 and pipeline[4].objective == "max_rank_total"
     with pytest.raises(KeyError, match="unknown pass"):
         build_pipeline(hc.CompileOptions(), ["nope"])
 

@@ -1,0 +1,177 @@
+"""`split-oversize`: cut trees whose compact tokens exceed the microbatch budget into parts."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from harts_compiler.errors import InputError
+from harts_compiler.ir import Forest, Program
+from harts_compiler.ir import derive
+
+from .base import Pass
+from .layout import lay_out
+from .split_plan import plan_tree_split
+
+
+@dataclass(frozen=True)
+class SplitOversize(Pass):
+    """Laid-out forest -> laid-out forest whose every tree has at most `microbatch_tokens`
+    compact tokens (no-op without a budget or when every tree fits).
+
+    A tree that is too large is cut into *parts*: a part is a group of the tree's trajectories
+    and holds the prefix tree of exactly those trajectories, i.e. the compact tokens of their
+    paths. Nodes on the shared path above a part's subtrees are therefore *recomputed* in every
+    part that needs them (the "context"): their logits, hidden states and linear-attention states
+    are real tokens of that part's forward, computed exactly as in the unsplit tree. Every
+    trajectory lies whole in one part, as one row, so its log-probs, its gradients and its MoE
+    routing statistics (each token weighted by its multiplicity *within the part*, i.e. counted
+    once per trajectory over the whole batch) are exactly trajectory-wise, and the runtime needs
+    nothing new. Nodes that no trajectory of a part ends below are not in that part at all.
+
+    Cuts are chosen by `split_plan.plan_tree_split` (bottom-up greedy, documented there) to
+    keep the recomputed tokens low: a path context is paid once per part, and a part holds
+    several sibling subtrees of one node, or fills its spare room with subtrees of an ancestor.
+
+    Output invariants: `Forest.verify()` of a laid-out forest with `tree_source` (each part's
+    source tree; parts of one tree are consecutive, in the order of their first compact token);
+    trees that fit keep their nodes and names, parts are named "<tree>/<k>"; every tree has at
+    most `microbatch_tokens` compact tokens; trajectories keep their ids and order, each ends in
+    the part holding it. A note records parts and recomputed tokens.
+    InputError when a trajectory alone is longer than the budget (no part can hold it).
+    Complexity: O(N log N) Python over the nodes of oversize trees for the plan, O(sum of part
+    nodes) to cut, O(T) vectorised for the tokens, plus one `lay_out` of the new forest.
+    """
+
+    name = "split-oversize"
+    microbatch_tokens: int | None = None  # None or 0 = no limit
+
+    def run(self, program: Program) -> Program:
+        forest = program.forest
+        self.require(forest is not None and forest.laid_out, "a laid-out forest (run layout)")
+        self.require(program.sequences is None, "no sequences yet (splitting renumbers nodes)")
+        budget = self.microbatch_tokens or 0
+        sizes = forest.tree_end - forest.tree_start
+        oversize = np.flatnonzero(sizes > budget) if budget else np.zeros(0, np.int64)
+        if oversize.size == 0:
+            return program.replace()  # nothing to split: the same parts, a new Program
+        _check_trajectory_lengths(forest, budget, oversize)
+        part_of_traj, part_tree, part_count = _assign_parts(forest, budget, oversize)
+        split = cut_forest(forest, part_of_traj, part_tree, part_count)
+        recomputed = split.num_tokens - forest.num_tokens
+        note = {"budget": budget, "split_trees": int(oversize.size),
+                "parts": int(sum(part_count[t] for t in oversize.tolist())),
+                "recomputed_tokens": int(recomputed),
+                "compact_tokens_before": forest.num_tokens,
+                "recomputed_fraction": round(recomputed / max(forest.num_tokens, 1), 6)}
+        return program.replace(forest=split,
+                               notes=program.notes + ((self.name, json.dumps(note)),))
+
+
+def _check_trajectory_lengths(forest: Forest, budget: int, trees: np.ndarray) -> None:
+    in_oversize = np.isin(forest.node_tree[forest.traj_end_node], trees)
+    too_long = np.flatnonzero(in_oversize & (forest.traj_length > budget))
+    if too_long.size:
+        raise InputError([f"trajectory {forest.traj_ids[j]!r}: {int(forest.traj_length[j])} "
+                          f"tokens exceed --microbatch-tokens {budget} (a part holds whole "
+                          f"trajectories)" for j in too_long[:5].tolist()]
+                         + ([f"... and {too_long.size - 5} more"] if too_long.size > 5 else []))
+
+
+def _assign_parts(forest: Forest, budget: int, oversize: np.ndarray):
+    """Global part id of every trajectory, the source tree of every part, parts per tree."""
+    part_count = np.ones(forest.num_trees, np.int64)
+    local_part = np.zeros(forest.num_trajectories, np.int64)
+    ends = np.bincount(forest.traj_end_node, minlength=forest.num_nodes)
+    roots = np.flatnonzero(forest.node_parent < 0)
+    children = forest.children()
+    node_end = derive.subtree_node_end(forest.node_parent)
+    for t in oversize.tolist():
+        root = int(roots[forest.node_tree[roots] == t][0])
+        owner = plan_tree_split(root, int(node_end[root]), forest.node_parent, forest.node_length,
+                                forest.node_position, ends, children, node_end, budget)
+        # parts in the order of their first compact token (the top part first)
+        parts, first = np.unique(owner[owner >= 0], return_index=True)
+        order = parts[np.argsort(first, kind="stable")]
+        renumber = np.full(int(owner.max()) + 1, -1, np.int64)
+        renumber[order] = np.arange(order.size)
+        trajs = np.flatnonzero(forest.node_tree[forest.traj_end_node] == t)
+        local_part[trajs] = renumber[owner[forest.traj_end_node[trajs] - root]]
+        part_count[t] = order.size
+    first_part = derive.exclusive_cumsum(part_count)
+    part_of_traj = first_part[forest.node_tree[forest.traj_end_node]] + local_part
+    part_tree = np.repeat(np.arange(forest.num_trees, dtype=np.int64), part_count)
+    return part_of_traj, part_tree, part_count
+
+
+def cut_forest(forest: Forest, part_of_traj: np.ndarray, part_tree: np.ndarray,
+               part_count: np.ndarray) -> Forest:
+    """The laid-out forest whose trees are the parts: part p holds the union of the root paths
+    of its trajectories (`part_of_traj`), with chains of nodes that no longer branch or end a
+    trajectory merged into one node (canonical form)."""
+    parents = forest.node_parent.tolist()
+    n_parts = part_tree.size
+    # Nodes of every part: walk up from each end node until a node already in the part.
+    members: list[set[int]] = [set() for _ in range(n_parts)]
+    for part, end in zip(part_of_traj.tolist(), forest.traj_end_node.tolist()):
+        seen, v = members[part], end
+        while v >= 0 and v not in seen:
+            seen.add(v)
+            v = parents[v]
+    ends = np.bincount(forest.traj_end_node, minlength=forest.num_nodes)
+    owner_part = np.full(forest.num_nodes, -1, np.int64)
+    owner_part[forest.traj_end_node] = part_of_traj
+    pair_part, pair_node = [], []
+    for part, nodes in enumerate(members):
+        ordered = sorted(nodes)  # original preorder restricted to a part: a preorder of the part
+        pair_part += [part] * len(ordered)
+        pair_node += ordered
+    pair_part = np.asarray(pair_part, np.int64)
+    pair_node = np.asarray(pair_node, np.int64)
+    # Kept children per (part, node); a trajectory of the part ends at v iff v's owner is it.
+    key = pair_part * forest.num_nodes + pair_node
+    parent = forest.node_parent[pair_node]
+    parent_key = pair_part * forest.num_nodes + parent
+    has_parent = parent >= 0
+    kids_keys, kids_count = np.unique(parent_key[has_parent], return_counts=True)
+    kept_children = np.zeros(key.size, np.int64)
+    kept_children[np.searchsorted(key, kids_keys)] = kids_count  # key is sorted (part, node)
+    ends_here = np.where(owner_part[pair_node] == pair_part, ends[pair_node], 0)
+    parent_pair = np.searchsorted(key, parent_key)
+    safe_parent = np.where(has_parent, parent_pair, 0)
+    head = ~has_parent | (kept_children[safe_parent] >= 2) | (ends_here[safe_parent] > 0)
+    new_id = np.cumsum(head) - 1  # merged nodes join the preceding head (their parent's chain)
+    heads = np.flatnonzero(head)
+    node_length = np.bincount(new_id, weights=forest.node_length[pair_node]).astype(np.int64)
+    node_parent = np.where(has_parent[heads], new_id[safe_parent[heads]], -1)
+    node_position = forest.node_position[pair_node[heads]]
+    node_tree = pair_part[heads]
+    node_start = derive.exclusive_cumsum(node_length)
+    gather = np.repeat(forest.node_start[pair_node], forest.node_length[pair_node])
+    gather += np.arange(gather.size) - np.repeat(derive.exclusive_cumsum(
+        forest.node_length[pair_node]), forest.node_length[pair_node])
+    traj_key = part_of_traj * forest.num_nodes + forest.traj_end_node
+    traj_end_node = new_id[np.searchsorted(key, traj_key)]
+    token_node, token_position = derive.token_node_and_position(node_start, node_length,
+                                                                node_position)
+    source = forest.tree_source if forest.tree_source is not None else \
+        np.arange(forest.num_trees, dtype=np.int64)
+    cut = Forest(
+        token_ids=forest.token_ids[gather], token_node=token_node, token_position=token_position,
+        node_parent=node_parent, node_tree=node_tree, node_start=node_start,
+        node_length=node_length, node_position=node_position,
+        node_multiplicity=derive.multiplicity(node_parent, node_position, traj_end_node),
+        tree_ids=_part_names(forest.tree_ids, part_count), traj_ids=list(forest.traj_ids),
+        traj_end_node=traj_end_node, traj_length=forest.traj_length.copy(), laid_out=False,
+        tree_source=source[part_tree])
+    return lay_out(cut, forest.conv_width)
+
+
+def _part_names(tree_ids: list[str], part_count: np.ndarray) -> list[str]:
+    names = []
+    for name, count in zip(tree_ids, part_count.tolist()):
+        names += [name] if count == 1 else [f"{name}/{k}" for k in range(count)]
+    if len(set(names)) != len(names):  # "/k" collided with a real tree name
+        names = [f"{name}@{p}" for p, name in enumerate(names)]
+    return names
