@@ -144,15 +144,27 @@ def trajectory_microbatches(batch, budget: int, device, *, chunk_size: int, conv
 
 
 def plan_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width: int,
-                      vocab_size: int | None = None):
-    """(plan, indices, compile ms, index-building ms, budget used). A tree above the budget
-    (the schedule pass cannot split trees yet) raises the budget to the largest tree."""
-    largest = max_tree_tokens(batch)
-    budget = max(budget, largest)
-    start = time.perf_counter()
-    plan = hc.compile(batch, hc.CompileOptions(microbatch_tokens=budget,
-                                                vocab_size=vocab_size, conv_width=conv_width,
-                                                chunk_size=chunk_size))
+                      vocab_size: int | None = None, layer_counts=None):
+    """(plan, indices, compile ms, index-building ms, budget used). `layer_counts` (a
+    cost_model.LayerCounts) is handed to the planner's cost model when CompileOptions takes it.
+    If the compiler rejects a tree above the budget (a compiler without tree splitting), the
+    budget is raised to the largest tree."""
+    options = dict(microbatch_tokens=budget, vocab_size=vocab_size, conv_width=conv_width,
+                   chunk_size=chunk_size)
+    if layer_counts is not None and "linear_layers" in hc.CompileOptions.model_fields:
+        options.update(linear_layers=layer_counts.linear, full_layers=layer_counts.full)
+    try:
+        start = time.perf_counter()
+        plan = hc.compile(batch, hc.CompileOptions(**options))
+    except hc.InputError as error:
+        if "exceed" not in str(error):
+            raise
+        budget = max(budget, max_tree_tokens(batch))
+        print(f"  note: a tree exceeds the budget and the compiler cannot split it; budget raised "
+              f"to the largest tree, {budget} tokens", flush=True)
+        options["microbatch_tokens"] = budget
+        start = time.perf_counter()
+        plan = hc.compile(batch, hc.CompileOptions(**options))
     compile_ms = (time.perf_counter() - start) * 1e3
     start = time.perf_counter()
     indices = [mb.build_index(device) for mb in plan.microbatches()]
@@ -160,9 +172,13 @@ def plan_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width
     return plan, indices, compile_ms, (time.perf_counter() - start) * 1e3, budget
 
 
+def prefix_forest(batch):
+    """The batch's prefix forest (prefix-compress + layout only): distinct tokens, tree sizes."""
+    return hc.compile(batch, hc.CompileOptions(), passes=["prefix-compress", "layout"]).program.forest
+
+
 def max_tree_tokens(batch) -> int:
-    plan = hc.compile(batch, hc.CompileOptions(), passes=["prefix-compress", "layout"])
-    forest = plan.program.forest
+    forest = prefix_forest(batch)
     return int((forest.tree_end - forest.tree_start).max())
 
 

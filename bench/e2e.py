@@ -53,7 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (Step, build_model, component_breakdown, describe_device,  # noqa: E402
                     format_table, kernel_ms, median, model_config, parameter_count, peak_memory,
-                    plan_microbatches, quiet_cpu_threads, sized_batch, time_calls,
+                    plan_microbatches, prefix_forest, quiet_cpu_threads, sized_batch, time_calls,
                     trajectory_microbatches, write_json)
 
 import harts_compiler as hc  # noqa: E402
@@ -213,17 +213,23 @@ def run_preset(preset, model, args) -> dict:
                                vocab_size=model.config.vocab_size, seed=args.seed, **overrides)
     shape = dict(chunk_size=args.chunk_size, conv_width=model.conv_width)
     plan, tree_indices, compile_ms, index_ms, budget = plan_microbatches(
-        batch, args.microbatch_tokens, args.device, vocab_size=model.config.vocab_size, **shape)
+        batch, args.microbatch_tokens, args.device, vocab_size=model.config.vocab_size,
+        layer_counts=cost_model.LayerCounts.of(model.config), **shape)
     stats = plan.stats
     traj_indices = trajectory_microbatches(batch, budget, args.device, **shape)
+    # ideal = trajectory tokens / distinct tokens; the plan's compact tokens also count the root
+    # paths that split trees recompute
+    distinct = prefix_forest(batch).num_tokens
     row = {"preset": preset, "tasks": tasks, "length_scale": scale, "trajectories": len(batch),
-           "trajectory_tokens": stats["trajectory_tokens"], "compact_tokens": stats["compact_tokens"],
-           "ideal": stats["compression"], "replay_tokens": stats["replay_tokens"],
+           "trajectory_tokens": stats["trajectory_tokens"], "compact_tokens": distinct,
+           "planned_tokens": stats["compact_tokens"],
+           "ideal": round(stats["trajectory_tokens"] / distinct, 4), "replay_tokens": stats["replay_tokens"],
            "rounds": stats["rounds"], "microbatch_tokens": budget,
            "tree_microbatches": len(tree_indices), "traj_microbatches": len(traj_indices),
            "planner_ms": compile_ms, "index_ms": index_ms}
     print(f"\n[{preset}] {tasks} tasks, {len(batch)} trajectories, {row['trajectory_tokens']} trajectory "
-          f"tokens, {row['compact_tokens']} compact (ideal {row['ideal']:.2f}x), budget {budget}: "
+          f"tokens, {row['compact_tokens']} distinct (ideal {row['ideal']:.2f}x), {row['planned_tokens']} "
+          f"planned (split trees recompute root paths), budget {budget}: "
           f"{len(tree_indices)} tree / {len(traj_indices)} trajectory microbatches; planner "
           f"{compile_ms:.0f} ms + index {index_ms:.0f} ms", flush=True)
     tree, tree_step, tree_grads = time_mode(model, tree_indices, row["trajectory_tokens"], args)
@@ -335,7 +341,8 @@ def report(rows, args, info, config, failures) -> None:
           f"trajectory). fla: {rows[0].get('baseline_kernels', {}).get('fla', 'not checked') if rows else '-'}")
     print(f"Numerics: max |log-prob - float64 reference| on the first trajectories; tree ok when "
           f"<= {args.error_factor} x trajectory-wise error.\n")
-    columns = [("preset", "preset"), ("trajectory_tokens", "traj tok"), ("compact_tokens", "compact"),
+    columns = [("preset", "preset"), ("trajectory_tokens", "traj tok"), ("compact_tokens", "distinct"),
+               ("planned_tokens", "planned"),
                ("ideal", "ideal"), ("traj_ms", "traj ms"), ("tree_ms", "tree ms"), ("speedup", "speedup"),
                ("of_ideal", "of ideal"), ("traj_peak_gib", "traj GiB"), ("tree_peak_gib", "tree GiB"),
                ("err_traj", "err traj"), ("err_tree", "err tree"), ("numerics_ok", "ok"),
