@@ -54,6 +54,7 @@ class ExecutionContext:
     config: ModelConfig
     gdn_kernel: Callable | None = None  # override of chunk_gated_delta_rule (tests: recurrent oracle)
     attention_blocks: dict = dataclasses.field(default_factory=dict)  # CUDA tree-attention block index per head dim
+    conv_cache: dict = dataclasses.field(default_factory=dict)  # CUDA causal-conv launch index
     _rope: dict = dataclasses.field(default_factory=dict)
 
     def rope(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from harts_compiler.codegen.kernels.tree_attention import tree_attention_referen
 from harts_compiler.runtime import (InvalidBatchError, ModelConfig, TreeModel, UnsupportedModelError,
                                     trajectory_wise)
 from harts_compiler.runtime.attention import windowed_tree_attention
-from harts_compiler.runtime.ops.conv import tree_causal_conv_torch
+from harts_compiler.runtime.ops.conv import tree_causal_conv
 from harts_compiler.runtime.ops.linear_attention import gated_delta_rule_rounds, plan_linear_rounds
 from test_runtime_helpers import naive_tree_index, random_rollout_batch
 
@@ -31,7 +31,7 @@ def test_tree_conv_equals_trajectory_conv1d(width):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(index.num_tokens, 6, generator=gen, dtype=torch.float64)
     weight = torch.randn(6, width, generator=gen, dtype=torch.float64)
-    y = tree_causal_conv_torch(x, weight, index.conv_pred)
+    y = tree_causal_conv(x, weight, index.conv_pred)
     for r, traj in enumerate(batch):
         n = len(traj)
         if n < 2:
