@@ -306,6 +306,7 @@ def main(argv=None) -> int:
         except Exception:  # keep the other presets' results; exit non-zero at the end
             failures.append(preset)
             traceback.print_exc()
+        save_json(rows, args, info, config, failures + ["(partial: numerics not run yet)"])
     reference = copy.deepcopy(model).to(torch.float64)  # same (bf16-exact) weights, float64 math
     for row in rows:
         try:
@@ -350,10 +351,16 @@ def report(rows, args, info, config, failures) -> None:
     print(format_table(rows, columns))
     if failures:
         print(f"\nFAILED: {', '.join(failures)} (tracebacks above)")
-    payload = {"device": info, "args": {k: str(v) for k, v in vars(args).items()},
-               "model": config.to_dict(), "rows": rows, "failures": failures}
-    for path in write_json("e2e.json", payload, args.json):
+    for path in save_json(rows, args, info, config, failures):
         print(f"wrote {path}")
+
+
+def save_json(rows, args, info, config, failures):
+    """e2e.json (also after every preset, so a run stopped at its time limit leaves results)."""
+    public = [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows]
+    payload = {"device": info, "args": {k: str(v) for k, v in vars(args).items()},
+               "model": config.to_dict(), "rows": public, "failures": failures}
+    return write_json("e2e.json", payload, args.json)
 
 
 if __name__ == "__main__":
