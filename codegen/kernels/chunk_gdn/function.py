@@ -27,6 +27,8 @@ TRITON_CHUNK_SIZE = 64
 def _group_sum(x: torch.Tensor, key_heads: int) -> torch.Tensor:
     """[R, HV, K] per value head -> [R, HK, K]: value head h reads key head h // (HV // HK)."""
     rows, hv, kd = x.shape
+    if hv == key_heads:
+        return x
     return x.view(rows, key_heads, hv // key_heads, kd).sum(2)
 
 
