@@ -170,3 +170,34 @@ def test_features_errors():
         cm.features(plan, 99)
     with pytest.raises(cm.CostModelError, match="trees"):
         cm.program_features(plan.program, [plan.program.forest.num_trees])
+
+
+@pytest.mark.gpu
+def test_repository_fit_predicts_fresh_gpu_measurements():
+    """The committed fit must still describe the runtime: time a few fresh microbatches on a
+    2-layer model of the benchmark's shapes and compare with the predictions (loose bar: kernels
+    change; a failure means: rerun bench/calibrate.py)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    if not cm.DEFAULT_PATH.exists():
+        pytest.skip("no fitted cost model committed yet")
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import common
+    finally:
+        sys.path.remove(bench)
+    device = torch.device("cuda")
+    config = common.model_config(False, ["linear_attention", "full_attention"])
+    model = common.build_model(config, device, torch.bfloat16)
+    fitted, layers = cm.load_cost_model(), cm.LayerCounts.of(config)
+    batch, _ = common.sized_batch("swe", 40_000, length_scale=0.05, vocab_size=config.vocab_size)
+    _, indices, *_ = common.plan_microbatches(batch, 8192, device, chunk_size=64, conv_width=4)
+    errors = []
+    for index in indices[:4]:
+        step = common.Step(model, [index], int(index.lengths.sum()))
+        measured = common.median(common.time_calls(step, device, warmup=1, repeat=3))
+        errors.append(abs(fitted.predict(cm.features(index), layers) - measured) / measured)
+    assert np.median(errors) < 0.3, errors
