@@ -238,6 +238,48 @@ def _run_microbatch(model, microbatch, inputs, normalisers, loss_fn, metrics, de
     return loss.detach().to(torch.float64), {k: float(v) for k, v in stats.items() if v.dim() == 0}
 
 
+def run_plan(model, plan, *, rank: int | None = None, **forward_kwargs) -> list:
+    """Forward every microbatch of `plan` (or of one rank) in (rank, slot) order, in this
+    process: the outputs `assemble_rows` puts together (for `harts verify`, tests, debugging)."""
+    device = next(model.parameters()).device
+    return [model(mb.build_index(device), **forward_kwargs) for mb in plan.microbatches(rank)]
+
+
+def assemble_rows(plan, outputs, field: str = "logprobs") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-trajectory `[n_traj, max_len]` rows of `field` ("logprobs" or "entropy") and
+    `[n_traj]` lengths, in the plan's trajectory order (input order), from the outputs of its
+    microbatches (`run_plan`, or a step's outputs gathered from all ranks).
+
+    Rows of one trajectory are summed over the outputs: a row holds 0 wherever its microbatch
+    does not compute the target, so this is right for every row layout the planner produces
+    (after `split-oversize` each trajectory is one row of one microbatch; a trajectory must be
+    covered exactly once per position, which the lengths check can only partly see).
+    Differentiable (a sum of the rows)."""
+    forest = plan.program.forest
+    position = {tid: j for j, tid in enumerate(forest.traj_ids)}
+    lengths = torch.as_tensor(forest.traj_length)
+    max_len = int(lengths.max()) if lengths.numel() else 0
+    rows = None
+    seen = torch.zeros(len(position), dtype=torch.long)
+    for out in outputs:
+        values = getattr(out, field)
+        if rows is None:
+            rows = values.new_zeros((len(position), max_len))
+        missing = [tid for tid in out.trajectory_ids if tid not in position]
+        if missing:
+            raise KeyError(f"assemble_rows: trajectory id(s) {missing[:5]} are not in the plan")
+        target = torch.as_tensor([position[tid] for tid in out.trajectory_ids], dtype=torch.long)
+        padded = torch.nn.functional.pad(values, (0, max_len - values.shape[1]))  # row widths differ
+        rows = rows.index_add(0, target.to(values.device), padded)
+        if not torch.equal(out.lengths.cpu().long(), lengths[target]):
+            raise ValueError("assemble_rows: a row's length differs from its trajectory's")
+        seen.index_add_(0, target, torch.ones_like(target))
+    if rows is None or bool((seen == 0).any()):
+        absent = [forest.traj_ids[j] for j in torch.flatnonzero(seen == 0).tolist()[:5]]
+        raise ValueError(f"assemble_rows: no output row for trajectory id(s) {absent}")
+    return rows, lengths.to(rows.device)
+
+
 def _check_coverage(totals: torch.Tensor, num_trajectories: int, inputs: TrajectoryInputs) -> None:
     """Every trajectory must have been a row of exactly one microbatch of one rank, else the
     global normalisers do not match what was computed (all ranks see the same sums and raise
