@@ -179,3 +179,16 @@ def test_bad_index_is_rejected_before_compute():
 def test_from_pretrained_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         TreeModel.from_pretrained(tmp_path)
+
+
+def test_round_reading_a_state_not_yet_exported_is_rejected():
+    batch = _batch(seed=5)
+    index = naive_tree_index(batch, chunk_size=2)
+    later = next(r for r, rnd in enumerate(index.rounds) if (rnd.init_state >= 0).any())
+    # make the first round that reads the bank read a state exported by itself or later
+    bad = index.rounds[later]
+    own_exports = torch.cat([r.export_bank for r in index.rounds[later:]])
+    assert own_exports.numel()
+    bad.init_state = torch.where(bad.init_state >= 0, own_exports.max(), bad.init_state)
+    with pytest.raises(ValueError, match=rf"rounds\[{later}\].init_state"):
+        plan_linear_rounds(index)

@@ -34,19 +34,25 @@ class LinearRoundsPlan:
 def plan_linear_rounds(index: MicrobatchIndex) -> LinearRoundsPlan:
     """Bank ids -> rows of the list [zero state, exports of round 0, exports of round 1, ...].
 
-    Computed with device ops only (no host sync): the slot of every bank id is known from the
-    export sizes, which are shapes.
+    The slot of every bank id is known from the export sizes (shapes). One host check per forward
+    rejects a plan whose sequence starts from a state no earlier round exported.
     """
     device = index.device
-    slot_of_bank = torch.zeros(max(index.num_states, 1), dtype=torch.long, device=device)
-    offset = 1
+    slot_of_bank = torch.full((max(index.num_states, 1),), -1, dtype=torch.long, device=device)
+    offset, available = 1, []
     for rnd in index.rounds:
+        available.append(offset)  # slots [0, offset) exist when this round starts
         n_exports = rnd.export_bank.numel()
         if n_exports:
             slot_of_bank[rnd.export_bank] = torch.arange(offset, offset + n_exports, device=device)
         offset += n_exports
     init_slot = [torch.where(rnd.init_state >= 0, slot_of_bank[rnd.init_state.clamp(min=0)],
                              torch.zeros_like(rnd.init_state)) for rnd in index.rounds]
+    late = [r for r, (slots, limit) in enumerate(zip(init_slot, available))
+            if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= limit)]
+    if late:
+        raise ValueError(f"MicrobatchIndex.rounds[{late[0]}].init_state: a sequence starts from a bank state that "
+                         "no earlier round exports")
     own_dst = torch.cat([rnd.own_dst for rnd in index.rounds])
     restore = torch.empty_like(own_dst)
     restore[own_dst] = torch.arange(own_dst.numel(), device=device)
