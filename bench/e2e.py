@@ -78,7 +78,7 @@ def parse_args(argv):
     p.add_argument("--microbatch-tokens", type=int, help="token budget per forward (default 16384; tiny 256)")
     p.add_argument("--chunk-size", type=int, help="linear-attention chunk (default 64; tiny 16, "
                    "which keeps the CPU reference fast)")
-    p.add_argument("--warmup", type=int, help="untimed steps first (default 1; tiny 0)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 1)")
     p.add_argument("--repeat", type=int, help="timed steps, median reported (default 3; tiny 1)")
     p.add_argument("--numerics-tokens", type=int, help="trajectory tokens of the numerics subset "
                    "(default 8192; tiny 150)")
@@ -93,7 +93,7 @@ def parse_args(argv):
     if args.tiny:
         quiet_cpu_threads(args.device)
     defaults = dict(target_tokens=(300, 96_000), microbatch_tokens=(256, 16384), chunk_size=(16, 64),
-                    numerics_tokens=(150, 8192), warmup=(0, 1), repeat=(1, 3))
+                    numerics_tokens=(150, 8192), warmup=(1, 1), repeat=(1, 3))
     for name, (tiny, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
