@@ -15,7 +15,6 @@ import functools
 import torch
 
 from harts_compiler.codegen.index import MicrobatchIndex
-
 from harts_compiler.codegen.kernels.chunk_gdn import (chunk_gated_delta_rule, chunk_gated_delta_rule_reference,
                                                       prepare_gdn_index)
 from harts_compiler.codegen.kernels.chunk_gdn.function import TRITON_CHUNK_SIZE
@@ -74,7 +73,6 @@ def _default_kernel(q: torch.Tensor, plan: LinearRoundsPlan, round_id: int):
     wrapper would run Triton's interpreter whenever TRITON_INTERPRET=1, far too slow for a model)."""
     if q.is_cuda:
         kernel_index = plan.kernel_index[round_id] if plan.kernel_index else None
-
         return functools.partial(chunk_gated_delta_rule, index=kernel_index)
     return chunk_gated_delta_rule_reference
 
