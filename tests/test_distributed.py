@@ -4,7 +4,8 @@ The reference runs the batch trajectory-wise in one process and computes the los
 `ppo_clip_loss`'s own local normalisers from hand-built full-batch tensors, so it shares neither
 the gather of per-trajectory inputs nor the global normalisers with the code under test.
 The 2-process test spawns two gloo ranks that load the plan `harts compile --dp-size 2` saved; its
-schedule necessarily has an empty (rank, slot): an odd number of trees that each fill a microbatch.
+schedule has an empty (rank, slot): an odd number of items that each fill a microbatch. The batch
+has one tree over the budget, which `split-oversize` cuts into parts (asserted).
 """
 from __future__ import annotations
 
@@ -48,25 +49,45 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tree_token_lists(n_trees: int = 5, seed: int = 0) -> list[list[int]]:
-    """Trees of 21-40 compact tokens (each fills a microbatch of BUDGET), distinct root tokens."""
-    rng = np.random.default_rng(seed)
+def tree_token_lists(n_trees: int = 4, seed: int = 0, oversize: bool = True) -> list[list[int]]:
+    """With `oversize`, first one tree of 60-120 compact tokens that must be split into parts (the
+    same tree whatever n_trees), then `n_trees` trees of 21-40 compact tokens (each fills a
+    microbatch of BUDGET); distinct root tokens."""
+    big_rng, rng = np.random.default_rng(seed + 1000), np.random.default_rng(seed)
     out = []
-    for tree in range(n_trees):
+    shapes = [(big_rng, 60, 3 * BUDGET, 10, 30)] * int(oversize) + \
+        [(rng, BUDGET // 2, BUDGET, 4, 14)] * n_trees
+    for tree, (gen, low, high, n_traj, max_len) in enumerate(shapes):
         while True:
-            lists = [[100 + tree] + t for t in random_token_lists(rng, n_traj=4, vocab=6, max_len=14)]
+            lists = [[100 + tree] + t for t in random_token_lists(gen, n_traj=n_traj, vocab=6,
+                                                                  max_len=max_len)]
             compact = len({tuple(t[:p + 1]) for t in lists for p in range(len(t))})
-            if BUDGET // 2 < compact <= BUDGET:
+            if low < compact <= high and max(map(len, lists)) <= BUDGET:
                 break
         out += lists
     return out
+
+
+def token_lists_with_an_empty_slot() -> list[list[int]]:
+    """The first generated batch (seed, then 3 or 4 fitting trees) whose 2-rank plan has an
+    empty (rank, slot): that depends on how the split parts pack, so it is searched (the search
+    is deterministic)."""
+    for seed in range(40):
+        for n_trees in (3, 4):
+            token_lists = tree_token_lists(n_trees=n_trees, seed=seed)
+            plan = compile_plan(token_lists, dp_size=2)
+            if any(mb is None for r in range(2) for mb in slot_schedule(plan, r)):
+                return token_lists
+    raise AssertionError("no generated batch has an empty slot")
 
 
 def compile_plan(token_lists, dp_size: int):
     batch = harts_compiler.TreeBatch.from_trajectories(token_lists)
     options = harts_compiler.CompileOptions(chunk_size=CHUNK, conv_width=4, dp_size=dp_size,
                                             microbatch_tokens=BUDGET)
-    return harts_compiler.compile(batch, options)
+    plan = harts_compiler.compile(batch, options)
+    assert plan.program.note("split-oversize")["parts"] >= 2  # the oversize tree was split
+    return plan
 
 
 def loss_data(model, token_lists, seed: int = 1) -> dict:
@@ -233,12 +254,13 @@ def run_two_ranks(plan, inputs_per_run, out_dir, worker=_worker) -> list:
 
 
 def test_two_gloo_ranks_give_the_gradients_of_one_process(tmp_path):
-    token_lists = tree_token_lists()
+    token_lists = token_lists_with_an_empty_slot()
     harts_compiler.TreeBatch.from_trajectories(token_lists).save(tmp_path / "batch.jsonl")
     plan_path = tmp_path / "plan.hir"
     assert compile_main([str(tmp_path / "batch.jsonl"), "--dp-size", "2", "--chunk-size", str(CHUNK),
                          "--microbatch-tokens", str(BUDGET), "-o", str(plan_path)]) == 0
     plan = harts_compiler.Plan.load(plan_path)
+    assert plan.program.note("split-oversize")["parts"] >= 2  # split trees are part of the run
     schedules = [slot_schedule(plan, r) for r in range(2)]
     assert any(mb is None for s in schedules for mb in s), "the plan must have an empty slot"
     references, inputs_per_run = [], []
