@@ -151,10 +151,14 @@ class TreeModel(nn.Module):
                 raise InvalidBatchError("MicrobatchIndex.target_token: token id outside the model's vocabulary")
         index.check()
 
-    def forward(self, index: MicrobatchIndex, *, activation_checkpointing: bool | None = None,
+    def forward(self, index, *, activation_checkpointing: bool | None = None,
                 gdn_kernel: Callable | None = None) -> TreeOutput:
-        self.check_index(index)
+        """Run one microbatch: a MicrobatchIndex, or a Plan microbatch (anything with
+        `build_index(device)`, e.g. `harts_compiler.PlannedMicrobatch`)."""
         device = self.lm_head.weight.device
+        if not isinstance(index, MicrobatchIndex) and hasattr(index, "build_index"):
+            index = index.build_index(device)
+        self.check_index(index)
         if index.device != device:
             index = index.to(device)
         ctx = ExecutionContext(index=index, linear_plan=plan_linear_rounds(index), config=self.config,

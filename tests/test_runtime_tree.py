@@ -207,7 +207,7 @@ def test_multi_microbatch_plan_with_split_trees():
     for mb in microbatches:
         index = build_microbatch_index(plan, mb)
         big_tree_parts += any(int(i) < 6 for i in index.trajectory_ids)
-        out = model(index)
+        out = model(mb)  # a Plan microbatch directly (builds the same index)
         rows = [int(i) for i in out.trajectory_ids]
         width = out.logprobs.shape[1]
         loss = (out.logprobs * w_lp[rows, :width]).sum() + (out.entropy * w_ent[rows, :width]).sum()
