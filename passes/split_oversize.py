@@ -70,13 +70,22 @@ class SplitOversize(Pass):
 
 
 def _check_trajectory_lengths(forest: Forest, budget: int, trees: np.ndarray) -> None:
-    in_oversize = np.isin(forest.node_tree[forest.traj_end_node], trees)
-    too_long = np.flatnonzero(in_oversize & (forest.traj_length > budget))
-    if too_long.size:
-        raise InputError([f"trajectory {forest.traj_ids[j]!r}: {int(forest.traj_length[j])} "
-                          f"tokens exceed --microbatch-tokens {budget} (a part holds whole "
-                          f"trajectories)" for j in too_long[:5].tolist()]
-                         + ([f"... and {too_long.size - 5} more"] if too_long.size > 5 else []))
+    """One problem per oversize tree that holds a trajectory longer than the budget."""
+    traj_tree = forest.node_tree[forest.traj_end_node]
+    problems = []
+    for t in trees.tolist():
+        mine = np.flatnonzero(traj_tree == t)
+        too_long = mine[forest.traj_length[mine] > budget]
+        if too_long.size:
+            j = int(too_long[np.argmax(forest.traj_length[too_long])])
+            more = f" (and {too_long.size - 1} more)" if too_long.size > 1 else ""
+            size = int(forest.tree_end[t] - forest.tree_start[t])
+            problems.append(f"tree {forest.tree_ids[t]!r}: {size} compact tokens exceed "
+                            f"--microbatch-tokens {budget} and cannot be split: its trajectory "
+                            f"{forest.traj_ids[j]!r} alone has {int(forest.traj_length[j])} "
+                            f"tokens{more} (a part holds whole trajectories)")
+    if problems:
+        raise InputError(problems)
 
 
 def _assign_parts(forest: Forest, budget: int, oversize: np.ndarray):

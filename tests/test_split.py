@@ -99,7 +99,8 @@ def test_no_budget_or_all_fit_is_a_no_op():
 
 def test_trajectory_longer_than_the_budget_is_named():
     program = laid_out(hc.TreeBatch.from_trajectories([[1, 2, 3, 4, 5], [1, 2, 9]]))
-    with pytest.raises(hc.InputError, match="trajectory '0': 5 tokens exceed"):
+    with pytest.raises(hc.InputError, match="tree '0': 6 compact tokens exceed --microbatch-tokens "
+                                            "4 and cannot be split: its trajectory '0' alone has 5"):
         SplitOversize(microbatch_tokens=4).run(program)
 
 
