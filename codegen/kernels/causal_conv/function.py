@@ -25,9 +25,17 @@ BLOCK_T, BLOCK_C = 32, 64
 class ConvIndex:
     """Who reads whom: successors of every token, sorted by (token, reading row, tap)."""
     succ_ptr: torch.Tensor   # [T+1] int64
-    succ_row: torch.Tensor   # [S] int64, the row i that reads token m ...
-    succ_tap: torch.Tensor   # [S] int64, ... at tap j
+    succ_flat: torch.Tensor  # [S] int64, i * (W-1) + j: row i reads token m at tap j
+
+    @property
+    def succ_row(self) -> torch.Tensor:
+        return self.succ_flat // self.taps
+
+    @property
+    def succ_tap(self) -> torch.Tensor:
+        return self.succ_flat % self.taps
     rows: int
+    taps: int                # W - 1
     max_degree: int          # most successors of one token (loop bound of the dx kernel)
 
 
@@ -45,7 +53,7 @@ def prepare_conv_index(conv_pred: torch.Tensor) -> ConvIndex:
     ptr = torch.zeros(rows + 1, dtype=torch.long, device=pred.device)
     ptr[1:] = counts.cumsum(0)
     max_degree = int(counts.max()) if rows else 0
-    return ConvIndex(succ_ptr=ptr, succ_row=flat // taps, succ_tap=flat % taps, rows=rows, max_degree=max_degree)
+    return ConvIndex(succ_ptr=ptr, succ_flat=flat, rows=rows, taps=taps, max_degree=max_degree)
 
 
 @triton.jit
@@ -99,26 +107,38 @@ def _conv_bwd_pre_kernel(x, w, pred, dy, gpre, dw_part, T, Ch, W: tl.constexpr, 
 
 
 @triton.jit
-def _conv_bwd_dx_kernel(w, gpre, succ_ptr, succ_row, succ_tap, dx, T, Ch, max_deg, W: tl.constexpr,
-                        BT: tl.constexpr, BC: tl.constexpr):
+def _conv_dx_successor(w, gpre, succ_flat, acc, start, end, s, cols, m_c, Ch, W: tl.constexpr):
+    """Add the s-th successor (row i reading this token at tap j) of every row of the tile."""
+    # [BT, 1] row vectors throughout: 1-D ones here failed Triton 3.6's layout pass for sm_90
+    e = start + s
+    m_e = e < end
+    flat = tl.load(succ_flat + e, mask=m_e, other=0)
+    i = flat // (W - 1)
+    j = flat % (W - 1)
+    b_g = tl.load(gpre + i * Ch + cols[None, :], mask=m_e & m_c[None, :], other=0.0)
+    b_wj = tl.load(w + cols[None, :] * W + j, mask=m_e & m_c[None, :], other=0.0)
+    return acc + b_g * b_wj.to(tl.float32)
+
+
+@triton.jit
+def _conv_bwd_dx_kernel(w, gpre, succ_ptr, succ_flat, dx, T, Ch, max_deg, W: tl.constexpr,
+                        BT: tl.constexpr, BC: tl.constexpr, INTERPRET: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     m_r, m_c = rows < T, cols < Ch
     m = m_r[:, None] & m_c[None, :]
     b_w = tl.load(w + cols * W + (W - 1), mask=m_c, other=0.0).to(tl.float32)
     acc = tl.load(gpre + rows[:, None] * Ch + cols[None, :], mask=m, other=0.0) * b_w[None, :]
-    start = tl.load(succ_ptr + rows, mask=m_r, other=0)
-    end = tl.load(succ_ptr + rows + 1, mask=m_r, other=0)
-    s = max_deg * 0
-    while s < max_deg:  # a while loop: the CPU interpreter cannot take a runtime bound in range()
-        e = start + s
-        m_e = e < end
-        i = tl.load(succ_row + e, mask=m_e, other=0)
-        j = tl.load(succ_tap + e, mask=m_e, other=0)
-        b_g = tl.load(gpre + i[:, None] * Ch + cols[None, :], mask=m_e[:, None] & m_c[None, :], other=0.0)
-        b_wj = tl.load(w + cols[None, :] * W + j[:, None], mask=m_e[:, None] & m_c[None, :], other=0.0)
-        acc += b_g * b_wj.to(tl.float32)
-        s += 1
+    start = tl.load(succ_ptr + rows[:, None], mask=m_r[:, None], other=0)
+    end = tl.load(succ_ptr + rows[:, None] + 1, mask=m_r[:, None], other=0)
+    if INTERPRET:  # the CPU interpreter cannot take a runtime bound in range() (numpy >= 2.4)
+        s = max_deg * 0
+        while s < max_deg:
+            acc = _conv_dx_successor(w, gpre, succ_flat, acc, start, end, s, cols, m_c, Ch, W)
+            s += 1
+    else:  # and Triton 3.6 fails to compile this while loop for sm_90 (layout conversion pass)
+        for s in range(0, max_deg):
+            acc = _conv_dx_successor(w, gpre, succ_flat, acc, start, end, s, cols, m_c, Ch, W)
     tl.store(dx + rows[:, None] * Ch + cols[None, :], acc.to(dx.dtype.element_ty), mask=m)
 
 
@@ -150,8 +170,9 @@ class TreeCausalConvFunction(torch.autograd.Function):
         if rows:
             _conv_bwd_pre_kernel[grid](x, weight, conv_pred, dy.contiguous(), gpre, dw_part, rows, ch, W=width,
                                        BT=BLOCK_T, BC=BLOCK_C, SILU=ctx.silu)
-            _conv_bwd_dx_kernel[grid](weight, gpre, index.succ_ptr, index.succ_row, index.succ_tap, dx, rows, ch,
-                                      index.max_degree, W=width, BT=BLOCK_T, BC=BLOCK_C)
+            _conv_bwd_dx_kernel[grid](weight, gpre, index.succ_ptr, index.succ_flat, dx, rows, ch,
+                                      index.max_degree, W=width, BT=BLOCK_T, BC=BLOCK_C,
+                                      INTERPRET=os.environ.get("TRITON_INTERPRET", "0") == "1")
         dweight = dw_part.sum(0).to(weight.dtype) if rows else torch.zeros_like(weight)
         return dx, dweight, None, None, None
 

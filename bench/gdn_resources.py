@@ -1,0 +1,103 @@
+"""Registers, spills and shared memory of the GDN / conv kernels on Hopper, without a GPU.
+
+Compiles each kernel ahead of time for sm_90a with the production constexprs (bf16, H=16, K=V=128,
+BT=64) and reads ptxas's resource report. Spills and register pressure explain most slow kernels, and
+this costs no device time:  python bench/gdn_resources.py [--warps 2 4 8]
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from harts_compiler.codegen.kernels.causal_conv import function as conv
+from harts_compiler.codegen.kernels.chunk_gdn import chunk_bwd, l2norm, state_bwd, state_fwd, wy_fwd
+
+# pointer arguments by name (everything else below is a scalar or a constexpr)
+POINTERS = {
+    "fp32": {"g", "gc", "T", "h0", "bank", "dv_local", "dh0", "bank_grad", "dq", "dk", "dw", "dgc", "dbeta", "dg",
+             "scratch", "rstd", "dv_f32", "gpre", "dw_part"},
+    "i64": {"chunk_row_start", "chunk_row_end", "cu_seqlens", "seq_chunk_start", "pred", "succ_ptr", "succ_flat"},
+    "i32": {"chunk_export"},
+}
+SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32"}
+BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64,
+            SILU=True)
+
+
+def signature_of(fn, constexprs, overrides):
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in overrides:
+            sig[name] = overrides[name]
+        elif name in SCALARS:
+            sig[name] = SCALARS[name]
+        else:
+            kind = next((k for k, names in POINTERS.items() if name in names), "bf16")
+            sig[name] = "*" + kind
+    return sig
+
+
+def resources(fn, num_warps, constexprs, overrides=None):
+    params = inspect.signature(fn.fn).parameters
+    consts = {k: v for k, v in {**BASE, **constexprs}.items() if k in params}
+    sig = signature_of(fn, consts, overrides or {})
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        report = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    regs = int(re.search(r"REG:(\d+)", report).group(1))
+    spill = int(re.search(r"STACK:(\d+)", report).group(1))  # local memory per thread: spills (and arrays)
+    return regs, spill, kernel.metadata.shared
+
+
+KERNELS = [
+    ("wy_fwd", wy_fwd._wy_fwd_kernel, {}, None),
+    ("state_fwd scan", state_fwd._state_fwd_kernel, {}, None),
+    ("output_fwd", state_fwd._output_kernel, {}, None),
+    ("dv_local", state_bwd._dv_local_kernel, {}, {"dv": "*fp32"}),
+    ("state_bwd scan", state_bwd._state_bwd_kernel, {}, None),
+    ("chunk_bwd_qk", chunk_bwd._chunk_bwd_qk_kernel, {}, None),
+    ("wy_bwd", chunk_bwd._wy_bwd_kernel, {}, {"dv": "*fp32"}),
+    ("l2norm fwd", l2norm._l2norm_fwd_kernel, {}, None),
+    ("l2norm bwd", l2norm._l2norm_bwd_kernel, {}, None),
+    ("conv fwd", conv._conv_fwd_kernel, {"BT": 32}, {"T": "i32"}),
+    ("conv bwd pre", conv._conv_bwd_pre_kernel, {"BT": 32}, {"T": "i32"}),
+    ("conv bwd dx", conv._conv_bwd_dx_kernel, {"BT": 32}, {"T": "i32"}),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--only", default=None, help="substring of a kernel name")
+    args = parser.parse_args()
+    print(f"{'kernel':16s} " + " ".join(f"{f'{w}w regs/stack/smem':>26s}" for w in args.warps))
+    for name, fn, consts, overrides in KERNELS:
+        if args.only and args.only not in name:
+            continue
+        cells = []
+        for warps in args.warps:
+            try:
+                regs, spill, smem = resources(fn, warps, consts, overrides)
+                cells.append(f"{regs:4d} / {spill:6d} B / {smem // 1024:3d} KiB")
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                cells.append(f"failed: {type(exc).__name__}"[:26])
+        print(f"{name:16s} " + " ".join(f"{c:>26s}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
