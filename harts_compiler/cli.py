@@ -12,7 +12,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "compile": ("harts_compiler.commands:compile_main", "compile a JSONL batch into a plan"),
     "ir": ("harts_compiler.commands:ir_main", "pretty-print and validate a .hir dump"),
-    "demo": ("harts_compiler.demo:demo_main", "compile the built-in example batch"),
+    "demo": ("harts_compiler.demo:demo_main", "built-in batch: compile, run tree vs trajectory-wise, verify"),
+    "verify": ("harts_compiler.verify:verify_main", "check a batch's tree execution against trajectory-wise"),
     "gen": ("harts_compiler.generator:gen_main", "generate a seeded rollout batch (JSONL)"),
 }
 

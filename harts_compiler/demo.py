@@ -38,23 +38,47 @@ def example_batch(seed: int = 0, groups: int = 3, rollouts: int = 4,
     return TreeBatch.from_trajectories(token_lists, ids)
 
 
-def demo_main(argv: list[str]) -> int:
-    from . import CompileOptions, compile
-    from .commands import describe_program, format_summary
+def agentic_batch(seed: int = 0, vocab_size: int = 128) -> TreeBatch:
+    """The demo's default: SWE-agent-like rollout trees from the generator (`harts gen --preset
+    swe`), shrunk to run on a CPU in seconds, plus the hand-made corner cases of `example_batch`
+    (a trajectory that is a strict prefix of another, a duplicate trajectory)."""
+    from .generator import generate
 
-    parser = argparse.ArgumentParser(prog="harts demo", description=__doc__)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--dp-size", type=int, default=2)
-    parser.add_argument("--microbatch-tokens", type=int, default=None)
+    rollouts = generate("swe", seed=seed, tasks=2, rollouts=8, scale=0.02, turns=(4, 8),
+                        vocab_size=vocab_size).trajectories
+    corner = example_batch(seed, groups=1, rollouts=3, vocab_size=vocab_size)
+    corner_lists = [corner.tokens[a:b] for a, b in zip(corner.offsets[:-1], corner.offsets[1:])]
+    token_lists = [tokens for _, tokens in rollouts] + corner_lists
+    ids = [name for name, _ in rollouts] + [f"corner/{i}" for i in corner.ids]
+    return TreeBatch.from_trajectories(token_lists, ids)
+
+
+def demo_main(argv: list[str]) -> int:
+    """Compile the built-in batch, run it in tree mode and trajectory-wise on a tiny random
+    Qwen3-Next (forward + backward), and print what was verified."""
+    from . import CompileOptions, compile
+    from .commands import format_summary
+    from .verify import DTYPES, add_execution_arguments, load_model, verify_plan
+
+    parser = argparse.ArgumentParser(prog="harts demo", description=demo_main.__doc__)
+    add_execution_arguments(parser)
+    parser.add_argument("--dp-size", type=int, default=1)
     parser.add_argument("--dump-ir", metavar="DIR")
     args = parser.parse_args(argv)
-    batch = example_batch(args.seed)
-    options = CompileOptions.checked(chunk_size=args.chunk_size, dp_size=args.dp_size,
-                                     microbatch_tokens=args.microbatch_tokens)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model, DTYPES[args.dtype], seed=args.seed)
+    batch = agentic_batch(args.seed, vocab_size=model.config.vocab_size)
+    options = CompileOptions.checked(chunk_size=args.chunk_size, conv_width=model.conv_width,
+                                     dp_size=args.dp_size, microbatch_tokens=args.microbatch_tokens,
+                                     vocab_size=model.config.vocab_size)
     plan = compile(batch, options, dump_ir=args.dump_ir)
-    print(f"example batch (seed {args.seed}): {len(batch)} trajectories\n")
+    print(f"built-in agentic batch (seed {args.seed}): {len(batch)} trajectories\n")
     print(format_summary(plan))
-    print("\nIR after the last pass:")
-    print(describe_program(plan.program))
-    return 0
+    print(f"\nmodel: {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters, random weights), "
+          f"forward + backward in tree mode and trajectory-wise:")
+    report = verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing)
+    print(report.format())
+    return 0 if report.passed else 1
