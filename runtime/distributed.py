@@ -25,6 +25,13 @@ Use (every rank, after `dist.init_process_group`; same plan and inputs everywher
     result = data_parallel_step(model, plan, inputs, PPOObjective(kl_coef=0.0))
     optimizer.step()          # .grad is the whole batch's gradient on every rank
 
+Split trees (`split-oversize`): every trajectory lies whole in one part, as one row of one
+microbatch (shared root paths are recomputed in each part that needs them), so the coverage check
+(each trajectory's row once over all ranks and slots), the global normalisers (token-mean over
+all target positions, seq-mean over trajectories) and the aux-loss weights (a microbatch's
+trajectory tokens = its tokens weighted by multiplicity) need nothing special. `run_plan` and
+`assemble_rows` put a plan's microbatch outputs back into `[n_traj, max_len]` rows (verification).
+
 Not here: DDP/FSDP wrappers (a plain all-reduce gives the same sums without DDP's rule that
 every rank runs a synchronised backward, which an empty last slot cannot), sharded parameters.
 """
