@@ -235,7 +235,8 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
     gc, T, w, u = wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps)
     h, v_new, bank = state_fwd(k, w, u, gc, h0, index, block_v=cfg.scan_block_v, num_warps=cfg.scan_warps)
     do = torch.randn_like(v)
-    dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank, scale, index, block_v=cfg.scan_block_v, num_warps=cfg.scan_warps)
+    dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank, scale, index, block_v=cfg.scan_block_v, num_warps=cfg.scan_warps,
+                             dv_local_warps=cfg.dv_local_warps)
     bench = lambda f: triton.testing.do_bench(f, warmup=20, rep=100, return_mode="median")  # noqa: E731
     stages = {
         "l2norm fwd (q,k)": bench(lambda: (l2norm_fused(tensors[0]), l2norm_fused(tensors[1]))),
@@ -245,9 +246,10 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
         "output_fwd": bench(lambda: output_fwd(q, k, v_new, gc, h, scale, index, block_v=cfg.out_block_v,
                                                num_warps=cfg.out_warps)),
         "state_bwd (dv_local+scan)": bench(lambda: state_bwd(q, k, w, gc, do, bank, scale, index,
-                                                             block_v=cfg.scan_block_v, num_warps=cfg.scan_warps)),
+                                                             block_v=cfg.scan_block_v, num_warps=cfg.scan_warps,
+                                                             dv_local_warps=cfg.dv_local_warps)),
         "chunk_bwd (qk+wy)": bench(lambda: chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index,
-                                                     block_v=cfg.out_block_v, warps_qk=cfg.bwd_qk_warps,
+                                                     block_v=cfg.bwd_block_v, warps_qk=cfg.bwd_qk_warps,
                                                      warps_wy=cfg.wy_bwd_warps)),
     }
     leaves = [t.detach().requires_grad_(True) for t in tensors[:5]]
@@ -306,8 +308,10 @@ def main():
     stage_breakdown(fla, log)
     configs = [("default", GDNKernelConfig())]
     if args.variants:
-        configs += [("wy_bwd 4 warps", GDNKernelConfig(wy_bwd_warps=4)),
-                    ("scan BV32", GDNKernelConfig(scan_block_v=32))]
+        configs += [("wy_bwd 2 warps", GDNKernelConfig(wy_bwd_warps=2)),
+                    ("scan BV64", GDNKernelConfig(scan_block_v=64)),
+                    ("run-1 warps", GDNKernelConfig(scan_block_v=64, out_warps=4, dv_local_warps=4, wy_fwd_warps=4,
+                                                    bwd_block_v=64, wy_bwd_warps=4))]
     summary["default"] = bench_trees(fla, log, configs[0][1], "default")
     if not args.skip_check:
         summary["check_ok"], summary["worst_ours_over_fla_error"] = check_against_reference(fla, log)

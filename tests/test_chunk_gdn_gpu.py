@@ -48,7 +48,8 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("config", [GDNKernelConfig(), GDNKernelConfig(scan_block_v=32)], ids=["default", "bv32"])
+@pytest.mark.parametrize("config", [GDNKernelConfig(), GDNKernelConfig(scan_block_v=64, wy_bwd_warps=2)],
+                         ids=["default", "bv64-wy2"])
 def test_bf16_matches_fp32_reference(config):
     lengths = [2000, 1, 64, 63, 1300, 2500]
     tensors, cu = make_inputs(lengths, hk=8, hv=16)

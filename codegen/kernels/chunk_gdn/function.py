@@ -65,9 +65,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                     bank_grad[slot] += d_exported[e]
         cfg = index.config
         dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank_grad, ctx.scale, index, block_v=cfg.scan_block_v,
-                                 num_warps=cfg.scan_warps)
+                                 num_warps=cfg.scan_warps, dv_local_warps=cfg.dv_local_warps)
         dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index,
-                                          block_v=cfg.out_block_v, warps_qk=cfg.bwd_qk_warps,
+                                          block_v=cfg.bwd_block_v, warps_qk=cfg.bwd_qk_warps,
                                           warps_wy=cfg.wy_bwd_warps)
         q_dt, k_dt, v_dt, g_dt, beta_dt, h0_dt = ctx.dtypes
         hk = q.shape[1]

@@ -14,14 +14,20 @@ import torch
 
 @dataclass(frozen=True)
 class GDNKernelConfig:
-    """Launch configuration: fixed per plan (never autotuned), so equal chunks give equal bits in any call."""
-    scan_block_v: int = 64      # state columns per scan program (more programs for few sequences when smaller)
+    """Launch configuration: fixed per plan (never autotuned), so equal chunks give equal bits in any call.
+
+    Defaults chosen from `bench/gdn_resources.py` (sm_90a registers and spills at H=16, K=V=128, bf16):
+    each kernel at the warp count / block size where ptxas spills least. Not yet timed on the H200.
+    """
+    scan_block_v: int = 32      # state columns per scan program: 2x the programs for few sequences, no spills
     scan_warps: int = 4
     out_block_v: int = 64
-    out_warps: int = 4
-    wy_fwd_warps: int = 4
+    out_warps: int = 8
+    dv_local_warps: int = 8
+    wy_fwd_warps: int = 8
+    bwd_block_v: int = 32       # V block of the chunk-parallel backward kernels
     bwd_qk_warps: int = 8
-    wy_bwd_warps: int = 2       # GPU.md: a WY backward at BT=64 miscompiled with 4 warps on Hopper (fla 984)
+    wy_bwd_warps: int = 8       # GPU.md: fla's WY backward miscompiled at 4 warps; ours has no tl.trans
 
 
 @dataclass(frozen=True)

@@ -65,10 +65,11 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export,
     tl.store(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty),
              mask=m_t[:, None])
 
+    # (scale exp(gc) q)^T do, with the row scaling applied to the [BT, BV] do tile (fewer registers than q^T)
     b_qt = tl.load(q + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
-    b_qt = (b_qt * (tl.exp(b_gc) * scale)[None, :]).to(b_k.dtype)
-    b_wt = tl.load(w + (rows[None, :] * HV + i_h) * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_do = tl.load(do + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+    b_do = (b_do * (tl.exp(b_gc) * scale)[:, None]).to(b_qt.dtype)
+    b_wt = tl.load(w + (rows[None, :] * HV + i_h) * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_ds = b_ds * tl.exp(b_gl) + tl.dot(b_qt, b_do) - tl.dot(b_wt, b_dvn.to(b_wt.dtype))
     return b_ds
 
@@ -103,7 +104,8 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seq
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
-def state_bwd(q, k, w, gc, do, bank_grad, scale, index, *, block_v: int = 64, num_warps: int = 4):
+def state_bwd(q, k, w, gc, do, bank_grad, scale, index, *, block_v: int = 64, num_warps: int = 4,
+              dv_local_warps: int = 8):
     """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32."""
     rows, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
@@ -115,7 +117,7 @@ def state_bwd(q, k, w, gc, do, bank_grad, scale, index, *, block_v: int = 64, nu
     if index.num_chunks:
         _dv_local_kernel[(index.num_chunks * hv,)](
             q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, num_warps=num_warps)
+            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, num_warps=dv_local_warps)
     if index.num_seqs:
         _state_bwd_kernel[(index.num_seqs * hv, vd // bv)](
             q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens, index.seq_chunk_start,

@@ -5,8 +5,8 @@ Per chunk (BT = 64 rows) and value head:
   A   = strictly_lower( (beta k) k^T * exp(gc_i - gc_j) )      [BT, BT]
   T   = (I + A)^-1                                             [BT, BT] fp32, kept for the backward
   w   = T (beta exp(gc) k),  u = T (beta v)                    [BT, K], [BT, V]
-T is built from 16x16 diagonal blocks inverted by forward substitution and merged block by block,
-so all dots are small and exact-ish in fp32 (the 64x64 inverse never runs on fp32 CUDA cores).
+T is built from 16x16 diagonal blocks inverted by forward substitution and merged block by block in
+fp32 (the 64x64 inverse never runs as big fp32 dots on CUDA cores); w and u are whole-chunk dots.
 """
 from __future__ import annotations
 
@@ -33,28 +33,12 @@ def _dot32(a, b):
 
 
 @triton.jit
-def _load_block(k, beta, g, row0, row_end, blk, i_hk, i_h, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
-    """Rows blk*16 .. +16 of the chunk: k [16, K], beta [16], g [16] (zeros past the sequence end)."""
+def _load_a(T, row0, row_end, blk_i, blk_j, i_h, HV: tl.constexpr, BT: tl.constexpr):
+    """Block (i, j) of A parked in T's rows, [16, 16] fp32 (zero past the sequence end)."""
     o_i = tl.arange(0, 16)
-    o_k = tl.arange(0, K)
-    rows = row0 + blk * 16 + o_i
-    m_r = rows < row_end
-    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_r[:, None], other=0.0)
-    b_b = tl.load(beta + rows * HV + i_h, mask=m_r, other=0.0).to(tl.float32)
-    b_g = tl.load(g + rows * HV + i_h, mask=m_r, other=0.0).to(tl.float32)
-    return b_k, b_b, b_g
-
-
-@triton.jit
-def _a_block(b_ki, b_bi, b_gi, b_kj, b_gj, DIAG: tl.constexpr):
-    """A block (i, j): (beta_i k_i) k_j^T * exp(gc_i - gc_j), strictly lower when on the diagonal."""
-    o_i = tl.arange(0, 16)
-    b_a = tl.dot((b_ki * b_bi[:, None]).to(b_ki.dtype), tl.trans(b_kj))
-    if DIAG:
-        m_a = o_i[:, None] > o_i[None, :]
-    else:
-        m_a = o_i[:, None] >= 0
-    return tl.where(m_a, b_a * tl.exp(b_gi[:, None] - b_gj[None, :]), 0.0)
+    rows = row0 + blk_i * 16 + o_i
+    p = T + (rows[:, None] * HV + i_h) * BT + blk_j * 16 + o_i[None, :]
+    return tl.load(p, mask=(rows < row_end)[:, None], other=0.0)
 
 
 @triton.jit
@@ -66,68 +50,48 @@ def _store_t(T, row0, row_end, blk_i, blk_j, b_t, i_h, HV: tl.constexpr, BT: tl.
 
 
 @triton.jit
-def _apply_row(b_t0, b_t1, b_t2, b_t3, b_x0, b_x1, b_x2, b_x3, NB: tl.constexpr):
-    """sum_{j < NB} T_ij x_j for one block row i (T blocks fp32, x blocks in the input dtype)."""
-    dt = b_x0.dtype
-    b_y = tl.dot(b_t0.to(dt), b_x0)
-    if NB > 1:
-        b_y += tl.dot(b_t1.to(dt), b_x1)
-    if NB > 2:
-        b_y += tl.dot(b_t2.to(dt), b_x2)
-    if NB > 3:
-        b_y += tl.dot(b_t3.to(dt), b_x3)
-    return b_y
-
-
-@triton.jit
-def _store_gc(gc, b_g, row0, row_end, blk, i_h, HV: tl.constexpr):
-    rows = row0 + blk * 16 + tl.arange(0, 16)
-    tl.store(gc + rows * HV + i_h, b_g, mask=rows < row_end)
-
-
-@triton.jit
-def _store_rows(ptr, b_y, row0, row_end, blk, i_h, HV: tl.constexpr, D: tl.constexpr):
-    o_i = tl.arange(0, 16)
-    o_d = tl.arange(0, D)
-    rows = row0 + blk * 16 + o_i
-    tl.store(ptr + (rows[:, None] * HV + i_h) * D + o_d[None, :], b_y.to(ptr.dtype.element_ty),
-             mask=(rows < row_end)[:, None])
-
-
-@triton.jit
 def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
     row0 = tl.load(chunk_row_start + i_c)
     row_end = tl.load(chunk_row_end + i_c)
-    o_i = tl.arange(0, 16)
+    o_t = tl.arange(0, BT)
+    rows = row0 + o_t
+    m_t = rows < row_end
+    dt = k.dtype.element_ty
 
-    b_k0, b_b0, b_g0 = _load_block(k, beta, g, row0, row_end, 0, i_hk, i_h, HK, HV, K)
-    b_k1, b_b1, b_g1 = _load_block(k, beta, g, row0, row_end, 1, i_hk, i_h, HK, HV, K)
-    b_k2, b_b2, b_g2 = _load_block(k, beta, g, row0, row_end, 2, i_hk, i_h, HK, HV, K)
-    b_k3, b_b3, b_g3 = _load_block(k, beta, g, row0, row_end, 3, i_hk, i_h, HK, HV, K)
-    # in-chunk cumsum of the gate, 16 rows at a time (stored: every later kernel reads these values)
-    b_g0 = tl.cumsum(b_g0, 0)
-    b_g1 = tl.cumsum(b_g1, 0) + tl.sum(tl.where(o_i == 15, b_g0, 0.0))
-    b_g2 = tl.cumsum(b_g2, 0) + tl.sum(tl.where(o_i == 15, b_g1, 0.0))
-    b_g3 = tl.cumsum(b_g3, 0) + tl.sum(tl.where(o_i == 15, b_g2, 0.0))
-    _store_gc(gc, b_g0, row0, row_end, 0, i_h, HV)
-    _store_gc(gc, b_g1, row0, row_end, 1, i_h, HV)
-    _store_gc(gc, b_g2, row0, row_end, 2, i_h, HV)
-    _store_gc(gc, b_g3, row0, row_end, 3, i_h, HV)
+    # in-chunk cumsum of the gate (stored: every later kernel reads these values)
+    b_gc = tl.cumsum(tl.load(g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32), 0)
+    tl.store(gc + rows * HV + i_h, b_gc, mask=m_t)
+    # A = strictly_lower((beta k) k^T exp(gc_i - gc_j)) as one dot, parked in T's rows to be re-read as
+    # 16x16 blocks (Triton tensors cannot be sliced; 16-row dots over K would replicate k per warp)
+    o_k = tl.arange(0, K)
+    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_a = tl.dot((b_k * b_b[:, None]).to(dt), b_kt)
+    b_a = tl.where(o_t[:, None] > o_t[None, :], b_a * tl.exp(b_gc[:, None] - b_gc[None, :]), 0.0)
+    p_a = T + (rows[:, None] * HV + i_h) * BT + o_t[None, :]
+    tl.store(p_a, b_a, mask=m_t[:, None])
+    tl.debug_barrier()
+    b_a00 = _load_a(T, row0, row_end, 0, 0, i_h, HV, BT)
+    b_a11 = _load_a(T, row0, row_end, 1, 1, i_h, HV, BT)
+    b_a22 = _load_a(T, row0, row_end, 2, 2, i_h, HV, BT)
+    b_a33 = _load_a(T, row0, row_end, 3, 3, i_h, HV, BT)
+    b_a10 = _load_a(T, row0, row_end, 1, 0, i_h, HV, BT)
+    b_a20 = _load_a(T, row0, row_end, 2, 0, i_h, HV, BT)
+    b_a21 = _load_a(T, row0, row_end, 2, 1, i_h, HV, BT)
+    b_a30 = _load_a(T, row0, row_end, 3, 0, i_h, HV, BT)
+    b_a31 = _load_a(T, row0, row_end, 3, 1, i_h, HV, BT)
+    b_a32 = _load_a(T, row0, row_end, 3, 2, i_h, HV, BT)
+    tl.debug_barrier()  # every thread has read A before T overwrites it
 
     # diagonal blocks: forward substitution; off-diagonal: T_ij = -T_ii sum_{j<=m<i} A_im T_mj
-    b_t00 = unit_lower_inverse16(_a_block(b_k0, b_b0, b_g0, b_k0, b_g0, True))
-    b_t11 = unit_lower_inverse16(_a_block(b_k1, b_b1, b_g1, b_k1, b_g1, True))
-    b_t22 = unit_lower_inverse16(_a_block(b_k2, b_b2, b_g2, b_k2, b_g2, True))
-    b_t33 = unit_lower_inverse16(_a_block(b_k3, b_b3, b_g3, b_k3, b_g3, True))
-    b_a10 = _a_block(b_k1, b_b1, b_g1, b_k0, b_g0, False)
-    b_a20 = _a_block(b_k2, b_b2, b_g2, b_k0, b_g0, False)
-    b_a21 = _a_block(b_k2, b_b2, b_g2, b_k1, b_g1, False)
-    b_a30 = _a_block(b_k3, b_b3, b_g3, b_k0, b_g0, False)
-    b_a31 = _a_block(b_k3, b_b3, b_g3, b_k1, b_g1, False)
-    b_a32 = _a_block(b_k3, b_b3, b_g3, b_k2, b_g2, False)
+    b_t00 = unit_lower_inverse16(b_a00)
+    b_t11 = unit_lower_inverse16(b_a11)
+    b_t22 = unit_lower_inverse16(b_a22)
+    b_t33 = unit_lower_inverse16(b_a33)
     b_t10 = -_dot32(b_t11, _dot32(b_a10, b_t00))
     b_t21 = -_dot32(b_t22, _dot32(b_a21, b_t11))
     b_t20 = -_dot32(b_t22, _dot32(b_a20, b_t00) + _dot32(b_a21, b_t10))
@@ -153,35 +117,16 @@ def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
     _store_t(T, row0, row_end, 3, 2, b_t32, i_h, HV, BT)
     _store_t(T, row0, row_end, 3, 3, b_t33, i_h, HV, BT)
 
-    # w = T (beta exp(gc) k)
-    dt = b_k0.dtype
-    b_x0 = (b_k0 * (b_b0 * tl.exp(b_g0))[:, None]).to(dt)
-    b_x1 = (b_k1 * (b_b1 * tl.exp(b_g1))[:, None]).to(dt)
-    b_x2 = (b_k2 * (b_b2 * tl.exp(b_g2))[:, None]).to(dt)
-    b_x3 = (b_k3 * (b_b3 * tl.exp(b_g3))[:, None]).to(dt)
-    _store_rows(w, _apply_row(b_t00, b_t00, b_t00, b_t00, b_x0, b_x0, b_x0, b_x0, 1), row0, row_end, 0, i_h, HV, K)
-    _store_rows(w, _apply_row(b_t10, b_t11, b_t11, b_t11, b_x0, b_x1, b_x1, b_x1, 2), row0, row_end, 1, i_h, HV, K)
-    _store_rows(w, _apply_row(b_t20, b_t21, b_t22, b_t22, b_x0, b_x1, b_x2, b_x2, 3), row0, row_end, 2, i_h, HV, K)
-    _store_rows(w, _apply_row(b_t30, b_t31, b_t32, b_t33, b_x0, b_x1, b_x2, b_x3, 4), row0, row_end, 3, i_h, HV, K)
-
-    # u = T (beta v)
+    # w = T (beta exp(gc) k), u = T (beta v) as whole-chunk dots on T re-read from global memory
+    tl.debug_barrier()
+    b_t = tl.load(T + (rows[:, None] * HV + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_w = tl.dot(b_t.to(dt), (b_k * (b_b * tl.exp(b_gc))[:, None]).to(dt))
+    tl.store(w + (rows[:, None] * HV + i_h) * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None])
     o_v = tl.arange(0, V)
-    rows = row0 + o_i
-    b_y0 = (tl.load(v + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=(rows < row_end)[:, None], other=0.0)
-            * b_b0[:, None]).to(v.dtype.element_ty)
-    rows = row0 + 16 + o_i
-    b_y1 = (tl.load(v + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=(rows < row_end)[:, None], other=0.0)
-            * b_b1[:, None]).to(v.dtype.element_ty)
-    rows = row0 + 32 + o_i
-    b_y2 = (tl.load(v + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=(rows < row_end)[:, None], other=0.0)
-            * b_b2[:, None]).to(v.dtype.element_ty)
-    rows = row0 + 48 + o_i
-    b_y3 = (tl.load(v + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=(rows < row_end)[:, None], other=0.0)
-            * b_b3[:, None]).to(v.dtype.element_ty)
-    _store_rows(u, _apply_row(b_t00, b_t00, b_t00, b_t00, b_y0, b_y0, b_y0, b_y0, 1), row0, row_end, 0, i_h, HV, V)
-    _store_rows(u, _apply_row(b_t10, b_t11, b_t11, b_t11, b_y0, b_y1, b_y1, b_y1, 2), row0, row_end, 1, i_h, HV, V)
-    _store_rows(u, _apply_row(b_t20, b_t21, b_t22, b_t22, b_y0, b_y1, b_y2, b_y2, 3), row0, row_end, 2, i_h, HV, V)
-    _store_rows(u, _apply_row(b_t30, b_t31, b_t32, b_t33, b_y0, b_y1, b_y2, b_y3, 4), row0, row_end, 3, i_h, HV, V)
+    b_v = tl.load(v + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+    b_u = tl.dot(b_t.to(b_v.dtype), (b_v * b_b[:, None]).to(b_v.dtype))
+    tl.store(u + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None])
 
 
 def wy_fwd(k, v, g, beta, index, *, num_warps: int = 4):
