@@ -176,3 +176,32 @@ def test_split_program_round_trips_and_schedules(tmp_path):
     again = hc.compile(batch, options)
     assert [(m.rank, m.slot, m.trees) for m in again.microbatches()] == \
         [(m.rank, m.slot, m.trees) for m in plan.microbatches()]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(token_lists_strategy(max_traj=10, max_len=30), st.sampled_from([1, 4, 64]), st.data())
+def test_microbatch_indices_of_split_plans_restore_every_trajectory(token_lists, chunk, data):
+    """Codegen on split plans: each trajectory is one row of one microbatch, its predecessors and
+    targets are its own tokens, and multiplicities add up to the trajectory tokens."""
+    batch = hc.TreeBatch.from_trajectories(token_lists)
+    f = laid_out(batch).forest
+    budget = data.draw(st.integers(int(f.traj_length.max()), max(int(f.traj_length.max()),
+                                                                   f.num_tokens)))
+    plan = hc.compile(batch, hc.CompileOptions(chunk_size=chunk, microbatch_tokens=budget,
+                                               dp_size=data.draw(st.integers(1, 3))))
+    rows_seen = []
+    for mb in plan.microbatches():
+        index = mb.build_index()
+        index.check()
+        assert index.num_tokens == mb.compact_tokens <= budget
+        assert int(index.multiplicity.sum()) == int(index.lengths.sum())
+        for r, tid in enumerate(index.trajectory_ids):
+            traj = token_lists[int(tid)]
+            n = len(traj)
+            assert int(index.lengths[r]) == n
+            pred = index.row_pred[r, 1:n]
+            assert index.token_ids[pred].tolist() == traj[:-1]
+            assert index.target_token[index.row_target[r, 1:n]].tolist() == traj[1:]
+            assert index.positions[pred].tolist() == list(range(n - 1))
+        rows_seen += index.trajectory_ids
+    assert sorted(rows_seen, key=int) == [str(j) for j in range(len(token_lists))]
