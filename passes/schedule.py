@@ -11,7 +11,8 @@ from harts_compiler.ir import Microbatches, Program
 
 from .assign import OBJECTIVES, assign
 from .base import Pass
-from .cost_model import LayerCounts, default_cost_model, load_cost_model, tree_features
+from .cost_model import (CostModelError, LayerCounts, default_cost_model, load_cost_model,
+                         tree_features)
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,11 @@ class Schedule(Pass):
             raise InputError([f"tree {forest.tree_ids[t]!r}: {int(sizes[t])} compact tokens exceed "
                               f"--microbatch-tokens {budget} (run split-oversize first)"
                               for t in too_big])
-        model = (default_cost_model() if self.cost_model == "default"
-                 else load_cost_model(self.cost_model))
+        try:
+            model = (default_cost_model() if self.cost_model == "default"
+                     else load_cost_model(self.cost_model))
+        except CostModelError as error:
+            raise InputError(f"option cost_model: {error}") from None
         # A tree alone would pay the per-microbatch constant; packed trees share it, so it is
         # not an item's cost (it is about the same for every non-empty (rank, slot)).
         cost = np.atleast_1d(model.predict(tree_features(program),

@@ -97,6 +97,8 @@ def test_objective_option_and_cli_validation():
         hc.CompileOptions.checked(objective="fastest")
     with pytest.raises(hc.InputError, match="schedule_time_limit_s"):
         hc.CompileOptions.checked(schedule_time_limit_s=-1)
+    with pytest.raises(hc.InputError, match="option cost_model: .*no-such.json: no such"):
+        hc.compile(batch_of_trees(sizes), hc.CompileOptions(cost_model="/nonexistent/no-such.json"))
 
 
 def test_tree_over_budget_without_split_is_a_clear_error():
