@@ -16,12 +16,13 @@ import triton.language as tl
 
 
 @triton.jit
-def unit_lower_inverse16(b_a):
-    """(I + b_a)^-1 for a strictly lower [16, 16] fp32 block, by forward substitution over rows."""
+def _diag_inverse16(T, row0, row_end, blk, i_h, HV: tl.constexpr, BT: tl.constexpr):
+    """(I + A_bb)^-1 for diagonal block `blk` of A parked in T's rows, reading A one row at a time."""
     o_i = tl.arange(0, 16)
     b_x = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
     for r in tl.static_range(1, 16):
-        b_row = tl.sum(tl.where(o_i[:, None] == r, b_a, 0.0), 0)            # a[r, m], indexed by m
+        row = row0 + blk * 16 + r
+        b_row = tl.load(T + (row * HV + i_h) * BT + blk * 16 + o_i, mask=(o_i < r) & (row < row_end), other=0.0)
         b_new = tl.where(o_i == r, 1.0, 0.0) - tl.sum(b_row[:, None] * b_x, 0)
         b_x = tl.where(o_i[:, None] == r, b_new[None, :], b_x)
     return b_x
@@ -75,10 +76,11 @@ def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
     p_a = T + (rows[:, None] * HV + i_h) * BT + o_t[None, :]
     tl.store(p_a, b_a, mask=m_t[:, None])
     tl.debug_barrier()
-    b_a00 = _load_a(T, row0, row_end, 0, 0, i_h, HV, BT)
-    b_a11 = _load_a(T, row0, row_end, 1, 1, i_h, HV, BT)
-    b_a22 = _load_a(T, row0, row_end, 2, 2, i_h, HV, BT)
-    b_a33 = _load_a(T, row0, row_end, 3, 3, i_h, HV, BT)
+    b_t00 = _diag_inverse16(T, row0, row_end, 0, i_h, HV, BT)
+    b_t11 = _diag_inverse16(T, row0, row_end, 1, i_h, HV, BT)
+    b_t22 = _diag_inverse16(T, row0, row_end, 2, i_h, HV, BT)
+    b_t33 = _diag_inverse16(T, row0, row_end, 3, i_h, HV, BT)
+    # diagonal blocks: forward substitution over rows read back from memory
     b_a10 = _load_a(T, row0, row_end, 1, 0, i_h, HV, BT)
     b_a20 = _load_a(T, row0, row_end, 2, 0, i_h, HV, BT)
     b_a21 = _load_a(T, row0, row_end, 2, 1, i_h, HV, BT)
@@ -87,11 +89,7 @@ def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
     b_a32 = _load_a(T, row0, row_end, 3, 2, i_h, HV, BT)
     tl.debug_barrier()  # every thread has read A before T overwrites it
 
-    # diagonal blocks: forward substitution; off-diagonal: T_ij = -T_ii sum_{j<=m<i} A_im T_mj
-    b_t00 = unit_lower_inverse16(b_a00)
-    b_t11 = unit_lower_inverse16(b_a11)
-    b_t22 = unit_lower_inverse16(b_a22)
-    b_t33 = unit_lower_inverse16(b_a33)
+    # off-diagonal blocks: T_ij = -T_ii sum_{j<=m<i} A_im T_mj
     b_t10 = -_dot32(b_t11, _dot32(b_a10, b_t00))
     b_t21 = -_dot32(b_t22, _dot32(b_a21, b_t11))
     b_t20 = -_dot32(b_t22, _dot32(b_a20, b_t00) + _dot32(b_a21, b_t10))
