@@ -1,7 +1,7 @@
 """Gated DeltaNet kernels on the H200: correctness vs the fp32 reference and fla 0.6.0, tree == trajectory
 bitwise, and fwd+bwd timings (trajectory-wise ours vs fla; tree vs trajectory-wise on GPU.md's anchor trees).
 
-    PYTHONUNBUFFERED=1 python bench/gdn.py [--skip-check] [--variants] [--out DIR] 2>&1 | tee $OUT/gdn.log
+    PYTHONUNBUFFERED=1 python bench/gdn.py [--skip-check] [--variants] [--no-fla] [--out DIR] 2>&1 | tee $OUT/gdn.log
 
 (do not pipe through grep: it holds the output back until the end). Prints one table per section; the
 last lines are the summary. Needs CUDA (fla optional). A fresh machine spends ~2-3 minutes compiling our
@@ -293,11 +293,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--variants", action="store_true", help="also time other launch configurations")
+    parser.add_argument("--no-fla", action="store_true", help="skip fla (saves its ~1-2 min of autotuning)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    fla = load_fla()
+    fla = None if args.no_fla else load_fla()
     log: list[dict] = []
     summary = {}
     # cheapest and most telling first: a GPU session may end before the script does
