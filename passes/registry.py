@@ -12,7 +12,9 @@ from .split_oversize import SplitOversize
 PASSES: dict[str, tuple[type[Pass], dict[str, str]]] = {
     "prefix-compress": (PrefixCompress, {}),
     "layout": (Layout, {"conv_width": "conv_width"}),
-    "split-oversize": (SplitOversize, {"microbatch_tokens": "microbatch_tokens"}),
+    "split-oversize": (SplitOversize, {"microbatch_tokens": "microbatch_tokens",
+                                       "time_limit_s": "split_time_limit_s",
+                                       "seed": "schedule_seed"}),
     "replay-min": (ReplayMin, {"chunk_size": "chunk_size"}),
     "schedule": (Schedule, {"microbatch_tokens": "microbatch_tokens", "dp_size": "dp_size",
                             "objective": "objective", "time_limit_s": "schedule_time_limit_s",

@@ -12,6 +12,7 @@ from harts_compiler.ir import derive
 
 from .base import Pass
 from .layout import lay_out
+from .split_exact import SplitBudget, SplitSolve, improve_split
 from .split_plan import plan_tree_split
 
 
@@ -33,19 +34,26 @@ class SplitOversize(Pass):
     Cuts are chosen by `split_plan.plan_tree_split` (bottom-up greedy, documented there) to
     keep the recomputed tokens low: a path context is paid once per part, and a part holds
     several sibling subtrees of one node, or fills its spare room with subtrees of an ancestor.
+    Then `split_exact.improve_split` re-solves each tree as a CP-SAT model hinted with the
+    greedy (at most as many parts), under `time_limit_s` of deterministic work for all trees:
+    a tree's split is then proven optimal, improved, or left greedy (counts in the note).
 
     Output invariants: `Forest.verify()` of a laid-out forest with `tree_source` (each part's
-    source tree; parts of one tree are consecutive, in the order of their first compact token);
+    source tree; parts of one tree are consecutive);
     trees that fit keep their nodes and names, parts are named "<tree>/<k>"; every tree has at
     most `microbatch_tokens` compact tokens; trajectories keep their ids and order, each ends in
-    the part holding it. A note records parts and recomputed tokens.
+    the part holding it; parts of a tree are numbered by their first trajectory (input order).
+    A note records parts, recomputed tokens and what the solver proved.
     InputError when a trajectory alone is longer than the budget (no part can hold it).
     Complexity: O(N log N) Python over the nodes of oversize trees for the plan, O(sum of part
-    nodes) to cut, O(T) vectorised for the tokens, plus one `lay_out` of the new forest.
+    nodes) to cut, O(T) vectorised for the tokens, plus one `lay_out` of the new forest, plus
+    the solver's time limit.
     """
 
     name = "split-oversize"
     microbatch_tokens: int | None = None  # None or 0 = no limit
+    time_limit_s: float = 0.3  # CP-SAT improvement of the greedy cuts, all trees together
+    seed: int = 0
 
     def run(self, program: Program) -> Program:
         forest = program.forest
@@ -57,14 +65,20 @@ class SplitOversize(Pass):
         if oversize.size == 0:
             return program.replace()  # nothing to split: the same parts, a new Program
         _check_trajectory_lengths(forest, budget, oversize)
-        part_of_traj, part_tree, part_count = _assign_parts(forest, budget, oversize)
+        report = SplitSolve()
+        part_of_traj, part_tree, part_count = _assign_parts(
+            forest, budget, oversize, SplitBudget(self.time_limit_s), report, self.seed)
         split = cut_forest(forest, part_of_traj, part_tree, part_count)
         recomputed = split.num_tokens - forest.num_tokens
         note = {"budget": budget, "split_trees": int(oversize.size),
                 "parts": int(sum(part_count[t] for t in oversize.tolist())),
                 "recomputed_tokens": int(recomputed),
                 "compact_tokens_before": forest.num_tokens,
-                "recomputed_fraction": round(recomputed / max(forest.num_tokens, 1), 6)}
+                "recomputed_fraction": round(recomputed / max(forest.num_tokens, 1), 6),
+                "trees_optimal": report.trees_optimal, "trees_improved": report.trees_improved,
+                "trees_greedy": report.trees_greedy,
+                "solver_time_s": round(report.wall_time_s, 4),
+                "deterministic": report.deterministic}
         return program.replace(forest=split,
                                notes=program.notes + ((self.name, json.dumps(note)),))
 
@@ -88,7 +102,8 @@ def _check_trajectory_lengths(forest: Forest, budget: int, trees: np.ndarray) ->
         raise InputError(problems)
 
 
-def _assign_parts(forest: Forest, budget: int, oversize: np.ndarray):
+def _assign_parts(forest: Forest, budget: int, oversize: np.ndarray, clock: SplitBudget,
+                  report: SplitSolve, seed: int):
     """Global part id of every trajectory, the source tree of every part, parts per tree."""
     part_count = np.ones(forest.num_trees, np.int64)
     local_part = np.zeros(forest.num_trajectories, np.int64)
@@ -96,20 +111,27 @@ def _assign_parts(forest: Forest, budget: int, oversize: np.ndarray):
     roots = np.flatnonzero(forest.node_parent < 0)
     children = forest.children()
     node_end = derive.subtree_node_end(forest.node_parent)
+    traj_tree = forest.node_tree[forest.traj_end_node]
     for t in oversize.tolist():
         root = int(roots[forest.node_tree[roots] == t][0])
-        owner = plan_tree_split(root, int(node_end[root]), forest.node_parent, forest.node_length,
+        stop = int(node_end[root])
+        owner = plan_tree_split(root, stop, forest.node_parent, forest.node_length,
                                 forest.node_position, ends, children, node_end, budget)
-        # parts in the order of their first compact token (the top part first)
-        parts, first = np.unique(owner[owner >= 0], return_index=True)
-        order = parts[np.argsort(first, kind="stable")]
-        renumber = np.full(int(owner.max()) + 1, -1, np.int64)
-        renumber[order] = np.arange(order.size)
-        trajs = np.flatnonzero(forest.node_tree[forest.traj_end_node] == t)
-        local_part[trajs] = renumber[owner[forest.traj_end_node[trajs] - root]]
-        part_count[t] = order.size
+        end_nodes = np.flatnonzero(ends[root:stop] > 0)  # local ids
+        _, end_part = np.unique(owner[end_nodes], return_inverse=True)
+        end_part = improve_split(end_part.astype(np.int64), end_nodes,
+                                 forest.node_parent[root:stop] - root,
+                                 forest.node_length[root:stop], budget, clock, report, seed)
+        trajs = np.flatnonzero(traj_tree == t)
+        label = end_part[np.searchsorted(end_nodes, forest.traj_end_node[trajs] - root)]
+        # parts numbered in the order of their first trajectory (input order)
+        used, first = np.unique(label, return_index=True)
+        renumber = np.zeros(int(label.max()) + 1, np.int64)
+        renumber[used[np.argsort(first, kind="stable")]] = np.arange(used.size)
+        local_part[trajs] = renumber[label]
+        part_count[t] = used.size
     first_part = derive.exclusive_cumsum(part_count)
-    part_of_traj = first_part[forest.node_tree[forest.traj_end_node]] + local_part
+    part_of_traj = first_part[traj_tree] + local_part
     part_tree = np.repeat(np.arange(forest.num_trees, dtype=np.int64), part_count)
     return part_of_traj, part_tree, part_count
 
