@@ -47,12 +47,12 @@ def signature_of(fn, constexprs, overrides):
     return sig
 
 
-def resources(fn, num_warps, constexprs, overrides=None):
+def resources(fn, num_warps, constexprs, overrides=None, num_stages=3):
     params = inspect.signature(fn.fn).parameters
     consts = {k: v for k, v in {**BASE, **constexprs}.items() if k in params}
     sig = signature_of(fn, consts, overrides or {})
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps})
+                            options={"num_warps": num_warps, "num_stages": num_stages})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
@@ -84,7 +84,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--only", default=None, help="substring of a kernel name")
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BV=32")
     args = parser.parse_args()
+    extra = {k: int(v) for k, v in (item.split("=") for item in args.set)}
     print(f"{'kernel':16s} " + " ".join(f"{f'{w}w regs/stack/smem':>26s}" for w in args.warps))
     for name, fn, consts, overrides in KERNELS:
         if args.only and args.only not in name:
@@ -92,7 +95,7 @@ def main():
         cells = []
         for warps in args.warps:
             try:
-                regs, spill, smem = resources(fn, warps, consts, overrides)
+                regs, spill, smem = resources(fn, warps, {**consts, **extra}, overrides, args.stages)
                 cells.append(f"{regs:4d} / {spill:6d} B / {smem // 1024:3d} KiB")
             except Exception as exc:  # noqa: BLE001 - report and go on
                 cells.append(f"failed: {type(exc).__name__}"[:26])
