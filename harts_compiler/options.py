@@ -30,7 +30,7 @@ class CompileOptions(BaseModel):
     verify: bool = True
     objective: Literal["sum_of_slot_max", "max_rank_total"] = "sum_of_slot_max"
     schedule_time_limit_s: float = Field(0.2, ge=0, le=600)
-    split_time_limit_s: float = Field(0.3, ge=0, le=600)
+    split_time_limit_s: float = Field(0.5, ge=0, le=600)
     schedule_seed: int = Field(0, ge=0)
     schedule_workers: int = Field(1, ge=1, le=64)
     cost_model: str | None = None

@@ -52,7 +52,7 @@ class SplitOversize(Pass):
 
     name = "split-oversize"
     microbatch_tokens: int | None = None  # None or 0 = no limit
-    time_limit_s: float = 0.3  # CP-SAT improvement of the greedy cuts, all trees together
+    time_limit_s: float = 0.5  # CP-SAT improvement of the greedy cuts, all trees together
     seed: int = 0
 
     def run(self, program: Program) -> Program:

@@ -207,3 +207,26 @@ def test_microbatch_indices_of_split_plans_restore_every_trajectory(token_lists,
             assert index.positions[pred].tolist() == list(range(n - 1))
         rows_seen += index.trajectory_ids
     assert sorted(rows_seen, key=int) == [str(j) for j in range(len(token_lists))]
+
+
+def test_solver_stage_time_limit_and_determinism():
+    """time limit 0: the greedy split, reported as unproven; with time: the same split twice and
+    never more recompute than the greedy (this tight case is not proven optimal in 0.5 s);
+    a small case is proven optimal."""
+    program = laid_out(random_batch(6, n_traj=40, max_len=80))
+    budget = int(program.forest.traj_length.max()) + 20
+    greedy = SplitOversize(microbatch_tokens=budget, time_limit_s=0).run(program)
+    note = greedy.note("split-oversize")
+    assert note["split_trees"] >= 1 and note["trees_optimal"] == note["trees_improved"] == 0
+    assert note["trees_greedy"] == note["split_trees"] and note["solver_time_s"] == 0
+    first, second = (SplitOversize(microbatch_tokens=budget, time_limit_s=0.5).run(program)
+                     for _ in range(2))
+    assert first.forest.tree_ids == second.forest.tree_ids
+    assert np.array_equal(first.forest.traj_end_node, second.forest.traj_end_node)
+    solved = first.note("split-oversize")
+    assert solved["deterministic"] and 0 < solved["solver_time_s"] < 1.0
+    assert solved["recomputed_tokens"] <= note["recomputed_tokens"]
+    check_split(program, first, budget)
+    small = laid_out(hc.TreeBatch.from_trajectories([[1] * 10 + [10 + k] * 5 for k in range(4)]))
+    proven = SplitOversize(microbatch_tokens=20, time_limit_s=0.5).run(small)
+    assert proven.note("split-oversize")["trees_optimal"] == 1
