@@ -25,7 +25,9 @@ def format_summary(plan) -> str:
         split = stats["split"]
         lines.append(f"split              {split['split_trees']:,} trees over the budget -> "
                      f"{split['parts']:,} parts, {split['recomputed_tokens']:,} recomputed tokens "
-                     f"({100 * split['recomputed_fraction']:.1f}%)")
+                     f"({100 * split['recomputed_fraction']:.1f}%); proven optimal "
+                     f"{split['trees_optimal']}, improved {split['trees_improved']}, greedy "
+                     f"{split['trees_greedy']} ({1e3 * split['solver_time_s']:.0f} ms)")
     if "schedule" in stats:
         sched = stats["schedule"]
         lines.append(f"schedule           {sched['status']} ({sched['method']}), "
@@ -57,6 +59,9 @@ def compile_main(argv: list[str]) -> int:
                              "or max_rank_total")
     parser.add_argument("--schedule-time-limit", type=float, default=0.2, metavar="SECONDS",
                         help="CP-SAT planner time limit (the greedy plan is the fallback)")
+    parser.add_argument("--split-time-limit", type=float, default=0.5, metavar="SECONDS",
+                        help="CP-SAT time for improving the cuts of trees over the budget "
+                             "(0 = the greedy cuts)")
     parser.add_argument("--cost-model", metavar="JSON", default=None,
                         help="fitted cost model (default: the repository's fit, else guesses)")
     parser.add_argument("--dump-ir", metavar="DIR", help="write a .hir after every pass")
@@ -68,7 +73,8 @@ def compile_main(argv: list[str]) -> int:
         chunk_size=args.chunk_size, conv_width=args.conv_width,
         microbatch_tokens=args.microbatch_tokens, dp_size=args.dp_size,
         vocab_size=args.vocab_size, verify=not args.no_verify, objective=args.objective,
-        schedule_time_limit_s=args.schedule_time_limit, cost_model=args.cost_model)
+        schedule_time_limit_s=args.schedule_time_limit, cost_model=args.cost_model,
+        split_time_limit_s=args.split_time_limit)
     if not Path(args.input).is_file():
         raise InputError(f"{args.input}: no such file")
     plan = compile(TreeBatch.load(args.input), options, dump_ir=args.dump_ir)

@@ -42,10 +42,12 @@ def test_compile_split_and_schedule_flags(batch_file, capsys):
     budget = int(max(sizes.max() // 2, whole.traj_length.max()))
     assert budget < sizes.max()
     argv = ["compile", str(batch_file), "--json", "--dp-size", "2", "--microbatch-tokens",
-            str(budget), "--objective", "max_rank_total", "--schedule-time-limit", "0.1"]
+            str(budget), "--objective", "max_rank_total", "--schedule-time-limit", "0.1",
+            "--split-time-limit", "0"]
     assert main(argv) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["split"]["parts"] > stats["split"]["split_trees"] >= 1
+    assert stats["split"]["trees_greedy"] == stats["split"]["split_trees"]  # no solver time
     assert stats["compact_tokens"] == whole.num_tokens + stats["split"]["recomputed_tokens"]
     schedule = stats["schedule"]
     assert schedule["objective_kind"] == "max_rank_total"
