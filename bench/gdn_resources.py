@@ -68,10 +68,10 @@ KERNELS = [
     ("wy_fwd", wy_fwd._wy_fwd_kernel, {}, None),
     ("state_fwd scan", state_fwd._state_fwd_kernel, {}, None),
     ("output_fwd", state_fwd._output_kernel, {}, None),
-    ("dv_local", state_bwd._dv_local_kernel, {}, {"dv": "*fp32"}),
+    ("dv_local", state_bwd._dv_local_kernel, {}, {"dv": "*fp32"}),  # chunk_bwd's dq/dv are bf16 (HK == HV)
     ("state_bwd scan", state_bwd._state_bwd_kernel, {}, None),
     ("chunk_bwd_qk", chunk_bwd._chunk_bwd_qk_kernel, {}, None),
-    ("wy_bwd", chunk_bwd._wy_bwd_kernel, {}, {"dv": "*fp32"}),
+    ("wy_bwd", chunk_bwd._wy_bwd_kernel, {}, {"dk_out": "*bf16"}),
     ("l2norm fwd", l2norm._l2norm_fwd_kernel, {}, None),
     ("l2norm bwd", l2norm._l2norm_bwd_kernel, {}, None),
     ("conv fwd", conv._conv_fwd_kernel, {"BT": 32}, {"T": "i32"}),

@@ -72,20 +72,20 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
     b_dgc += tl.where(o_t == last, b_dgl, 0.0)
 
     p_rows = (rows[:, None] * HV + i_h) * K + o_k[None, :]
-    tl.store(dq + p_rows, b_dq, mask=m_t[:, None])
+    tl.store(dq + p_rows, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
     tl.store(dk + p_rows, b_dk, mask=m_t[:, None])
     tl.store(dw + p_rows, -b_dw, mask=m_t[:, None])
     tl.store(dgc + rows * HV + i_h, b_dgc, mask=m_t)
 
 
 @triton.jit
-def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dv, dbeta, dg, scratch, chunk_row_start, chunk_row_end,
+def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dk_out, dv, dbeta, dg, scratch, chunk_row_start, chunk_row_end,
                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """Through w = T (beta exp(gc) k), u = T (beta v), T = (I + A)^-1, A = (beta k k^T exp(gc_i - gc_j))_{i>j}.
 
-    dk and dgc (in dg) arrive holding the chunk_bwd_qk contributions; dg leaves as the reverse in-chunk
-    cumsum of dgc. K and V are walked in blocks so that only [BT, BT] tiles stay live (no spills).
+    dk and dgc (in dg) arrive holding the chunk_bwd_qk contributions; the total dk leaves in dk_out and dg
+    as the reverse in-chunk cumsum of dgc. K and V are walked in blocks so that only [BT, BT] tiles stay live (no spills).
     """
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
@@ -150,7 +150,7 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dv, dbeta, dg, scratch, chunk_
         b_dgc += b_kb * b_b * b_eg
         b_dk = tl.load(dk + p_rk, mask=m_t[:, None], other=0.0) + b_dkb * (b_b * b_eg)[:, None]
         b_dk += tl.dot(b_dkk, b_k) + tl.dot(b_dkkt, b_k)
-        tl.store(dk + p_rk, b_dk, mask=m_t[:, None])
+        tl.store(dk_out + p_rk, b_dk.to(dk_out.dtype.element_ty), mask=m_t[:, None])
     # dv = T^T du * beta
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -170,24 +170,30 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dv, dbeta, dg, scratch, chunk_
 
 def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, *, block_v: int = 64,
               warps_qk: int = 4, warps_wy: int = 2):
-    """Returns dq, dk [R, HV, K] fp32, dv [R, HV, V] fp32, dbeta, dg [R, HV] fp32 (per value head)."""
+    """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head).
+
+    dk and dv come out in the input dtypes when every value head has its own key head (nothing left to
+    reduce), else dk in fp32 for the grouped-head sum; dq is always fp32.
+    """
     rows, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     bv = min(block_v, vd)
     BT = index.chunk_size
-    dq = torch.empty(rows, hv, kd, device=q.device, dtype=torch.float32)
-    dk = torch.empty_like(dq)
-    dw = torch.empty_like(dq)
+    grouped = hv != hk
+    dq = torch.empty(rows, hv, kd, device=q.device, dtype=torch.float32)  # bf16 here made the qk kernel spill more
+    dk_part = torch.empty(rows, hv, kd, device=q.device, dtype=torch.float32)
+    dk = torch.empty(rows, hv, kd, device=q.device, dtype=torch.float32 if grouped else k.dtype)
+    dw = torch.empty_like(dk_part)
     dgc = torch.empty(rows, hv, device=q.device, dtype=torch.float32)
-    dv = torch.empty(rows, hv, vd, device=q.device, dtype=torch.float32)
+    dv = torch.empty(rows, hv, vd, device=q.device, dtype=v.dtype)
     dbeta = torch.empty(rows, hv, device=q.device, dtype=torch.float32)
     if index.num_chunks:
         grid = (index.num_chunks * hv,)
         _chunk_bwd_qk_kernel[grid](
-            q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, index.chunk_row_start, index.chunk_row_end, scale,
+            q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc, index.chunk_row_start, index.chunk_row_end, scale,
             HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, num_warps=warps_qk)
         scratch = torch.empty(index.num_chunks * hv, BT, BT, device=q.device, dtype=torch.float32)
         _wy_bwd_kernel[grid](
-            k, v, beta, gc, T, dw, dvn, dk, dv, dbeta, dgc, scratch, index.chunk_row_start, index.chunk_row_end,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, num_warps=warps_wy)
+            k, v, beta, gc, T, dw, dvn, dk_part, dk, dv, dbeta, dgc, scratch, index.chunk_row_start,
+            index.chunk_row_end, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, num_warps=warps_wy)
     return dq, dk, dv, dbeta, dgc
