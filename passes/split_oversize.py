@@ -31,6 +31,14 @@ class SplitOversize(Pass):
     once per trajectory over the whole batch) are exactly trajectory-wise, and the runtime needs
     nothing new. Nodes that no trajectory of a part ends below are not in that part at all.
 
+    Why not context-only tokens (no targets, multiplicity 0, a trajectory's row spread over the
+    parts holding its tokens, as DESIGN.md's first version put it): that is exact too, but a
+    trajectory's log-probs would be split across microbatches (per-sequence losses such as
+    seq-mean or sequence-level ratios would see partial rows; the runtime's index check would
+    have to accept gaps inside a row) and a cut's first target would live in another part than
+    its token. Whole trajectories per part avoid all of that; the price is the lm-head work on
+    the recomputed path tokens, which run through every layer of the part anyway.
+
     Cuts are chosen by `split_plan.plan_tree_split` (bottom-up greedy, documented there) to
     keep the recomputed tokens low: a path context is paid once per part, and a part holds
     several sibling subtrees of one node, or fills its spare room with subtrees of an ancestor.
