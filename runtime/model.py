@@ -102,10 +102,16 @@ class TextModel(nn.Module):
 class TreeModel(nn.Module):
     """Exact tree-mode execution of a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM."""
 
-    def __init__(self, config: ModelConfig, *, activation_checkpointing: bool = False):
+    def __init__(self, config: ModelConfig, *, activation_checkpointing: bool = False,
+                 triton_linear_attention: bool = False):
         super().__init__()
         self.config = config
         self.activation_checkpointing = activation_checkpointing
+        # The Triton GDN kernels are opt-in on CUDA until their current version has passed the GPU
+        # checks (tests/test_chunk_gdn_gpu.py, tests/test_runtime_gpu.py): an earlier version gave
+        # NaN gradients inside the model in bf16 and ran out of shared memory in fp32 at K=V=64.
+        # The default on CUDA is the plain-torch chunked reference (exact, slower).
+        self.triton_linear_attention = triton_linear_attention
         self.model = TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -161,7 +167,8 @@ class TreeModel(nn.Module):
         self.check_index(index)
         if index.device != device:
             index = index.to(device)
-        ctx = ExecutionContext(index=index, linear_plan=plan_linear_rounds(index), config=self.config,
+        ctx = ExecutionContext(index=index, linear_plan=plan_linear_rounds(index, use_triton=self.triton_linear_attention),
+                               config=self.config,
                                gdn_kernel=gdn_kernel)
         use_checkpoint = self.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         use_checkpoint = use_checkpoint and torch.is_grad_enabled()

@@ -54,7 +54,9 @@ def _worst_grad(a, b):
 
 
 def _models():
-    return {dtype: TreeModel.from_config(GPU_CONFIG, seed=0, dtype=dtype, device="cuda")
+    # the Triton GDN kernels are opt-in; these tests exist to check them (fp64 stays on the reference)
+    return {dtype: TreeModel.from_config(GPU_CONFIG, seed=0, dtype=dtype, device="cuda",
+                                         triton_linear_attention=dtype != torch.float64)
             for dtype in (torch.float64, torch.float32, torch.bfloat16)}
 
 

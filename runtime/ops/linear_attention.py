@@ -30,7 +30,7 @@ class LinearRoundsPlan:
     kernel_index: list | None  # CUDA: per round the Triton kernel's launch index, shared by all layers
 
 
-def plan_linear_rounds(index: MicrobatchIndex) -> LinearRoundsPlan:
+def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True) -> LinearRoundsPlan:
     """Bank ids -> rows of the list [zero state, exports of round 0, exports of round 1, ...].
 
     The slot of every bank id is known from the export sizes (shapes). One host check per forward
@@ -61,7 +61,7 @@ def plan_linear_rounds(index: MicrobatchIndex) -> LinearRoundsPlan:
                      and bool(torch.equal(rnd.own_rows.cpu(), torch.arange(T)))
                      and bool(torch.equal(rnd.own_dst.cpu(), torch.arange(T))) for rnd in index.rounds]
     kernel_index = None
-    if device.type == "cuda" and index.chunk_size == TRITON_CHUNK_SIZE:
+    if use_triton and device.type == "cuda" and index.chunk_size == TRITON_CHUNK_SIZE:
         kernel_index = [prepare_gdn_index(rnd.cu_seqlens, rnd.export_seq, rnd.export_offset, index.chunk_size,
                                           device=device) for rnd in index.rounds]
     return LinearRoundsPlan(init_slot=init_slot, restore=restore, identity_rows=identity_rows,
@@ -69,11 +69,10 @@ def plan_linear_rounds(index: MicrobatchIndex) -> LinearRoundsPlan:
 
 
 def _default_kernel(q: torch.Tensor, plan: LinearRoundsPlan, round_id: int):
-    """CUDA: the Triton kernels with the prepared launch index; CPU: the plain torch reference (the
+    """Triton kernels with the prepared launch index when opted in on CUDA; else the plain torch reference (the
     wrapper would run Triton's interpreter whenever TRITON_INTERPRET=1, far too slow for a model)."""
-    if q.is_cuda:
-        kernel_index = plan.kernel_index[round_id] if plan.kernel_index else None
-        return functools.partial(chunk_gated_delta_rule, index=kernel_index)
+    if q.is_cuda and plan.kernel_index is not None:  # Triton opted in (TreeModel.triton_linear_attention)
+        return functools.partial(chunk_gated_delta_rule, index=plan.kernel_index[round_id])
     return chunk_gated_delta_rule_reference
 
 
