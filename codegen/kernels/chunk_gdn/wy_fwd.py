@@ -22,7 +22,8 @@ def _diag_inverse16(T, row0, row_end, blk, i_h, HV: tl.constexpr, BT: tl.constex
     b_x = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
     for r in tl.static_range(1, 16):
         row = row0 + blk * 16 + r
-        b_row = tl.load(T + (row * HV + i_h) * BT + blk * 16 + o_i, mask=(o_i < r) & (row < row_end), other=0.0)
+        # the row test is broadcast to a vector: Triton 3.9's interpreter rejects a scalar & vector mask
+        b_row = tl.load(T + (row * HV + i_h) * BT + blk * 16 + o_i, mask=(o_i < r) & (row + 0 * o_i < row_end), other=0.0)
         b_new = tl.where(o_i == r, 1.0, 0.0) - tl.sum(b_row[:, None] * b_x, 0)
         b_x = tl.where(o_i[:, None] == r, b_new[None, :], b_x)
     return b_x
