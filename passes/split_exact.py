@@ -44,6 +44,8 @@ class SplitSolve:
 
 class SplitBudget:
     def __init__(self, time_limit_s: float):
+        if time_limit_s > 0:  # a first OR-Tools import (~0.3-1 s cold) is not charged to the limit
+            from ortools.sat.python import cp_model  # noqa: F401
         self.deadline = time.perf_counter() + time_limit_s
         self.det_left = time_limit_s * DET_UNITS_PER_SECOND
 
