@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -99,8 +100,14 @@ def ir_main(argv: list[str]) -> int:
         program.verify()
     except (OSError, IRError) as error:
         raise InputError(f"{args.file}: {error}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{args.file}: not a .hir text file (give the .hir; its .npz is read "
+                         "from beside it)") from None
     print(describe_program(program))
-    print(_abridged(format_program(program)[0].splitlines(), None if args.full else args.lines))
+    lines = format_program(program)[0].splitlines()
+    if not args.full:
+        lines = [_short_tokens(line, args.lines) for line in lines]
+    print(_abridged(lines, None if args.full else args.lines))
     print(f"{args.file}: valid ({program.stage})")
     return 0
 
@@ -127,6 +134,19 @@ def describe_program(program) -> str:
     if program.provenance:
         parts.append("passes " + " -> ".join(name for name, _ in program.provenance))
     return "# " + "\n# ".join(parts)
+
+
+_TOKEN_LIST = re.compile(r"tokens=\[([^\]]*)\]")
+
+
+def _short_tokens(line: str, keep: int) -> str:
+    """`tokens=[a b c ... z]` cut to its first `keep` ids (a node can hold thousands)."""
+    def cut(match):
+        ids = match.group(1).split()
+        if len(ids) <= keep:
+            return match.group(0)
+        return f"tokens=[{' '.join(ids[:keep])} ... ({len(ids)} tokens)]"
+    return _TOKEN_LIST.sub(cut, line)
 
 
 def _abridged(lines: list[str], per_kind: int | None) -> str:
