@@ -10,13 +10,11 @@ kernels and autotuning fla's before the first numbers: give the call at least 6 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from harts_compiler.codegen.kernels.chunk_gdn import (

@@ -119,11 +119,6 @@ def bump_last(a):
     return a
 
 
-def swap_first_two(a):
-    a[[0, 1]] = a[[1, 0]]
-    return a
-
-
 @pytest.mark.parametrize("part, field, mutate, message", [
     ("forest", "node_multiplicity", bump_last, "node_multiplicity"),
     ("forest", "token_position", bump_last, "token_position"),

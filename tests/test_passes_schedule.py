@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import harts_compiler as hc
-from harts_compiler.ir import IRError, Program
+from harts_compiler.ir import IRError
 from harts_compiler.driver import program_from_batch
 from harts_compiler.passes import PASSES, build_pipeline, run_passes
 from harts_compiler.passes.base import Pass

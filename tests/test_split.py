@@ -1,6 +1,5 @@
 """split-oversize: parts fit the budget, keep every trajectory whole, recompute only root paths,
 and cost close to the brute-force optimum on small trees (model-level exactness: test_split_model)."""
-import itertools
 
 import numpy as np
 import pytest
