@@ -164,3 +164,28 @@ def _abridged(lines: list[str], per_kind: int | None) -> str:
         else:
             hidden += 1
     return "\n".join(out).rstrip()
+
+
+def bench_main(argv: list[str]) -> int:
+    """`harts bench [e2e|attention|gdn|logprobs|planner|compile_speed|calibrate] [options]`: run a
+    benchmark script of the source checkout's bench/ folder (default: e2e, the end-to-end tree vs
+    trajectory-wise step; `harts bench e2e --help` lists its options)."""
+    import runpy
+
+    bench_dir = Path(__file__).resolve().parent.parent / "bench"
+    name = argv[0] if argv and not argv[0].startswith("-") else "e2e"
+    rest = argv[1:] if argv and not argv[0].startswith("-") else argv
+    script = bench_dir / f"{name}.py"
+    if not script.is_file():
+        available = sorted(p.stem for p in bench_dir.glob("*.py") if p.stem != "common") if bench_dir.is_dir() else []
+        raise InputError(f"bench {name!r}: no {script}" + (f" (available: {', '.join(available)})" if available
+                                                           else " (harts bench needs a source checkout)"))
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = [str(script), *rest], [str(bench_dir)]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0

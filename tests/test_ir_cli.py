@@ -26,3 +26,9 @@ def test_npz_side_file_is_a_clear_error(tmp_path, capsys):
     hir = _dump(tmp_path)
     assert main(["ir", str(hir.with_suffix(".npz"))]) == 2
     assert "not a .hir text file" in capsys.readouterr().err
+
+
+def test_bench_command_names_the_available_benchmarks(capsys):
+    assert main(["bench", "no-such-bench"]) == 2
+    err = capsys.readouterr().err
+    assert "available:" in err and "e2e" in err
