@@ -23,7 +23,7 @@ def interpreting() -> bool:
 @triton.jit
 def _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
                     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BT: tl.constexpr, BV: tl.constexpr, o_v):
+                    BT: tl.constexpr, o_v):
     """One chunk of the scan; returns the state leaving the chunk."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
@@ -71,12 +71,12 @@ def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_sta
         i_c = n_chunks * 0
         while i_c < n_chunks:
             b_s = _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos, eos, i_h, i_hk,
-                                  state_offs, HK, HV, K, V, BT, BV, o_v)
+                                  state_offs, HK, HV, K, V, BT, o_v)
             i_c += 1
     else:
         for i_c in range(0, n_chunks):
             b_s = _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos, eos, i_h, i_hk,
-                                  state_offs, HK, HV, K, V, BT, BV, o_v)
+                                  state_offs, HK, HV, K, V, BT, o_v)
 
 
 @triton.jit
