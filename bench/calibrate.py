@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (Step, build_model, describe_device, format_table, median,  # noqa: E402
-                    model_config, plan_microbatches, quiet_cpu_threads, sized_batch, time_calls,
+                    finish_args, model_config, plan_microbatches, sized_batch, time_calls,
                     trajectory_microbatches, write_json)
 
 from harts_compiler.passes import cost_model as cm  # noqa: E402
@@ -61,16 +61,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--write", help="also write the fitted model JSON here (e.g. passes/cost_model_h200.json)")
     args = p.parse_args(argv)
-    args.device = torch.device(args.device)
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available (use --device cpu --tiny)")
     if not 0 < args.holdout < 1:
         p.error("--holdout: must lie in (0, 1)")
-    for name, tiny, full in [("shapes", 8, 28), ("warmup", 0, 1), ("repeat", 1, 3), ("chunk_size", 16, 64)]:
-        if getattr(args, name) is None:
-            setattr(args, name, tiny if args.tiny else full)
-    if args.tiny:
-        quiet_cpu_threads(args.device)
+    finish_args(p, args, dict(shapes=(8, 28), warmup=(0, 1), repeat=(1, 3), chunk_size=(16, 64)))
     return args
 
 

@@ -1,5 +1,6 @@
 """Shared helpers of the benchmark scripts: timing, peak memory, device description, tables,
-JSON output, the benchmark model, sized generated batches and a per-component time breakdown.
+JSON output, the benchmark model and sized generated batches (the per-component time breakdown is
+in breakdown.py).
 
 Import from a script in bench/ as `from common import ...` (scripts run as `python bench/x.py`,
 which puts bench/ on sys.path).
@@ -13,7 +14,6 @@ import os
 import platform
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
@@ -186,6 +186,20 @@ def max_tree_tokens(batch) -> int:
 
 # -- timing and memory ------------------------------------------------------------------------
 
+def finish_args(parser, args, defaults: dict[str, tuple]) -> None:
+    """The command-line steps every model bench shares: `args.device` becomes a torch.device (a parser
+    error when CUDA is asked for and missing), --tiny runs get one CPU thread, and each option in
+    `defaults` that was left unset gets its (tiny, full) value."""
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available (use --device cpu --tiny)")
+    if args.tiny:
+        quiet_cpu_threads(args.device)
+    for name, (tiny, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+
+
 def quiet_cpu_threads(device: torch.device) -> None:
     """Toy CPU runs use one thread: on small shared machines OpenMP threads spin against other
     processes and made the smoke runs 4-5x slower (measured here, 2 cores)."""
@@ -296,107 +310,3 @@ def _jsonable(value):
     if isinstance(value, np.ndarray):
         return value.tolist()
     return str(value)
-
-
-# -- per-component time breakdown -------------------------------------------------------------
-
-# component -> (module, attribute) of the runtime functions whose calls make that component; the
-# profiler ranges wrap them while a breakdown is recorded (nothing is changed otherwise).
-COMPONENT_HOOKS = {
-    "linear attention": [("harts_compiler.runtime.gated_deltanet", "gated_delta_rule_rounds"),
-                         ("harts_compiler.runtime.gated_deltanet", "tree_causal_conv")],
-    "attention": [("harts_compiler.runtime.attention", "tree_attention")],
-    "log-probs": [("harts_compiler.runtime.model", "token_logprobs")],
-    "MoE/MLP": [("harts_compiler.runtime.moe", "SparseMoeBlock.forward"),
-                ("harts_compiler.runtime.layers", "DenseMLP.forward")],
-}
-OTHER = "projections/norms/other"
-
-
-@contextlib.contextmanager
-def component_ranges():
-    """Wrap COMPONENT_HOOKS' functions in `record_function("harts:<component>")` ranges."""
-    import importlib
-    saved = []
-    try:
-        for component, targets in COMPONENT_HOOKS.items():
-            for module_name, attribute in targets:
-                owner = importlib.import_module(module_name)
-                *path, name = attribute.split(".")
-                for part in path:
-                    owner = getattr(owner, part)
-                original = getattr(owner, name)
-                setattr(owner, name, _ranged(original, f"harts:{component}"))
-                saved.append((owner, name, original))
-        yield
-    finally:
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
-
-
-def _ranged(fn, label):
-    def wrapper(*args, **kwargs):
-        with torch.profiler.record_function(label):
-            return fn(*args, **kwargs)
-    wrapper.__wrapped__ = fn
-    return wrapper
-
-
-def component_breakdown(step: Callable[[], object], device: torch.device) -> dict:
-    """Run `step` once under torch.profiler and split its time into COMPONENT_HOOKS' components.
-
-    Forward (and recomputed forward) work is attributed by the enclosing `harts:` range; backward
-    work by the autograd node's sequence number, which links it to the forward op that created
-    it. CUDA: kernel time; CPU: op self time. Returns {component: ms} plus 'total' and, on CUDA,
-    'step wall' (the profiled step's wall time; the gap to 'total' is GPU idle time)."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with component_ranges(), profile(activities=activities) as prof:
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        wall_ms = (time.perf_counter() - start) * 1e3
-    on_device = device.type == "cuda"
-    events = [e for e in prof.events() if getattr(e, "device_type", None) is None
-              or e.device_type == torch.autograd.DeviceType.CPU]
-    totals = attribute_events(events, on_device)
-    totals["step wall"] = wall_ms
-    return totals
-
-
-def attribute_events(events, on_device: bool) -> dict:
-    """See component_breakdown; `events` are the profiler's CPU-side FunctionEvents."""
-    def range_of(event):
-        while event is not None:
-            if event.name.startswith("harts:"):
-                return event.name[len("harts:"):]
-            event = event.cpu_parent
-        return None
-
-    def backward_node(event):
-        while event is not None:
-            if event.name.startswith("autograd::engine::evaluate_function"):
-                return event
-            event = event.cpu_parent
-        return None
-
-    forward_owner = {}
-    for event in events:
-        if event.sequence_nr >= 0 and not event.name.startswith("autograd::engine"):
-            component = range_of(event)
-            if component is not None:
-                forward_owner.setdefault((event.thread, event.sequence_nr), component)
-    totals: dict[str, float] = defaultdict(float)
-    for event in events:
-        us = event.self_device_time_total if on_device else event.self_cpu_time_total
-        if not us:
-            continue
-        component = range_of(event)
-        if component is None:
-            node = backward_node(event)
-            if node is not None:
-                component = forward_owner.get((node.fwd_thread, node.sequence_nr))
-        totals[component or OTHER] += us / 1e3
-    totals = dict(totals)
-    totals["total"] = sum(totals.values())
-    return totals

@@ -51,10 +51,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Step, build_model, component_breakdown, describe_device,  # noqa: E402
-                    format_table, kernel_ms, median, model_config, parameter_count, peak_memory,
-                    plan_microbatches, prefix_forest, quiet_cpu_threads, sized_batch, time_calls,
-                    trajectory_microbatches, write_json)
+from breakdown import component_breakdown  # noqa: E402
+from common import (Step, build_model, describe_device, finish_args, format_table,  # noqa: E402
+                    kernel_ms, median, model_config, parameter_count, peak_memory, plan_microbatches,
+                    prefix_forest, sized_batch, time_calls, trajectory_microbatches, write_json)
 
 import harts_compiler as hc  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference  # noqa: E402
@@ -87,16 +87,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON results here")
     args = p.parse_args(argv)
-    args.device = torch.device(args.device)
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available (use --device cpu --tiny)")
-    if args.tiny:
-        quiet_cpu_threads(args.device)
-    defaults = dict(target_tokens=(300, 96_000), microbatch_tokens=(256, 16384), chunk_size=(16, 64),
-                    numerics_tokens=(150, 8192), warmup=(1, 1), repeat=(1, 3))
-    for name, (tiny, full) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, tiny if args.tiny else full)
+    finish_args(p, args, dict(target_tokens=(300, 96_000), microbatch_tokens=(256, 16384), chunk_size=(16, 64),
+                              numerics_tokens=(150, 8192), warmup=(1, 1), repeat=(1, 3)))
     return args
 
 
