@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from harts_compiler.codegen.kernels.tree_attention import (
-    build_block_index, config_for, tree_attention, tree_attention_reference_chunked)
+    build_block_index, config_for, tree_attention, tree_attention_fp32_oracle)
 from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dkdv, bwd_dq
 from harts_compiler.codegen.kernels.tree_attention.configs import CANDIDATES_256, KernelConfig
 from harts_compiler.codegen.kernels.tree_attention.forward import tree_attention_forward
@@ -74,21 +74,8 @@ def random_qkv(n_tokens, seed):
     return make(HQ), make(HKV), make(HKV), make(HQ)
 
 
-class no_tf32:
-    def __enter__(self):
-        self.saved = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-
-    def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32 = self.saved
-
-
 def fp32_reference(q, k, v, do, subtree_end):
-    leaves = [x.float().requires_grad_() for x in (q, k, v)]
-    with no_tf32():
-        out = tree_attention_reference_chunked(*leaves, subtree_end, scale=SCALE, query_chunk=512)
-        grads = torch.autograd.grad(out, leaves, do.float())
-    return [out.detach(), *grads]
+    return tree_attention_fp32_oracle(q, k, v, do, subtree_end, scale=SCALE, query_chunk=512)
 
 
 def rel(a, b):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from harts_compiler.codegen.kernels.tree_attention.reference import (
-    tree_attention_reference, tree_attention_reference_chunked)
+    tree_attention_fp32_oracle, tree_attention_reference, tree_attention_reference_chunked)
 from harts_compiler.codegen.kernels.tree_attention.trees import (
     anchor_tree, layout_from_parents, random_forest)
 
@@ -59,6 +59,20 @@ def test_chunked_gradients_match_dense():
         grads.append([t.grad for t in leaves])
     for dense_grad, chunked_grad in zip(*grads):
         torch.testing.assert_close(chunked_grad, dense_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_fp32_oracle_gives_output_and_gradients_in_fp32():
+    layout = random_forest(np.random.default_rng(12), n_trees=2)
+    q, k, v = random_qkv(layout.num_tokens, 4, 2, 8, dtype=torch.bfloat16, seed=3)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).bfloat16()
+    subtree_end = layout.subtree_end_tensor()
+    got = tree_attention_fp32_oracle(q, k, v, do, subtree_end, scale=0.3, query_chunk=5)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    out = tree_attention_reference(*leaves, subtree_end, scale=0.3)
+    expected = [out, *torch.autograd.grad(out, leaves, do.double())]
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, expected):
+        assert a.dtype == torch.float32 and not a.requires_grad, name
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_chunked_runs_at_a_few_thousand_tokens():

@@ -9,6 +9,8 @@ Two variants with the same signature and the same result:
 - ``tree_attention_reference_chunked``: the same over blocks of queries, each block checkpointed
   under autograd, so memory stays ``O(HQ * chunk * T)`` in forward and backward (a few thousand
   tokens on CPU).
+``tree_attention_fp32_oracle`` gives the chunked reference's output and gradients in fp32, the
+yardstick of the GPU tests and benchmarks.
 """
 from __future__ import annotations
 
@@ -110,3 +112,22 @@ def tree_attention_reference_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.
     if not outputs:
         return q.new_empty(q.shape)
     return torch.cat(outputs, dim=0)
+
+
+def tree_attention_fp32_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                               subtree_end: torch.Tensor, *, scale: float,
+                               query_chunk: int = 256) -> list[torch.Tensor]:
+    """[o, dq, dk, dv] of the chunked reference on q, k, v upcast to fp32, output gradient ``do``.
+
+    TF32 matmuls are switched off meanwhile: on CUDA they would make the oracle itself only
+    ~1e-3 accurate, the size of the bf16 errors it is there to measure.
+    """
+    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        out = tree_attention_reference_chunked(*leaves, subtree_end, scale=scale, query_chunk=query_chunk)
+        grads = torch.autograd.grad(out, leaves, do.float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    return [out.detach(), *grads]
