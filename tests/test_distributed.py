@@ -40,13 +40,7 @@ RUNS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny fp64 tensors: intra-op threads only add contention (and the workers use one too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tree_token_lists(n_trees: int = 4, seed: int = 0, oversize: bool = True) -> list[list[int]]:

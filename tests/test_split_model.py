@@ -18,12 +18,7 @@ from test_runtime_tree import rel, tiny_model
 TOL = 1e-10
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def split_plan(token_lists, chunk_size, parts=3):
