@@ -27,7 +27,7 @@ class LinearRoundsPlan:
     init_slot: list[torch.Tensor]  # per round [N]: row of the stacked state list (0 = the zero state)
     restore: torch.Tensor  # [T]: row of cat(own outputs of all rounds) holding compact token t
     identity_rows: list[bool]  # per round: packed rows are exactly the compact tokens in order
-    kernel_index: list | None  # CUDA: per round the Triton kernel's launch index, shared by all layers
+    kernel_index: list | None  # Triton opted in on CUDA: per round the kernel's launch index, shared by all layers
 
 
 def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True) -> LinearRoundsPlan:
@@ -82,8 +82,8 @@ def gated_delta_rule_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             kernel=None) -> torch.Tensor:
     """Compact q, k [T, HK, K], v [T, HV, V], g, beta [T, HV] -> o [T, HV, V] (dtype of v).
 
-    `kernel` defaults to `chunk_gated_delta_rule` (CUDA) / its reference (CPU); tests pass the
-    recurrent reference here.
+    `kernel` defaults to `chunk_gated_delta_rule` when the plan opted in to Triton on CUDA, else to its
+    plain torch reference; tests pass the recurrent reference here.
     """
     heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
     states = [torch.zeros((1, heads, k_dim, v_dim), dtype=state_dtype, device=v.device)]

@@ -26,6 +26,9 @@ class ConvIndex:
     """Who reads whom: successors of every token, sorted by (token, reading row, tap)."""
     succ_ptr: torch.Tensor   # [T+1] int64
     succ_flat: torch.Tensor  # [S] int64, i * (W-1) + j: row i reads token m at tap j
+    rows: int
+    taps: int                # W - 1
+    max_degree: int          # most successors of one token (loop bound of the dx kernel)
 
     @property
     def succ_row(self) -> torch.Tensor:
@@ -34,9 +37,6 @@ class ConvIndex:
     @property
     def succ_tap(self) -> torch.Tensor:
         return self.succ_flat % self.taps
-    rows: int
-    taps: int                # W - 1
-    max_degree: int          # most successors of one token (loop bound of the dx kernel)
 
 
 def prepare_conv_index(conv_pred: torch.Tensor) -> ConvIndex:
