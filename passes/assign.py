@@ -260,15 +260,49 @@ def lower_bound(tokens, cost, budget: int, dp_size: int, objective: str) -> floa
     if objective != "sum_of_slot_max":
         return bound
     order = item_order(tokens, cost)
-    c = cost[order]
+    c, t = cost[order], tokens[order]
     k = np.arange(1, len(c) + 1)
-    by_tokens = np.ceil(np.cumsum(tokens[order]) / (dp_size * budget))
-    smallest = np.maximum(np.minimum.accumulate(tokens[order]), 1)  # min tokens among the top k
-    per_cell = np.minimum(budget // smallest, k)                    # most of them in one cell
-    by_count = np.ceil(k / (dp_size * np.maximum(per_cell, 1)))
-    slots_needed = np.maximum(by_tokens, by_count)
+    smallest = np.maximum(np.minimum.accumulate(t), 1)  # min tokens among the top k
+    per_cell = np.minimum(budget // smallest, k)        # most of them in one cell
+    cells = np.maximum(np.ceil(k / np.maximum(per_cell, 1)), _bin_packing_bounds(t, budget))
+    slots_needed = np.ceil(cells / dp_size)
     steps = c - np.append(c[1:], 0.0)
     return max(bound, float((steps * slots_needed).sum()))
+
+
+L2_CHECKPOINTS = 256  # prefixes at which the Martello-Toth bound is evaluated (cost O(n log n))
+
+
+def _bin_packing_bounds(tokens: np.ndarray, budget: int) -> np.ndarray:
+    """[n] lower bound on the (rank, slot) cells that items 0..k-1 need by their tokens: the
+    Martello-Toth L2 bound (which includes ceil(tokens / budget)) at up to L2_CHECKPOINTS
+    prefixes, carried forward to the prefixes in between (a prefix needs at least the cells of
+    a shorter one)."""
+    n = len(tokens)
+    stride = max(1, -(-n // L2_CHECKPOINTS))
+    checkpoints = np.unique(np.append(np.arange(stride, n + 1, stride), n))
+    cells = np.zeros(n + 1)
+    cells[checkpoints] = [_martello_toth_l2(tokens[:m], budget) for m in checkpoints]
+    return np.maximum.accumulate(cells)[1:]
+
+
+def _martello_toth_l2(tokens: np.ndarray, budget: int) -> int:
+    """L2 of Martello and Toth (1990): for a threshold a <= budget / 2, items > budget - a each
+    need a bin no item >= a can share, items in (budget / 2, budget - a] each need their own
+    bin, and items in [a, budget / 2] fill the room those leave before opening new bins.
+    Maximised over a in {0} and every item size <= budget / 2, vectorised."""
+    size = np.sort(tokens)                               # ascending
+    total = np.concatenate([[0], np.cumsum(size)])       # total[j] = sum of the j smallest
+    n = len(size)
+    alpha = np.concatenate([[0], np.unique(size[2 * size <= budget])])
+    n_half = n - np.searchsorted(size, budget // 2, side="right")   # items > budget / 2
+    n_big = n - np.searchsorted(size, budget - alpha, side="right")  # items > budget - a
+    n_mid = n_half - n_big                                           # (budget / 2, budget - a]
+    sum_mid = total[n - n_big] - total[n - n_half]
+    first_small = np.searchsorted(size, alpha, side="left")          # items >= a start here
+    sum_small = total[n - n_half] - total[first_small]
+    spill = np.ceil((sum_small - (n_mid * budget - sum_mid)) / budget)
+    return int(np.max(n_big + n_mid + np.maximum(spill, 0)))
 
 
 # ---------------------------------------------------------------------------------------------
