@@ -118,6 +118,29 @@ def test_lower_bounds_are_valid_and_staircase_is_tight_for_big_items():
     assert a.objective == pytest.approx(16) and a.status == "OPTIMAL"
 
 
+def test_staircase_counts_cells_with_the_bin_packing_bound():
+    # Top 3 by cost have 4, 8, 7 tokens (budget 10): by tokens (19) they would fit one slot of
+    # two cells, but no two of them share a cell, so they need 3 cells = 2 slots (L2 sees it):
+    # bound = (14-13) + (13-10) + 2 (10-8) + 2 (8-1) + 2 * 1 = 24, which is the optimum.
+    tokens, cost = np.array([7, 2, 4, 7, 8]), np.array([8.0, 1, 14, 10, 13])
+    bound = lower_bound(tokens, cost, 10, 2, "sum_of_slot_max")
+    assert bound == pytest.approx(24)
+    assert bound == pytest.approx(_brute_force(tokens, cost, 10, 2, 3, "sum_of_slot_max"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=6), st.integers(20, 30))
+def test_martello_toth_bound_is_valid_and_at_least_the_simple_ones(sizes, budget):
+    from harts_compiler.passes.assign import _martello_toth_l2
+    sizes = np.asarray(sizes)
+    bins = _martello_toth_l2(sizes, budget)
+    assert bins >= max(-(-int(sizes.sum()) // budget), int((2 * sizes > budget).sum()))
+    fewest = min(k for k in range(1, len(sizes) + 1)  # brute force: fewest bins that fit
+                 if any(np.bincount(bin_of, weights=sizes, minlength=k).max() <= budget
+                        for bin_of in itertools.product(range(k), repeat=len(sizes))))
+    assert bins <= fewest
+
+
 def test_empty_cells_are_allowed_and_no_budget_means_one_slot():
     a = assign(np.array([5, 5]), np.array([1.0, 1.0]), token_budget=None, dp_size=4)
     assert a.num_slots == 1 and (a.slot_cost == 0).sum() == 2 and a.objective == 1.0
@@ -172,6 +195,17 @@ def test_planner_benchmark_runs_on_a_small_batch(tmp_path):
     for row in rows:
         assert row["items"] >= 40 and row["objective"] >= row["lower_bound"] > 0
         assert row["objective"] <= row["greedy_objective"] * (1 + 1e-12)
+    # The bench's items are the schedule pass's: same greedy plan value as its note.
+    from harts_compiler import CompileOptions, TreeBatch, compile
+    from harts_compiler.generator import generate
+    options = CompileOptions(microbatch_tokens=16384, dp_size=4, schedule_time_limit_s=0.05)
+    ids, lists = zip(*generate("grpo", 0, tasks=40).trajectories)
+    note = compile(TreeBatch.from_trajectories(list(lists), list(ids)), options).program.note(
+        "schedule")
+    tokens, cost = bench.planner_items("grpo", 40, options, seed=0)
+    greedy = assign(tokens, cost, token_budget=16384, dp_size=4, time_limit_s=0.05)
+    assert len(tokens) == note["items"]
+    assert greedy.greedy_objective == pytest.approx(note["greedy_objective"], rel=1e-12)
 
 
 def test_slots_emptied_on_every_rank_are_dropped_unless_fixed():
