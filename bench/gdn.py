@@ -233,7 +233,7 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
     gc, T, w, u = wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps)
     h, v_new, bank = state_fwd(k, w, u, gc, h0, index, block_v=cfg.scan_block_v, num_warps=cfg.scan_warps)
     do = torch.randn_like(v)
-    dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank, scale, index, block_v=cfg.scan_block_v, num_warps=cfg.scan_warps,
+    dh, dvn, _ = state_bwd(q, k, w, gc, do, bank, scale, index, block_v=cfg.scan_block_v, num_warps=cfg.scan_warps,
                              dv_local_warps=cfg.dv_local_warps)
     bench = lambda f: triton.testing.do_bench(f, warmup=20, rep=100, return_mode="median")  # noqa: E731
     stages = {

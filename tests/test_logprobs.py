@@ -283,7 +283,7 @@ def test_saves_no_vocab_sized_activation():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logprobs, entropy = token_logprobs(hidden, weight, index, chunk_tokens=16)
+        token_logprobs(hidden, weight, index, chunk_tokens=16)
     biggest = max(t.numel() for t in saved if t.data_ptr() not in (hidden.data_ptr(), weight.data_ptr()))
     assert biggest < 4 * index.row_target.numel() < index.num_tokens * vocab
 

@@ -76,15 +76,14 @@ def check_rounds(index, prefix, pos, C):
     T = index.num_tokens
     bank: dict[int, tuple[int, tuple]] = {}  # bank id -> (state, prefix it belongs to)
     owner_count = np.zeros(T, np.int64)
-    for round_index, rnd in enumerate(index.rounds):
+    for rnd in index.rounds:
         cu = rnd.cu_seqlens.tolist()
         row_src = rnd.row_src.numpy()
         own_rows = set(rnd.own_rows.tolist())
         assert rnd.own_dst.tolist() == row_src[rnd.own_rows.numpy()].tolist()
         owner_count[rnd.own_dst.numpy()] += 1
         exports = {}
-        for e, (s, off, b) in enumerate(zip(rnd.export_seq.tolist(), rnd.export_offset.tolist(),
-                                            rnd.export_bank.tolist())):
+        for s, off, b in zip(rnd.export_seq.tolist(), rnd.export_offset.tolist(), rnd.export_bank.tolist()):
             assert off > 0 and off % C == 0 and off <= cu[s + 1] - cu[s]
             assert b not in bank and b not in {x[1] for v in exports.values() for x in v}
             exports.setdefault(s, []).append((off, b))

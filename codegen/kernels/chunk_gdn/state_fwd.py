@@ -109,7 +109,7 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, scale,
 
 def state_fwd(k, w, u, gc, initial_state, index, *, block_v: int = 64, num_warps: int = 4):
     """Returns h [NC, HV, K, V] (k's dtype), v_new [R, HV, V] (u's dtype), bank [slots, HV, K, V] fp32."""
-    rows, hk, kd = k.shape
+    _, hk, kd = k.shape
     hv, vd = u.shape[1], u.shape[2]
     bv = min(block_v, vd)
     h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
@@ -124,7 +124,7 @@ def state_fwd(k, w, u, gc, initial_state, index, *, block_v: int = 64, num_warps
 
 
 def output_fwd(q, k, v_new, gc, h, scale, index, *, block_v: int = 64, num_warps: int = 4):
-    rows, hk, kd = q.shape
+    _, hk, kd = q.shape
     hv, vd = v_new.shape[1], v_new.shape[2]
     bv = min(block_v, vd)
     o = torch.empty_like(v_new)
