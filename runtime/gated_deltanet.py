@@ -68,7 +68,7 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         mixed, z, b, a = self._project(x)
         mixed = tree_causal_conv(mixed, self.conv1d.weight.squeeze(1), index.conv_pred, activation="silu",
-                                 conv_cache=ctx.conv_cache)
+                                 conv_cache=ctx.conv_cache, use_triton=ctx.triton_linear_attention)
         mixed = mixed.to(x.dtype)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)

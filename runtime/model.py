@@ -53,6 +53,7 @@ class ExecutionContext:
     linear_plan: LinearRoundsPlan
     config: ModelConfig
     gdn_kernel: Callable | None = None  # override of chunk_gated_delta_rule (tests: recurrent oracle)
+    triton_linear_attention: bool = False  # Triton GDN + causal-conv kernels on CUDA (opt-in, see TreeModel)
     attention_blocks: dict = dataclasses.field(default_factory=dict)  # CUDA tree-attention block index per head dim
     conv_cache: dict = dataclasses.field(default_factory=dict)  # CUDA causal-conv launch index
     _rope: dict = dataclasses.field(default_factory=dict)
@@ -107,10 +108,11 @@ class TreeModel(nn.Module):
         super().__init__()
         self.config = config
         self.activation_checkpointing = activation_checkpointing
-        # The Triton GDN kernels are opt-in on CUDA until their current version has passed the GPU
-        # checks (tests/test_chunk_gdn_gpu.py, tests/test_runtime_gpu.py): an earlier version gave
-        # NaN gradients inside the model in bf16 and ran out of shared memory in fp32 at K=V=64.
-        # The default on CUDA is the plain-torch chunked reference (exact, slower).
+        # The Triton GDN and tree causal-conv kernels are opt-in on CUDA until their current versions
+        # pass the GPU checks (tests/test_chunk_gdn_gpu.py, test_causal_conv.py, test_runtime_gpu.py):
+        # an earlier GDN version gave NaN gradients inside the model in bf16 and ran out of shared
+        # memory in fp32 at K=V=64; the conv kernel never ran on a GPU. The default on CUDA is the
+        # exact plain-torch path (slower).
         self.triton_linear_attention = triton_linear_attention
         self.model = TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -169,7 +171,7 @@ class TreeModel(nn.Module):
             index = index.to(device)
         ctx = ExecutionContext(index=index, linear_plan=plan_linear_rounds(index, use_triton=self.triton_linear_attention),
                                config=self.config,
-                               gdn_kernel=gdn_kernel)
+                               gdn_kernel=gdn_kernel, triton_linear_attention=self.triton_linear_attention)
         use_checkpoint = self.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         use_checkpoint = use_checkpoint and torch.is_grad_enabled()
 

@@ -4,7 +4,7 @@ Token i of a trajectory-wise depthwise causal conv1d (left zero padding) reads t
 before it on its own path; in the compact layout those are `conv_pred[i]` (oldest first, -1 before
 position 0), so gathering them reproduces exactly the products of the trajectory-wise conv.
 
-CUDA runs the Triton kernel of `codegen.kernels.causal_conv` with a launch index prepared once per
+CUDA runs (when opted in) the Triton kernel of `codegen.kernels.causal_conv` with a launch index prepared once per
 microbatch (shared by every GDN layer through `conv_cache`); CPU and fp64 run its plain torch
 reference (never Triton's interpreter, which is for kernel tests).
 """
@@ -17,9 +17,11 @@ from harts_compiler.codegen.kernels.causal_conv import (prepare_conv_index, tree
 
 
 def tree_causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_pred: torch.Tensor,
-                     activation: str | None = "silu", *, conv_cache: dict | None = None) -> torch.Tensor:
-    """x [T, Ch], weight [Ch, W], conv_pred [T, W-1] -> y [T, Ch] (dtype of weight, like F.conv1d)."""
-    if x.is_cuda and weight.dtype != torch.float64:
+                     activation: str | None = "silu", *, conv_cache: dict | None = None,
+                     use_triton: bool = True) -> torch.Tensor:
+    """x [T, Ch], weight [Ch, W], conv_pred [T, W-1] -> y [T, Ch] (dtype of weight, like F.conv1d).
+    `use_triton=False` keeps CUDA on the reference too (the model's opt-in, see TreeModel)."""
+    if use_triton and x.is_cuda and weight.dtype != torch.float64:
         conv_index = None
         if conv_cache is not None:
             if "index" not in conv_cache:
