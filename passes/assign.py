@@ -20,11 +20,11 @@ Method (`assign`):
    the least-loaded (rank, slot) with room for its tokens, opening a slot when none has room
    (the slot count is the greedy's unless `num_slots` fixes it; without `num_slots`, slots the
    search empties on every rank are dropped at the end);
-2. small problems (items x ranks x slots <= FULL_MODEL_MAX_VARS): the whole problem as one
-   CP-SAT model, hinted with the greedy plan;
-3. larger ones: a local search (sum_of_slot_max: move or swap an item off a slot's slowest rank,
-   best improving step first) and then a CP-SAT large neighbourhood search whose steps re-solve
-   two slots (max_rank_total: two ranks over two slots) exactly as small models;
+2. a local search (sum_of_slot_max: move or swap an item off a slot's slowest rank, best
+   improving step first) and then a CP-SAT large neighbourhood search whose steps re-solve a
+   few cells of two slots (max_rank_total: two ranks over two slots) exactly as small models;
+3. small problems (items x ranks x slots <= FULL_MODEL_MAX_VARS; the LNS leaves them half the
+   budget): the whole problem as one CP-SAT model, hinted with the best plan so far;
 4. status OPTIMAL when the plan reaches a lower bound or the whole model is proven optimal
    (exact up to rounding costs to 1e-7 of their total, and for the slot count it was given: a
    plan with more slots than the greedy opened is not searched), FEASIBLE when CP-SAT improved the warm

@@ -107,6 +107,22 @@ def test_improves_on_greedy_lpt_trap_and_cp_sat_beats_local_search():
     assert a.status == "OPTIMAL" and a.method == "cp-sat"
 
 
+def test_small_problems_get_the_lns_before_the_whole_model():
+    # Parts that nearly fill a (rank, slot) each (like split-oversize's): the whole model alone
+    # (one worker, a fraction of a second) rarely improves the local search; the LNS does.
+    from harts_compiler.passes.assign import _local_search
+    rng = np.random.default_rng(5)
+    tokens = np.minimum(rng.integers(5000, 66000, 44), 65000)
+    cost = tokens * (0.09 + 0.07 * rng.random(44))
+    a = assign(tokens, cost, token_budget=65536, dp_size=8, time_limit_s=0.5)
+    assert len(tokens) * 8 * a.num_slots <= 3000  # the whole-model size class
+    rank, slot = greedy_assign(tokens, cost, 65536, 8, None, "sum_of_slot_max")
+    n_slots = int(slot.max()) + 1
+    _local_search(tokens, cost, 65536, rank, slot, 8, n_slots, float("inf"), 10_000)
+    local = plan_objective(cost, rank, slot, 8, n_slots, "sum_of_slot_max")
+    assert a.objective < local * (1 - 1e-3) and a.method == "cp-sat-lns"
+
+
 def test_lower_bounds_are_valid_and_staircase_is_tight_for_big_items():
     # One item per (rank, slot) fits: slots group 4 items each; the optimum sums every 4th cost.
     cost = np.array([10.0, 9, 8, 7, 6, 5, 4, 3])
