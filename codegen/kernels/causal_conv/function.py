@@ -9,13 +9,13 @@ successor list sorted by (m, i, j) that `prepare_conv_index` builds once per mic
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ..interpreter_safe import interpreting
 from .reference import check_conv_inputs, tree_causal_conv_reference
 
 BLOCK_T, BLOCK_C = 32, 64
@@ -172,7 +172,7 @@ class TreeCausalConvFunction(torch.autograd.Function):
                                        BT=BLOCK_T, BC=BLOCK_C, SILU=ctx.silu)
             _conv_bwd_dx_kernel[grid](weight, gpre, index.succ_ptr, index.succ_flat, dx, rows, ch,
                                       index.max_degree, W=width, BT=BLOCK_T, BC=BLOCK_C,
-                                      INTERPRET=os.environ.get("TRITON_INTERPRET", "0") == "1")
+                                      INTERPRET=interpreting())
         dweight = dw_part.sum(0).to(weight.dtype) if rows else torch.zeros_like(weight)
         return dx, dweight, None, None, None
 
@@ -182,6 +182,6 @@ def tree_causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_pred: torch.Ten
     """Tree-aware short causal conv (docs/INTERFACES.md section 4): Triton on CUDA or under TRITON_INTERPRET=1,
     the plain-torch reference otherwise. `index` (from `prepare_conv_index`) may be shared by all layers."""
     check_conv_inputs(x, weight, conv_pred, activation)
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1") or weight.dtype == torch.float64:
+    if not (x.is_cuda or interpreting()) or weight.dtype == torch.float64:
         return tree_causal_conv_reference(x, weight, conv_pred, activation)
     return TreeCausalConvFunction.apply(x, weight, conv_pred, activation == "silu", index)

@@ -8,10 +8,9 @@ the same entering state gives the same bits in any packing: tree mode reproduces
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..interpreter_safe import interpreting
 from .chunk_bwd import chunk_bwd
 from .index import GDNIndex, prepare_gdn_index
 from .inputs import validate_gdn_inputs
@@ -76,7 +75,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
 
 def _use_triton(q: torch.Tensor) -> bool:
-    return q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return q.is_cuda or interpreting()
 
 
 def _power_of_two(n: int) -> bool:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .state_fwd import interpreting
+from ..interpreter_safe import interpreting
 
 
 @triton.jit

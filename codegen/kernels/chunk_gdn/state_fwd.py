@@ -9,15 +9,11 @@ Output, per chunk: o = scale * ( exp(gc) (q h_c) + tril(q k^T exp(gc_i - gc_j)) 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ..interpreter_safe import interpreting
 
 
 @triton.jit

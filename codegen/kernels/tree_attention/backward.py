@@ -24,7 +24,7 @@ import triton.language as tl
 from .block_index import BlockIndex
 from .configs import KernelConfig
 from .forward import LOG2E
-from .interpreter_safe import interpreting
+from ..interpreter_safe import interpreting
 
 
 @triton.jit

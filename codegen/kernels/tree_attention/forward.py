@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .block_index import BlockIndex
-from .interpreter_safe import interpreting
+from ..interpreter_safe import interpreting
 
 LOG2E = 1.4426950408889634
 

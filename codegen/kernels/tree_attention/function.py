@@ -6,10 +6,9 @@ plain-torch reference (query-chunked, so a few thousand tokens fit on CPU).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..interpreter_safe import interpreting
 from .backward import tree_attention_backward
 from .block_index import BlockIndex, build_block_index
 from .configs import KernelConfig, config_for
@@ -39,7 +38,7 @@ def uses_triton(q: torch.Tensor) -> bool:
     """Whether `tree_attention` runs the Triton kernels for this input."""
     if q.dtype not in KERNEL_DTYPES:
         return False
-    return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return q.is_cuda or interpreting()
 
 
 def _check_block_index(index: BlockIndex, subtree_end: torch.Tensor) -> None:

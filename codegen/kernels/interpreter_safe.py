@@ -1,4 +1,4 @@
-"""Loops with data-dependent bounds under Triton's CPU interpreter.
+"""Loops with data-dependent bounds under Triton's CPU interpreter (every kernel folder).
 
 Under ``TRITON_INTERPRET=1`` (triton 3.6) every scalar is a 1-element numpy array, and
 ``range(lo, hi)`` on loaded bounds calls ``int()`` on it, which numpy >= 2.4 rejects ("only
@@ -11,4 +11,5 @@ import os
 
 
 def interpreting() -> bool:
+    """Whether Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
