@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
+
 
 @triton.jit
 def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end, scale,
@@ -168,8 +170,8 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dk_out, dv, dbeta, dg, scratch
     tl.store(dg + rows * HV + i_h, b_dg, mask=m_t)
 
 
-def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, *, block_v: int = 64,
-              warps_qk: int = 4, warps_wy: int = 2):
+def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, *,
+              block_v: int = GDNKernelConfig.bwd_block_v, warps_qk: int = GDNKernelConfig.bwd_qk_warps, warps_wy: int = GDNKernelConfig.wy_bwd_warps):
     """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head).
 
     dk and dv come out in the input dtypes when every value head has its own key head (nothing left to

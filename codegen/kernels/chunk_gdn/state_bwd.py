@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
+from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
 @triton.jit
@@ -104,8 +105,8 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seq
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
-def state_bwd(q, k, w, gc, do, bank_grad, scale, index, *, block_v: int = 64, num_warps: int = 4,
-              dv_local_warps: int = 8):
+def state_bwd(q, k, w, gc, do, bank_grad, scale, index, *, block_v: int = GDNKernelConfig.scan_block_v,
+              num_warps: int = GDNKernelConfig.scan_warps, dv_local_warps: int = GDNKernelConfig.dv_local_warps):
     """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32."""
     rows, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
+from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
 @triton.jit
@@ -103,7 +104,8 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, scale,
     tl.store(o + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])
 
 
-def state_fwd(k, w, u, gc, initial_state, index, *, block_v: int = 64, num_warps: int = 4):
+def state_fwd(k, w, u, gc, initial_state, index, *, block_v: int = GDNKernelConfig.scan_block_v,
+              num_warps: int = GDNKernelConfig.scan_warps):
     """Returns h [NC, HV, K, V] (k's dtype), v_new [R, HV, V] (u's dtype), bank [slots, HV, K, V] fp32."""
     _, hk, kd = k.shape
     hv, vd = u.shape[1], u.shape[2]
@@ -119,7 +121,8 @@ def state_fwd(k, w, u, gc, initial_state, index, *, block_v: int = 64, num_warps
     return h, v_new, bank
 
 
-def output_fwd(q, k, v_new, gc, h, scale, index, *, block_v: int = 64, num_warps: int = 4):
+def output_fwd(q, k, v_new, gc, h, scale, index, *, block_v: int = GDNKernelConfig.out_block_v,
+               num_warps: int = GDNKernelConfig.out_warps):
     _, hk, kd = q.shape
     hv, vd = v_new.shape[1], v_new.shape[2]
     bv = min(block_v, vd)

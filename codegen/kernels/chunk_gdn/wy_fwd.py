@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
+
 
 @triton.jit
 def _diag_inverse16(T, row0, row_end, blk, i_h, HV: tl.constexpr, BT: tl.constexpr):
@@ -128,7 +130,7 @@ def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
     tl.store(u + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None])
 
 
-def wy_fwd(k, v, g, beta, index, *, num_warps: int = 4):
+def wy_fwd(k, v, g, beta, index, *, num_warps: int = GDNKernelConfig.wy_fwd_warps):
     """Returns gc [R, HV] fp32, T [R, HV, BT] fp32, w [R, HV, K] (k's dtype), u [R, HV, V] (v's dtype)."""
     rows, hk, kd = k.shape
     hv, vd = v.shape[1], v.shape[2]
