@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from harts_compiler.runtime import TreeModel  # noqa: E402
 from test_runtime_helpers import naive_tree_index, random_rollout_batch  # noqa: E402
-from test_runtime_tree import compiled_index  # noqa: E402
+from test_runtime_tree import compiled_index, rel  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -74,11 +74,6 @@ def hf_padded_aux_loss(model, batch):
         ids[r, :len(traj)] = torch.tensor(traj)
         mask[r, :len(traj)] = 1
     return model(ids, attention_mask=mask, output_router_logits=True).aux_loss
-
-
-def rel(a, b):
-    a, b = a.detach(), b.detach()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def oracle_batch(seed=11):

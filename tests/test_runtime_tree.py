@@ -77,6 +77,8 @@ def run_and_grad(model, index_or_batch, weights, *, chunk_size, checkpointing=Fa
 
 
 def rel(a, b):
+    """Largest absolute difference relative to b's largest magnitude."""
+    a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
