@@ -186,6 +186,7 @@ def main(argv=None) -> int:
     # 1. HARTS: compile, tree-mode forward/backward per microbatch, the trainer's own optimizer
     policy = TreeModel.from_hf(hf_model)  # a view of the same nn.Parameters, no copy
     shared = {id(p) for p in policy.parameters()} <= {id(p) for p in hf_model.parameters()}
+    # any optimizer works (it only sees .grad); SGD keeps the parameter check plain: dp = -lr * g
     optimizer = torch.optim.SGD(hf_model.parameters(), lr=LEARNING_RATE)
     start = time.perf_counter()
     plan = compile_batch(policy, batch, args)
@@ -193,7 +194,8 @@ def main(argv=None) -> int:
     # (untimed warm-up of both paths: torch's lazy initialisation would otherwise hit the first)
     harts_step(policy, plan, advantage_of, num_tokens)
     ordinary_step(reference, token_lists, advantages, num_tokens)
-    hf_model.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
+    for model in (hf_model, reference):
+        model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     tree_loss, tree_lp = harts_step(policy, plan, advantage_of, num_tokens)
     tree_seconds = time.perf_counter() - start
