@@ -20,8 +20,9 @@ Method (`assign`):
    the least-loaded (rank, slot) with room for its tokens, opening a slot when none has room
    (the slot count is the greedy's unless `num_slots` fixes it; without `num_slots`, slots the
    search empties on every rank are dropped at the end);
-2. a local search (sum_of_slot_max: move or swap an item off a slot's slowest rank, best
-   improving step first) and then a CP-SAT large neighbourhood search whose steps re-solve a
+2. sum_of_slot_max: regroup the (rank, slot) cells into slots by decreasing cost (optimal for
+   fixed cells; again at the end); a local search (sum_of_slot_max: move or swap an item off a
+   slot's slowest rank, best improving step first) and then a CP-SAT large neighbourhood search whose steps re-solve a
    few cells of two slots (max_rank_total: two ranks over two slots) exactly as small models;
 3. small problems (items x ranks x slots <= FULL_MODEL_MAX_VARS; the LNS leaves them half the
    budget): the whole problem as one CP-SAT model, hinted with the best plan so far;
@@ -354,6 +355,26 @@ def _local_search(tokens, cost, budget, rank, slot, dp_size, n_slots, deadline,
             if tries >= max_tries:
                 break
     return changed, False
+
+
+def _regroup_slots(cost, rank, slot, dp_size: int, n_slots: int) -> bool:
+    """sum_of_slot_max, in place: keep every (rank, slot) cell's items together but regroup the
+    cells into slots by decreasing cost (cells 1..dp_size form slot 0, and so on). For fixed
+    cells this is optimal: the k-th slot max is at least the (k dp_size + 1)-th largest cell
+    cost, which sorted grouping attains. Applied only when it lowers the objective; returns
+    whether it did. Ties keep the current order (stable), so it is deterministic."""
+    cell = rank * n_slots + slot
+    cell_cost = np.bincount(cell, weights=cost, minlength=dp_size * n_slots)
+    current = cell_cost.reshape(dp_size, n_slots).max(axis=0).sum()
+    by_cost = np.argsort(-cell_cost, kind="stable")
+    position = np.empty_like(by_cost)
+    position[by_cost] = np.arange(len(by_cost))
+    regrouped = cell_cost[by_cost].reshape(n_slots, dp_size).max(axis=1).sum()
+    if not regrouped < current * (1 - 1e-12):
+        return False
+    new_cell = position[cell]
+    slot[:], rank[:] = np.divmod(new_cell, dp_size)
+    return True
 
 
 def _local_search_total(tokens, cost, budget, rank, slot, dp_size, n_slots, deadline,

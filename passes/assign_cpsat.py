@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .assign import (MOVES_PER_SECOND, _local_search, _local_search_total, _slot_totals,
-                     lower_bound, plan_objective)
+from .assign import (MOVES_PER_SECOND, _local_search, _local_search_total, _regroup_slots,
+                     _slot_totals, lower_bound, plan_objective)
 
 FULL_MODEL_MAX_VARS = 3000     # items x ranks x slots up to which the whole problem is one model
 # Work granted per second of time_limit_s, sized to use about half of it on the 2-core dev
@@ -71,9 +71,16 @@ def improve(tokens, cost, budget, dp_size, n_slots, objective, rank, slot, *, de
     units = units.astype(np.int64)
     clock = _Budget(deadline, time_limit_s * DET_UNITS_PER_SECOND)
     out = _Improved(rank.copy(), slot.copy())
-    search = _local_search if objective == "sum_of_slot_max" else _local_search_total
+    # Regrouping cells into slots by cost is optimal for fixed cells and O(cells log cells);
+    # like the local search it is skipped when the limit grants no search work at all.
+    tries = int(MOVES_PER_SECOND * time_limit_s)
+    lockstep = objective == "sum_of_slot_max"
+    regrouped = lockstep and tries > 0 and _regroup_slots(cost, out.rank, out.slot, dp_size,
+                                                          n_slots)
+    search = _local_search if lockstep else _local_search_total
     moved, cut = search(tokens, cost, budget, out.rank, out.slot, dp_size, n_slots, deadline,
-                        int(MOVES_PER_SECOND * time_limit_s))
+                        tries)
+    moved |= regrouped
     clock.wall_stopped |= cut
     out.method = "greedy+local" if moved else "greedy"
     small = len(tokens) * dp_size * n_slots <= FULL_MODEL_MAX_VARS
@@ -98,6 +105,9 @@ def improve(tokens, cost, budget, dp_size, n_slots, objective, rank, slot, *, de
             if plan_objective(cost, new_rank, new_slot, dp_size, n_slots, objective) < \
                     plan_objective(cost, out.rank, out.slot, dp_size, n_slots, objective):
                 out.rank, out.slot, out.method = new_rank, new_slot, "cp-sat"
+    if lockstep and tries > 0 and _regroup_slots(cost, out.rank, out.slot, dp_size, n_slots) \
+            and out.method == "greedy":
+        out.method = "greedy+local"
     out.deterministic = not clock.wall_stopped
     return out
 
