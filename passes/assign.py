@@ -22,8 +22,9 @@ Method (`assign`):
    search empties on every rank are dropped at the end);
 2. sum_of_slot_max: regroup the (rank, slot) cells into slots by decreasing cost (optimal for
    fixed cells; again at the end); a local search (sum_of_slot_max: move or swap an item off a
-   slot's slowest rank, best improving step first) and then a CP-SAT large neighbourhood search whose steps re-solve a
-   few cells of two slots (max_rank_total: two ranks over two slots) exactly as small models;
+   slot's slowest rank, best improving step first), then a CP-SAT large neighbourhood search
+   whose steps re-solve a few cells of two slots (max_rank_total: two ranks over two slots)
+   exactly as small models;
 3. small problems (items x ranks x slots <= FULL_MODEL_MAX_VARS; the LNS leaves them half the
    budget): the whole problem as one CP-SAT model, hinted with the best plan so far;
 4. status OPTIMAL when the plan reaches a lower bound or the whole model is proven optimal
