@@ -159,7 +159,7 @@ def _pick_neighbourhood(cell_cost, objective, tried, rng):
     """The next LNS neighbourhood -- sum_of_slot_max: sorted (rank, slot) cells; max_rank_total:
     (ranks, slots) -- or None when every candidate failed since the plan last changed."""
     dp_size, n_slots = cell_cost.shape
-    all_ranks, all_slots = tuple(range(dp_size)), tuple(range(n_slots))
+    all_slots = tuple(range(n_slots))
     if objective == "sum_of_slot_max":
         worst = cell_cost.max(axis=0)
         excess = worst - cell_cost.mean(axis=0)
