@@ -50,8 +50,11 @@ def schedule_items(program, options: CompileOptions) -> tuple[np.ndarray, np.nda
 
 
 def planner_items(preset: str, trees: int, options: CompileOptions, seed: int,
-                  chunk_trees: int = 100) -> tuple[np.ndarray, np.ndarray]:
-    """Items of a generated batch of `trees` trees, compiled chunk by chunk."""
+                  chunk_trees: int = 100, split_report: list | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Items of a generated batch of `trees` trees, compiled chunk by chunk. Appends each
+    chunk's split-oversize note to `split_report` when given (its CP-SAT step is stopped by the
+    wall clock on a busy machine, and then the parts, hence the items, can differ run to run)."""
     tokens, costs = [], []
     for chunk, first in enumerate(range(0, trees, chunk_trees)):
         rollouts = generate(preset, seed * 10_000 + chunk, tasks=min(chunk_trees, trees - first),
@@ -60,21 +63,24 @@ def planner_items(preset: str, trees: int, options: CompileOptions, seed: int,
         batch = TreeBatch.from_trajectories(list(lists), [f"c{chunk}-{i}" for i in ids])
         del rollouts, lists
         plan = compile(batch, options, passes=PIPELINE)
+        if split_report is not None:
+            split_report.append(plan.program.note("split-oversize") or {})
         chunk_tokens, chunk_cost = schedule_items(plan.program, options)
         tokens.append(chunk_tokens)
         costs.append(chunk_cost)
     return np.concatenate(tokens), np.concatenate(costs)
 
 
-def cached_items(preset, trees, options, seed, chunk_trees, cache: str | None):
+def cached_items(preset, trees, options, seed, chunk_trees, cache: str | None,
+                 split_report: list):
     if cache is None:
-        return planner_items(preset, trees, options, seed, chunk_trees)
+        return planner_items(preset, trees, options, seed, chunk_trees, split_report)
     path = Path(cache) / (f"{preset}-t{trees}-b{options.microbatch_tokens}-s{seed}"
                           f"-c{chunk_trees}-{options.cost_model or 'repo'}.npz")
     if path.exists():
         saved = np.load(path)
         return saved["tokens"], saved["cost"]
-    tokens, cost = planner_items(preset, trees, options, seed, chunk_trees)
+    tokens, cost = planner_items(preset, trees, options, seed, chunk_trees, split_report)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, tokens=tokens, cost=cost)
     return tokens, cost
@@ -108,9 +114,14 @@ def main(argv=None) -> int:
           f"{'method':13} det  goal")
     for preset in args.presets:
         start = time.perf_counter()
+        split_report: list[dict] = []
         tokens, cost = cached_items(preset, args.trees, options, args.seed, args.chunk_trees,
-                                    args.cache)
+                                    args.cache, split_report)
         compiled = time.perf_counter() - start
+        wall_stopped = sum(not note.get("deterministic", True) for note in split_report)
+        if wall_stopped:
+            print(f"({preset}: split-oversize was stopped by the wall clock in {wall_stopped} of "
+                  f"{len(split_report)} chunks; its parts may differ from run to run)")
         for objective in args.objectives:
             plan = assign(tokens, cost, token_budget=args.budget, dp_size=args.dp_size,
                           objective=objective, time_limit_s=args.time_limit, seed=args.seed)
@@ -119,6 +130,7 @@ def main(argv=None) -> int:
             rows.append({"preset": preset, "items": len(tokens),
                          "trees": args.trees, "tokens": int(tokens.sum()),
                          "compile_s": compiled, "greedy_gap": greedy_gap, "goal_met": goal,
+                         "split_wall_stopped_chunks": wall_stopped,
                          **plan.summary()})
             print(f"{preset:6} {objective:16} {len(tokens):6d} {plan.num_slots:5d} "
                   f"{plan.wall_time_s:7.3f} {plan.objective:12.1f} {plan.lower_bound:12.1f} "
