@@ -188,8 +188,11 @@ def load_model(spec: str, dtype: torch.dtype, seed: int = 0):
 
     from harts_compiler.runtime import PRESETS, TreeModel
 
-    if spec in PRESETS:
-        return TreeModel.from_config(spec, seed=seed, dtype=dtype)
+    if spec in PRESETS:  # random weights under which every path (and every state hand-off) matters
+        from harts_compiler.runtime.weights import randomise_for_verification_
+
+        model = TreeModel.from_config(spec, seed=seed, dtype=torch.float64)
+        return randomise_for_verification_(model, seed).to(dtype)
     if Path(spec).is_dir():
         return TreeModel.from_pretrained(spec).to(dtype)
     raise SystemExit(f"harts: --model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) "

@@ -167,3 +167,23 @@ def tree_model_from_config(cls, config, *, seed: int = 0, dtype: torch.dtype = t
             module.A_log.copy_(torch.rand(module.A_log.shape, generator=gen, dtype=torch.float64)
                                .mul(16 - 0.01).add(0.01).log())
     return model.to(device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def randomise_for_verification_(model, seed: int = 0):
+    """Redraw `model`'s weights so that every path matters, for exactness checks (tests, `harts
+    verify --model PRESET`, `harts demo`). transformers' init (std 0.02, decay rates A up to 16)
+    makes most linear-attention heads forget their state within one token and most products tiny,
+    so a wrong state hand-off or gather could hide under rounding. Here matrices are N(0, 0.15^2),
+    1-D parameters (norms, dt_bias) get 0.1-noise, and decay rates A = exp(A_log) lie in
+    [0.05, 0.55], so states carry across many chunks. Deterministic in `seed`; returns `model`."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        if name.endswith("A_log"):
+            p.copy_(torch.log(torch.rand(p.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.05))
+        elif p.dim() == 1:
+            p.add_(0.1 * noise.to(p.dtype))
+        else:
+            p.copy_(0.15 * noise)
+    return model

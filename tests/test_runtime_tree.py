@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harts_compiler.runtime.weights import randomise_for_verification_
 from harts_compiler.runtime import TreeModel, trajectory_wise
 from test_runtime_helpers import naive_tree_index, random_rollout_batch
 
@@ -30,17 +31,7 @@ def tiny_model(dtype=torch.float64, preset="tiny-qwen3-next", seed=0) -> TreeMod
     key = (dtype, preset, seed)
     if key not in _MODELS:
         model = TreeModel.from_config(preset, seed=seed, dtype=torch.float64)
-        gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-                if name.endswith("A_log"):  # slow decays, so states carry across many chunks
-                    p.copy_(torch.log(torch.rand(p.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.05))
-                elif p.dim() == 1:  # norms, dt_bias
-                    p.add_(0.1 * noise)
-                else:
-                    p.copy_(0.15 * noise)
-        _MODELS[key] = model.to(dtype)
+        _MODELS[key] = randomise_for_verification_(model, seed).to(dtype)
     return _MODELS[key]
 
 
