@@ -111,7 +111,7 @@ def test_small_problems_get_the_lns_before_the_whole_model():
     # Parts that nearly fill a (rank, slot) each (like split-oversize's): the whole model alone
     # (one worker, a fraction of a second) rarely improves the local search, so small problems
     # run regrouping, the local search and LNS steps first, then the whole model (>= 2 solves).
-    from harts_compiler.passes.assign import _local_search
+    from harts_compiler.passes.assign_local import _local_search
     rng = np.random.default_rng(5)
     tokens = np.minimum(rng.integers(5000, 66000, 44), 65000)
     cost = tokens * (0.09 + 0.07 * rng.random(44))
@@ -181,7 +181,7 @@ def test_bad_input_names_the_offending_field():
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000), st.integers(2, 60), st.integers(1, 4))
 def test_local_search_never_worsens_and_keeps_budgets(seed, n, dp_size):
-    from harts_compiler.passes.assign import _local_search
+    from harts_compiler.passes.assign_local import _local_search
     tokens, cost = _instance(seed, n, 1, 50)
     budget = 120
     rank, slot = greedy_assign(tokens, cost, budget, dp_size, None, "sum_of_slot_max")
@@ -199,7 +199,7 @@ def test_local_search_never_worsens_and_keeps_budgets(seed, n, dp_size):
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000), st.integers(1, 5), st.integers(1, 6))
 def test_regrouping_cells_by_cost_is_optimal_for_fixed_cells(seed, dp_size, n_slots):
-    from harts_compiler.passes.assign import _regroup_slots
+    from harts_compiler.passes.assign_local import _regroup_slots
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 3 * dp_size * n_slots + 1))
     cost = rng.random(n) * 10
