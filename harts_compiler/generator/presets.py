@@ -146,5 +146,6 @@ def resolve_preset(preset: str | Preset, **overrides) -> Preset:
     if not 0 <= preset.fork_prob <= 1 or not 0 <= preset.edit_prob <= 1:
         raise ValueError("fork_prob/edit_prob: probabilities must lie in [0, 1]")
     if preset.scale <= 0 or preset.vocab_size < 2:
-        raise ValueError(f"scale/vocab_size: need scale > 0 and vocab_size >= 2")
+        raise ValueError(f"scale/vocab_size: need scale > 0 and vocab_size >= 2 (got scale "
+                         f"{preset.scale}, vocab_size {preset.vocab_size})")
     return preset
