@@ -2,8 +2,8 @@
 
 q/gate interleaved per head in q_proj, zero-centred q/k norms over the head dim, partial RoPE at
 trajectory positions (`index.positions`), GQA, sigmoid output gate, o_proj. The attention itself is
-`tree_attention(q, k, v, subtree_end)` (DESIGN.md section 7): the Triton kernel on CUDA when it
-exists, the plain torch reference elsewhere.
+`tree_attention(q, k, v, subtree_end)` (DESIGN.md section 7): the Triton kernel on CUDA for bf16/fp16,
+the plain torch path elsewhere.
 """
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ _QUERY_BLOCK = 256  # CPU path: queries per block
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
                    scale: float, block_cache: dict | None = None) -> torch.Tensor:
-    """CUDA: the Triton kernel, its block index built once per microbatch (cached in `block_cache`).
-    CPU, fp64 and head dims the kernel lacks: plain torch (not Triton's interpreter, which is for
-    kernel tests)."""
-    if q.is_cuda and q.dtype != torch.float64 and q.shape[2] in SUPPORTED_HEAD_DIMS:
+    """CUDA, bf16/fp16: the Triton kernel, its block index built once per microbatch (cached in
+    `block_cache`). CPU, fp32/fp64 and head dims the kernel lacks: plain torch (not Triton's
+    interpreter, which is for kernel tests). fp32 stays off the kernel because its dots would round
+    fp32 operands through TF32 (~1e-3 relative), which is not what an fp32 model asks for."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] in SUPPORTED_HEAD_DIMS:
         block_index = None
         if block_cache is not None:
             key = q.shape[2]
