@@ -118,3 +118,19 @@ def test_index_must_match_the_call():
     stale = prepare_gdn_index(torch.tensor([0, 64]), None, None)
     with pytest.raises(ValueError, match="index"):
         chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0, initial_state=h0, cu_seqlens=cu, index=stale)
+
+
+def test_strong_decays_as_transformers_init_gives():
+    """g down to -25 per token (transformers draws A = exp(A_log) up to 16): exp of in-chunk gate
+    differences overflows in the masked-out lanes; the kernels must select those lanes away, never
+    letting inf * 0 reach an output (a NaN seen in bf16 model runs of an earlier version)."""
+    tensors, cu = make_inputs([70, 131], seed=3)
+    with torch.no_grad():
+        tensors[3].copy_(-torch.rand(tensors[3].shape, generator=torch.Generator().manual_seed(4)) * 25)
+    export_seq, export_offset = torch.tensor([0, 1]), torch.tensor([64, 128])
+    got = forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, use_qk_l2norm=True)
+    want = forward_backward(chunk_gated_delta_rule_reference, tensors, cu, export_seq, export_offset,
+                            use_qk_l2norm=True)
+    for name, tensor in zip(NAMES, got):
+        assert torch.isfinite(tensor).all(), name
+    assert_all_close(got, want, rtol=5e-5, atol=5e-5)

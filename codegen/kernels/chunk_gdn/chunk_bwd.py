@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gates import _exp_gate_gap
 from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
@@ -65,8 +66,8 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
 
     # intra-chunk attention: o_i += scale sum_{j<=i} (q_i.k_j) exp(gc_i - gc_j) vn_j
     m_a = o_t[:, None] >= o_t[None, :]
-    b_da = tl.where(m_a, b_da * tl.exp(b_gc[:, None] - b_gc[None, :]) * scale, 0.0)
-    b_dat = tl.where(o_t[:, None] <= o_t[None, :], b_dat * tl.exp(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
+    b_da = tl.where(m_a, b_da * _exp_gate_gap(b_gc[:, None] - b_gc[None, :]) * scale, 0.0)
+    b_dat = tl.where(o_t[:, None] <= o_t[None, :], b_dat * _exp_gate_gap(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
     b_dq += tl.dot(b_da.to(b_k.dtype), b_k)
     b_dk += tl.dot(b_dat.to(b_q.dtype), b_q)
     b_m = b_da * tl.dot(b_q, b_kt)
@@ -126,7 +127,7 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dk_out, dv, dbeta, dg, scratch
         b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
         b_kk += tl.dot(b_k, b_kt)
-    b_decay = tl.where(m_lower, tl.exp(b_gc[:, None] - b_gc[None, :]), 0.0)
+    b_decay = tl.where(m_lower, _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
     b_da = tl.where(m_lower, b_da, 0.0)
     b_dkk = b_da * b_decay                                             # d(k_i . k_j) / beta_i, i > j
     b_db = tl.sum(b_dkk * b_kk, 1)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
+from .gates import _exp_gate_gap
 from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
@@ -36,7 +37,7 @@ def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, scale,
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     # [BT(j), BT(i)]: A^T of the intra-chunk attention, non-zero for i >= j
     b_at = tl.dot(b_k, b_qt)
-    b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at * tl.exp(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
+    b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at * _exp_gate_gap(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
     b_do = tl.load(do + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
     b_dv = tl.dot(b_at.to(b_do.dtype), b_do)
     tl.store(dv + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dv, mask=m_t[:, None])

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
+from .gates import _exp_gate_gap
 from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
@@ -98,7 +99,7 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, scale,
 
     b_o = tl.dot(b_q, b_h) * tl.exp(b_gc)[:, None]
     b_a = tl.dot(b_q, b_kt)
-    b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a * tl.exp(b_gc[:, None] - b_gc[None, :]), 0.0)
+    b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a * _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
     b_vn = tl.load(v_new + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
     b_o = (b_o + tl.dot(b_a.to(b_vn.dtype), b_vn)) * scale
     tl.store(o + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gates import _exp_gate_gap
 from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
@@ -75,7 +76,7 @@ def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
     b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_a = tl.dot((b_k * b_b[:, None]).to(dt), b_kt)
-    b_a = tl.where(o_t[:, None] > o_t[None, :], b_a * tl.exp(b_gc[:, None] - b_gc[None, :]), 0.0)
+    b_a = tl.where(o_t[:, None] > o_t[None, :], b_a * _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
     p_a = T + (rows[:, None] * HV + i_h) * BT + o_t[None, :]
     tl.store(p_a, b_a, mask=m_t[:, None])
     tl.debug_barrier()
