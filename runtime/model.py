@@ -110,8 +110,9 @@ class TreeModel(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         # The Triton GDN and tree causal-conv kernels are opt-in on CUDA until their current versions
         # pass the GPU checks (tests/test_chunk_gdn_gpu.py, test_causal_conv.py, test_runtime_gpu.py):
-        # an earlier GDN version gave NaN gradients inside the model in bf16 and ran out of shared
-        # memory in fp32 at K=V=64; the conv kernel never ran on a GPU. The default on CUDA is the
+        # an earlier GDN version gave NaN gradients inside the model in bf16 (cause found and fixed
+        # on CPU since, bench/NOTES_gdn.md) and ran out of shared memory in fp32 at K=V=64; the conv
+        # kernel never ran on a GPU. The default on CUDA is the
         # exact plain-torch path (slower).
         self.triton_linear_attention = triton_linear_attention
         self.model = TextModel(config)
