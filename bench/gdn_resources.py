@@ -32,7 +32,7 @@ BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=
             SILU=True)
 
 
-def signature_of(fn, constexprs, overrides):
+def signature_of(fn, constexprs, overrides, data_kind="bf16"):
     sig = {}
     for name in inspect.signature(fn.fn).parameters:
         if name in constexprs:
@@ -42,15 +42,15 @@ def signature_of(fn, constexprs, overrides):
         elif name in SCALARS:
             sig[name] = SCALARS[name]
         else:
-            kind = next((k for k, names in POINTERS.items() if name in names), "bf16")
+            kind = next((k for k, names in POINTERS.items() if name in names), data_kind)
             sig[name] = "*" + kind
     return sig
 
 
-def resources(fn, num_warps, constexprs, overrides=None, num_stages=3):
+def resources(fn, num_warps, constexprs, overrides=None, num_stages=3, data_kind="bf16"):
     params = inspect.signature(fn.fn).parameters
     consts = {k: v for k, v in {**BASE, **constexprs}.items() if k in params}
-    sig = signature_of(fn, consts, overrides or {})
+    sig = signature_of(fn, consts, overrides or {}, data_kind)
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -86,6 +86,8 @@ def main():
     parser.add_argument("--only", default=None, help="substring of a kernel name")
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BV=32")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                        help="element type of the q/k/v/o-like pointers (fp32: an fp32 model)")
     args = parser.parse_args()
     extra = {k: int(v) for k, v in (item.split("=") for item in args.set)}
     print(f"{'kernel':16s} " + " ".join(f"{f'{w}w regs/stack/smem':>26s}" for w in args.warps))
@@ -95,7 +97,7 @@ def main():
         cells = []
         for warps in args.warps:
             try:
-                regs, spill, smem = resources(fn, warps, {**consts, **extra}, overrides, args.stages)
+                regs, spill, smem = resources(fn, warps, {**consts, **extra}, overrides, args.stages, args.dtype)
                 cells.append(f"{regs:4d} / {spill:6d} B / {smem // 1024:3d} KiB")
             except Exception as exc:  # noqa: BLE001 - report and go on
                 cells.append(f"failed: {type(exc).__name__}"[:26])

@@ -29,6 +29,14 @@ class GDNKernelConfig:
     bwd_qk_warps: int = 8
     wy_bwd_warps: int = 8       # GPU.md: fla's WY backward miscompiled at 4 warps; ours has no tl.trans
 
+    @staticmethod
+    def scan_stages(element_size: int) -> int:
+        """Software-pipeline depth of the two state scans. sm_90a shared memory at K=V=128, BV=32,
+        4 warps (`bench/gdn_resources.py --dtype ... --stages N`): bf16 at 3 stages 40/81 KiB (fwd/bwd
+        scan); fp32 at 3 stages 240/353 KiB and at 2 stages 168/240 KiB, over the H200's 227 KiB
+        (the runtime saw `OutOfResources` in fp32), at 1 stage 56/80 KiB."""
+        return 3 if element_size <= 2 else 1
+
 
 @dataclass(frozen=True)
 class GDNIndex:

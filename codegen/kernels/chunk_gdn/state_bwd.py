@@ -124,5 +124,5 @@ def state_bwd(q, k, w, gc, do, bank_grad, scale, index, *, block_v: int = GDNKer
         _state_bwd_kernel[(index.num_seqs * hv, vd // bv)](
             q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens, index.seq_chunk_start,
             index.chunk_export, scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv,
-            INTERPRET=interpreting(), num_warps=num_warps)
+            INTERPRET=interpreting(), num_warps=num_warps, num_stages=GDNKernelConfig.scan_stages(k.element_size()))
     return dh, dvn, dh0

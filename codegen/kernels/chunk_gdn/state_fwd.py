@@ -118,7 +118,7 @@ def state_fwd(k, w, u, gc, initial_state, index, *, block_v: int = GDNKernelConf
         _state_fwd_kernel[(index.num_seqs * hv, vd // bv)](
             k, w, u, gc, initial_state, h, v_new, bank, index.cu_seqlens, index.seq_chunk_start,
             index.chunk_export, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(),
-            num_warps=num_warps)
+            num_warps=num_warps, num_stages=GDNKernelConfig.scan_stages(k.element_size()))
     return h, v_new, bank
 
 
