@@ -33,5 +33,10 @@ def tree_causal_conv_reference(x: torch.Tensor, weight: torch.Tensor, conv_pred:
     x = x.to(weight.dtype)
     padded = torch.cat([x.new_zeros((1, x.shape[1])), x], dim=0)  # row 0 stands for "before position 0"
     taps = padded[conv_pred.long() + 1]  # [T, W-1, Ch]
-    y = (taps * weight[:, : width - 1].t()[None]).sum(dim=1) + x * weight[:, width - 1]
+    # taps summed oldest first with element-wise adds only: a reduction kernel may order its sums
+    # by tensor shape (seen on the GPU host's CPU), which would break tree == trajectory bitwise
+    y = x.new_zeros(x.shape)
+    for j in range(width - 1):
+        y = y + taps[:, j] * weight[:, j]
+    y = y + x * weight[:, width - 1]
     return F.silu(y) if activation == "silu" else y
