@@ -72,7 +72,7 @@ def build_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0,
     torch.manual_seed(seed)
     with torch.device(device):
         model = TreeModel(config, activation_checkpointing=checkpointing,
-                          triton_linear_attention=triton_linear_attention and dtype != torch.float64)
+                          triton_linear_attention=triton_linear_attention)
     gen = torch.Generator(device).manual_seed(seed)
     std = config.initializer_range
     with torch.no_grad():

@@ -53,7 +53,7 @@ class ExecutionContext:
     linear_plan: LinearRoundsPlan
     config: ModelConfig
     gdn_kernel: Callable | None = None  # override of chunk_gated_delta_rule (tests: recurrent oracle)
-    triton_linear_attention: bool = False  # Triton GDN + causal-conv kernels on CUDA (opt-in, see TreeModel)
+    triton_linear_attention: bool = False  # Triton GDN + causal-conv kernels for this forward (see TreeModel)
     attention_blocks: dict = dataclasses.field(default_factory=dict)  # CUDA tree-attention block index per head dim
     conv_cache: dict = dataclasses.field(default_factory=dict)  # CUDA causal-conv launch index
     _rope: dict = dataclasses.field(default_factory=dict)
@@ -104,16 +104,14 @@ class TreeModel(nn.Module):
     """Exact tree-mode execution of a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM."""
 
     def __init__(self, config: ModelConfig, *, activation_checkpointing: bool = False,
-                 triton_linear_attention: bool = False):
+                 triton_linear_attention: bool = True):
         super().__init__()
         self.config = config
         self.activation_checkpointing = activation_checkpointing
-        # The Triton GDN and tree causal-conv kernels are opt-in on CUDA until their current versions
-        # pass the GPU checks (tests/test_chunk_gdn_gpu.py, test_causal_conv.py, test_runtime_gpu.py):
-        # an earlier GDN version gave NaN gradients inside the model in bf16 (cause found and fixed
-        # on CPU since, bench/NOTES_gdn.md) and ran out of shared memory in fp32 at K=V=64; the conv
-        # kernel never ran on a GPU. The default on CUDA is the
-        # exact plain-torch path (slower).
+        # Triton GDN and tree causal-conv kernels on CUDA for bf16/fp16 models (checked on the H200:
+        # tests/test_chunk_gdn_gpu.py, test_causal_conv.py, test_runtime_gpu.py). fp32/fp64 models
+        # and `triton_linear_attention=False` run the exact plain-torch path: the kernels' dots
+        # would take fp32 operands through TF32 (measured ~8e-4 relative gradient differences).
         self.triton_linear_attention = triton_linear_attention
         self.model = TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -170,9 +168,10 @@ class TreeModel(nn.Module):
         self.check_index(index)
         if index.device != device:
             index = index.to(device)
-        ctx = ExecutionContext(index=index, linear_plan=plan_linear_rounds(index, use_triton=self.triton_linear_attention),
-                               config=self.config,
-                               gdn_kernel=gdn_kernel, triton_linear_attention=self.triton_linear_attention)
+        use_triton = (self.triton_linear_attention and device.type == "cuda"
+                      and self.lm_head.weight.dtype in (torch.bfloat16, torch.float16))
+        ctx = ExecutionContext(index=index, linear_plan=plan_linear_rounds(index, use_triton=use_triton),
+                               config=self.config, gdn_kernel=gdn_kernel, triton_linear_attention=use_triton)
         use_checkpoint = self.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         use_checkpoint = use_checkpoint and torch.is_grad_enabled()
 

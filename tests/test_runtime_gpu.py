@@ -54,13 +54,12 @@ def _worst_grad(a, b):
 
 
 def _models():
-    # the Triton GDN kernels are opt-in; these tests exist to check them (fp64 stays on the reference)
-    return {dtype: TreeModel.from_config(GPU_CONFIG, seed=0, dtype=dtype, device="cuda",
-                                         triton_linear_attention=dtype != torch.float64)
+    # bf16 runs the Triton kernels; fp32 and fp64 the exact torch paths (TreeModel's dispatch)
+    return {dtype: TreeModel.from_config(GPU_CONFIG, seed=0, dtype=dtype, device="cuda")
             for dtype in (torch.float64, torch.float32, torch.bfloat16)}
 
 
-def test_tree_equals_trajectory_wise_fp32_with_kernels():
+def test_tree_equals_trajectory_wise_fp32():
     batch = _batch()
     models = _models()
     model = models[torch.float32]

@@ -71,7 +71,7 @@ def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True) -> Li
 def _default_kernel(q: torch.Tensor, plan: LinearRoundsPlan, round_id: int):
     """Triton kernels with the prepared launch index when opted in on CUDA; else the plain torch reference (the
     wrapper would run Triton's interpreter whenever TRITON_INTERPRET=1, far too slow for a model)."""
-    if q.is_cuda and plan.kernel_index is not None:  # Triton opted in (TreeModel.triton_linear_attention)
+    if q.is_cuda and plan.kernel_index is not None:  # bf16/fp16 on CUDA (TreeModel.triton_linear_attention)
         return functools.partial(chunk_gated_delta_rule, index=plan.kernel_index[round_id])
     return chunk_gated_delta_rule_reference
 
