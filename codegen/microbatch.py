@@ -15,13 +15,6 @@ from harts_compiler.ir import derive
 from .index import LinearRound, MicrobatchIndex
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s+n) for every (s, n), vectorised."""
-    total = int(lengths.sum())
-    bases = derive.exclusive_cumsum(lengths)
-    return np.repeat(starts - bases, lengths) + np.arange(total, dtype=np.int64)
-
-
 def _tensor(array, dtype=torch.int64, device="cpu") -> torch.Tensor:
     return torch.as_tensor(np.ascontiguousarray(array)).to(dtype=dtype, device=device)
 
@@ -39,7 +32,7 @@ def build_microbatch_index(program, microbatch, device="cpu") -> MicrobatchIndex
     base = derive.exclusive_cumsum(tree_len)
     shift = np.zeros(forest.num_trees, np.int64)
     shift[trees] = forest.tree_start[trees] - base
-    glob = _ranges(forest.tree_start[trees], tree_len)  # global compact index of local token i
+    glob = derive.concat_ranges(forest.tree_start[trees], tree_len)  # global compact index of local token i
     # Every index a token refers to (predecessor, subtree end, replay row) lies in its own tree,
     # so "global -> local" is a subtraction of that tree's shift, repeated per token.
     token_shift = np.repeat(shift[trees], tree_len)
@@ -61,8 +54,8 @@ def build_microbatch_index(program, microbatch, device="cpu") -> MicrobatchIndex
     trajs = np.flatnonzero(np.isin(traj_tree, trees))
     lengths = forest.traj_length[trajs]
     run_lo, run_hi = forest.traj_run_ptr[trajs], forest.traj_run_ptr[trajs + 1]
-    runs = _ranges(run_lo, run_hi - run_lo)
-    compact = _ranges(forest.run_start[runs], forest.run_length[runs])
+    runs = derive.concat_ranges(run_lo, run_hi - run_lo)
+    compact = derive.concat_ranges(forest.run_start[runs], forest.run_length[runs])
     compact -= np.repeat(shift[traj_tree[trajs]], lengths)
     max_len = int(lengths.max(initial=0))
     row_start = derive.exclusive_cumsum(lengths)
@@ -107,13 +100,13 @@ def _rounds(seqs, trees: np.ndarray, shift: np.ndarray, device) -> tuple[list[Li
         own_len = seqs.seq_own_end[members] - seqs.seq_own_start[members]
         seq_len = replay_len + own_len
         cu = np.concatenate([[0], np.cumsum(seq_len)])
-        replay_rows = seqs.replay[_ranges(seqs.replay_ptr[members], replay_len)]
+        replay_rows = seqs.replay[derive.concat_ranges(seqs.replay_ptr[members], replay_len)]
         # Packed rows: per sequence, its replay rows then its own rows.
         seq_shift = shift[seqs.seq_tree[members]]
         row_src = np.empty(int(cu[-1]), np.int64)
-        row_src[_ranges(cu[:-1], replay_len)] = replay_rows - np.repeat(seq_shift, replay_len)
-        own_rows = _ranges(cu[:-1] + replay_len, own_len)
-        row_src[own_rows] = _ranges(seqs.seq_own_start[members] - seq_shift, own_len)
+        row_src[derive.concat_ranges(cu[:-1], replay_len)] = replay_rows - np.repeat(seq_shift, replay_len)
+        own_rows = derive.concat_ranges(cu[:-1] + replay_len, own_len)
+        row_src[own_rows] = derive.concat_ranges(seqs.seq_own_start[members] - seq_shift, own_len)
         own_dst = row_src[own_rows]
         init_state = np.asarray([-1 if s < 0 else bank[(s, o)] for s, o in
                                  zip(seqs.seq_init_seq[members].tolist(),

@@ -16,6 +16,14 @@ def exclusive_cumsum(values: np.ndarray) -> np.ndarray:
     return out
 
 
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for every (s, n), vectorised: the gather map of
+    segments stored elsewhere (node tokens, trajectory runs, packed rows)."""
+    total = int(lengths.sum())
+    return (np.repeat(np.asarray(starts, np.int64) - exclusive_cumsum(lengths), lengths)
+            + np.arange(total, dtype=np.int64))
+
+
 def token_node_and_position(node_start, node_length, node_position):
     """Per-token node and position, for nodes stored back to back in node order."""
     total = int(node_length.sum())

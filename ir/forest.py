@@ -89,9 +89,9 @@ class Forest:
 
     def trajectory_compact_indices(self, j: int) -> np.ndarray:
         """Compact indices of trajectory j's tokens, in position order (needs the layout)."""
+        from .derive import concat_ranges
         lo, hi = self.traj_run_ptr[j], self.traj_run_ptr[j + 1]
-        return np.concatenate([np.arange(s, s + n) for s, n in
-                               zip(self.run_start[lo:hi].tolist(), self.run_length[lo:hi].tolist())])
+        return concat_ranges(self.run_start[lo:hi], self.run_length[lo:hi])
 
     def conv_pred(self) -> np.ndarray:
         """[T, conv_width-1] path predecessors, oldest first, -1 before position 0."""

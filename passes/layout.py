@@ -95,10 +95,7 @@ def lay_out(forest: Forest, conv_width: int, cont_child: np.ndarray | None = Non
     node_position = forest.node_position[old]
     node_start = derive.exclusive_cumsum(node_length)
     node_cont = renumber(cont_child[old])
-    total = forest.num_tokens
-    gather = (np.repeat(forest.node_start[old] - node_start, node_length)
-              + np.arange(total, dtype=np.int64))
-    token_ids = forest.token_ids[gather]
+    token_ids = forest.token_ids[derive.concat_ranges(forest.node_start[old], node_length)]
     traj_end_node = new_of_old[forest.traj_end_node]
     tables = derive.layout_tables(node_parent, node_tree, node_start, node_length, node_position,
                                   node_cont, traj_end_node, forest.num_trees)

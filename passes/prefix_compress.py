@@ -97,9 +97,7 @@ def compress(batch: Trajectories) -> Forest:
     node_length = np.asarray(hi, np.int64) - node_position
     node_start = derive.exclusive_cumsum(node_length)
     source = offsets[np.asarray(rep, np.int64)] + node_position  # first token in the input
-    total = int(node_length.sum())
-    gather = np.repeat(source - node_start, node_length) + np.arange(total, dtype=np.int64)
-    token_ids = tokens[gather]
+    token_ids = tokens[derive.concat_ranges(source, node_length)]
     traj_end_node = np.asarray(traj_end, np.int64)
     node_tree, tree_ids = _number_trees(node_parent, node_position, traj_end_node, batch.groups)
     token_node, token_position = derive.token_node_and_position(node_start, node_length,

@@ -187,9 +187,7 @@ def cut_forest(forest: Forest, part_of_traj: np.ndarray, part_tree: np.ndarray,
     node_position = forest.node_position[pair_node[heads]]
     node_tree = pair_part[heads]
     node_start = derive.exclusive_cumsum(node_length)
-    gather = np.repeat(forest.node_start[pair_node], forest.node_length[pair_node])
-    gather += np.arange(gather.size) - np.repeat(derive.exclusive_cumsum(
-        forest.node_length[pair_node]), forest.node_length[pair_node])
+    gather = derive.concat_ranges(forest.node_start[pair_node], forest.node_length[pair_node])
     traj_key = part_of_traj * forest.num_nodes + forest.traj_end_node
     traj_end_node = new_id[np.searchsorted(key, traj_key)]
     token_node, token_position = derive.token_node_and_position(node_start, node_length,
