@@ -57,10 +57,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         bank_grad = torch.zeros(index.num_slots, hv, kd, vd, device=q.device, dtype=torch.float32)
         if d_exported is not None and index.num_slots:
             d_exported = d_exported.to(torch.float32)
-            if index.export_slot.numel() == index.num_slots:  # every state requested once: a permutation
+            if len(index.export_slot_host) == index.num_slots:  # every state requested once: a permutation
                 bank_grad[index.export_slot] = d_exported
             else:  # duplicates summed in a fixed order (index_add_ may use atomics on CUDA)
-                for e, slot in enumerate(index.export_slot.tolist()):
+                for e, slot in enumerate(index.export_slot_host):
                     bank_grad[slot] += d_exported[e]
         cfg = index.config
         dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank_grad, ctx.scale, index, block_v=cfg.scan_block_v,

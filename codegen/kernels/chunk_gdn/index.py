@@ -51,10 +51,10 @@ class GDNIndex:
     chunk_export: torch.Tensor      # [NC] int32, slot of the state leaving this chunk in the export bank, -1 = none
     num_slots: int                  # distinct exported (sequence, offset) states
     export_slot: torch.Tensor       # [E] int64, slot of each requested export (duplicates share a slot)
+    export_slot_host: tuple[int, ...]  # the same slots on the host: backward sums duplicates without a sync
     export_seq: tuple[int, ...]
     export_offset: tuple[int, ...]
     config: GDNKernelConfig = GDNKernelConfig()
-
 
 
 def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_size: int = 64,
@@ -96,4 +96,5 @@ def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_siz
         seq_chunk_start=as_tensor(seq_chunk_start, torch.int64), chunk_row_start=as_tensor(row_start, torch.int64),
         chunk_row_end=as_tensor(row_end, torch.int64), chunk_export=as_tensor(chunk_export, torch.int32),
         num_slots=len(slot_of), export_slot=as_tensor(np.asarray(export_slot, dtype=np.int64), torch.int64),
+        export_slot_host=tuple(export_slot),
         export_seq=e_seq, export_offset=e_off, config=config or GDNKernelConfig())
