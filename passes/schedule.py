@@ -12,7 +12,7 @@ from harts_compiler.ir import Microbatches, Program
 from .assign import OBJECTIVES, assign
 from .base import Pass
 from .cost_model import (CostModelError, LayerCounts, default_cost_model, load_cost_model,
-                         tree_features)
+                         tree_costs)
 
 
 @dataclass(frozen=True)
@@ -20,10 +20,10 @@ class Schedule(Pass):
     """Sequenced program -> + microbatches.
 
     Items are the trees (after `split-oversize`, every tree fits the budget). Item cost is the
-    cost model's predicted fwd+bwd time of the tree alone (`cost_model.tree_features` +
-    `predict`, for a model with `linear_layers` / `full_layers`; `cost_model` names a fitted
-    JSON file, "default" the built-in guesses, None the repository's fit if any), less the per-microbatch
-    constant, which packed trees share. `assign.assign` places
+    cost model's predicted fwd+bwd time of the tree alone (`cost_model.tree_costs`, for a model
+    with `linear_layers` / `full_layers`; `cost_model` names a fitted JSON file, "default" the
+    built-in guesses, None the repository's fit if any), less the per-microbatch constant, which
+    packed trees share. `assign.assign` places
     every item on one (rank, slot) with at most `microbatch_tokens` compact tokens per (rank,
     slot), minimising `objective` (`sum_of_slot_max`: ranks run slots in lockstep; or
     `max_rank_total`) with a greedy warm start, CP-SAT under `time_limit_s` (deterministic work
@@ -70,8 +70,7 @@ class Schedule(Pass):
             raise InputError(f"option cost_model: {error}") from None
         # A tree alone would pay the per-microbatch constant; packed trees share it, so it is
         # not an item's cost (it is about the same for every non-empty (rank, slot)).
-        cost = np.atleast_1d(model.predict(tree_features(program),
-                                           LayerCounts(self.linear_layers, self.full_layers)))
+        cost = tree_costs(program, LayerCounts(self.linear_layers, self.full_layers), model)
         cost = np.maximum(cost - model.coefficients.get("microbatch", 0.0), 0.0)
         result = assign(sizes, cost, token_budget=budget or None, dp_size=self.dp_size,
                         num_slots=None if budget else 1, objective=self.objective,
