@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
+from common import median, peak_memory, time_calls
 from harts_compiler.codegen import trajectory_index
 from harts_compiler.runtime.ops.logprobs import token_logprobs
 from harts_compiler.runtime.ops.logprobs_reference import dense_token_logprobs
@@ -31,40 +30,26 @@ from harts_compiler.runtime.ops.logprobs_reference import dense_token_logprobs
 
 def measure(fn, hidden, weight, grads, repeats):
     """(median ms fwd+bwd, median ms fwd, peak extra bytes, outputs) of one variant."""
-    cuda = hidden.is_cuda
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+    device = hidden.device
 
     def step():
         logprobs, entropy = fn(hidden, weight)
         loss = (logprobs * grads[0]).sum() + (entropy * grads[1]).sum()
         return logprobs, entropy, torch.autograd.grad(loss, (hidden, weight))
 
+    def forward():
+        with torch.no_grad():
+            fn(hidden, weight)
+
     outputs = step()  # warm-up, and the outputs for the accuracy check
     outputs = tuple(o.detach() for o in outputs[:2]) + tuple(outputs[2])
-    sync()
-    peak = float("nan")
-    if cuda:
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+    with peak_memory(device) as memory:
         step()
-        sync()
-        peak = torch.cuda.max_memory_allocated() - base
-    times = {"fwd+bwd": [], "fwd": []}
-    for _ in range(repeats):
-        for kind in times:
-            sync()
-            start = time.perf_counter()
-            if kind == "fwd":
-                with torch.no_grad():
-                    fn(hidden, weight)
-            else:
-                step()
-            sync()  # host timing around a full sync: launch gaps count, as they do in training
-            times[kind].append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times["fwd+bwd"]), statistics.median(times["fwd"]), peak, outputs
+    peak = float("nan") if memory["gib"] is None else memory["gib"] * 2**30
+    # host timing around a full sync: launch gaps count, as they do in training
+    total = time_calls(step, device, warmup=0, repeat=repeats)
+    forward_only = time_calls(forward, device, warmup=0, repeat=repeats)
+    return median(total), median(forward_only), peak, outputs
 
 
 def tree_case(prefix, branches, branch_length, vocab, device):
