@@ -26,15 +26,27 @@ class LinearRoundsPlan:
 
     init_slot: list[torch.Tensor]  # per round [N]: row of the stacked state list (0 = the zero state)
     restore: torch.Tensor  # [T]: row of cat(own outputs of all rounds) holding compact token t
-    identity_rows: list[bool]  # per round: packed rows are exactly the compact tokens in order
+    identity: bool  # one round whose packed rows are exactly the compact tokens in order (trajectory-wise)
     kernel_index: list | None  # Triton opted in on CUDA: per round the kernel's launch index, shared by all layers
+
+
+def _is_identity_round(index: MicrobatchIndex) -> torch.Tensor:
+    """0-d bool on the index's device: a single round whose packed rows, own rows and own tokens are
+    all 0..T-1 in order (the trajectory-wise index), so the rounds need no gather or scatter."""
+    T = index.num_tokens
+    if len(index.rounds) != 1 or not index.rounds[0].row_src.numel() == index.rounds[0].own_rows.numel() == T:
+        return torch.zeros((), dtype=torch.bool, device=index.device)
+    rnd = index.rounds[0]
+    order = torch.arange(T, device=index.device)
+    return (rnd.row_src == order).all() & (rnd.own_rows == order).all() & (rnd.own_dst == order).all()
 
 
 def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True) -> LinearRoundsPlan:
     """Bank ids -> rows of the list [zero state, exports of round 0, exports of round 1, ...].
 
-    The slot of every bank id is known from the export sizes (shapes). One host check per forward
-    rejects a plan whose sequence starts from a state no earlier round exported.
+    The slot of every bank id is known from the export sizes (shapes). One host transfer per forward
+    both rejects a plan whose sequence starts from a state no earlier round exported and detects the
+    trajectory-wise (identity) layout.
     """
     device = index.device
     slot_of_bank = torch.full((max(index.num_states, 1),), -1, dtype=torch.long, device=device)
@@ -47,24 +59,21 @@ def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True) -> Li
         offset += n_exports
     init_slot = [torch.where(rnd.init_state >= 0, slot_of_bank[rnd.init_state.clamp(min=0)],
                              torch.zeros_like(rnd.init_state)) for rnd in index.rounds]
-    late = [r for r, (slots, limit) in enumerate(zip(init_slot, available))
-            if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= limit)]
-    if late:
-        raise ValueError(f"MicrobatchIndex.rounds[{late[0]}].init_state: a sequence starts from a bank state that "
-                         "no earlier round exports")
     own_dst = torch.cat([rnd.own_dst for rnd in index.rounds])
     restore = torch.empty_like(own_dst)
     restore[own_dst] = torch.arange(own_dst.numel(), device=device)
-    T = index.num_tokens
-    identity_rows = [rnd.row_src.numel() == T and rnd.own_rows.numel() == T and len(index.rounds) == 1
-                     and bool(torch.equal(rnd.row_src.cpu(), torch.arange(T)))
-                     and bool(torch.equal(rnd.own_rows.cpu(), torch.arange(T)))
-                     and bool(torch.equal(rnd.own_dst.cpu(), torch.arange(T))) for rnd in index.rounds]
+    # every per-round flag is reduced on the device and read back in ONE host transfer per forward
+    late_flags = [((slots < 0) | (slots >= limit)).any() for slots, limit in zip(init_slot, available)]
+    flags = torch.stack(late_flags + [_is_identity_round(index)]).tolist() if index.rounds else []
+    late = [r for r, is_late in enumerate(flags[:-1]) if is_late]
+    if late:
+        raise ValueError(f"MicrobatchIndex.rounds[{late[0]}].init_state: a sequence starts from a bank state that "
+                         "no earlier round exports")
     kernel_index = None
     if use_triton and device.type == "cuda" and index.chunk_size == TRITON_CHUNK_SIZE:
         kernel_index = [prepare_gdn_index(rnd.cu_seqlens, rnd.export_seq, rnd.export_offset, index.chunk_size,
                                           device=device) for rnd in index.rounds]
-    return LinearRoundsPlan(init_slot=init_slot, restore=restore, identity_rows=identity_rows,
+    return LinearRoundsPlan(init_slot=init_slot, restore=restore, identity=bool(flags and flags[-1]),
                             kernel_index=kernel_index)
 
 
@@ -88,10 +97,10 @@ def gated_delta_rule_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
     states = [torch.zeros((1, heads, k_dim, v_dim), dtype=state_dtype, device=v.device)]
     outputs = []
-    for round_id, (rnd, init_slot, identity) in enumerate(zip(index.rounds, plan.init_slot, plan.identity_rows)):
+    for round_id, (rnd, init_slot) in enumerate(zip(index.rounds, plan.init_slot)):
         call = kernel if kernel is not None else _default_kernel(q, plan, round_id)
         bank = torch.cat(states) if len(states) > 1 else states[0]
-        if identity:  # trajectory-wise index: no gather/scatter needed
+        if plan.identity:  # trajectory-wise index: no gather/scatter needed
             rows_q, rows_k, rows_v, rows_g, rows_beta = q, k, v, g, beta
         else:
             src = rnd.row_src
@@ -101,7 +110,7 @@ def gated_delta_rule_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                              export_seq=rnd.export_seq, export_offset=rnd.export_offset,
                              chunk_size=index.chunk_size, use_qk_l2norm=use_qk_l2norm)
         states.append(exported.to(state_dtype))
-        outputs.append(out if identity else out[rnd.own_rows])
-    if len(outputs) == 1 and plan.identity_rows[0]:
+        outputs.append(out if plan.identity else out[rnd.own_rows])
+    if plan.identity:
         return outputs[0]
     return torch.cat(outputs)[plan.restore]
