@@ -118,7 +118,9 @@ def _assign_parts(forest: Forest, budget: int, oversize: np.ndarray, clock: Spli
     ends = np.bincount(forest.traj_end_node, minlength=forest.num_nodes)
     roots = np.flatnonzero(forest.node_parent < 0)
     children = forest.children()
-    node_end = derive.subtree_node_end(forest.node_parent)
+    # The layout stores subtree ends in tokens; node starts are strictly increasing, so the
+    # node-index end is a lookup (no second walk over the node table).
+    node_end = np.searchsorted(forest.node_start, forest.node_subtree_end)
     traj_tree = forest.node_tree[forest.traj_end_node]
     for t in oversize.tolist():
         root = int(roots[forest.node_tree[roots] == t][0])
