@@ -27,6 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import torch
 
+from common import kernel_ms
 from harts_compiler.codegen.kernels.tree_attention import (
     build_block_index, config_for, tree_attention, tree_attention_fp32_oracle)
 from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dkdv, bwd_dq
@@ -45,8 +46,7 @@ def log(*parts):
 
 
 def bench_ms(fn, rep=300):
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=50, rep=rep, return_mode="median")
+    return kernel_ms(fn, torch.device("cuda"), rep_ms=rep, warmup_ms=50)
 
 
 def generated_layout() -> TreeLayout | None:

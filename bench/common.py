@@ -231,11 +231,12 @@ def median(values) -> float:
     return float(statistics.median(values)) if len(values) else float("nan")
 
 
-def kernel_ms(fn: Callable[[], object], device: torch.device, *, rep_ms: int = 100) -> float:
+def kernel_ms(fn: Callable[[], object], device: torch.device, *, rep_ms: int = 100,
+              warmup_ms: int = 25) -> float:
     """Median ms of a short GPU call (triton's do_bench: L2 flushed, CUDA events); CPU: wall."""
     if device.type == "cuda":
         import triton.testing
-        return float(triton.testing.do_bench(fn, rep=rep_ms, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     return median(time_calls(fn, device, warmup=1, repeat=3))
 
 

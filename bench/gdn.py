@@ -17,6 +17,7 @@ import random
 import torch
 import triton
 
+from common import kernel_ms
 from harts_compiler.codegen.kernels.chunk_gdn import (
     GDNKernelConfig,
     chunk_gated_delta_rule,
@@ -25,6 +26,7 @@ from harts_compiler.codegen.kernels.chunk_gdn import (
 )
 from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_trajectories, run_tree, two_level_plan
 
+CUDA = torch.device("cuda")
 GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
 ANCHORS = [(4096, 8, 3584), (16384, 8, 2048), (2048, 16, 1920)]
 
@@ -157,7 +159,7 @@ def timed(fn, leaves, outputs_grad):
     def step():
         outs = fn(*leaves)
         torch.autograd.grad(outs, leaves, outputs_grad(outs))
-    return triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+    return kernel_ms(step, CUDA, rep_ms=300, warmup_ms=50)
 
 
 def bench_trees(fla, log, config: GDNKernelConfig, label: str):
@@ -235,7 +237,7 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
     do = torch.randn_like(v)
     dh, dvn, _ = state_bwd(q, k, w, gc, do, bank, scale, index, block_v=cfg.scan_block_v, num_warps=cfg.scan_warps,
                              dv_local_warps=cfg.dv_local_warps)
-    bench = lambda f: triton.testing.do_bench(f, warmup=20, rep=100, return_mode="median")  # noqa: E731
+    bench = lambda f: kernel_ms(f, CUDA, rep_ms=100, warmup_ms=20)  # noqa: E731
     stages = {
         "l2norm fwd (q,k)": bench(lambda: (l2norm_fused(tensors[0]), l2norm_fused(tensors[1]))),
         "wy_fwd": bench(lambda: wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps)),
@@ -281,8 +283,7 @@ def conv_section(log, rows=32768, channels=8192, width=4):
         y = fn()
         got = [y, *torch.autograd.grad((y.float() * dy.float()).sum(), [x, w])]
         errs = [rel_err(a, b) for a, b in zip(got, ref)]
-        ms = triton.testing.do_bench(lambda: torch.autograd.grad(fn(), [x, w], dy), warmup=20, rep=100,
-                                     return_mode="median")
+        ms = kernel_ms(lambda: torch.autograd.grad(fn(), [x, w], dy), CUDA, rep_ms=100, warmup_ms=20)
         print(f"{name:13s} y {errs[0]:.1e} dx {errs[1]:.1e} dw {errs[2]:.1e}   {ms:.3f} ms")
         log.append(dict(section="conv", path=name, errors=errs, ms=ms))
 
