@@ -92,7 +92,8 @@ class MicrobatchIndex:
         if self.row_target.shape != self.row_pred.shape or self.row_target.shape[0] != len(self.trajectory_ids):
             raise ValueError("MicrobatchIndex.row_target/row_pred: shapes disagree with trajectory_ids")
         own = torch.cat([r.own_dst for r in self.rounds]) if self.rounds else torch.empty(0, dtype=torch.long)
-        if own.numel() != T or not torch.equal(torch.sort(own.cpu()).values, torch.arange(T)):
+        # compared on the index's device: one host sync, no copy of a T-long tensor to the host
+        if own.numel() != T or not torch.equal(torch.sort(own).values, torch.arange(T, device=own.device)):
             raise ValueError("MicrobatchIndex.rounds: own_dst must cover every compact token exactly once")
 
 

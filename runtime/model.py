@@ -149,12 +149,15 @@ class TreeModel(nn.Module):
         if index.chunk_size <= 0:
             raise InvalidBatchError(f"MicrobatchIndex.chunk_size={index.chunk_size} must be positive")
         if index.num_tokens:
-            low, high = int(index.token_ids.min()), int(index.token_ids.max())
+            # the three extremes in one host transfer (this runs before every forward)
+            targets = index.target_token if index.target_token.numel() else index.token_ids[:1]
+            low, high, target_high = torch.stack([index.token_ids.min(), index.token_ids.max(),
+                                                  targets.max()]).tolist()
             if low < 0 or high >= self.config.vocab_size:
                 bad = low if low < 0 else high
                 raise InvalidBatchError(f"MicrobatchIndex.token_ids: token id {bad} is outside the model's "
                                         f"vocabulary [0, {self.config.vocab_size})")
-            if index.target_token.numel() and int(index.target_token.max()) >= self.config.vocab_size:
+            if target_high >= self.config.vocab_size:
                 raise InvalidBatchError("MicrobatchIndex.target_token: token id outside the model's vocabulary")
         index.check()
 

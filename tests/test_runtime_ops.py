@@ -172,6 +172,14 @@ def test_bad_index_is_rejected_before_compute():
         model(trajectory_index([[1, 2, 128]]), gdn_kernel=exploding_kernel)
     with pytest.raises(InvalidBatchError, match="token id -1"):
         model(trajectory_index([[1, -1, 3]]), gdn_kernel=exploding_kernel)
+    bad_target = trajectory_index([[1, 2, 3]])
+    bad_target.target_token = torch.tensor([2, 128])
+    with pytest.raises(InvalidBatchError, match="target_token"):
+        model(bad_target, gdn_kernel=exploding_kernel)
+    uncovered = trajectory_index([[1, 2, 3]])
+    uncovered.rounds[0].own_dst = torch.tensor([0, 1, 1])
+    with pytest.raises(ValueError, match="own_dst must cover every compact token"):
+        model(uncovered, gdn_kernel=exploding_kernel)
     with pytest.raises(TypeError, match="trajectory_wise"):
         trajectory_wise(model, 42)
 
