@@ -139,7 +139,7 @@ def assign(item_tokens, item_cost, *, token_budget: int | None, dp_size: int,
     if num_slots is None and len(slot):  # drop slots the search emptied on every rank
         used_slots, slot = np.unique(slot, return_inverse=True)
         n_slots = len(used_slots)
-    slot_tokens, slot_cost = _slot_totals(tokens, cost, rank, slot, dp_size, n_slots)
+    slot_tokens, slot_cost = slot_totals(tokens, cost, rank, slot, dp_size, n_slots)
     value = plan_objective(cost, rank, slot, dp_size, n_slots, objective)
     if bound > value and bound <= value * (1 + 1e-9):  # summation-order noise, not a real gap
         bound = value
@@ -241,7 +241,9 @@ def _first_fit_by_tokens(tokens, budget: int, dp_size: int, num_slots: int):
     return cell % dp_size, cell // dp_size
 
 
-def _slot_totals(tokens, cost, rank, slot, dp_size, n_slots):
+def slot_totals(tokens, cost, rank, slot, dp_size, n_slots):
+    """([dp_size, n_slots] tokens, [dp_size, n_slots] cost) of a plan: the per-cell loads that
+    the objectives, the local searches and the LNS all start from."""
     cell = rank * n_slots + slot
     size = dp_size * n_slots
     slot_tokens = np.bincount(cell, weights=tokens, minlength=size).astype(np.int64)
@@ -250,7 +252,7 @@ def _slot_totals(tokens, cost, rank, slot, dp_size, n_slots):
 
 
 def plan_objective(cost, rank, slot, dp_size: int, n_slots: int, objective: str) -> float:
-    _, slot_cost = _slot_totals(np.zeros(len(cost)), cost, rank, slot, dp_size, n_slots)
+    _, slot_cost = slot_totals(np.zeros(len(cost)), cost, rank, slot, dp_size, n_slots)
     if objective == "sum_of_slot_max":
         return float(slot_cost.max(axis=0).sum())
     return float(slot_cost.sum(axis=1).max())

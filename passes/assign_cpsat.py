@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .assign import _slot_totals, lower_bound, plan_objective
+from .assign import slot_totals, lower_bound, plan_objective
 from .assign_local import MOVES_PER_SECOND, _local_search, _local_search_total, _regroup_slots
 
 FULL_MODEL_MAX_VARS = 3000     # items x ranks x slots up to which the whole problem is one model
@@ -130,7 +130,7 @@ def _lns(clock, out, tokens, cost, units, budget, dp_size, n_slots, objective, s
     tried: set[tuple] = set()
     improved = False
     while clock.left()[0] > 0.002 and clock.left()[1] > det_reserve:
-        _, cell_cost = _slot_totals(tokens, cost, out.rank, out.slot, dp_size, n_slots)
+        _, cell_cost = slot_totals(tokens, cost, out.rank, out.slot, dp_size, n_slots)
         hood = _pick_neighbourhood(cell_cost, objective, tried, rng)
         if hood is None:
             return improved

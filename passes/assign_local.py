@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from .assign import slot_totals
 
 MOVES_PER_SECOND = 1_000       # local-search item tries granted per second of time_limit_s
 
@@ -23,10 +24,7 @@ def _local_search(tokens, cost, budget, rank, slot, dp_size, n_slots, deadline,
     cheaper item anywhere; apply it if it lowers the objective. Stops when a pass finds nothing
     or after `max_tries` items (deterministic); the wall clock is only a safety stop.
     Returns (changed anything, stopped by the wall clock)."""
-    load = np.zeros((dp_size, n_slots))
-    used = np.zeros((dp_size, n_slots), dtype=np.int64)
-    np.add.at(load, (rank, slot), cost)
-    np.add.at(used, (rank, slot), tokens)
+    used, load = slot_totals(tokens, cost, rank, slot, dp_size, n_slots)
     changed, improving, tries = False, True, 0
     while improving and tries < max_tries:
         if time.perf_counter() > deadline:
@@ -82,10 +80,7 @@ def _local_search_total(tokens, cost, budget, rank, slot, dp_size, n_slots, dead
     """Local search for max_rank_total, in place: move an item off the busiest rank into any
     cell with room, or swap it with a cheaper item, when the two ranks' larger total drops
     below the busiest rank's. Budgets and return values as `_local_search`."""
-    load = np.zeros((dp_size, n_slots))
-    used = np.zeros((dp_size, n_slots), dtype=np.int64)
-    np.add.at(load, (rank, slot), cost)
-    np.add.at(used, (rank, slot), tokens)
+    used, load = slot_totals(tokens, cost, rank, slot, dp_size, n_slots)
     changed, tries = False, 0
     while tries < max_tries:
         if time.perf_counter() > deadline:
