@@ -51,6 +51,8 @@ from typing import Any
 
 import numpy as np
 
+from harts_compiler.ir import derive
+
 DEFAULT_PATH = Path(__file__).with_name("cost_model_h200.json")
 
 FEATURE_NAMES = ("compact_tokens", "replay_tokens", "sequences", "rounds", "chunk_depth",
@@ -138,7 +140,8 @@ def program_features(program, trees) -> MicrobatchFeatures:
     if trees.size and (trees[0] < 0 or trees[-1] >= forest.num_trees):
         raise CostModelError(f"trees: index out of range [0, {forest.num_trees})")
     starts, ends = forest.tree_start[trees], forest.tree_end[trees]
-    cum_pairs = np.concatenate([[0], np.cumsum(forest.token_position + 1)])
+    # Only the microbatch's tokens (a batch-wide prefix sum would cost O(T) per microbatch).
+    positions = forest.token_position[derive.concat_ranges(starts, ends - starts)]
     chosen = np.isin(seqs.seq_tree, trees)
     seq_round = seqs.seq_round[chosen]
     depth = np.zeros(int(seqs.tree_rounds[trees].max(initial=0)), np.int64)
@@ -148,7 +151,7 @@ def program_features(program, trees) -> MicrobatchFeatures:
         compact_tokens=int((ends - starts).sum()),
         replay_tokens=int(np.diff(seqs.replay_ptr)[chosen].sum()),
         sequences=int(chosen.sum()), rounds=int(depth.size), chunk_depth=int(depth.sum()),
-        attention_pairs=int((cum_pairs[ends] - cum_pairs[starts]).sum()),
+        attention_pairs=int((positions + 1).sum()),
         trajectories=int(traj.sum()), trajectory_tokens=int(forest.traj_length[traj].sum()))
 
 
