@@ -4,6 +4,7 @@ Bad input must fail here with a message naming the field, not deep inside a kern
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ def validate_gdn_inputs(q, k, v, g, beta, *, initial_state, cu_seqlens, export_s
         raise ValueError("chunk_gated_delta_rule: `cu_seqlens` must be a 1-D int32/int64 tensor [N+1], got "
                          f"shape {tuple(cu_seqlens.shape)} dtype {cu_seqlens.dtype}")
     if known is not None:
-        bounds = [0] + [int(x) for x in torch.tensor(known[0], dtype=torch.long).cumsum(0).tolist()]
+        bounds = [0, *itertools.accumulate(known[0])]  # host ints: no tensor per layer call
         if cu_seqlens.numel() != len(bounds):
             raise ValueError(f"chunk_gated_delta_rule: `cu_seqlens` has {cu_seqlens.numel()} entries, the index "
                              f"was built for {len(bounds)}")

@@ -66,8 +66,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     check_tree_attention_inputs(q, k, v, subtree_end)
     if not uses_triton(q):
         return tree_attention_reference_chunked(q, k, v, subtree_end, scale=scale)
-    config_for(q.shape[2])  # validates the head dim even when a config is given
-    config = config or config_for(q.shape[2])
+    default = config_for(q.shape[2])  # validates the head dim even when a config is given
+    config = config or default
     if not q.is_cuda and q.dtype != torch.float32:
         # Triton 3.6's interpreter computes tl.dot of bf16/fp16 operands wrongly (it multiplies
         # raw bit patterns): run the interpreted kernels in fp32, autograd casts back
