@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harts_compiler.cli import main
 from harts_compiler.generator import PRESETS, batch_stats, gen_main, generate, write_jsonl
 
 # Test scale: every length x0.03 keeps the batch shape (turns, forks, edits) but is tiny.
@@ -162,7 +163,8 @@ def test_gen_main_writes_and_prints_statistics(tmp_path, capsys):
         assert word in text
     n_traj = int(text.split("trajectories")[1].split()[0])
     assert n_traj == len(out.read_text().splitlines())
-    assert gen_main(["--preset", "swe", "--turns", "9", "3"]) == 2
+    assert main(["gen", "--preset", "swe", "--turns", "9", "3"]) == 2
+    assert "harts gen: turns" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
+
+from harts_compiler.errors import InputError
 
 from .presets import PRESETS
 from .rollouts import generate, write_jsonl
@@ -34,9 +35,8 @@ def gen_main(argv: list[str]) -> int:
         overrides["turns"] = tuple(args.turns)
     try:
         batch = generate(args.preset, args.seed, **overrides)
-    except ValueError as error:
-        print(f"harts gen: {error}", file=sys.stderr)
-        return 2
+    except ValueError as error:  # bad preset parameters: the CLI's one InputError path (exit 2)
+        raise InputError(str(error)) from None
     if args.output:
         write_jsonl(batch, args.output, args.form)
     print(f"preset {args.preset}, seed {args.seed}"
