@@ -52,8 +52,10 @@ def first_trajectory(forest: Forest) -> np.ndarray:
                                 derive.bottom_up_order(forest.node_position), combine=min)
 
 
-def default_continuation(forest: Forest, children: list[list[int]]) -> np.ndarray:
-    size, first = subtree_tokens(forest).tolist(), first_trajectory(forest).tolist()
+def default_continuation(forest: Forest, children: list[list[int]],
+                         first: list[int]) -> np.ndarray:
+    """Largest subtree first; ties to the child with the earlier first trajectory (`first`)."""
+    size = subtree_tokens(forest).tolist()
     cont = np.full(forest.num_nodes, -1, np.int64)
     for v, kids in enumerate(children):
         if kids:
@@ -65,10 +67,10 @@ def lay_out(forest: Forest, conv_width: int, cont_child: np.ndarray | None = Non
     """Lay the forest out; `cont_child` (over the forest's current node ids) overrides the
     continuation children. Returns a new, laid-out Forest."""
     children = forest.children()
+    first = first_trajectory(forest).tolist()
     if cont_child is None:
         cont_child = (forest.node_cont_child if forest.node_cont_child is not None
-                      else default_continuation(forest, children))
-    first = first_trajectory(forest).tolist()
+                      else default_continuation(forest, children, first))
     cont = cont_child.tolist()
     roots = sorted(np.flatnonzero(forest.node_parent < 0).tolist(),
                    key=lambda r: int(forest.node_tree[r]))
