@@ -83,7 +83,8 @@ class MicrobatchIndex:
         T, W = self.num_tokens, self.conv_width
         expect = {
             "positions": (T,), "multiplicity": (T,), "conv_pred": (T, W - 1), "subtree_end": (T,),
-            "lengths": (len(self.trajectory_ids),),
+            "lengths": (len(self.trajectory_ids),), "target_src": (self.target_src.numel(),),
+            "target_token": (self.target_src.numel(),),
         }
         for name, shape in expect.items():
             got = tuple(getattr(self, name).shape)

@@ -27,8 +27,7 @@ from .gated_deltanet import GatedDeltaNet
 from .layers import DenseMLP, ZeroCentredRMSNorm, rope_tables
 from .moe import RouterStats, SparseMoeBlock, load_balancing_loss
 from .ops.linear_attention import LinearRoundsPlan, plan_linear_rounds
-
-from .ops.logprobs import token_logprobs
+from .ops.logprobs import check_target_index, token_logprobs
 
 
 class InvalidBatchError(ValueError):
@@ -149,17 +148,16 @@ class TreeModel(nn.Module):
         if index.chunk_size <= 0:
             raise InvalidBatchError(f"MicrobatchIndex.chunk_size={index.chunk_size} must be positive")
         if index.num_tokens:
-            # the three extremes in one host transfer (this runs before every forward)
-            targets = index.target_token if index.target_token.numel() else index.token_ids[:1]
-            low, high, target_high = torch.stack([index.token_ids.min(), index.token_ids.max(),
-                                                  targets.max()]).tolist()
+            low, high = torch.stack([index.token_ids.min(), index.token_ids.max()]).tolist()  # one host transfer
             if low < 0 or high >= self.config.vocab_size:
                 bad = low if low < 0 else high
                 raise InvalidBatchError(f"MicrobatchIndex.token_ids: token id {bad} is outside the model's "
                                         f"vocabulary [0, {self.config.vocab_size})")
-            if target_high >= self.config.vocab_size:
-                raise InvalidBatchError("MicrobatchIndex.target_token: token id outside the model's vocabulary")
         index.check()
+        try:  # targets (vocabulary range included) checked here, before compute, not by token_logprobs after it
+            check_target_index(index, index.num_tokens, self.config.vocab_size)
+        except ValueError as error:
+            raise InvalidBatchError(f"MicrobatchIndex: {error}") from None
 
     def forward(self, index, *, activation_checkpointing: bool | None = None,
                 gdn_kernel: Callable | None = None) -> TreeOutput:
@@ -189,7 +187,7 @@ class TreeModel(nn.Module):
             if stats is not None:
                 router_stats.append(stats)
         x = self.model.norm(x)
-        logprobs, entropy = token_logprobs(x, self.lm_head.weight, index)
+        logprobs, entropy = token_logprobs(x, self.lm_head.weight, index, check_values=False)  # check_index did
 
         aux_loss = load_balancing_loss(router_stats, self.config.num_experts)
         expert_load = torch.stack([s.assigned for s in router_stats]).detach() if router_stats else None

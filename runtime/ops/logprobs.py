@@ -247,7 +247,7 @@ def _check_inputs(hidden, lm_head_weight, index, chunk_tokens, temperature) -> N
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature!r}")
 
 
-def _check_index_values(index, n_tokens: int, vocab: int) -> None:
+def check_target_index(index, n_tokens: int, vocab: int) -> None:
     """Range and consistency checks of the index values (one host sync for all of them)."""
     src, tok = index.target_src.long(), index.target_token.long()
     row_target, row_pred = index.row_target.long(), index.row_pred.long()
@@ -331,7 +331,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, index, *,
     """
     _check_inputs(hidden, lm_head_weight, index, chunk_tokens, temperature)
     if check_values:
-        _check_index_values(index, hidden.shape[0], lm_head_weight.shape[0])
+        check_target_index(index, hidden.shape[0], lm_head_weight.shape[0])
     if use_triton is None:
         use_triton = hidden.is_cuda and hidden.dtype != torch.float64
     elif use_triton and hidden.dtype == torch.float64:
