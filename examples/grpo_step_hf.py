@@ -126,10 +126,10 @@ def harts_step(policy, plan, advantage_of, num_tokens):
         advantages = torch.tensor([advantage_of[t] for t in out.trajectory_ids], dtype=out.logprobs.dtype)
         mb_loss = grpo_loss(out.logprobs, out.entropy, out.lengths, advantages, num_tokens)
         mb_loss.backward()  # backward per microbatch, as a trainer does: activations freed here
-        loss += mb_loss.item()
+        loss += mb_loss.detach()  # summed on the device: no host sync per microbatch
         outputs.append(out)
     logprobs, _ = assemble_rows(plan, outputs, "logprobs")  # back to input order, for the comparison
-    return loss, logprobs.detach()
+    return float(loss), logprobs.detach()
 
 
 def ordinary_step(hf_model, token_lists, advantages, num_tokens):
