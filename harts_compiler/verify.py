@@ -99,19 +99,38 @@ def _gradients(model) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def worst_gradient_difference(got: dict[str, torch.Tensor | None],
+                              want: dict[str, torch.Tensor | None]) -> tuple[float, str]:
+    """(largest relative L2 difference |got - want| / |want| over parameters, its name); a gradient
+    present on one side only is infinitely different. Keys: parameter names; None = no gradient."""
+    worst, diff = "-", 0.0
+    for name in sorted(set(got) | set(want)):
+        mine, ref = got.get(name), want.get(name)
+        if mine is None or ref is None:
+            if (mine is None) != (ref is None):
+                return float("inf"), f"gradient present in one mode only: {name}"
+            continue
+        rel = float((mine - ref).norm() / ref.norm().clamp_min(1e-30))
+        if rel > diff:
+            worst, diff = name, rel
+    return diff, worst
+
+
 def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: bool = False) -> VerifyReport:
     """Execute `plan` (compiled from `batch`) in tree mode and `batch` trajectory-wise; compare."""
     from harts_compiler.runtime import trajectory_wise
     from harts_compiler.runtime.distributed import assemble_rows
+    from harts_compiler.runtime.trajectory import trajectory_token_lists
 
     dtype = model.lm_head.weight.dtype
     stats = plan.stats
     microbatches = plan.microbatches()
-    max_len = int(max(stats.get("max_trajectory_length", 0), max(len(t) for t in _token_lists(batch))))
-    weights = _objective_weights([str(i) for i in batch.ids], max_len, seed, dtype)
+    token_lists, ids = trajectory_token_lists(batch)
+    max_len = int(max(stats.get("max_trajectory_length", 0), max(len(t) for t in token_lists)))
+    weights = _objective_weights(ids, max_len, seed, dtype)
 
     # warm-up (lazy imports, allocator, autograd machinery) so the timings below compare modes
-    first = {str(i): t for i, t in zip(list(batch.ids)[:2], _token_lists(batch)[:2])}
+    first = dict(zip(ids[:2], token_lists[:2]))
     trajectory_wise(model, first, chunk_size=plan.options.chunk_size).logprobs.sum().backward()
 
     model.zero_grad(set_to_none=True)
@@ -152,15 +171,7 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
         lp_diff = max(lp_diff, float((tree_lp[mine, :n] - ref.logprobs[row, :n].detach()).abs().max()))
         ent_diff = max(ent_diff, float((tree_ent[mine, :n] - ref.entropy[row, :n].detach()).abs().max()))
 
-    worst, grad_diff = "-", 0.0
-    for name, ref_grad in ref_grads.items():
-        got = tree_grads.get(name, torch.zeros_like(ref_grad))
-        rel = float((got - ref_grad).norm() / ref_grad.norm().clamp_min(1e-30))
-        if rel > grad_diff:
-            worst, grad_diff = name, rel
-    missing = sorted(set(tree_grads) ^ set(ref_grads))
-    if missing:
-        worst, grad_diff = f"gradient present in one mode only: {missing[0]}", float("inf")
+    grad_diff, worst = worst_gradient_difference(tree_grads, ref_grads)
 
     return VerifyReport(
         trajectories=len(ref.trajectory_ids), trajectory_tokens=int(stats["trajectory_tokens"]),
@@ -171,12 +182,6 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
         expert_load_diff=None if expert_load is None else float((expert_load - ref.expert_load).abs().max()),
         grad_rel_diff=grad_diff, worst_param=worst, tree_seconds=tree_seconds,
         trajectory_seconds=trajectory_seconds, on_cpu=model.lm_head.weight.device.type == "cpu")
-
-
-def _token_lists(batch):
-    from harts_compiler.runtime.trajectory import trajectory_token_lists
-
-    return trajectory_token_lists(batch)[0]
 
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}

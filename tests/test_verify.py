@@ -5,7 +5,7 @@ import torch
 
 from harts_compiler import TreeBatch
 from harts_compiler.cli import main
-from harts_compiler.verify import VerifyReport
+from harts_compiler.verify import VerifyReport, worst_gradient_difference
 
 
 def _batch(tmp_path):
@@ -53,3 +53,13 @@ def test_unknown_model_is_a_clear_error(tmp_path, capsys):
         assert "neither a preset" in str(exit_.code)
     else:
         raise AssertionError("expected SystemExit")
+
+
+def test_worst_gradient_difference_names_the_worst_and_one_sided_gradients():
+    want = {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.0, 2.0]), "frozen": None}
+    got = {"a": torch.tensor([1.0, 0.1]), "b": torch.tensor([0.0, 2.4]), "frozen": None}
+    diff, worst = worst_gradient_difference(got, want)
+    assert worst == "b" and abs(diff - 0.2) < 1e-6
+    assert worst_gradient_difference(want, want) == (0.0, "-")
+    diff, worst = worst_gradient_difference({"a": want["a"]}, want)
+    assert diff == float("inf") and "b" in worst
