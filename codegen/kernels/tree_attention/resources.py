@@ -9,21 +9,11 @@ reads shared memory, registers, stack and the SASS (wgmma count, local-memory sp
 """
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
+from ..hopper_resources import hopper_resources
 from .backward import tree_attn_bwd_dkdv_kernel, tree_attn_bwd_dq_kernel
 from .configs import CONFIGS, KernelConfig
-
-HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200
-
 
 
 def _signature(kind: str, dtype: str) -> dict:
@@ -42,10 +32,6 @@ def _signature(kind: str, dtype: str) -> dict:
     return sig
 
 
-def _cuobjdump() -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
 def compile_report(kind: str, head_dim: int, n_q_heads: int, n_kv_heads: int,
                    config: KernelConfig, dtype: str = "bf16") -> dict:
     """Compile one kernel ("fwd", "dq" or "dkdv") of `config` for sm_90; return its resources."""
@@ -59,28 +45,9 @@ def compile_report(kind: str, head_dim: int, n_q_heads: int, n_kv_heads: int,
     if kind != "fwd":
         constexprs["BMS"] = min(launch["block_ms"], launch["block_m"])
     signature.update({name: "constexpr" for name in constexprs})
-    attrs = {(i,): [["tt.divisibility", 16]]
-             for i, ty in enumerate(signature.values()) if ty.startswith("*")}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs,
-                                      attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=launch["num_warps"],
-                                         num_stages=launch["num_stages"]))
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as handle:
-        handle.write(kernel.asm["cubin"])
-        cubin = handle.name
-    try:
-        usage = subprocess.run([_cuobjdump(), "-res-usage", cubin], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([_cuobjdump(), "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
-    finally:
-        os.unlink(cubin)
-    regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    shared = kernel.metadata.shared
-    return dict(kind=kind, shared=shared, fits=shared <= HOPPER_SHARED_LIMIT,
-                regs=int(regs.group(1)), stack=int(regs.group(2)), wgmma=sass.count("HGMMA"),
-                spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"))
+    report = hopper_resources(fn, signature, constexprs, num_warps=launch["num_warps"],
+                              num_stages=launch["num_stages"], aligned_pointers=True)
+    return dict(kind=kind, **report)
 
 
 def main(argv: list[str]) -> None:

@@ -1,0 +1,49 @@
+"""Compile a Triton kernel ahead of time for Hopper (sm_90a) without a GPU and read its resources.
+
+Shared by the offline reports of the kernels (tree_attention/resources.py, bench/gdn_resources.py):
+registers, stack (local memory: spills and arrays), shared memory, and SASS counts read with the
+``cuobjdump`` shipped in Triton's wheel. Picks launch configurations before spending device time.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200
+
+
+def cuobjdump_path() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, num_stages: int,
+                     aligned_pointers: bool = False) -> dict:
+    """Compile `fn` (a @triton.jit function) for sm_90 with `signature` (argument -> type string,
+    constexprs included as "constexpr") and report {regs, stack, shared, fits, wgmma, spill_loads,
+    spill_stores}. `aligned_pointers`: give every pointer the 16-byte divisibility the JIT sees for
+    torch allocations (without it Triton does not pipeline some loads)."""
+    attrs = None
+    if aligned_pointers:
+        attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values()) if ty.startswith("*")}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as handle:
+            handle.write(kernel.asm["cubin"])
+        usage = subprocess.run([cuobjdump_path(), "-res-usage", cubin], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([cuobjdump_path(), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    shared = kernel.metadata.shared
+    return dict(regs=int(regs.group(1)), stack=int(regs.group(2)), shared=shared,
+                fits=shared <= HOPPER_SHARED_LIMIT, wgmma=sass.count("HGMMA"),
+                spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"))
