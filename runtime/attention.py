@@ -37,17 +37,41 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
                 block_cache[key] = build_block_index(subtree_end, config.block_m, config.block_n)
             block_index = block_cache[key]
         return tree_attention_kernel(q, k, v, subtree_end, scale=scale, block_index=block_index)
-    return windowed_tree_attention(q, k, v, subtree_end, scale=scale)
+    windows = None
+    if block_cache is not None:  # the same for every attention layer of the microbatch
+        if "windows" not in block_cache:
+            block_cache["windows"] = query_windows(subtree_end, _QUERY_BLOCK)
+        windows = block_cache["windows"]
+    return windowed_tree_attention(q, k, v, subtree_end, scale=scale, windows=windows)
+
+
+def query_windows(subtree_end: torch.Tensor, query_block: int = _QUERY_BLOCK) -> list[tuple[int, int, int]]:
+    """(start, end, lo) per query block [start, end): lo = the first key still open at `start`
+    (subtree_end[k] > start, k < start), else start. Keys before lo are masked for the whole block.
+
+    The first k with subtree_end[k] > s is the first k whose running maximum of subtree_end
+    exceeds s, so all blocks take one cummax + searchsorted and one host transfer.
+    """
+    T = subtree_end.numel()
+    starts = torch.arange(0, T, query_block, device=subtree_end.device)
+    if not T:
+        return []
+    running_max = torch.cummax(subtree_end.long(), dim=0).values
+    first_open = torch.searchsorted(running_max, starts, right=True)
+    lows = torch.minimum(first_open, starts).tolist()
+    return [(start, min(start + query_block, T), lo) for start, lo in zip(range(0, T, query_block), lows)]
 
 
 def windowed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
-                            scale: float, query_block: int = _QUERY_BLOCK) -> torch.Tensor:
+                            scale: float, query_block: int = _QUERY_BLOCK,
+                            windows: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
     """Plain torch tree attention that only touches keys a query block can see.
 
     Same masked softmax as the kernels' dense reference, but query block [s, e) only reads keys
     [lo, e), lo = the first key still open at s (subtree_end > s). Many trees or trajectories in
     one microbatch (the trajectory-wise baseline) then cost O(T * tree length), not O(T^2).
     Masked keys contribute exact zeros, so the result is the reference's up to summation order.
+    `windows`: `query_windows(subtree_end, query_block)`, passed when already computed for the microbatch.
     """
     check_tree_attention_inputs(q, k, v, subtree_end)
     T, HQ, _ = q.shape
@@ -65,10 +89,7 @@ def windowed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         return torch.matmul(probs, v_heads).transpose(0, 1)  # [M, HQ, D]
 
     outputs = []
-    for start in range(0, T, query_block):
-        end = min(start + query_block, T)
-        open_before = torch.nonzero(subtree_end[:start] > start)
-        lo = int(open_before[0, 0]) if open_before.numel() else start
+    for start, end, lo in query_windows(subtree_end, query_block) if windows is None else windows:
         args = (q[start:end], k[lo:end], v[lo:end], positions[start:end], positions[lo:end])
         outputs.append(checkpoint(block, *args, use_reentrant=False) if needs_grad else block(*args))
     return torch.cat(outputs) if outputs else q.new_empty(q.shape)

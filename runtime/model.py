@@ -53,7 +53,8 @@ class ExecutionContext:
     config: ModelConfig
     gdn_kernel: Callable | None = None  # override of chunk_gated_delta_rule (tests: recurrent oracle)
     triton_linear_attention: bool = False  # Triton GDN + causal-conv kernels for this forward (see TreeModel)
-    attention_blocks: dict = dataclasses.field(default_factory=dict)  # CUDA tree-attention block index per head dim
+    # tree attention, per microbatch: CUDA block index per head dim, "windows" of the torch path
+    attention_blocks: dict = dataclasses.field(default_factory=dict)
     conv_cache: dict = dataclasses.field(default_factory=dict)  # CUDA causal-conv launch index
     _rope: dict = dataclasses.field(default_factory=dict)
 

@@ -14,7 +14,7 @@ from harts_compiler.codegen.kernels.chunk_gdn import (chunk_gated_delta_rule_ref
 from harts_compiler.codegen.kernels.tree_attention import tree_attention_reference
 from harts_compiler.runtime import (InvalidBatchError, ModelConfig, TreeModel, UnsupportedModelError,
                                     trajectory_wise)
-from harts_compiler.runtime.attention import windowed_tree_attention
+from harts_compiler.runtime.attention import query_windows, windowed_tree_attention
 from harts_compiler.runtime.ops.conv import tree_causal_conv
 from harts_compiler.runtime.ops.linear_attention import gated_delta_rule_rounds, plan_linear_rounds
 from test_runtime_helpers import naive_tree_index, random_rollout_batch
@@ -107,6 +107,18 @@ def test_windowed_attention_equals_dense_reference():
         torch.testing.assert_close(out, expect, rtol=1e-12, atol=1e-12)
         for got, want in zip(torch.autograd.grad((out * weight).sum(), (q, k, v)), expect_grads):
             torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_query_windows_start_at_the_first_key_open_at_the_block_start(seed):
+    subtree_end = naive_tree_index(_batch(seed=seed, n=9, max_len=21)).subtree_end
+    T = subtree_end.numel()
+    for block in (1, 5, 256):
+        expect = []
+        for start in range(0, T, block):
+            open_keys = [k for k in range(start) if int(subtree_end[k]) > start]
+            expect.append((start, min(start + block, T), open_keys[0] if open_keys else start))
+        assert query_windows(subtree_end, block) == expect
 
 
 def test_activation_checkpointing_recomputes_rounds_and_gives_same_gradients():
