@@ -204,9 +204,10 @@ def run_preset(preset, model, args) -> dict:
     batch, tasks = sized_batch(preset, int(args.target_tokens * args.scale), length_scale=scale,
                                vocab_size=model.config.vocab_size, seed=args.seed, **overrides)
     shape = dict(chunk_size=args.chunk_size, conv_width=model.conv_width)
+    layers = cost_model.LayerCounts.of(model.config)
     plan, tree_indices, compile_ms, index_ms, budget = plan_microbatches(
         batch, args.microbatch_tokens, args.device, vocab_size=model.config.vocab_size,
-        layer_counts=cost_model.LayerCounts.of(model.config), **shape)
+        layer_counts=layers, **shape)
     stats = plan.stats
     traj_indices = trajectory_microbatches(batch, budget, args.device, **shape)
     # ideal = trajectory tokens / distinct tokens; the plan's compact tokens also count the root
@@ -232,7 +233,7 @@ def run_preset(preset, model, args) -> dict:
                tree_peak_gib=tree["peak_gib"], traj_peak_gib=traj["peak_gib"],
                speedup=traj["ms"] / tree["ms"], grad_rel_diff=gradient_difference(tree_grads, traj_grads))
     row["of_ideal"] = row["speedup"] / row["ideal"]
-    predictor, layers = cost_model.load_cost_model(), cost_model.LayerCounts.of(model.config)
+    predictor = cost_model.load_cost_model()
     row["cost_model"] = predictor.source
     row["tree_predicted_ms"] = sum(predictor.predict(cost_model.features(i), layers) for i in tree_indices)
     row["traj_predicted_ms"] = sum(predictor.predict(cost_model.features(i), layers) for i in traj_indices)
