@@ -223,8 +223,10 @@ def _run_microbatch(model, microbatch, inputs, normalisers, loss_fn, metrics, de
     output = model(index, **forward_kwargs)
     rows = inputs.rows_for(output.trajectory_ids, output.logprobs.shape[1],
                            dtype=output.logprobs.dtype, device=device)
-    lengths = output.lengths
-    aux_weight = float(lengths.sum()) / max(normalisers.trajectory_tokens, 1)
+    # both token counts in one host transfer per microbatch
+    trajectory_tokens, loss_tokens = torch.stack([
+        output.lengths.sum(), loss_mask(output.lengths, output.logprobs.shape[1], rows.response_mask).sum()]).tolist()
+    aux_weight = trajectory_tokens / max(normalisers.trajectory_tokens, 1)
     result = loss_fn(output, LossContext(rows=rows, normalisers=normalisers, aux_weight=aux_weight))
     loss, stats = ((result.loss, result.metrics) if isinstance(result, LossOutput) else (result, {}))
     if loss.dim() != 0:
@@ -240,8 +242,8 @@ def _run_microbatch(model, microbatch, inputs, normalisers, loss_fn, metrics, de
     metrics.trees = len(microbatch.trees)
     metrics.compact_tokens = index.num_tokens
     metrics.trajectories = len(output.trajectory_ids)
-    metrics.trajectory_tokens = int(lengths.sum())
-    metrics.loss_tokens = int(loss_mask(lengths, output.logprobs.shape[1], rows.response_mask).sum())
+    metrics.trajectory_tokens = int(trajectory_tokens)
+    metrics.loss_tokens = int(loss_tokens)
     return loss.detach().to(torch.float64), {k: float(v) for k, v in stats.items() if v.dim() == 0}
 
 
