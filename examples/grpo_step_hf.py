@@ -45,6 +45,7 @@ from harts_compiler.generator import generate
 from harts_compiler.objectives import grpo_advantages, ppo_clip_loss
 from harts_compiler.runtime import PRESETS, TreeModel
 from harts_compiler.runtime.distributed import assemble_rows
+from harts_compiler.verify import worst_gradient_difference
 
 # Agreement bars: values (log-probs, loss) max abs diff; gradients max relative diff per parameter.
 # One pair for both dtypes: transformers computes parts of the model in fp32 (module docstring).
@@ -154,17 +155,8 @@ def compare(hf_model, reference, tree_lp, ref_lp, lengths):
     """Largest differences: log-probs (valid positions), relative gradient per parameter."""
     valid = (torch.arange(tree_lp.shape[1])[None, :] < lengths[:, None])
     logprob_diff = float((tree_lp - ref_lp).abs()[valid].max())
-    ref_params = dict(reference.named_parameters())
-    grad_diff, worst = 0.0, "-"
-    for name, param in hf_model.named_parameters():
-        got, want = param.grad, ref_params[name].grad
-        if got is None or want is None:
-            if (got is None) != (want is None):
-                return logprob_diff, float("inf"), f"{name}: gradient in one path only"
-            continue
-        rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
-        if rel > grad_diff:
-            grad_diff, worst = rel, name
+    grads = lambda model: {name: p.grad for name, p in model.named_parameters()}  # noqa: E731
+    grad_diff, worst = worst_gradient_difference(grads(hf_model), grads(reference))
     return logprob_diff, grad_diff, worst
 
 
