@@ -27,9 +27,10 @@ mode vs 266 ms for the same op trajectory-wise (dense: out of memory), identical
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
+
+from harts_compiler.codegen.kernels.interpreter_safe import interpreting
 
 _INDEX_FIELDS = ("target_src", "target_token", "row_target", "row_pred", "lengths")
 
@@ -336,7 +337,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, index, *,
         use_triton = hidden.is_cuda and hidden.dtype != torch.float64
     elif use_triton and hidden.dtype == torch.float64:
         raise ValueError("token_logprobs: use_triton=True needs fp32/bf16/fp16 inputs, got float64")
-    elif use_triton and not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    elif use_triton and not hidden.is_cuda and not interpreting():
         raise ValueError("token_logprobs: use_triton=True needs CUDA tensors (or TRITON_INTERPRET=1 "
                          f"on CPU), got hidden on {hidden.device}")
     plan = _plan_targets(index, hidden.shape[0], chunk_tokens)
