@@ -308,10 +308,9 @@ def main():
     stage_breakdown(fla, log)
     configs = [("default", GDNKernelConfig())]
     if args.variants:
-        configs += [("wy_bwd 2 warps", GDNKernelConfig(wy_bwd_warps=2)),
-                    ("scan BV64", GDNKernelConfig(scan_block_v=64)),
-                    ("run-1 warps", GDNKernelConfig(scan_block_v=64, out_warps=4, dv_local_warps=4, wy_fwd_warps=4,
-                                                    bwd_block_v=64, wy_bwd_warps=4))]
+        configs += [("few-seq scans BV16", GDNKernelConfig(scan_min_programs=264)),
+                    ("wy_fwd 4 warps", GDNKernelConfig(wy_fwd_warps=4)),
+                    ("BV16 + wy_fwd 4w", GDNKernelConfig(scan_min_programs=264, wy_fwd_warps=4))]
     summary["default"] = bench_trees(fla, log, configs[0][1], "default")
     if not args.skip_check:
         summary["check_ok"], summary["worst_ours_over_fla_error"] = check_against_reference(fla, log)

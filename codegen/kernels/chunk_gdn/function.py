@@ -40,7 +40,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         h0 = initial_state.to(torch.float32).contiguous()
         cfg = index.config
         gc, T, w, u = wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps)
-        h, v_new, bank = state_fwd(k, w, u, gc, h0, index, block_v=cfg.scan_block_v, num_warps=cfg.scan_warps)
+        scan_bv = cfg.scan_block_v_for(index.num_seqs, v.shape[1], v.shape[2])
+        h, v_new, bank = state_fwd(k, w, u, gc, h0, index, block_v=scan_bv, num_warps=cfg.scan_warps)
         o = output_fwd(q, k, v_new, gc, h, scale, index, block_v=cfg.out_block_v, num_warps=cfg.out_warps)
         exported = bank[index.export_slot]
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
@@ -63,7 +64,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                 for e, slot in enumerate(index.export_slot_host):
                     bank_grad[slot] += d_exported[e]
         cfg = index.config
-        dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank_grad, ctx.scale, index, block_v=cfg.scan_block_v,
+        scan_bv = cfg.scan_block_v_for(index.num_seqs, hv, vd)
+        dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank_grad, ctx.scale, index, block_v=scan_bv,
                                  num_warps=cfg.scan_warps, dv_local_warps=cfg.dv_local_warps)
         dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index,
                                           block_v=cfg.bwd_block_v, warps_qk=cfg.bwd_qk_warps,

@@ -28,6 +28,18 @@ class GDNKernelConfig:
     bwd_block_v: int = 32       # V block of the chunk-parallel backward kernels
     bwd_qk_warps: int = 8
     wy_bwd_warps: int = 8       # GPU.md: fla's WY backward miscompiled at 4 warps; ours has no tl.trans
+    # A round of few long sequences (a tree's shared prefix) gives the scans too few programs to fill the
+    # GPU, and the scans are latency-bound per chunk: below `scan_min_programs` programs the scans use
+    # `few_seqs_scan_block_v` columns instead (0 = off). Column blocks are independent, so the bits match.
+    scan_min_programs: int = 0
+    few_seqs_scan_block_v: int = 16
+
+    def scan_block_v_for(self, num_seqs: int, value_heads: int, value_dim: int) -> int:
+        """State columns per scan program for a call with `num_seqs` sequences."""
+        block_v = min(self.scan_block_v, value_dim)
+        if num_seqs * value_heads * (value_dim // block_v) < self.scan_min_programs:
+            block_v = min(self.few_seqs_scan_block_v, block_v)
+        return block_v
 
     @staticmethod
     def scan_stages(element_size: int) -> int:

@@ -20,13 +20,18 @@ from .index import GDNKernelConfig  # the stage wrappers default to its launch c
 
 @triton.jit
 def _diag_inverse16(T, row0, row_end, blk, i_h, HV: tl.constexpr, BT: tl.constexpr):
-    """(I + A_bb)^-1 for diagonal block `blk` of A parked in T's rows, reading A one row at a time."""
+    """(I + A_bb)^-1 for diagonal block `blk` of A parked in T's rows, by forward substitution in registers.
+
+    The block is loaded once, transposed ([j, r] = A[r, j]), and row r is picked out by a masked sum: 15
+    dependent global loads per block (one per row) made this kernel latency-bound on the H200.
+    """
     o_i = tl.arange(0, 16)
+    rows = row0 + blk * 16 + o_i
+    b_at = tl.load(T + (rows[None, :] * HV + i_h) * BT + blk * 16 + o_i[:, None],
+                   mask=(rows < row_end)[None, :], other=0.0)                         # [16 j, 16 r] fp32
     b_x = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
     for r in tl.static_range(1, 16):
-        row = row0 + blk * 16 + r
-        # the row test is broadcast to a vector: Triton 3.9's interpreter rejects a scalar & vector mask
-        b_row = tl.load(T + (row * HV + i_h) * BT + blk * 16 + o_i, mask=(o_i < r) & (row + 0 * o_i < row_end), other=0.0)
+        b_row = tl.sum(tl.where(o_i[None, :] == r, b_at, 0.0), 1)  # A[r, :] (zero from column r on: strictly lower)
         b_new = tl.where(o_i == r, 1.0, 0.0) - tl.sum(b_row[:, None] * b_x, 0)
         b_x = tl.where(o_i[:, None] == r, b_new[None, :], b_x)
     return b_x
