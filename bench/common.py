@@ -112,21 +112,63 @@ def sized_batch(preset: str, target_tokens: int, *, length_scale: float, vocab_s
     return TreeBatch.from_trajectories([np.asarray(t, np.int64) for t in lists], list(ids)), tasks
 
 
+# -- fla (flash-linear-attention), the anchor: optional, never a runtime dependency -----------
+
+def import_fla_gdn():
+    """fla's chunk_gated_delta_rule, or None when fla is not importable.
+
+    fla refuses its gated dqkwg on Triton < 3.7.1 + Hopper (fla issue 640, the BK=64 miscompile); at
+    K = V = 128 it runs with BK = 128, the configuration GPU.md names as the workaround, so the guard
+    is lifted."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as exc:  # noqa: BLE001 - fla is an optional anchor
+        print(f"fla unavailable: {exc!r}")
+        return None
+    return chunk_gated_delta_rule
+
+
+def fla_trajectory_gdn_kernel():
+    """fla's GDN behind the runtime's `gdn_kernel` signature, for trajectory-wise microbatches (every
+    sequence starts from the zero state, no state exports): the baseline a trainer without HARTS would
+    run. Value-head groups are expanded for fla. None when fla is not importable."""
+    fla_gdn = import_fla_gdn()
+    if fla_gdn is None:
+        return None
+
+    def kernel(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, export_seq=None, export_offset=None,
+               chunk_size=64, use_qk_l2norm=False):
+        if export_seq is not None and len(export_seq):
+            raise ValueError("fla_trajectory_gdn_kernel: trajectory-wise microbatches only (no state exports)")
+        rep = v.shape[1] // q.shape[1]
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
+        o, _ = fla_gdn(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=None,
+                       output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                       cu_seqlens=cu_seqlens.long())
+        exported = v.new_empty((0, v.shape[1], k.shape[2], v.shape[2]), dtype=torch.float32)
+        return o[0], exported
+    return kernel
+
+
 # -- one training step -------------------------------------------------------------------------
 
 class Step:
     """One training step over prepared microbatch indices: zero grads, then per microbatch
     forward, loss, backward (gradients accumulate)."""
 
-    def __init__(self, model, indices, trajectory_tokens: int):
+    def __init__(self, model, indices, trajectory_tokens: int, gdn_kernel=None):
         self.model, self.indices = model, indices
         self.trajectory_tokens = trajectory_tokens
         self.aux_coef = model.config.router_aux_loss_coef
+        self.gdn_kernel = gdn_kernel  # None: the runtime's own (Triton on CUDA)
 
     def __call__(self):
         self.model.zero_grad(set_to_none=True)
         for index in self.indices:
-            out = self.model(index)
+            out = self.model(index, gdn_kernel=self.gdn_kernel)
             p = torch.arange(out.logprobs.shape[1], device=out.logprobs.device)
             valid = (p[None, :] >= 1) & (p[None, :] < out.lengths[:, None])
             loss = -(out.logprobs.float() * valid).sum() / self.trajectory_tokens

@@ -17,7 +17,7 @@ import random
 import torch
 import triton
 
-from common import kernel_ms
+from common import import_fla_gdn, kernel_ms
 from harts_compiler.codegen.kernels.chunk_gdn import (
     GDNKernelConfig,
     chunk_gated_delta_rule,
@@ -32,14 +32,8 @@ ANCHORS = [(4096, 8, 3584), (16384, 8, 2048), (2048, 16, 1920)]
 
 
 def load_fla():
-    try:
-        import fla.ops.common.chunk_o as chunk_o
-        # fla refuses its gated dqkwg on Triton < 3.7.1 + Hopper (fla issue 640, the BK=64 miscompile); at
-        # K = V = 128 it runs with BK = 128, the configuration GPU.md names as the workaround, so lift the guard.
-        chunk_o.TRITON_ABOVE_3_7_1 = True
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
-    except Exception as exc:  # noqa: BLE001 - fla is an optional oracle
-        print(f"fla unavailable: {exc!r}")
+    fla_gdn = import_fla_gdn()
+    if fla_gdn is None:
         return None
 
     def call(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm=False, **_):

@@ -17,21 +17,22 @@ class GDNKernelConfig:
     """Launch configuration: fixed per plan (never autotuned), so equal chunks give equal bits in any call.
 
     Defaults chosen from `bench/gdn_resources.py` (sm_90a registers and spills at H=16, K=V=128, bf16):
-    each kernel at the warp count / block size where ptxas spills least. Not yet timed on the H200.
+    each kernel at the warp count / block size where ptxas spills least; wy_fwd warps and the few-sequence
+    scan block from H200 timings (`bench/gdn.py --variants`, 2026-11-29).
     """
     scan_block_v: int = 32      # state columns per scan program: 2x the programs for few sequences, no spills
     scan_warps: int = 4
     out_block_v: int = 64
     out_warps: int = 8
     dv_local_warps: int = 8
-    wy_fwd_warps: int = 8
+    wy_fwd_warps: int = 4       # H200, bench/gdn.py --variants: 9.36 vs 10.30 ms fwd+bwd (61k tokens) at 8
     bwd_block_v: int = 32       # V block of the chunk-parallel backward kernels
     bwd_qk_warps: int = 8
     wy_bwd_warps: int = 8       # GPU.md: fla's WY backward miscompiled at 4 warps; ours has no tl.trans
     # A round of few long sequences (a tree's shared prefix) gives the scans too few programs to fill the
     # GPU, and the scans are latency-bound per chunk: below `scan_min_programs` programs the scans use
-    # `few_seqs_scan_block_v` columns instead (0 = off). Column blocks are independent, so the bits match.
-    scan_min_programs: int = 0
+    # `few_seqs_scan_block_v` columns instead (0 = off). Column blocks are independent: tree == trajectory stayed bitwise on the H200.
+    scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
     few_seqs_scan_block_v: int = 16
 
     def scan_block_v_for(self, num_seqs: int, value_heads: int, value_dim: int) -> int:
