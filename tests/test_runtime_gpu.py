@@ -60,17 +60,21 @@ def _models():
             for dtype in (torch.float64, torch.float32, torch.bfloat16)}
 
 
-def test_tree_equals_trajectory_wise_fp32():
-    """fp32 runs the exact torch paths, whose CUDA reductions differ by packing: on the H200 the worst
-    parameter gradient of tree vs trajectory-wise differed by 4.8e-4 (CPU: 2.1e-5). Both modes are held to
-    the fp64 reference: tree mode may not be further from it than trajectory-wise (x FP32_FACTOR)."""
+def _tree_flat_reference(dtype):
+    """(log-probs, gradients) of tree mode and trajectory-wise mode in `dtype`, and of an fp64 reference."""
     batch = _batch()
     models = _models()
     index = naive_tree_index(batch, chunk_size=64).to("cuda")
     weights = torch.randn(len(batch), max(map(len, batch)), device="cuda")
-    lp_ref, g_ref = _run(models[torch.float64], batch, weights.double())
-    lp_tree, g_tree = _run(models[torch.float32], index, weights)
-    lp_flat, g_flat = _run(models[torch.float32], batch, weights)
+    reference = _run(models[torch.float64], batch, weights.double())
+    return _run(models[dtype], index, weights), _run(models[dtype], batch, weights), reference
+
+
+def test_tree_equals_trajectory_wise_fp32():
+    """fp32 runs the exact torch paths, whose CUDA reductions differ by packing: on the H200 the worst
+    parameter gradient of tree vs trajectory-wise differed by 4.8e-4 (CPU: 2.1e-5). Both modes are held to
+    the fp64 reference: tree mode may not be further from it than trajectory-wise (x FP32_FACTOR)."""
+    (lp_tree, g_tree), (lp_flat, g_flat), (lp_ref, g_ref) = _tree_flat_reference(torch.float32)
     worst = max(g_ref, key=lambda n: _rel(g_tree[n], g_flat[n]))
     print(f"fp32 tree vs trajectory-wise: logprobs rel {_rel(lp_tree, lp_flat):.2e}, worst grad rel "
           f"{_rel(g_tree[worst], g_flat[worst]):.2e} ({worst}); vs fp64: logprobs tree {_rel(lp_tree, lp_ref):.2e} / "
@@ -82,13 +86,7 @@ def test_tree_equals_trajectory_wise_fp32():
 
 
 def test_bf16_tree_error_within_trajectory_wise_error():
-    batch = _batch()
-    models = _models()
-    index = naive_tree_index(batch, chunk_size=64).to("cuda")
-    weights = torch.randn(len(batch), max(map(len, batch)), device="cuda")
-    lp_ref, g_ref = _run(models[torch.float64], batch, weights.double())
-    lp_tree, g_tree = _run(models[torch.bfloat16], index, weights)
-    lp_flat, g_flat = _run(models[torch.bfloat16], batch, weights)
+    (lp_tree, g_tree), (lp_flat, g_flat), (lp_ref, g_ref) = _tree_flat_reference(torch.bfloat16)
     tree_err, flat_err = _rel(lp_tree, lp_ref), _rel(lp_flat, lp_ref)
     tree_g, flat_g = _worst_grad(g_tree, g_ref), _worst_grad(g_flat, g_ref)
     print(f"bf16 vs fp64: logprobs tree {tree_err:.2e} / trajectory-wise {flat_err:.2e}; "
