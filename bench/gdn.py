@@ -235,6 +235,8 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
     stages = {
         "l2norm fwd (q,k)": bench(lambda: (l2norm_fused(tensors[0]), l2norm_fused(tensors[1]))),
         "wy_fwd": bench(lambda: wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps)),
+        "wy_fwd split (3 kernels)": bench(lambda: wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps, split=True,
+                                                         solve_warps=cfg.wy_solve_warps)),
         "state_fwd (scan)": bench(lambda: state_fwd(k, w, u, gc, h0, index, block_v=cfg.scan_block_v,
                                                      num_warps=cfg.scan_warps)),
         "output_fwd": bench(lambda: output_fwd(q, k, v_new, gc, h, scale, index, block_v=cfg.out_block_v,
@@ -302,9 +304,9 @@ def main():
     stage_breakdown(fla, log)
     configs = [("default", GDNKernelConfig())]
     if args.variants:
-        configs += [("few-seq scans BV16", GDNKernelConfig(scan_min_programs=264)),
-                    ("wy_fwd 4 warps", GDNKernelConfig(wy_fwd_warps=4)),
-                    ("BV16 + wy_fwd 4w", GDNKernelConfig(scan_min_programs=264, wy_fwd_warps=4))]
+        configs += [("wy_fwd split", GDNKernelConfig(wy_fwd_split=True)),
+                    ("wy_fwd split, solve 4w", GDNKernelConfig(wy_fwd_split=True, wy_solve_warps=4)),
+                    ("scans BV32 always", GDNKernelConfig(scan_min_programs=0))]
     summary["default"] = bench_trees(fla, log, configs[0][1], "default")
     if not args.skip_check:
         summary["check_ok"], summary["worst_ours_over_fla_error"] = check_against_reference(fla, log)

@@ -40,17 +40,21 @@ def signature_of(fn, constexprs, overrides, data_kind="bf16"):
     return sig
 
 
-def resources(fn, num_warps, constexprs, overrides=None, num_stages=3, data_kind="bf16"):
+def resources(fn, num_warps, constexprs, overrides=None, num_stages=3, data_kind="bf16", aligned=False):
     params = inspect.signature(fn.fn).parameters
     consts = {k: v for k, v in {**BASE, **constexprs}.items() if k in params}
     sig = signature_of(fn, consts, overrides or {}, data_kind)
-    # pointers without the JIT's 16-byte divisibility hint: how NOTES_gdn.md's numbers were measured
-    report = hopper_resources(fn, sig, consts, num_warps=num_warps, num_stages=num_stages)
+    # aligned=False: pointers without the JIT's 16-byte divisibility hint (how NOTES_gdn.md's first numbers
+    # were measured); aligned=True: as the JIT compiles for torch's allocations (vectorised loads)
+    report = hopper_resources(fn, sig, consts, num_warps=num_warps, num_stages=num_stages, aligned_pointers=aligned)
     return report["regs"], report["stack"], report["shared"]
 
 
 KERNELS = [
     ("wy_fwd", wy_fwd._wy_fwd_kernel, {}, None),
+    ("wy_kkt (split)", wy_fwd._wy_kkt_kernel, {}, None),
+    ("wy_solve (split)", wy_fwd._wy_solve_kernel, {}, None),
+    ("wy_wu (split)", wy_fwd._wy_wu_kernel, {}, None),
     ("state_fwd scan", state_fwd._state_fwd_kernel, {}, None),
     ("output_fwd", state_fwd._output_kernel, {}, None),
     ("dv_local", state_bwd._dv_local_kernel, {}, {"dv": "*fp32"}),  # chunk_bwd's dq/dv are bf16 (HK == HV)
@@ -71,6 +75,8 @@ def main():
     parser.add_argument("--only", default=None, help="substring of a kernel name")
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BV=32")
+    parser.add_argument("--aligned", action="store_true",
+                        help="give pointers the 16-byte divisibility hint the JIT sees for torch tensors")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                         help="element type of the q/k/v/o-like pointers (fp32: an fp32 model)")
     args = parser.parse_args()
@@ -82,7 +88,8 @@ def main():
         cells = []
         for warps in args.warps:
             try:
-                regs, spill, smem = resources(fn, warps, {**consts, **extra}, overrides, args.stages, args.dtype)
+                regs, spill, smem = resources(fn, warps, {**consts, **extra}, overrides, args.stages, args.dtype,
+                                               args.aligned)
                 cells.append(f"{regs:4d} / {spill:6d} B / {smem // 1024:3d} KiB")
             except Exception as exc:  # noqa: BLE001 - report and go on
                 cells.append(f"failed: {type(exc).__name__}"[:26])

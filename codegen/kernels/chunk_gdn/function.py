@@ -39,7 +39,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         g, beta = g.contiguous(), beta.contiguous()
         h0 = initial_state.to(torch.float32).contiguous()
         cfg = index.config
-        gc, T, w, u = wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps)
+        gc, T, w, u = wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps, split=cfg.wy_fwd_split,
+                             solve_warps=cfg.wy_solve_warps)
         scan_bv = cfg.scan_block_v_for(index.num_seqs, v.shape[1], v.shape[2])
         h, v_new, bank = state_fwd(k, w, u, gc, h0, index, block_v=scan_bv, num_warps=cfg.scan_warps)
         o = output_fwd(q, k, v_new, gc, h, scale, index, block_v=cfg.out_block_v, num_warps=cfg.out_warps)

@@ -25,6 +25,8 @@ class GDNKernelConfig:
     out_block_v: int = 64
     out_warps: int = 8
     dv_local_warps: int = 8
+    wy_fwd_split: bool = False  # WY forward as three kernels (fla's layout); not yet timed on the H200
+    wy_solve_warps: int = 8     # the split layout's (I + A)^-1 kernel: 128 registers at 8 warps, 201 at 4 (sm_90a)
     wy_fwd_warps: int = 4       # H200, bench/gdn.py --variants: 9.36 vs 10.30 ms fwd+bwd (61k tokens) at 8
     bwd_block_v: int = 32       # V block of the chunk-parallel backward kernels
     bwd_qk_warps: int = 8

@@ -60,31 +60,9 @@ def _store_t(T, row0, row_end, blk_i, blk_j, b_t, i_h, HV: tl.constexpr, BT: tl.
 
 
 @triton.jit
-def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
-                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_hk = i_h // (HV // HK)
-    row0 = tl.load(chunk_row_start + i_c)
-    row_end = tl.load(chunk_row_end + i_c)
-    o_t = tl.arange(0, BT)
-    rows = row0 + o_t
-    m_t = rows < row_end
-    dt = k.dtype.element_ty
-
-    # in-chunk cumsum of the gate (stored: every later kernel reads these values)
-    b_gc = tl.cumsum(tl.load(g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32), 0)
-    tl.store(gc + rows * HV + i_h, b_gc, mask=m_t)
-    # A = strictly_lower((beta k) k^T exp(gc_i - gc_j)) as one dot, parked in T's rows to be re-read as
-    # 16x16 blocks (Triton tensors cannot be sliced; 16-row dots over K would replicate k per warp)
-    o_k = tl.arange(0, K)
-    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
-    b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_a = tl.dot((b_k * b_b[:, None]).to(dt), b_kt)
-    b_a = tl.where(o_t[:, None] > o_t[None, :], b_a * _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
-    p_a = T + (rows[:, None] * HV + i_h) * BT + o_t[None, :]
-    tl.store(p_a, b_a, mask=m_t[:, None])
-    tl.debug_barrier()
+def _wy_solve(T, row0, row_end, i_h, HV: tl.constexpr, BT: tl.constexpr):
+    """T = (I + A)^-1 in place of A (parked in T's rows of one chunk): 16x16 diagonal inverses, then the
+    off-diagonal blocks merged in fp32."""
     b_t00 = _diag_inverse16(T, row0, row_end, 0, i_h, HV, BT)
     b_t11 = _diag_inverse16(T, row0, row_end, 1, i_h, HV, BT)
     b_t22 = _diag_inverse16(T, row0, row_end, 2, i_h, HV, BT)
@@ -124,6 +102,35 @@ def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
     _store_t(T, row0, row_end, 3, 2, b_t32, i_h, HV, BT)
     _store_t(T, row0, row_end, 3, 3, b_t33, i_h, HV, BT)
 
+
+@triton.jit
+def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
+                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (HV // HK)
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    o_t = tl.arange(0, BT)
+    rows = row0 + o_t
+    m_t = rows < row_end
+    dt = k.dtype.element_ty
+
+    # in-chunk cumsum of the gate (stored: every later kernel reads these values)
+    b_gc = tl.cumsum(tl.load(g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32), 0)
+    tl.store(gc + rows * HV + i_h, b_gc, mask=m_t)
+    # A = strictly_lower((beta k) k^T exp(gc_i - gc_j)) as one dot, parked in T's rows to be re-read as
+    # 16x16 blocks (Triton tensors cannot be sliced; 16-row dots over K would replicate k per warp)
+    o_k = tl.arange(0, K)
+    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_a = tl.dot((b_k * b_b[:, None]).to(dt), b_kt)
+    b_a = tl.where(o_t[:, None] > o_t[None, :], b_a * _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
+    p_a = T + (rows[:, None] * HV + i_h) * BT + o_t[None, :]
+    tl.store(p_a, b_a, mask=m_t[:, None])
+    tl.debug_barrier()
+    _wy_solve(T, row0, row_end, i_h, HV, BT)
+
     # w = T (beta exp(gc) k), u = T (beta v) as whole-chunk dots on T re-read from global memory
     tl.debug_barrier()
     b_t = tl.load(T + (rows[:, None] * HV + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
@@ -136,8 +143,74 @@ def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
     tl.store(u + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None])
 
 
-def wy_fwd(k, v, g, beta, index, *, num_warps: int = GDNKernelConfig.wy_fwd_warps):
-    """Returns gc [R, HV] fp32, T [R, HV, BT] fp32, w [R, HV, K] (k's dtype), u [R, HV, V] (v's dtype)."""
+# -- the same stage as three kernels (fla's layout: A = kk^T, solve, w/u), each with a smaller register
+# footprint than the fused kernel, which holds k, k^T, A, the T blocks and w at once (255 registers and
+# spills at every warp count for sm_90a, bench/gdn_resources.py)
+
+@triton.jit
+def _wy_kkt_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end,
+                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """gc = in-chunk cumsum of g; A = strictly_lower((beta k) k^T exp(gc_i - gc_j)) parked in T's rows."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (HV // HK)
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    o_t = tl.arange(0, BT)
+    rows = row0 + o_t
+    m_t = rows < row_end
+    dt = k.dtype.element_ty
+    b_gc = tl.cumsum(tl.load(g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32), 0)
+    tl.store(gc + rows * HV + i_h, b_gc, mask=m_t)
+    b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_a = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in tl.range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+        b_a += tl.dot((b_k * b_b[:, None]).to(dt), b_kt)
+    b_a = tl.where(o_t[:, None] > o_t[None, :], b_a * _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
+    tl.store(T + (rows[:, None] * HV + i_h) * BT + o_t[None, :], b_a, mask=m_t[:, None])
+
+
+@triton.jit
+def _wy_solve_kernel(T, chunk_row_start, chunk_row_end, HV: tl.constexpr, BT: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    _wy_solve(T, tl.load(chunk_row_start + i_c), tl.load(chunk_row_end + i_c), i_h, HV, BT)
+
+
+@triton.jit
+def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
+                  HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr):
+    """w = T (beta exp(gc) k) [BT, K], u = T (beta v) [BT, V], BK / BV columns at a time."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (HV // HK)
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    o_t = tl.arange(0, BT)
+    rows = row0 + o_t
+    m_t = rows < row_end
+    dt = k.dtype.element_ty
+    # T rounds to the inputs' dtype once, as in the fused kernel's dots
+    b_t = tl.load(T + (rows[:, None] * HV + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0).to(dt)
+    b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_kscale = b_b * tl.exp(tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0))
+    for i_k in tl.range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_w = tl.dot(b_t, (b_k * b_kscale[:, None]).to(dt))
+        tl.store(w + (rows[:, None] * HV + i_h) * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None])
+    for i_v in tl.range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_v = tl.load(v + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+        b_u = tl.dot(b_t.to(b_v.dtype), (b_v * b_b[:, None]).to(b_v.dtype))
+        tl.store(u + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None])
+
+
+def wy_fwd(k, v, g, beta, index, *, num_warps: int = GDNKernelConfig.wy_fwd_warps, split: bool = False,
+           solve_warps: int = GDNKernelConfig.wy_solve_warps):
+    """Returns gc [R, HV] fp32, T [R, HV, BT] fp32, w [R, HV, K] (k's dtype), u [R, HV, V] (v's dtype).
+    `split`: three kernels (A, solve, w/u; `num_warps` for the first and last) instead of the fused one."""
     rows, hk, kd = k.shape
     hv, vd = v.shape[1], v.shape[2]
     BT = index.chunk_size
@@ -147,8 +220,17 @@ def wy_fwd(k, v, g, beta, index, *, num_warps: int = GDNKernelConfig.wy_fwd_warp
     T = torch.empty(rows, hv, BT, device=k.device, dtype=torch.float32)
     w = torch.empty(rows, hv, kd, device=k.device, dtype=k.dtype)
     u = torch.empty(rows, hv, vd, device=k.device, dtype=v.dtype)
-    if index.num_chunks:
-        _wy_fwd_kernel[(index.num_chunks, hv)](
-            k, v, g, beta, gc, T, w, u, index.chunk_row_start, index.chunk_row_end,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, num_warps=num_warps)
+    if not index.num_chunks:
+        return gc, T, w, u
+    grid = (index.num_chunks, hv)
+    bounds = (index.chunk_row_start, index.chunk_row_end)
+    if not split:
+        _wy_fwd_kernel[grid](k, v, g, beta, gc, T, w, u, *bounds, HK=hk, HV=hv, K=kd, V=vd, BT=BT,
+                             num_warps=num_warps)
+        return gc, T, w, u
+    bk, bv = min(64, kd), min(64, vd)
+    _wy_kkt_kernel[grid](k, g, beta, gc, T, *bounds, HK=hk, HV=hv, K=kd, BT=BT, BK=bk, num_warps=num_warps)
+    _wy_solve_kernel[grid](T, *bounds, HV=hv, BT=BT, num_warps=solve_warps)
+    _wy_wu_kernel[grid](k, v, beta, gc, T, w, u, *bounds, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=bk, BV=bv,
+                        num_warps=num_warps)
     return gc, T, w, u
