@@ -306,7 +306,9 @@ def main():
     if args.variants:
         configs += [("wy_fwd split", GDNKernelConfig(wy_fwd_split=True)),
                     ("wy_fwd split, solve 4w", GDNKernelConfig(wy_fwd_split=True, wy_solve_warps=4)),
-                    ("scans BV32 always", GDNKernelConfig(scan_min_programs=0))]
+                    ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
+                    ("bwd qk BK32", GDNKernelConfig(bwd_qk_block_k=32)),
+                    ("split wy + bwd qk BK64", GDNKernelConfig(wy_fwd_split=True, bwd_qk_block_k=64))]
     summary["default"] = bench_trees(fla, log, configs[0][1], "default")
     if not args.skip_check:
         summary["check_ok"], summary["worst_ours_over_fla_error"] = check_against_reference(fla, log)

@@ -17,24 +17,31 @@ from .index import GDNKernelConfig  # the stage wrappers default to its launch c
 @triton.jit
 def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end, scale,
                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         BT: tl.constexpr, BV: tl.constexpr):
+                         BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+    """BK < K: one program per BK columns of K (grid axis 1), a quarter to a half of the fp32 accumulators
+    each; every program recomputes the [BT, BT] do.v_new tiles and leaves its share of dgc in
+    dgc[row, head, i_k] (summed by the wrapper, no atomics). BK == K: one program per chunk and head."""
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
     row0 = tl.load(chunk_row_start + i_c)
     row_end = tl.load(chunk_row_end + i_c)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
+    if BK < K:
+        i_k = tl.program_id(1)
+        o_k = i_k * BK + tl.arange(0, BK)
+    else:
+        o_k = tl.arange(0, K)
     rows = row0 + o_t
     m_t = rows < row_end
     state = (i_c.to(tl.int64) * HV + i_h) * (K * V)
 
-    b_dq = tl.zeros([BT, K], dtype=tl.float32)       # do h^T
-    b_dk = tl.zeros([BT, K], dtype=tl.float32)       # v_new dh^T
-    b_dw = tl.zeros([BT, K], dtype=tl.float32)       # dvn h^T
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)      # do h^T
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)      # v_new dh^T
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)      # dvn h^T
     b_da = tl.zeros([BT, BT], dtype=tl.float32)      # [i, j] do_i . v_new_j
     b_dat = tl.zeros([BT, BT], dtype=tl.float32)     # [j, i] the same, transposed by its own dot
-    b_dgl = tl.zeros([K], dtype=tl.float32)          # sum(h * dh), reduced below
+    b_dgl = tl.zeros([BK], dtype=tl.float32)         # sum(h * dh), reduced below
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_vn = tl.load(v_new + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
@@ -42,8 +49,8 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
         b_do = tl.load(do + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
         b_dot = tl.load(do + (rows[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
         b_dvn = tl.load(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
-        b_ht = tl.load(h + state + o_v[:, None] + o_k[None, :] * V)        # [BV, K]
-        b_dht = tl.load(dh + state + o_v[:, None] + o_k[None, :] * V)      # [BV, K]
+        b_ht = tl.load(h + state + o_v[:, None] + o_k[None, :] * V)        # [BV, BK]
+        b_dht = tl.load(dh + state + o_v[:, None] + o_k[None, :] * V)      # [BV, BK]
         b_dgl += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), 0)
         b_da += tl.dot(b_do, b_vnt)
         b_dat += tl.dot(b_vn, b_dot)
@@ -78,7 +85,10 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
     tl.store(dq + p_rows, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
     tl.store(dk + p_rows, b_dk, mask=m_t[:, None])
     tl.store(dw + p_rows, -b_dw, mask=m_t[:, None])
-    tl.store(dgc + rows * HV + i_h, b_dgc, mask=m_t)
+    if BK < K:
+        tl.store(dgc + (rows * HV + i_h) * (K // BK) + i_k, b_dgc, mask=m_t)
+    else:
+        tl.store(dgc + rows * HV + i_h, b_dgc, mask=m_t)
 
 
 @triton.jit
@@ -172,8 +182,10 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dk_out, dv, dbeta, dg, scratch
 
 
 def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, *,
-              block_v: int = GDNKernelConfig.bwd_block_v, warps_qk: int = GDNKernelConfig.bwd_qk_warps, warps_wy: int = GDNKernelConfig.wy_bwd_warps):
+              block_v: int = GDNKernelConfig.bwd_block_v, warps_qk: int = GDNKernelConfig.bwd_qk_warps,
+              warps_wy: int = GDNKernelConfig.wy_bwd_warps, block_k_qk: int = GDNKernelConfig.bwd_qk_block_k):
     """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head).
+    `block_k_qk`: K columns per dq/dk/dw program (0 or >= K: all of K in one program).
 
     dk and dv come out in the input dtypes when every value head has its own key head (nothing left to
     reduce), else dk in fp32 for the grouped-head sum; dq is always fp32.
@@ -192,9 +204,14 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, *,
     dbeta = torch.empty(rows, hv, device=q.device, dtype=torch.float32)
     if index.num_chunks:
         grid = (index.num_chunks * hv,)
-        _chunk_bwd_qk_kernel[grid](
-            q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc, index.chunk_row_start, index.chunk_row_end, scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, num_warps=warps_qk)
+        bk = kd if block_k_qk <= 0 else min(block_k_qk, kd)
+        n_k = kd // bk
+        dgc_parts = dgc if n_k == 1 else torch.empty(rows, hv, n_k, device=q.device, dtype=torch.float32)
+        _chunk_bwd_qk_kernel[(index.num_chunks * hv, n_k)](
+            q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc_parts, index.chunk_row_start, index.chunk_row_end,
+            scale, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, num_warps=warps_qk)
+        if n_k > 1:
+            torch.sum(dgc_parts, dim=-1, out=dgc)
         scratch = torch.empty(index.num_chunks * hv, BT, BT, device=q.device, dtype=torch.float32)
         _wy_bwd_kernel[grid](
             k, v, beta, gc, T, dw, dvn, dk_part, dk, dv, dbeta, dgc, scratch, index.chunk_row_start,

@@ -70,7 +70,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                                  num_warps=cfg.scan_warps, dv_local_warps=cfg.dv_local_warps)
         dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index,
                                           block_v=cfg.bwd_block_v, warps_qk=cfg.bwd_qk_warps,
-                                          warps_wy=cfg.wy_bwd_warps)
+                                          warps_wy=cfg.wy_bwd_warps, block_k_qk=cfg.bwd_qk_block_k)
         q_dt, k_dt, v_dt, g_dt, beta_dt, h0_dt = ctx.dtypes
         hk = q.shape[1]
         return (_group_sum(dq, hk).to(q_dt), _group_sum(dk, hk).to(k_dt), dv.to(v_dt), dg.to(g_dt),

@@ -30,6 +30,7 @@ class GDNKernelConfig:
     wy_fwd_warps: int = 4       # H200, bench/gdn.py --variants: 9.36 vs 10.30 ms fwd+bwd (61k tokens) at 8
     bwd_block_v: int = 32       # V block of the chunk-parallel backward kernels
     bwd_qk_warps: int = 8
+    bwd_qk_block_k: int = 0     # K columns per dq/dk/dw program, 0 = all (255 registers at 8 warps); untimed
     wy_bwd_warps: int = 8       # GPU.md: fla's WY backward miscompiled at 4 warps; ours has no tl.trans
     # A round of few long sequences (a tree's shared prefix) gives the scans too few programs to fill the
     # GPU, and the scans are latency-bound per chunk: below `scan_min_programs` programs the scans use
