@@ -104,20 +104,31 @@ def _wy_solve(T, row0, row_end, i_h, HV: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT: tl.constexpr):
+    """Packed rows of chunk i_c: (row0, row_end, rows [BT], mask of the rows inside the sequence [BT])."""
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    rows = row0 + tl.arange(0, BT)
+    return row0, row_end, rows, rows < row_end
+
+
+@triton.jit
+def _gate_cumsum(g, gc, rows, m_t, i_h, HV: tl.constexpr):
+    """In-chunk cumsum of the gate, fp32 [BT], stored: every later kernel reads these values."""
+    b_gc = tl.cumsum(tl.load(g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32), 0)
+    tl.store(gc + rows * HV + i_h, b_gc, mask=m_t)
+    return b_gc
+
+
+@triton.jit
 def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
-    row0 = tl.load(chunk_row_start + i_c)
-    row_end = tl.load(chunk_row_end + i_c)
+    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
     o_t = tl.arange(0, BT)
-    rows = row0 + o_t
-    m_t = rows < row_end
     dt = k.dtype.element_ty
-
-    # in-chunk cumsum of the gate (stored: every later kernel reads these values)
-    b_gc = tl.cumsum(tl.load(g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32), 0)
-    tl.store(gc + rows * HV + i_h, b_gc, mask=m_t)
+    b_gc = _gate_cumsum(g, gc, rows, m_t, i_h, HV)
     # A = strictly_lower((beta k) k^T exp(gc_i - gc_j)) as one dot, parked in T's rows to be re-read as
     # 16x16 blocks (Triton tensors cannot be sliced; 16-row dots over K would replicate k per warp)
     o_k = tl.arange(0, K)
@@ -153,14 +164,10 @@ def _wy_kkt_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end,
     """gc = in-chunk cumsum of g; A = strictly_lower((beta k) k^T exp(gc_i - gc_j)) parked in T's rows."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
-    row0 = tl.load(chunk_row_start + i_c)
-    row_end = tl.load(chunk_row_end + i_c)
+    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
     o_t = tl.arange(0, BT)
-    rows = row0 + o_t
-    m_t = rows < row_end
     dt = k.dtype.element_ty
-    b_gc = tl.cumsum(tl.load(g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32), 0)
-    tl.store(gc + rows * HV + i_h, b_gc, mask=m_t)
+    b_gc = _gate_cumsum(g, gc, rows, m_t, i_h, HV)
     b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_a = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in tl.range(0, K // BK):
@@ -175,7 +182,8 @@ def _wy_kkt_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end,
 @triton.jit
 def _wy_solve_kernel(T, chunk_row_start, chunk_row_end, HV: tl.constexpr, BT: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    _wy_solve(T, tl.load(chunk_row_start + i_c), tl.load(chunk_row_end + i_c), i_h, HV, BT)
+    row0, row_end, _, _ = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
+    _wy_solve(T, row0, row_end, i_h, HV, BT)
 
 
 @triton.jit
@@ -185,11 +193,8 @@ def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
     """w = T (beta exp(gc) k) [BT, K], u = T (beta v) [BT, V], BK / BV columns at a time."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
-    row0 = tl.load(chunk_row_start + i_c)
-    row_end = tl.load(chunk_row_end + i_c)
+    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
     o_t = tl.arange(0, BT)
-    rows = row0 + o_t
-    m_t = rows < row_end
     dt = k.dtype.element_ty
     # T rounds to the inputs' dtype once, as in the fused kernel's dots
     b_t = tl.load(T + (rows[:, None] * HV + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0).to(dt)
