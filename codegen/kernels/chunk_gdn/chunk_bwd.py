@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gates import _exp_gate_gap
+from .gates import _chunk_rows, _exp_gate_gap
 from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
@@ -24,16 +24,13 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
-    row0 = tl.load(chunk_row_start + i_c)
-    row_end = tl.load(chunk_row_end + i_c)
+    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
     o_t = tl.arange(0, BT)
     if BK < K:
         i_k = tl.program_id(1)
         o_k = i_k * BK + tl.arange(0, BK)
     else:
         o_k = tl.arange(0, K)
-    rows = row0 + o_t
-    m_t = rows < row_end
     state = (i_c.to(tl.int64) * HV + i_h) * (K * V)
 
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)      # do h^T
@@ -103,11 +100,8 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dk_out, dv, dbeta, dg, scratch
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
-    row0 = tl.load(chunk_row_start + i_c)
-    row_end = tl.load(chunk_row_end + i_c)
+    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
     o_t = tl.arange(0, BT)
-    rows = row0 + o_t
-    m_t = rows < row_end
     dt = k.dtype.element_ty
 
     b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)

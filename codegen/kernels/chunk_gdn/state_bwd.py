@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
-from .gates import _exp_gate_gap
+from .gates import _chunk_rows, _exp_gate_gap
 from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
@@ -25,13 +25,10 @@ def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, scale,
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
-    row0 = tl.load(chunk_row_start + i_c)
-    row_end = tl.load(chunk_row_end + i_c)
+    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
-    rows = row0 + o_t
-    m_t = rows < row_end
     b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_qt = tl.load(q + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gates import _exp_gate_gap
+from .gates import _chunk_rows, _exp_gate_gap, _gate_cumsum
 from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
@@ -101,23 +101,6 @@ def _wy_solve(T, row0, row_end, i_h, HV: tl.constexpr, BT: tl.constexpr):
     _store_t(T, row0, row_end, 3, 1, b_t31, i_h, HV, BT)
     _store_t(T, row0, row_end, 3, 2, b_t32, i_h, HV, BT)
     _store_t(T, row0, row_end, 3, 3, b_t33, i_h, HV, BT)
-
-
-@triton.jit
-def _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT: tl.constexpr):
-    """Packed rows of chunk i_c: (row0, row_end, rows [BT], mask of the rows inside the sequence [BT])."""
-    row0 = tl.load(chunk_row_start + i_c)
-    row_end = tl.load(chunk_row_end + i_c)
-    rows = row0 + tl.arange(0, BT)
-    return row0, row_end, rows, rows < row_end
-
-
-@triton.jit
-def _gate_cumsum(g, gc, rows, m_t, i_h, HV: tl.constexpr):
-    """In-chunk cumsum of the gate, fp32 [BT], stored: every later kernel reads these values."""
-    b_gc = tl.cumsum(tl.load(g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32), 0)
-    tl.store(gc + rows * HV + i_h, b_gc, mask=m_t)
-    return b_gc
 
 
 @triton.jit
