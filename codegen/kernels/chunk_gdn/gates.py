@@ -29,3 +29,20 @@ def _gate_cumsum(g, gc, rows, m_t, i_h, HV: tl.constexpr):
     b_gc = tl.cumsum(tl.load(g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32), 0)
     tl.store(gc + rows * HV + i_h, b_gc, mask=m_t)
     return b_gc
+
+
+@triton.jit
+def _scan_program(cu_seqlens, seq_chunk_start, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    """The (sequence, value head, BV state columns) of a scan program: (i_n, i_h, i_hk, bos, eos, first chunk
+    c0, chunk count, offsets [K, BV] of its columns in a [K, V] state). Grid axis 0 runs over
+    sequences x heads (which can pass 65535), axis 1 over column blocks."""
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    i_hk = i_h // (HV // HK)
+    bos = tl.load(cu_seqlens + i_n)
+    eos = tl.load(cu_seqlens + i_n + 1)
+    c0 = tl.load(seq_chunk_start + i_n)
+    o_v = i_v * BV + tl.arange(0, BV)
+    state_offs = tl.arange(0, K)[:, None] * V + o_v[None, :]
+    return i_n, i_h, i_hk, bos, eos, c0, tl.cdiv(eos - bos, BT), o_v, state_offs

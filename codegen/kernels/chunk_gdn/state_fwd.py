@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
-from .gates import _chunk_rows, _exp_gate_gap
+from .gates import _chunk_rows, _exp_gate_gap, _scan_program
 from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
@@ -53,16 +53,8 @@ def _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos
 def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_start, chunk_export,
                       HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr):
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads can pass 65535
-    i_n, i_h = i_nh // HV, i_nh % HV
-    i_hk = i_h // (HV // HK)
-    bos = tl.load(cu_seqlens + i_n)
-    eos = tl.load(cu_seqlens + i_n + 1)
-    c0 = tl.load(seq_chunk_start + i_n)
-    n_chunks = tl.cdiv(eos - bos, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    state_offs = o_k[:, None] * V + o_v[None, :]                                  # [K, BV] in a [K, V] state
+    i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
+                                                                            K, V, BT, BV)
 
     b_s = tl.load(h0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs)     # fp32
     if INTERPRET:  # the CPU interpreter cannot take a loaded bound in range() (numpy >= 2.4)
