@@ -6,6 +6,7 @@ registers, stack (local memory: spills and arrays), shared memory, and SASS coun
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -26,7 +27,8 @@ def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, n
                      aligned_pointers: bool = False) -> dict:
     """Compile `fn` (a @triton.jit function) for sm_90 with `signature` (argument -> type string,
     constexprs included as "constexpr") and report {regs, stack, shared, fits, wgmma, spill_loads,
-    spill_stores}. `aligned_pointers`: give every pointer the 16-byte divisibility the JIT sees for
+    spill_stores, sass_digest}; sass_digest (sha1 of the SASS instructions) tells whether a source refactor
+    changed the machine code. `aligned_pointers`: give every pointer the 16-byte divisibility the JIT sees for
     torch allocations (without it Triton does not pipeline some loads)."""
     attrs = None
     if aligned_pointers:
@@ -46,4 +48,6 @@ def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, n
     shared = kernel.metadata.shared
     return dict(regs=int(regs.group(1)), stack=int(regs.group(2)), shared=shared,
                 fits=shared <= HOPPER_SHARED_LIMIT, wgmma=sass.count("HGMMA"),
-                spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"))
+                spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
+                sass_digest=hashlib.sha1("\n".join(line for line in sass.splitlines() if "/*" in line)
+                                         .encode()).hexdigest()[:12])
