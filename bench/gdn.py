@@ -24,6 +24,7 @@ from harts_compiler.codegen.kernels.chunk_gdn import (
     chunk_gated_delta_rule_reference,
     prepare_gdn_index,
 )
+from harts_compiler.codegen.kernels.chunk_gdn.segmented import plan_segments, segmented_gated_delta_rule
 from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_trajectories, run_tree, two_level_plan
 
 CUDA = torch.device("cuda")
@@ -156,13 +157,17 @@ def timed(fn, leaves, outputs_grad):
     return kernel_ms(step, CUDA, rep_ms=300, warmup_ms=50)
 
 
-def bench_trees(fla, log, config: GDNKernelConfig, label: str):
+def bench_trees(fla, log, config: GDNKernelConfig, label: str, segment_chunks: int = 8):
+    """Also times tree mode with the roots cut into segments of `segment_chunks` chunks (segmented.py) and
+    prints its relative output difference to the uncut tree (not bitwise: the composed states round
+    differently)."""
     print(f"\n== fwd+bwd ms, bf16 H16 K=V=128, l2norm in kernel [{label}] ==")
     rng = random.Random(0)
     agentic = [(rng.randint(256, 6000), rng.randint(2, 12), rng.randint(100, 3000)) for _ in range(6)]
     cases = [(f"P{p} B{b} L{l}", [(p, b, l)]) for p, b, l in ANCHORS] + [("agentic 6 trees", agentic)]
     print(f"{'case':18s} {'traj tok':>9s} {'compact':>8s} {'ideal':>6s} {'ours traj':>9s} {'fla traj':>9s} "
-          f"{'fla/ours':>8s} {'ours tree':>9s} {'speedup':>7s} {'of ideal':>8s}")
+          f"{'fla/ours':>8s} {'ours tree':>9s} {'speedup':>7s} {'of ideal':>8s} {'segmented':>9s} {'of ideal':>8s}"
+          f" {'seg diff':>8s}")
     rows = []
     for name, trees in cases:
         plan = two_level_plan(trees, device="cuda")
@@ -188,8 +193,26 @@ def bench_trees(fla, log, config: GDNKernelConfig, label: str):
                             root_kw=dict(use_qk_l2norm=True, index=root_index),
                             branch_kw=dict(use_qk_l2norm=True, index=branch_index))
 
+        seg_plan = plan_segments(torch.diff(plan.root_cu).tolist(), plan.root_export_seq.tolist(),
+                                 plan.root_export_offset.tolist(), segment_chunks=segment_chunks, device="cuda",
+                                 kernel_config=config)
+
+        def root_segmented(q, k, v, g, beta, *, scale, initial_state, segmented=False, index=None, **kw):
+            if segmented:
+                return segmented_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                                  plan=seg_plan, use_qk_l2norm=True)
+            return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, index=index,
+                                          **kw)
+
+        def ours_tree_segmented(q, k, v, g, beta):
+            return run_tree(root_segmented, plan, q, k, v, g, beta, scale=scale,
+                            root_kw=dict(segmented=True), branch_kw=dict(use_qk_l2norm=True, index=branch_index))
+
         t_traj = timed(ours_traj, traj, lambda o: do_traj)
         t_tree = timed(ours_tree, compact, lambda o: do_tree)
+        t_seg = timed(ours_tree_segmented, compact, lambda o: do_tree)
+        with torch.no_grad():
+            seg_err = rel_err(ours_tree_segmented(*compact).float(), ours_tree(*compact).float())
         t_fla = float("nan")
         if fla is not None:
             def fla_traj(q, k, v, g, beta):
@@ -199,11 +222,13 @@ def bench_trees(fla, log, config: GDNKernelConfig, label: str):
         speedup = t_traj / t_tree
         row = dict(case=name, config=label, traj_tokens=plan.trajectory_tokens, compact=plan.compact_rows,
                    ideal=plan.ideal_speedup, ours_traj_ms=t_traj, fla_traj_ms=t_fla, ours_tree_ms=t_tree,
-                   speedup=speedup, of_ideal=speedup / plan.ideal_speedup)
+                   speedup=speedup, of_ideal=speedup / plan.ideal_speedup, segmented_tree_ms=t_seg,
+                   segmented_of_ideal=t_traj / t_seg / plan.ideal_speedup, segmented_rel_diff=seg_err)
         rows.append(row)
         log.append(dict(section="bench", **row))
         print(f"{name:18s} {plan.trajectory_tokens:9d} {plan.compact_rows:8d} {plan.ideal_speedup:5.2f}x "
-              f"{t_traj:9.2f} {t_fla:9.2f} {t_fla / t_traj:7.2f}x {t_tree:9.2f} {speedup:6.2f}x {row['of_ideal']:7.0%}")
+              f"{t_traj:9.2f} {t_fla:9.2f} {t_fla / t_traj:7.2f}x {t_tree:9.2f} {speedup:6.2f}x {row['of_ideal']:7.0%}"
+              f" {t_seg:9.2f} {row['segmented_of_ideal']:7.0%} {seg_err:8.1e}")
         del compact, traj, tensors
         torch.cuda.empty_cache()
     return rows
@@ -324,7 +349,9 @@ def main():
     for label, _ in configs:
         for r in summary[label]:
             print(f"[{label}] {r['case']}: ours traj {r['ours_traj_ms']:.2f} ms (fla {r['fla_traj_ms']:.2f}), "
-                  f"tree {r['ours_tree_ms']:.2f} ms, {r['speedup']:.2f}x of ideal {r['ideal']:.2f}x = {r['of_ideal']:.0%}")
+                  f"tree {r['ours_tree_ms']:.2f} ms, {r['speedup']:.2f}x of ideal {r['ideal']:.2f}x = {r['of_ideal']:.0%}; "
+                  f"segmented roots {r['segmented_tree_ms']:.2f} ms = {r['segmented_of_ideal']:.0%} "
+                  f"(diff {r['segmented_rel_diff']:.1e})")
     for key, value in summary.items():
         if not isinstance(value, list):
             print(key, value)

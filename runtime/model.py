@@ -104,7 +104,7 @@ class TreeModel(nn.Module):
     """Exact tree-mode execution of a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM."""
 
     def __init__(self, config: ModelConfig, *, activation_checkpointing: bool = False,
-                 triton_linear_attention: bool = True):
+                 triton_linear_attention: bool = True, gdn_segment_chunks: int | None = None):
         super().__init__()
         self.config = config
         self.activation_checkpointing = activation_checkpointing
@@ -113,6 +113,12 @@ class TreeModel(nn.Module):
         # and `triton_linear_attention=False` run the exact plain-torch path: the kernels' dots
         # would take fp32 operands through TF32 (measured ~8e-4 relative gradient differences).
         self.triton_linear_attention = triton_linear_attention
+        # opt-in: in rounds of few sequences, cut sequences longer than this many chunks into segments whose
+        # state maps compose (codegen/kernels/chunk_gdn/segmented.py): shorter sequential scans for a long
+        # shared prefix, at ~3x its token work; equal to the uncut rounds to rounding, not bit for bit
+        if gdn_segment_chunks is not None and gdn_segment_chunks < 1:
+            raise ValueError(f"gdn_segment_chunks must be >= 1 or None, got {gdn_segment_chunks}")
+        self.gdn_segment_chunks = gdn_segment_chunks
         self.model = TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -172,7 +178,9 @@ class TreeModel(nn.Module):
             index = index.to(device)
         use_triton = (self.triton_linear_attention and device.type == "cuda"
                       and self.lm_head.weight.dtype in (torch.bfloat16, torch.float16))
-        ctx = ExecutionContext(index=index, linear_plan=plan_linear_rounds(index, use_triton=use_triton),
+        linear_plan = plan_linear_rounds(index, use_triton=use_triton,
+                                         segment_chunks=None if gdn_kernel is not None else self.gdn_segment_chunks)
+        ctx = ExecutionContext(index=index, linear_plan=linear_plan,
                                config=self.config, gdn_kernel=gdn_kernel, triton_linear_attention=use_triton)
         use_checkpoint = self.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         use_checkpoint = use_checkpoint and torch.is_grad_enabled()

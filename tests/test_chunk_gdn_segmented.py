@@ -79,3 +79,30 @@ def test_triton_segments_with_prepared_indices():
                export_seq=torch.tensor(export_seq), export_offset=torch.tensor(export_offset))
     for name, a, b in zip(NAMES, got, want):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_two_level_tree_with_segmented_roots_fp64():
+    """bench/gdn.py's use: a two-round tree whose root round is segmented (its aligned export lands in a
+    later segment) gives the uncut tree's outputs and gradients."""
+    from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_tree, two_level_plan
+    chunk = 16
+    tree = two_level_plan([(150, 3, 40), (20, 2, 33)], chunk_size=chunk)
+    tensors = make_inputs([tree.compact_rows], seed=4)[:5]
+    seg = plan_segments(torch.diff(tree.root_cu).tolist(), tree.root_export_seq.tolist(),
+                        tree.root_export_offset.tolist(), segment_chunks=2, chunk_size=chunk)
+
+    def root_segmented(q, k, v, g, beta, *, scale, initial_state, segmented=False, **kw):
+        if segmented:
+            return segmented_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state.double(),
+                                              plan=seg, kernel=chunk_gated_delta_rule_reference)
+        return chunk_gated_delta_rule_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state.double(),
+                                                chunk_size=chunk, **kw)
+
+    def grads(**kw):
+        o = run_tree(root_segmented, tree, *tensors, scale=0.3, **kw)
+        return [o, *torch.autograd.grad(o.square().sum(), tensors)]
+
+    got = grads(root_kw=dict(segmented=True), branch_kw={})
+    want = grads()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

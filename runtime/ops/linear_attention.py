@@ -18,6 +18,12 @@ from harts_compiler.codegen.index import MicrobatchIndex
 from harts_compiler.codegen.kernels.chunk_gdn import (chunk_gated_delta_rule, chunk_gated_delta_rule_reference,
                                                       prepare_gdn_index)
 from harts_compiler.codegen.kernels.chunk_gdn.function import TRITON_CHUNK_SIZE
+from harts_compiler.codegen.kernels.chunk_gdn.segmented import (SegmentPlan, needs_segments, plan_segments,
+                                                                 segmented_gated_delta_rule)
+
+# rounds of at most this many sequences may be segmented (TreeModel.gdn_segment_chunks): from 8 sequences
+# on, the scans of 16-32 heads already run >= 512 programs
+SEGMENT_MAX_SEQUENCES = 8
 
 
 @dataclasses.dataclass
@@ -28,6 +34,7 @@ class LinearRoundsPlan:
     restore: torch.Tensor  # [T]: row of cat(own outputs of all rounds) holding compact token t
     identity: bool  # one round whose packed rows are exactly the compact tokens in order (trajectory-wise)
     kernel_index: list | None  # Triton opted in on CUDA: per round the kernel's launch index, shared by all layers
+    segments: list | None = None  # per round a SegmentPlan where long sequences are cut (opt-in), else None
 
 
 def _is_identity_round(index: MicrobatchIndex) -> torch.Tensor:
@@ -41,7 +48,8 @@ def _is_identity_round(index: MicrobatchIndex) -> torch.Tensor:
     return (rnd.row_src == order).all() & (rnd.own_rows == order).all() & (rnd.own_dst == order).all()
 
 
-def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True) -> LinearRoundsPlan:
+def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True,
+                       segment_chunks: int | None = None) -> LinearRoundsPlan:
     """Bank ids -> rows of the list [zero state, exports of round 0, exports of round 1, ...].
 
     The slot of every bank id is known from the export sizes (shapes). One host transfer per forward
@@ -73,16 +81,45 @@ def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True) -> Li
     if use_triton and device.type == "cuda" and index.chunk_size == TRITON_CHUNK_SIZE:
         kernel_index = [prepare_gdn_index(rnd.cu_seqlens, rnd.export_seq, rnd.export_offset, index.chunk_size,
                                           device=device) for rnd in index.rounds]
+    segments = None
+    if segment_chunks:
+        segments = [_round_segments(rnd, None if kernel_index is None else kernel_index[r], segment_chunks,
+                                    index.chunk_size, device) for r, rnd in enumerate(index.rounds)]
     return LinearRoundsPlan(init_slot=init_slot, restore=restore, identity=bool(flags and flags[-1]),
-                            kernel_index=kernel_index)
+                            kernel_index=kernel_index, segments=segments)
+
+
+def _round_segments(rnd, kernel_index, segment_chunks: int, chunk_size: int, device) -> SegmentPlan | None:
+    """A SegmentPlan for a round of few sequences of which one is longer than `segment_chunks` chunks."""
+    if kernel_index is not None:  # host copies already made for the launch index
+        lengths, e_seq, e_off = kernel_index.seq_lengths, kernel_index.export_seq, kernel_index.export_offset
+    else:
+        lengths = torch.diff(rnd.cu_seqlens).tolist()
+        e_seq, e_off = rnd.export_seq.tolist(), rnd.export_offset.tolist()
+    if len(lengths) > SEGMENT_MAX_SEQUENCES or not needs_segments(lengths, segment_chunks, chunk_size):
+        return None
+    config = None if kernel_index is None else kernel_index.config
+    return plan_segments(lengths, e_seq, e_off, segment_chunks=segment_chunks, chunk_size=chunk_size,
+                         device=device, kernel_config=config)
 
 
 def _default_kernel(q: torch.Tensor, plan: LinearRoundsPlan, round_id: int):
     """Triton kernels with the prepared launch index when opted in on CUDA; else the plain torch reference (the
     wrapper would run Triton's interpreter whenever TRITON_INTERPRET=1, far too slow for a model)."""
-    if q.is_cuda and plan.kernel_index is not None:  # bf16/fp16 on CUDA (TreeModel.triton_linear_attention)
+    triton = q.is_cuda and plan.kernel_index is not None  # bf16/fp16 on CUDA (TreeModel.triton_linear_attention)
+    if plan.segments is not None and plan.segments[round_id] is not None:
+        return functools.partial(_segmented_call, plan=plan.segments[round_id],
+                                 kernel=chunk_gated_delta_rule if triton else chunk_gated_delta_rule_reference)
+    if triton:
         return functools.partial(chunk_gated_delta_rule, index=plan.kernel_index[round_id])
     return chunk_gated_delta_rule_reference
+
+
+def _segmented_call(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, export_seq, export_offset, chunk_size,
+                    use_qk_l2norm, plan: SegmentPlan, kernel):
+    """The kernel signature over a round's SegmentPlan (which already holds its bounds and exports)."""
+    return segmented_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, plan=plan,
+                                      use_qk_l2norm=use_qk_l2norm, kernel=kernel)
 
 
 def gated_delta_rule_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
