@@ -86,6 +86,9 @@ def parse_args(argv):
                    "(default 8192; tiny 150)")
     p.add_argument("--error-factor", type=float, default=2.0)
     p.add_argument("--no-breakdown", action="store_true")
+    p.add_argument("--gdn-segment-chunks", type=int, default=None,
+                   help="opt-in: cut long sequences of GDN rounds of <= 8 sequences into segments of this many "
+                        "chunks (TreeModel.gdn_segment_chunks), in both modes: same model, same options")
     p.add_argument("--no-fla", action="store_true", help="do not time the trajectory-wise step with fla's GDN")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON results here")
@@ -309,7 +312,8 @@ def main(argv=None) -> int:
     info = describe_device(device)
     config = model_config(args.tiny)
     start = time.perf_counter()
-    model = build_model(config, device, torch.bfloat16, seed=args.seed, checkpointing=True)
+    model = build_model(config, device, torch.bfloat16, seed=args.seed, checkpointing=True,
+                        gdn_segment_chunks=args.gdn_segment_chunks)
     print(f"device {info}\nmodel {'tiny-qwen3-next' if args.tiny else 'BENCH_MODEL'}: "
           f"{parameter_count(model) / 1e9:.3f}B parameters, {config.num_hidden_layers} layers "
           f"({config.layer_types.count('linear_attention')} GDN, {config.layer_types.count('full_attention')} "
