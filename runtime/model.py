@@ -116,8 +116,8 @@ class TreeModel(nn.Module):
         # opt-in: in rounds of few sequences, cut sequences longer than this many chunks into segments whose
         # state maps compose (codegen/kernels/chunk_gdn/segmented.py): shorter sequential scans for a long
         # shared prefix, at ~3x its token work; equal to the uncut rounds to rounding, not bit for bit
-        if gdn_segment_chunks is not None and gdn_segment_chunks < 1:
-            raise ValueError(f"gdn_segment_chunks must be >= 1 or None, got {gdn_segment_chunks}")
+        if gdn_segment_chunks is not None and (not isinstance(gdn_segment_chunks, int) or gdn_segment_chunks < 1):
+            raise ValueError(f"gdn_segment_chunks must be an int >= 1 or None, got {gdn_segment_chunks!r}")
         self.gdn_segment_chunks = gdn_segment_chunks
         self.model = TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

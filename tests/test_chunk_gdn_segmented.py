@@ -45,7 +45,8 @@ def run(fn, tensors, **kw):
 def test_segments_match_the_uncut_call_fp64(segment_chunks):
     chunk = 16
     lengths = [150, 7, 0, 64, 200]
-    export_seq, export_offset = [0, 0, 4, 4, 0, 3], [16, 96, 192, 32, 144, 64]  # segment ends, a duplicate-free mix
+    # segment ends, the final state of a partial last segment, a duplicate
+    export_seq, export_offset = [0, 0, 4, 4, 0, 3, 0], [16, 96, 192, 32, 144, 64, 96]
     tensors = make_inputs(lengths)
     cu = torch.tensor([0] + lengths).cumsum(0)
     assert needs_segments(lengths, segment_chunks, chunk)
@@ -55,6 +56,21 @@ def test_segments_match_the_uncut_call_fp64(segment_chunks):
                export_seq=torch.tensor(export_seq), export_offset=torch.tensor(export_offset), chunk_size=chunk)
     for name, a, b in zip(NAMES, got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("seq,off,field", [(0, 0, "export_offset"), (0, 80, "export_offset"),
+                                           (1, 16, "export_offset"), (3, 16, "export_seq")])
+def test_bad_exports_are_rejected_in_sequence_coordinates(seq, off, field):
+    """Remapped into segments, an offset past its sequence's end would name another sequence's segment."""
+    with pytest.raises(ValueError, match=field):
+        plan_segments([64, 10, 32], [seq], [off], segment_chunks=1, chunk_size=16)
+
+
+def test_bad_options_are_rejected():
+    with pytest.raises(ValueError, match="segment_chunks"):
+        plan_segments([64], segment_chunks=2.0, chunk_size=16)
+    with pytest.raises(ValueError, match="bwd_qk_block_k"):
+        GDNKernelConfig(bwd_qk_block_k=48)
 
 
 def test_plan_layout():

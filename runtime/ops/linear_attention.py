@@ -91,12 +91,14 @@ def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True,
 
 def _round_segments(rnd, kernel_index, segment_chunks: int, chunk_size: int, device) -> SegmentPlan | None:
     """A SegmentPlan for a round of few sequences of which one is longer than `segment_chunks` chunks."""
+    if rnd.cu_seqlens.numel() - 1 > SEGMENT_MAX_SEQUENCES:  # a shape: no device read-back
+        return None
     if kernel_index is not None:  # host copies already made for the launch index
         lengths, e_seq, e_off = kernel_index.seq_lengths, kernel_index.export_seq, kernel_index.export_offset
     else:
         lengths = torch.diff(rnd.cu_seqlens).tolist()
         e_seq, e_off = rnd.export_seq.tolist(), rnd.export_offset.tolist()
-    if len(lengths) > SEGMENT_MAX_SEQUENCES or not needs_segments(lengths, segment_chunks, chunk_size):
+    if not needs_segments(lengths, segment_chunks, chunk_size):
         return None
     config = None if kernel_index is None else kernel_index.config
     return plan_segments(lengths, e_seq, e_off, segment_chunks=segment_chunks, chunk_size=chunk_size,

@@ -38,6 +38,11 @@ class GDNKernelConfig:
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
     few_seqs_scan_block_v: int = 16
 
+    def __post_init__(self):
+        if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
+            raise ValueError(f"GDNKernelConfig.bwd_qk_block_k must be 0 or a power of two >= 16 (tl.dot, "
+                             f"tl.arange), got {self.bwd_qk_block_k}")
+
     def scan_block_v_for(self, num_seqs: int, value_heads: int, value_dim: int) -> int:
         """State columns per scan program for a call with `num_seqs` sequences."""
         block_v = min(self.scan_block_v, value_dim)

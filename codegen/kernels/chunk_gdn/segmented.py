@@ -54,8 +54,8 @@ def plan_segments(seq_lengths, export_seq=(), export_offset=(), *, segment_chunk
                   device=None, kernel_config: GDNKernelConfig | None = None) -> SegmentPlan:
     """Cut every sequence longer than `segment_chunks` chunks. `kernel_config`: also prepare the Triton
     launch indices (on `device`) so that no layer rebuilds them."""
-    if segment_chunks < 1:
-        raise ValueError(f"segment_chunks must be >= 1, got {segment_chunks}")
+    if not isinstance(segment_chunks, int) or segment_chunks < 1:
+        raise ValueError(f"plan_segments: segment_chunks must be an int >= 1, got {segment_chunks!r}")
     seg_rows = segment_chunks * chunk_size
     bounds, first, count, lengths = [0], [], [], []
     for length in seq_lengths:
@@ -82,9 +82,17 @@ def plan_segments(seq_lengths, export_seq=(), export_offset=(), *, segment_chunk
     for p, seqs in enumerate(alive):
         for i, seq in enumerate(seqs):
             start_order[first[seq] + p] = position_start[p] + i
+    seq_lengths = list(seq_lengths)
     e_seg, e_off = [], []
-    for seq, off in zip(export_seq, export_offset):
-        piece = (int(off) // chunk_size - 1) // segment_chunks  # the segment holding the boundary's chunk
+    for e, (seq, off) in enumerate(zip(export_seq, export_offset)):
+        seq, off = int(seq), int(off)
+        # checked here, in the sequences' coordinates: once remapped, a bad export could look valid
+        if not 0 <= seq < len(seq_lengths):
+            raise ValueError(f"plan_segments: `export_seq[{e}]`={seq} is not a sequence (there are {len(seq_lengths)})")
+        if off <= 0 or off % chunk_size or off > seq_lengths[seq]:
+            raise ValueError(f"plan_segments: `export_offset[{e}]`={off} must be a positive multiple of "
+                             f"chunk_size={chunk_size} and <= length {seq_lengths[seq]} of sequence {seq}")
+        piece = (off // chunk_size - 1) // segment_chunks  # the segment holding the boundary's chunk
         e_seg.append(first[int(seq)] + piece)
         e_off.append(int(off) - piece * seg_rows)
 
@@ -93,10 +101,10 @@ def plan_segments(seq_lengths, export_seq=(), export_offset=(), *, segment_chunk
 
     cu = as_long(bounds)
     maps_index = final_index = None
-    if kernel_config is not None:
-        maps_index = prepare_gdn_index(cu, inner, [lengths[s] for s in inner], chunk_size, device=device,
+    if kernel_config is not None:  # from the host bounds: no device read-back
+        maps_index = prepare_gdn_index(bounds, inner, [lengths[s] for s in inner], chunk_size, device=device,
                                        config=kernel_config)
-        final_index = prepare_gdn_index(cu, e_seg, e_off, chunk_size, device=device, config=kernel_config)
+        final_index = prepare_gdn_index(bounds, e_seg, e_off, chunk_size, device=device, config=kernel_config)
     return SegmentPlan(chunk_size=chunk_size, cu_segments=cu, inner_seq=tuple(inner),
                        inner_len=tuple(lengths[s] for s in inner), step_select=tuple(map(as_long, select)),
                        step_inner=tuple(map(as_long, via)), start_order=as_long(start_order),
