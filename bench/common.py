@@ -94,6 +94,14 @@ def parameter_count(model) -> int:
 
 # -- generated batches ------------------------------------------------------------------------
 
+# per preset, the generator's length scale of the benchmark batches (full-length swe rollouts are ~1M
+# tokens per task); --tiny: a few hundred tokens per preset, same shapes with fewer turns and rollouts
+LENGTH_SCALE = {"swe": 0.1, "tau2": 0.25, "grpo": 1.0}
+TINY_GENERATOR = {"swe": dict(scale=0.005, turns=(2, 5), rollouts=4),
+                  "tau2": dict(scale=0.01, turns=(2, 3), rollouts=4),
+                  "grpo": dict(scale=0.02, rollouts=4)}
+
+
 def sized_batch(preset: str, target_tokens: int, *, length_scale: float, vocab_size: int,
                 seed: int = 0, max_tasks: int = 4096, **overrides):
     """(TreeBatch, tasks): the smallest number of tasks of a generated preset batch whose

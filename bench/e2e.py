@@ -54,7 +54,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402
-from common import (Step, build_model, describe_device, finish_args, fla_trajectory_gdn_kernel,  # noqa: E402
+from common import (LENGTH_SCALE, TINY_GENERATOR, Step, build_model, describe_device, finish_args,  # noqa: E402
+                    fla_trajectory_gdn_kernel,
                     format_table, import_fla_gdn, kernel_ms, median, model_config, parameter_count, peak_memory, plan_microbatches,
                     prefix_forest, sized_batch, time_calls, trajectory_microbatches, write_json)
 
@@ -62,11 +63,6 @@ import harts_compiler as hc  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference  # noqa: E402
 from harts_compiler.passes import cost_model  # noqa: E402
 
-LENGTH_SCALE = {"swe": 0.1, "tau2": 0.25, "grpo": 1.0}
-# --tiny: a few hundred tokens per preset, same rollout shapes with fewer turns and rollouts
-TINY_GENERATOR = {"swe": dict(scale=0.005, turns=(2, 5), rollouts=4),
-                  "tau2": dict(scale=0.01, turns=(2, 3), rollouts=4),
-                  "grpo": dict(scale=0.02, rollouts=4)}
 
 
 def parse_args(argv):

@@ -86,3 +86,14 @@ def test_calibrate_tiny_cpu(tmp_path):
     assert len(model.fit["measurements"]) == 3 * 8  # three layer variants x eight shapes
     assert cm.load_cost_model(tmp_path / "written.json").coefficients == model.coefficients
     assert "held_out" in result.stdout and "median relative error" in result.stdout
+
+
+def test_gdn_batch_tiny_cpu(tmp_path):
+    """bench/gdn_batch.py: tree vs trajectory-wise GDN rounds on generated batches, segmented too."""
+    result = run_bench("gdn_batch.py", tmp_path, "--segment-chunks", "1")
+    table = result.stdout.splitlines()[-3:]
+    assert "segmented ms" in table[0] and "of ideal" in table[0]
+    for line, preset in zip(table[1:], ["swe", "tau2"]):
+        cells = line.split()
+        assert cells[0] == preset
+        assert all(math.isfinite(float(c)) and float(c) > 0 for c in cells[1:]), line

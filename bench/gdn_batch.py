@@ -1,0 +1,103 @@
+"""Gated DeltaNet alone on generated agentic batches (issue 4: "a generated agentic batch").
+
+Tree mode runs the planner's microbatches of a `harts gen` batch through the runtime's rounds function
+(several rounds, replay rows, state hand-offs, exports and injected gradients), trajectory-wise runs the
+same trajectories each as its own sequence, both fwd+bwd of the GDN rule only (random q/k/v/g/beta per
+microbatch, shapes of BENCH_MODEL's GDN layers: 16 key heads, 32 value heads, K = V = 128, bf16). The
+ratio against the ideal (trajectory tokens / compact tokens of the same batch) isolates the linear
+attention's share of the end-to-end gap. `--segment-chunks N` adds tree mode with long sequences of
+few-sequence rounds cut into N-chunk segments (TreeModel.gdn_segment_chunks).
+
+    PYTHONUNBUFFERED=1 python bench/gdn_batch.py                  # H200: swe and tau2
+    python bench/gdn_batch.py --device cpu --tiny                  # smoke test (plain-torch reference)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (LENGTH_SCALE, TINY_GENERATOR, format_table, kernel_ms, plan_microbatches,  # noqa: E402
+                    prefix_forest, sized_batch, trajectory_microbatches)
+
+from harts_compiler.runtime.ops.linear_attention import gated_delta_rule_rounds, plan_linear_rounds  # noqa: E402
+
+
+def gdn_inputs(tokens: int, heads: tuple[int, int], dims: tuple[int, int], device, dtype, seed: int):
+    """Leaves q, k [T, HK, K], v [T, HV, V], g (fp32), beta [T, HV] with Qwen3-Next-like gate magnitudes."""
+    gen = torch.Generator(device).manual_seed(seed)
+    (hk, hv), (kd, vd) = heads, dims
+    q = torch.randn(tokens, hk, kd, device=device, generator=gen).to(dtype)
+    k = torch.randn(tokens, hk, kd, device=device, generator=gen).to(dtype)
+    v = torch.randn(tokens, hv, vd, device=device, generator=gen).to(dtype)
+    g = -(torch.rand(tokens, hv, device=device, generator=gen) * 2.8).exp() * 0.05
+    beta = torch.rand(tokens, hv, device=device, generator=gen).to(dtype)
+    return [t.requires_grad_(True) for t in (q, k, v, g, beta)]
+
+
+def microbatches_ms(indices, args, segment_chunks=None) -> float:
+    """Sum over microbatches of the median fwd+bwd ms of the rounds (plans built outside the timing, as
+    the runtime builds them once per forward for all layers)."""
+    total = 0.0
+    for i, index in enumerate(indices):
+        use_triton = index.device.type == "cuda"
+        plan = plan_linear_rounds(index, use_triton=use_triton, segment_chunks=segment_chunks)
+        leaves = gdn_inputs(index.num_tokens, args.heads, args.dims, index.device, args.dtype, seed=i)
+        do = torch.randn(index.num_tokens, args.heads[1], args.dims[1], device=index.device, dtype=args.dtype)
+
+        def step(plan=plan, leaves=leaves, do=do, index=index):
+            o = gated_delta_rule_rounds(*leaves, index, plan, scale=args.dims[0] ** -0.5,
+                                        state_dtype=torch.float32, use_qk_l2norm=True)
+            torch.autograd.grad(o, leaves, do)
+        total += kernel_ms(step, index.device)
+    return total
+
+
+def run_preset(preset: str, args) -> dict:
+    overrides = dict(TINY_GENERATOR[preset]) if args.tiny else {"scale": LENGTH_SCALE[preset]}
+    scale = overrides.pop("scale")
+    batch, tasks = sized_batch(preset, args.target_tokens, length_scale=scale, vocab_size=1000, seed=args.seed,
+                               **overrides)
+    shape = dict(chunk_size=64, conv_width=4)
+    plan, tree_indices, *_ = plan_microbatches(batch, args.microbatch_tokens, args.device, **shape)
+    traj_indices = trajectory_microbatches(batch, args.microbatch_tokens, args.device, **shape)
+    distinct = prefix_forest(batch).num_tokens
+    row = dict(preset=preset, tasks=tasks, trajectory_tokens=plan.stats["trajectory_tokens"], compact=distinct,
+               rounds=plan.stats["rounds"], ideal=plan.stats["trajectory_tokens"] / distinct,
+               traj_ms=microbatches_ms(traj_indices, args), tree_ms=microbatches_ms(tree_indices, args))
+    row["of_ideal"] = row["traj_ms"] / row["tree_ms"] / row["ideal"]
+    if args.segment_chunks:
+        row["seg_ms"] = microbatches_ms(tree_indices, args, args.segment_chunks)
+        row["seg_of_ideal"] = row["traj_ms"] / row["seg_ms"] / row["ideal"]
+    print(f"[{preset}] {row}", flush=True)
+    return row
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="toy batches and heads (CPU smoke test)")
+    p.add_argument("--presets", nargs="+", default=["swe", "tau2"], choices=sorted(LENGTH_SCALE))
+    p.add_argument("--target-tokens", type=int, default=None, help="trajectory tokens per batch (default 96k)")
+    p.add_argument("--microbatch-tokens", type=int, default=16384)
+    p.add_argument("--segment-chunks", type=int, default=8, help="0: do not time the segmented tree mode")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.device = torch.device(args.device)
+    args.target_tokens = args.target_tokens or (300 if args.tiny else 96 * 1024)
+    args.heads, args.dims = ((1, 2), (16, 16)) if args.tiny else ((16, 32), (128, 128))
+    args.dtype = torch.float32 if args.device.type == "cpu" else torch.bfloat16
+    rows = [run_preset(preset, args) for preset in args.presets]
+    columns = [("preset", "preset"), ("trajectory_tokens", "traj tok"), ("compact", "distinct"),
+               ("rounds", "rounds"), ("ideal", "ideal"), ("traj_ms", "traj ms"), ("tree_ms", "tree ms"),
+               ("of_ideal", "of ideal")]
+    if args.segment_chunks:
+        columns += [("seg_ms", "segmented ms"), ("seg_of_ideal", "of ideal")]
+    print(format_table(rows, columns))
+
+
+if __name__ == "__main__":
+    main()
