@@ -7,6 +7,8 @@ prepared launch indices.
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from harts_compiler.codegen.kernels.chunk_gdn import (GDNKernelConfig, chunk_gated_delta_rule,
@@ -122,3 +124,24 @@ def test_two_level_tree_with_segmented_roots_fp64():
     want = grads()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_segments_match_the_uncut_call_on_random_layouts(data):
+    """Random lengths (empty, exact multiples of the segment), exports (segment ends, final states,
+    duplicates) and segment sizes, chunk 4, fp64 reference: outputs, exports and every gradient."""
+    chunk = 4
+    lengths = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=4).filter(lambda n: sum(n) > 0))
+    segment_chunks = data.draw(st.integers(1, 4))
+    boundaries = [(s, off) for s, n in enumerate(lengths) for off in range(chunk, n + 1, chunk)]
+    exports = data.draw(st.lists(st.sampled_from(boundaries), max_size=5)) if boundaries else []
+    export_seq, export_offset = [s for s, _ in exports], [o for _, o in exports]
+    tensors = make_inputs(lengths, kd=8, vd=4, seed=len(lengths))
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    plan = plan_segments(lengths, export_seq, export_offset, segment_chunks=segment_chunks, chunk_size=chunk)
+    got = run(segmented_gated_delta_rule, tensors, plan=plan, kernel=chunk_gated_delta_rule_reference)
+    want = run(chunk_gated_delta_rule_reference, tensors, cu_seqlens=cu, export_seq=torch.tensor(export_seq,
+               dtype=torch.long), export_offset=torch.tensor(export_offset, dtype=torch.long), chunk_size=chunk)
+    for name, a, b in zip(NAMES, got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
