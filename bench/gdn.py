@@ -3,7 +3,8 @@ bitwise, and fwd+bwd timings (trajectory-wise ours vs fla; tree vs trajectory-wi
 
     PYTHONUNBUFFERED=1 python bench/gdn.py [--skip-check] [--variants] [--no-fla] [--out DIR] 2>&1 | tee $OUT/gdn.log
 
-(do not pipe through grep: it holds the output back until the end). Prints one table per section; the
+(do not pipe through grep: it holds the output back until the end). Prints one table per section (a
+per-kernel profile of tree vs trajectory-wise from bench/gdn_profile.py among them); the
 last lines are the summary. Needs CUDA (fla optional). A fresh machine spends ~2-3 minutes compiling our
 kernels and autotuning fla's before the first numbers: give the call at least 6 minutes (with --variants, 9).
 """
@@ -18,13 +19,14 @@ import torch
 import triton
 
 from common import import_fla_gdn, kernel_ms
+from gdn_cases import make_inputs, tree_case
+from gdn_profile import profile_section
 from harts_compiler.codegen.kernels.chunk_gdn import (
     GDNKernelConfig,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_reference,
     prepare_gdn_index,
 )
-from harts_compiler.codegen.kernels.chunk_gdn.segmented import plan_segments, segmented_gated_delta_rule
 from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_trajectories, run_tree, two_level_plan
 
 CUDA = torch.device("cuda")
@@ -43,24 +45,6 @@ def load_fla():
                            cu_seqlens=cu_seqlens.long())
         return o[0], final
     return call
-
-
-def make_inputs(lengths, hk=16, hv=16, kd=128, vd=128, seed=0, dtype=torch.bfloat16, device="cuda"):
-    """Random inputs with Qwen3-Next-like gates: g = -exp(A) * dt, A in [0, 2.8], dt in [1e-3, 0.1]."""
-    gen = torch.Generator(device).manual_seed(seed)
-    rows = sum(lengths)
-
-    def rand(*shape):
-        return torch.rand(*shape, device=device, generator=gen)
-
-    q = torch.randn(rows, hk, kd, device=device, generator=gen).to(dtype)
-    k = torch.randn(rows, hk, kd, device=device, generator=gen).to(dtype)
-    v = torch.randn(rows, hv, vd, device=device, generator=gen).to(dtype)
-    g = -(rand(rows, hv) * 2.8).exp() * (rand(rows, hv) * 0.099 + 0.001)
-    beta = torch.sigmoid(torch.randn(rows, hv, device=device, generator=gen)).to(dtype)
-    h0 = torch.randn(len(lengths), hv, kd, vd, device=device, generator=gen) * 0.05
-    cu = torch.tensor([0] + list(lengths), device=device).cumsum(0).to(torch.int32)
-    return [q, k, v, g, beta, h0], cu
 
 
 def rel_err(a, b):
@@ -170,44 +154,10 @@ def bench_trees(fla, log, config: GDNKernelConfig, label: str, segment_chunks: i
           f" {'seg diff':>8s}")
     rows = []
     for name, trees in cases:
-        plan = two_level_plan(trees, device="cuda")
-        tensors, _ = make_inputs([plan.compact_rows], seed=11)
-        compact = [t.detach().requires_grad_(True) for t in tensors[:5]]
-        traj = [t.detach()[plan.traj_rows].contiguous().requires_grad_(True) for t in tensors[:5]]
-        n_traj = plan.traj_cu.numel() - 1
-        h0 = torch.zeros(n_traj, 16, 128, 128, device="cuda")
-        scale = 128 ** -0.5
-        traj_index = prepare_gdn_index(plan.traj_cu, device="cuda", config=config)
-        root_index = prepare_gdn_index(plan.root_cu, plan.root_export_seq, plan.root_export_offset, device="cuda",
-                                       config=config)
-        branch_index = prepare_gdn_index(plan.branch_cu, device="cuda", config=config)
-        do_traj = torch.randn(plan.trajectory_tokens, 16, 128, device="cuda").bfloat16()
-        do_tree = torch.randn(plan.compact_rows, 16, 128, device="cuda").bfloat16()
-
-        def ours_traj(q, k, v, g, beta):
-            return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, cu_seqlens=plan.traj_cu,
-                                          use_qk_l2norm=True, index=traj_index)[0]
-
-        def ours_tree(q, k, v, g, beta):
-            return run_tree(chunk_gated_delta_rule, plan, q, k, v, g, beta, scale=scale, use_qk_l2norm=True,
-                            root_kw=dict(use_qk_l2norm=True, index=root_index),
-                            branch_kw=dict(use_qk_l2norm=True, index=branch_index))
-
-        seg_plan = plan_segments(torch.diff(plan.root_cu).tolist(), plan.root_export_seq.tolist(),
-                                 plan.root_export_offset.tolist(), segment_chunks=segment_chunks, device="cuda",
-                                 kernel_config=config)
-
-        def root_segmented(q, k, v, g, beta, *, scale, initial_state, segmented=False, index=None, **kw):
-            if segmented:
-                return segmented_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                                  plan=seg_plan, use_qk_l2norm=True)
-            return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, index=index,
-                                          **kw)
-
-        def ours_tree_segmented(q, k, v, g, beta):
-            return run_tree(root_segmented, plan, q, k, v, g, beta, scale=scale,
-                            root_kw=dict(segmented=True), branch_kw=dict(use_qk_l2norm=True, index=branch_index))
-
+        case = tree_case(trees, config, segment_chunks)
+        plan, compact, traj, do_traj, do_tree = case.plan, case.compact, case.traj, case.do_traj, case.do_tree
+        ours_traj, ours_tree, ours_tree_segmented = case.ours_traj, case.ours_tree, case.ours_tree_segmented
+        h0, scale = case.h0, case.scale
         t_traj = timed(ours_traj, traj, lambda o: do_traj)
         t_tree = timed(ours_tree, compact, lambda o: do_tree)
         t_seg = timed(ours_tree_segmented, compact, lambda o: do_tree)
@@ -229,7 +179,7 @@ def bench_trees(fla, log, config: GDNKernelConfig, label: str, segment_chunks: i
         print(f"{name:18s} {plan.trajectory_tokens:9d} {plan.compact_rows:8d} {plan.ideal_speedup:5.2f}x "
               f"{t_traj:9.2f} {t_fla:9.2f} {t_fla / t_traj:7.2f}x {t_tree:9.2f} {speedup:6.2f}x {row['of_ideal']:7.0%}"
               f" {t_seg:9.2f} {row['segmented_of_ideal']:7.0%} {seg_err:8.1e}")
-        del compact, traj, tensors
+        del case, compact, traj
         torch.cuda.empty_cache()
     return rows
 
@@ -335,6 +285,7 @@ def main():
                     ("bwd qk BK32", GDNKernelConfig(bwd_qk_block_k=32)),
                     ("split wy + bwd qk BK64", GDNKernelConfig(wy_fwd_split=True, bwd_qk_block_k=64))]
     summary["default"] = bench_trees(fla, log, configs[0][1], "default")
+    profile_section(log)  # where the tree step's time goes, kernel by kernel
     if not args.skip_check:
         summary["check_ok"], summary["worst_ours_over_fla_error"] = check_against_reference(fla, log)
     for label, cfg in configs[1:]:

@@ -1,0 +1,73 @@
+"""Inputs and tree cases shared by the GDN benchmarks (bench/gdn.py, bench/gdn_profile.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
+from harts_compiler.codegen.kernels.chunk_gdn.segmented import plan_segments, segmented_gated_delta_rule
+from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_tree, two_level_plan
+
+
+def make_inputs(lengths, hk=16, hv=16, kd=128, vd=128, seed=0, dtype=torch.bfloat16, device="cuda"):
+    """Random inputs with Qwen3-Next-like gates: g = -exp(A) * dt, A in [0, 2.8], dt in [1e-3, 0.1]."""
+    gen = torch.Generator(device).manual_seed(seed)
+    rows = sum(lengths)
+
+    def rand(*shape):
+        return torch.rand(*shape, device=device, generator=gen)
+
+    q = torch.randn(rows, hk, kd, device=device, generator=gen).to(dtype)
+    k = torch.randn(rows, hk, kd, device=device, generator=gen).to(dtype)
+    v = torch.randn(rows, hv, vd, device=device, generator=gen).to(dtype)
+    g = -(rand(rows, hv) * 2.8).exp() * (rand(rows, hv) * 0.099 + 0.001)
+    beta = torch.sigmoid(torch.randn(rows, hv, device=device, generator=gen)).to(dtype)
+    h0 = torch.randn(len(lengths), hv, kd, vd, device=device, generator=gen) * 0.05
+    cu = torch.tensor([0] + list(lengths), device=device).cumsum(0).to(torch.int32)
+    return [q, k, v, g, beta, h0], cu
+
+
+def tree_case(trees, config: GDNKernelConfig, segment_chunks: int = 8, seed: int = 11,
+              device="cuda") -> SimpleNamespace:
+    """Two-level trees (P, B, L) on the GPU at H = 16, K = V = 128, bf16: compact and trajectory leaves,
+    output gradients, and the three callables over them -- trajectory-wise, tree (two rounds), and tree with
+    the roots cut into `segment_chunks`-chunk segments (segmented.py) -- with launch indices prepared."""
+    plan = two_level_plan(list(trees), device=device)
+    tensors, _ = make_inputs([plan.compact_rows], seed=seed, device=device)
+    compact = [t.detach().requires_grad_(True) for t in tensors[:5]]
+    traj = [t.detach()[plan.traj_rows].contiguous().requires_grad_(True) for t in tensors[:5]]
+    h0 = torch.zeros(plan.traj_cu.numel() - 1, 16, 128, 128, device=device)
+    scale = 128 ** -0.5
+    traj_index = prepare_gdn_index(plan.traj_cu, device=device, config=config)
+    root_index = prepare_gdn_index(plan.root_cu, plan.root_export_seq, plan.root_export_offset, device=device,
+                                   config=config)
+    branch_index = prepare_gdn_index(plan.branch_cu, device=device, config=config)
+    seg_plan = plan_segments(torch.diff(plan.root_cu).tolist(), plan.root_export_seq.tolist(),
+                             plan.root_export_offset.tolist(), segment_chunks=segment_chunks, device=device,
+                             kernel_config=config)
+
+    def ours_traj(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, cu_seqlens=plan.traj_cu,
+                                      use_qk_l2norm=True, index=traj_index)[0]
+
+    def ours_tree(q, k, v, g, beta):
+        return run_tree(chunk_gated_delta_rule, plan, q, k, v, g, beta, scale=scale, use_qk_l2norm=True,
+                        root_kw=dict(use_qk_l2norm=True, index=root_index),
+                        branch_kw=dict(use_qk_l2norm=True, index=branch_index))
+
+    def root_segmented(q, k, v, g, beta, *, scale, initial_state, segmented=False, index=None, **kw):
+        if segmented:
+            return segmented_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                              plan=seg_plan, use_qk_l2norm=True)
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, index=index, **kw)
+
+    def ours_tree_segmented(q, k, v, g, beta):
+        return run_tree(root_segmented, plan, q, k, v, g, beta, scale=scale,
+                        root_kw=dict(segmented=True), branch_kw=dict(use_qk_l2norm=True, index=branch_index))
+
+    return SimpleNamespace(
+        plan=plan, compact=compact, traj=traj, h0=h0, scale=scale,
+        do_traj=torch.randn(plan.trajectory_tokens, 16, 128, device=device).bfloat16(),
+        do_tree=torch.randn(plan.compact_rows, 16, 128, device=device).bfloat16(),
+        ours_traj=ours_traj, ours_tree=ours_tree, ours_tree_segmented=ours_tree_segmented)

@@ -1,0 +1,78 @@
+"""Where the GDN tree step's time goes: device time per kernel (torch.profiler), tree vs trajectory-wise.
+
+The kernel bench shows tree mode at ~65% of its ideal on a 4096-token root with eight 3584-token
+branches, while a model of the stages (chunk-parallel kernels ~ tokens, scans ~ chunk depth) predicts
+~85%. This prints, for one fwd+bwd of each mode, device milliseconds per kernel name (summed over
+launches), the launch count and the host-side wall time, so the missing time shows up by name:
+a kernel, a torch op around the calls (gathers, scatters, casts), or gaps between launches.
+
+    python bench/gdn_profile.py              # H200; bench/gdn.py runs it too
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+
+def device_ms_by_kernel(step, repeat: int = 3) -> tuple[dict[str, tuple[float, int]], float]:
+    """({kernel name: (device ms per step, launches per step)}, wall ms per step) over `repeat` steps
+    after one warm-up step."""
+    step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(repeat):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3 / repeat
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[event.name[:60]]
+            entry[0] += event.device_time_total / 1e3 / repeat  # microseconds -> ms per step
+            entry[1] += 1
+    return {name: (ms, count // repeat) for name, (ms, count) in totals.items()}, wall
+
+
+def compare(steps: dict[str, callable], top: int = 14) -> list[dict]:
+    """Print the heaviest kernels of each step side by side; return the rows."""
+    results = {label: device_ms_by_kernel(step) for label, step in steps.items()}
+    labels = list(steps)
+    names = sorted({n for kernels, _ in results.values() for n in kernels},
+                   key=lambda n: -max(results[lbl][0].get(n, (0.0, 0))[0] for lbl in labels))
+    print(f"{'kernel':60s} " + " ".join(f"{lbl + ' ms':>12s} {'n':>4s}" for lbl in labels))
+    rows = []
+    for name in names[:top]:
+        cells = [results[lbl][0].get(name, (0.0, 0)) for lbl in labels]
+        print(f"{name:60s} " + " ".join(f"{ms:12.3f} {n:4d}" for ms, n in cells))
+        rows.append(dict(kernel=name, **{lbl: ms for lbl, (ms, _) in zip(labels, cells)}))
+    for lbl in labels:
+        kernels, wall = results[lbl]
+        busy = sum(ms for ms, _ in kernels.values())
+        launches = sum(n for _, n in kernels.values())
+        print(f"{lbl}: device busy {busy:.2f} ms in {launches} launches, wall {wall:.2f} ms per step")
+        rows.append(dict(kernel=f"total[{lbl}]", busy_ms=busy, launches=launches, wall_ms=wall))
+    return rows
+
+
+def profile_section(log: list, trees=((4096, 8, 3584),), config=None, segment_chunks: int = 8) -> list[dict]:
+    """Kernel-level device time of one tree case in its three modes (bench/gdn_cases.tree_case)."""
+    from gdn_cases import tree_case
+    from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
+    case = tree_case(trees, config or GDNKernelConfig(), segment_chunks)
+    print(f"\n== device ms per kernel, one fwd+bwd, trees {list(trees)} ==")
+
+    def fwd_bwd(fn, leaves, do):
+        return lambda: torch.autograd.grad(fn(*leaves), leaves, do)
+    rows = compare({"traj": fwd_bwd(case.ours_traj, case.traj, case.do_traj),
+                    "tree": fwd_bwd(case.ours_tree, case.compact, case.do_tree),
+                    "tree seg": fwd_bwd(case.ours_tree_segmented, case.compact, case.do_tree)})
+    log.extend(dict(section="profile", **row) for row in rows)
+    return rows
+
+
+if __name__ == "__main__":
+    profile_section([])
