@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..interpreter_safe import interpreting
+from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from .chunk_bwd import chunk_bwd
 from .index import GDNIndex, prepare_gdn_index
 from .inputs import validate_gdn_inputs
@@ -107,6 +107,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens
         index = prepare_gdn_index(cu_seqlens, export_seq, export_offset, chunk_size, device=q.device)
     elif index.chunk_size != chunk_size:
         raise ValueError(f"chunk_gated_delta_rule: `index` was built for chunk_size {index.chunk_size}, not {chunk_size}")
+    if interpreter_needs_fp32(v):  # the interpreter's 16-bit dots are wrong: fp32, autograd casts back
+        o, exported = chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), scale=scale,
+                                             initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                             export_seq=export_seq, export_offset=export_offset,
+                                             chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm, index=index)
+        return o.to(v.dtype), exported
     if use_qk_l2norm:  # in fp32 as transformers and fla do, output in the input dtype
         q, k = l2norm_fused(q), l2norm_fused(k)
     return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, float(scale), index)

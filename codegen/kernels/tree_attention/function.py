@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..interpreter_safe import interpreting
+from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from .backward import tree_attention_backward
 from .block_index import BlockIndex, build_block_index
 from .configs import KernelConfig, config_for
@@ -68,9 +68,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
         return tree_attention_reference_chunked(q, k, v, subtree_end, scale=scale)
     default = config_for(q.shape[2])  # validates the head dim even when a config is given
     config = config or default
-    if not q.is_cuda and q.dtype != torch.float32:
-        # Triton 3.6's interpreter computes tl.dot of bf16/fp16 operands wrongly (it multiplies
-        # raw bit patterns): run the interpreted kernels in fp32, autograd casts back
+    if interpreter_needs_fp32(q):  # the interpreter's 16-bit dots are wrong: fp32, autograd casts back
         out = tree_attention(q.float(), k.float(), v.float(), subtree_end, scale=scale,
                              block_index=block_index, config=config)
         return out.to(q.dtype)

@@ -1,0 +1,38 @@
+"""16-bit inputs on the CPU: Triton's interpreter (triton 3.6) gets tl.dot of bf16 operands wrong, so the
+kernels with dots run such inputs in fp32 there and cast back (codegen/kernels/interpreter_safe.py).
+Only meaningful under TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)."""
+import os
+
+import pytest
+import torch
+
+from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
+from harts_compiler.codegen.kernels.interpreter_safe import interpreter_needs_fp32
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU interpreter behaviour")
+
+
+def test_only_sixteen_bit_cpu_tensors_are_widened():
+    assert interpreter_needs_fp32(torch.zeros(1, dtype=torch.bfloat16))
+    assert interpreter_needs_fp32(torch.zeros(1, dtype=torch.float16))
+    assert not interpreter_needs_fp32(torch.zeros(1))
+
+
+def test_bf16_gdn_on_the_interpreter_is_right():
+    """Before the fp32 widening this was off by ~1e10 (the interpreter's bf16 dots)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, heads, dim = 130, 2, 32
+    q, k, v = (torch.randn(rows, heads, dim, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(rows, heads, generator=gen) * 0.1, torch.rand(rows, heads, generator=gen)
+    common = dict(scale=dim ** -0.5, initial_state=torch.zeros(1, heads, dim, dim),
+                  cu_seqlens=torch.tensor([0, rows]), export_seq=torch.tensor([0]),
+                  export_offset=torch.tensor([128]), use_qk_l2norm=True)
+    leaves = [t.bfloat16().requires_grad_(True) for t in (q, k, v)]
+    got, got_state = chunk_gated_delta_rule(*leaves, g, beta.bfloat16(), **common)
+    want, want_state = chunk_gated_delta_rule_reference(q, k, v, g, beta, **common)
+    assert got.dtype == torch.bfloat16 and got_state.dtype == torch.float32
+    assert float((got.float() - want).norm() / want.norm()) < 2e-2
+    assert float((got_state - want_state).norm() / want_state.norm()) < 2e-2
+    grads = torch.autograd.grad(got.float().sum(), leaves)
+    assert all(gr.dtype == torch.bfloat16 and torch.isfinite(gr).all() for gr in grads)
