@@ -50,32 +50,33 @@ def compile_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="harts compile",
                                      description="Compile a JSONL rollout batch into a plan.")
     parser.add_argument("input", help="JSONL: trajectories {id, tokens} and/or trees {id, nodes}")
-    parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--conv-width", type=int, default=4)
-    parser.add_argument("--microbatch-tokens", type=int, default=None)
-    parser.add_argument("--dp-size", type=int, default=1)
-    parser.add_argument("--vocab-size", type=int, default=None)
-    parser.add_argument("--objective", default="sum_of_slot_max",
-                        help="schedule objective: sum_of_slot_max (ranks run slots in lockstep) "
-                             "or max_rank_total")
-    parser.add_argument("--schedule-time-limit", type=float, default=0.2, metavar="SECONDS",
-                        help="CP-SAT planner time limit (the greedy plan is the fallback)")
-    parser.add_argument("--split-time-limit", type=float, default=0.5, metavar="SECONDS",
-                        help="CP-SAT time for improving the cuts of trees over the budget "
-                             "(0 = the greedy cuts)")
-    parser.add_argument("--cost-model", metavar="JSON", default=None,
-                        help="fitted cost model (default: the repository's fit, else guesses)")
+    defaults = {name: field.default for name, field in CompileOptions.model_fields.items()}
+
+    def option(flag: str, name: str, **kwargs):  # the default is CompileOptions' own
+        parser.add_argument(flag, dest=name, default=defaults[name], **kwargs)
+
+    option("--chunk-size", "chunk_size", type=int)
+    option("--conv-width", "conv_width", type=int)
+    option("--microbatch-tokens", "microbatch_tokens", type=int)
+    option("--dp-size", "dp_size", type=int)
+    option("--vocab-size", "vocab_size", type=int)
+    option("--objective", "objective",
+           help="schedule objective: sum_of_slot_max (ranks run slots in lockstep) or max_rank_total")
+    option("--schedule-time-limit", "schedule_time_limit_s", type=float, metavar="SECONDS",
+           help="CP-SAT planner time limit (the greedy plan is the fallback)")
+    option("--split-time-limit", "split_time_limit_s", type=float, metavar="SECONDS",
+           help="CP-SAT time for improving the cuts of trees over the budget (0 = the greedy cuts)")
+    option("--cost-model", "cost_model", metavar="JSON",
+           help="fitted cost model (default: the repository's fit, else guesses)")
+    option("--linear-layers", "linear_layers", type=int, help="the model's linear-attention layers (cost model)")
+    option("--full-layers", "full_layers", type=int, help="the model's full-attention layers (cost model)")
     parser.add_argument("--dump-ir", metavar="DIR", help="write a .hir after every pass")
     parser.add_argument("--no-verify", action="store_true", help="skip IR verification")
     parser.add_argument("--json", action="store_true", help="print statistics as one JSON object")
     parser.add_argument("-o", "--output", metavar="PLAN", help="save the plan (.hir)")
     args = parser.parse_args(argv)
-    options = CompileOptions.checked(
-        chunk_size=args.chunk_size, conv_width=args.conv_width,
-        microbatch_tokens=args.microbatch_tokens, dp_size=args.dp_size,
-        vocab_size=args.vocab_size, verify=not args.no_verify, objective=args.objective,
-        schedule_time_limit_s=args.schedule_time_limit, cost_model=args.cost_model,
-        split_time_limit_s=args.split_time_limit)
+    options = CompileOptions.checked(verify=not args.no_verify, **{
+        name: getattr(args, name) for name in defaults if hasattr(args, name)})
     if not Path(args.input).is_file():
         raise InputError(f"{args.input}: no such file")
     plan = compile(TreeBatch.load(args.input), options, dump_ir=args.dump_ir)

@@ -115,3 +115,12 @@ def test_demo_and_usage(capsys):
     assert main([]) == 2 and main(["--help"]) == 0
     assert main(["nonsense"]) == 2
     assert {"compile", "ir", "demo"} <= set(COMMANDS)
+
+
+def test_layer_counts_reach_the_cost_model(batch_file, capsys):
+    """--linear-layers / --full-layers scale the schedule's predicted cost (defaults: CompileOptions')."""
+    objectives = []
+    for layers in (["--linear-layers", "3", "--full-layers", "1"], ["--linear-layers", "30", "--full-layers", "10"]):
+        assert main(["compile", str(batch_file), "--json", *layers]) == 0
+        objectives.append(json.loads(capsys.readouterr().out)["schedule"]["objective"])
+    assert objectives[1] > 5 * objectives[0]
