@@ -286,8 +286,14 @@ def max_abs_difference(rows, reference) -> float:
     return max(float(np.abs(rows[k] - v).max(initial=0.0)) for k, v in reference.items())
 
 
+def mean_abs_difference(rows, reference) -> float:
+    """Mean over all scored tokens: the max alone is one token's worst case."""
+    diffs = np.concatenate([np.abs(rows[k] - v).ravel() for k, v in reference.items()])
+    return float(diffs.mean()) if diffs.size else 0.0
+
+
 def numerics(row, model, reference, args) -> None:
-    """Fills row['err_tree'], row['err_traj'] (max |log-prob - float64 reference|)."""
+    """Fills row['err_tree'], row['err_traj'] (max |log-prob - float64 reference|) and their means."""
     batch = subset(row.pop("_batch"), args.numerics_tokens)
     with torch.no_grad():
         shape = dict(chunk_size=args.chunk_size, conv_width=model.conv_width)
@@ -298,7 +304,8 @@ def numerics(row, model, reference, args) -> None:
         ref = logprob_rows(reference(i, gdn_kernel=chunk_gated_delta_rule_reference) for i in traj_indices)
     row.update(numerics_trajectories=len(batch), numerics_tokens=int(batch.lengths.sum()),
                err_tree=max_abs_difference(tree, ref), err_traj=max_abs_difference(traj, ref),
-               err_tree_vs_traj=max_abs_difference(tree, traj))
+               err_tree_vs_traj=max_abs_difference(tree, traj), mean_err_tree=mean_abs_difference(tree, ref),
+               mean_err_traj=mean_abs_difference(traj, ref))
     row["numerics_ok"] = bool(row["err_tree"] <= args.error_factor * row["err_traj"])
 
 
@@ -363,7 +370,8 @@ def report(rows, args, info, config, failures) -> None:
                ("ideal", "ideal"), ("traj_ms", "traj ms"), ("traj_fla_ms", "traj fla ms"), ("tree_ms", "tree ms"),
                ("speedup", "speedup"),
                ("of_ideal", "of ideal"), ("traj_peak_gib", "traj GiB"), ("tree_peak_gib", "tree GiB"),
-               ("err_traj", "err traj"), ("err_tree", "err tree"), ("numerics_ok", "ok"),
+               ("err_traj", "err traj"), ("err_tree", "err tree"), ("mean_err_traj", "mean traj"),
+               ("mean_err_tree", "mean tree"), ("numerics_ok", "ok"),
                ("grad_rel_diff", "grad diff"), ("planner_ms", "plan ms")]
     print(format_table(rows, columns))
     if failures:
