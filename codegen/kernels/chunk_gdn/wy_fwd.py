@@ -138,8 +138,9 @@ def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
 
 
 # -- the same stage as three kernels (fla's layout: A = kk^T, solve, w/u), each with a smaller register
-# footprint than the fused kernel, which holds k, k^T, A, the T blocks and w at once (255 registers and
-# spills at every warp count for sm_90a, bench/gdn_resources.py)
+# footprint than the fused kernel, which holds k, k^T, A, the T blocks and w at once: sm_90a with the JIT's
+# alignment hints, 4 warps, 88 / 201 / 116 registers against the fused kernel's 254
+# (`bench/gdn_resources.py --aligned`)
 
 @triton.jit
 def _wy_kkt_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end,
