@@ -62,6 +62,9 @@ def improve_split(end_part: np.ndarray, ends: np.ndarray, node_parent: np.ndarra
     if parts < 2 or (ends.size + n) * parts > MAX_MODEL_VARS or clock.det_left <= 0:
         report.trees_greedy += 1
         return end_part
+    if _greedy_meets_lower_bound(end_part, ends, node_parent, node_length, budget, parts):
+        report.trees_optimal += 1  # proven without a solver (prompt + branches trees: GRPO, a shared prompt)
+        return end_part
     if clock.deadline - time.perf_counter() <= 0.002:  # the wall clock, not the budget, stopped us
         report.trees_greedy += 1
         report.deterministic = False
@@ -118,6 +121,21 @@ def improve_split(end_part: np.ndarray, ends: np.ndarray, node_parent: np.ndarra
                            for k in range(ends.size)], np.int64)
     report.trees_greedy += status != cp_model.OPTIMAL
     return end_part
+
+
+def _greedy_meets_lower_bound(end_part, ends, node_parent, node_length, budget: int, parts: int) -> bool:
+    """Whether the greedy split already reaches a lower bound on total tokens: every node lies on some end
+    node's root path, so the non-empty parts number at least ceil(tree tokens / budget), and each of them
+    holds the trunk (the nodes on every end node's root path). O(nodes)."""
+    ends_below = np.zeros(node_parent.size, np.int64)
+    np.add.at(ends_below, ends, 1)
+    for v in range(node_parent.size - 1, 0, -1):  # preorder: children after their parents
+        ends_below[node_parent[v]] += ends_below[v]
+    tree_tokens = int(node_length.sum())
+    trunk = int(node_length[ends_below == ends_below[0]].sum())
+    min_parts = -(-tree_tokens // budget)
+    greedy_total = int((_paths(end_part, ends, node_parent, parts) * node_length).sum())
+    return greedy_total <= tree_tokens + (min_parts - 1) * trunk
 
 
 def _paths(end_part, ends, node_parent, parts) -> np.ndarray:
