@@ -81,7 +81,10 @@ class Experts(nn.Module):
                 start += count
             hidden = torch.cat(pieces) if pieces else xs
         hidden = hidden * top_weight.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add(0, token_of, hidden.to(x.dtype))
+        # back to (token, slot) order, then the k slots summed in a fixed order: index_add over token_of
+        # adds with atomics on CUDA (bf16 ones at that), in an order that varies from run to run
+        slots = torch.index_copy(torch.empty_like(hidden), 0, order, hidden)
+        return slots.view(x.shape[0], top_k, -1).sum(1).to(x.dtype)
 
 
 class SparseMoeBlock(nn.Module):
