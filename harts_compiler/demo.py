@@ -79,6 +79,7 @@ def demo_main(argv: list[str]) -> int:
     print(format_summary(plan))
     print(f"\nmodel: {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters, random weights), "
           f"forward + backward in tree mode and trajectory-wise:")
-    report = verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing)
+    report = verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing,
+                         gdn_segment_chunks=args.gdn_segment_chunks)
     print(report.format())
     return 0 if report.passed else 1

@@ -8,6 +8,7 @@ aux loss), i.e. an arbitrary token-level objective, so every parameter gets a no
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import time
 
@@ -116,8 +117,11 @@ def worst_gradient_difference(got: dict[str, torch.Tensor | None],
     return diff, worst
 
 
-def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: bool = False) -> VerifyReport:
-    """Execute `plan` (compiled from `batch`) in tree mode and `batch` trajectory-wise; compare."""
+def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: bool = False,
+                gdn_segment_chunks: int | None = None) -> VerifyReport:
+    """Execute `plan` (compiled from `batch`) in tree mode and `batch` trajectory-wise; compare.
+    `gdn_segment_chunks`: tree mode with that opt-in (TreeModel.gdn_segment_chunks), against plain
+    trajectory-wise execution."""
     from harts_compiler.runtime import trajectory_wise
     from harts_compiler.runtime.distributed import assemble_rows
     from harts_compiler.runtime.trajectory import trajectory_token_lists
@@ -133,11 +137,15 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
     first = dict(zip(ids[:2], token_lists[:2]))
     trajectory_wise(model, first, chunk_size=plan.options.chunk_size).logprobs.sum().backward()
 
+    tree_model = model
+    if gdn_segment_chunks is not None:  # a shallow copy shares the parameters (and their gradients)
+        tree_model = copy.copy(model)
+        tree_model.gdn_segment_chunks = gdn_segment_chunks
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     outputs, expert_load, aux = [], None, None
     for mb in microbatches:  # backward per microbatch, as a trainer does
-        out = model(mb, activation_checkpointing=activation_checkpointing)
+        out = tree_model(mb, activation_checkpointing=activation_checkpointing)
         loss = _row_loss(out, weights, max_len)
         if out.aux_loss is not None and len(microbatches) == 1:
             aux = out.aux_loss.detach()
@@ -212,6 +220,8 @@ def add_execution_arguments(parser: argparse.ArgumentParser, default_model: str 
     parser.add_argument("--checkpointing", action="store_true", help="activation recomputation per layer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--gdn-segment-chunks", type=int, default=None, metavar="N",
+                        help="tree mode with long prefixes cut into N-chunk segments (opt-in; equal to rounding)")
 
 
 def run_verification(batch, args) -> VerifyReport:
@@ -224,7 +234,8 @@ def run_verification(batch, args) -> VerifyReport:
                                      microbatch_tokens=args.microbatch_tokens,
                                      vocab_size=model.config.vocab_size)
     plan = compile(batch, options)
-    return verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing)
+    return verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing,
+                       gdn_segment_chunks=args.gdn_segment_chunks)
 
 
 def verify_main(argv: list[str]) -> int:

@@ -33,6 +33,13 @@ def test_verify_fp32_with_checkpointing_and_microbatches(tmp_path, capsys):
     assert "(bar 1e-05) ok" in capsys.readouterr().out
 
 
+def test_verify_segmented_tree_mode(tmp_path, capsys):
+    """--gdn-segment-chunks: tree mode with the long root cut into 2-chunk segments vs plain trajectory-wise."""
+    path = _batch(tmp_path)
+    assert main(["verify", str(path), "--chunk-size", "4", "--gdn-segment-chunks", "2", "--threads", "1"]) == 0
+    assert "verified" in capsys.readouterr().out
+
+
 def test_report_fails_when_a_bar_is_missed():
     report = VerifyReport(trajectories=1, trajectory_tokens=10, compact_tokens=5, microbatches=1, rounds=1,
                           dtype=torch.float64, logprob_diff=0.0, entropy_diff=0.0, aux_diff=None,
