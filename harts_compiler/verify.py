@@ -139,8 +139,9 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
 
     tree_model = model
     if gdn_segment_chunks is not None:  # a shallow copy shares the parameters (and their gradients)
+        from harts_compiler.runtime.model import checked_segment_chunks
         tree_model = copy.copy(model)
-        tree_model.gdn_segment_chunks = gdn_segment_chunks
+        tree_model.gdn_segment_chunks = checked_segment_chunks(gdn_segment_chunks)
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     outputs, expert_load, aux = [], None, None
@@ -212,6 +213,13 @@ def load_model(spec: str, dtype: torch.dtype, seed: int = 0):
                      "nor a checkpoint directory")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_execution_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny-qwen3-next") -> None:
     parser.add_argument("--model", default=default_model, help="preset name or HF checkpoint directory")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
@@ -220,7 +228,7 @@ def add_execution_arguments(parser: argparse.ArgumentParser, default_model: str 
     parser.add_argument("--checkpointing", action="store_true", help="activation recomputation per layer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--gdn-segment-chunks", type=int, default=None, metavar="N",
+    parser.add_argument("--gdn-segment-chunks", type=_positive_int, default=None, metavar="N",
                         help="tree mode with long prefixes cut into N-chunk segments (opt-in; equal to rounding)")
 
 

@@ -59,11 +59,11 @@ def improve_split(end_part: np.ndarray, ends: np.ndarray, node_parent: np.ndarra
     `node_parent` local) than the greedy's `end_part`, or `end_part` itself."""
     parts = int(end_part.max()) + 1
     n = node_parent.size
+    if parts >= 2 and _greedy_meets_lower_bound(end_part, ends, node_parent, node_length, budget, parts):
+        report.trees_optimal += 1  # proven without a solver (prompt + branches trees: GRPO, a shared prompt)
+        return end_part
     if parts < 2 or (ends.size + n) * parts > MAX_MODEL_VARS or clock.det_left <= 0:
         report.trees_greedy += 1
-        return end_part
-    if _greedy_meets_lower_bound(end_part, ends, node_parent, node_length, budget, parts):
-        report.trees_optimal += 1  # proven without a solver (prompt + branches trees: GRPO, a shared prompt)
         return end_part
     if clock.deadline - time.perf_counter() <= 0.002:  # the wall clock, not the budget, stopped us
         report.trees_greedy += 1

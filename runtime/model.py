@@ -100,6 +100,13 @@ class TextModel(nn.Module):
         self.norm = ZeroCentredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
+def checked_segment_chunks(value):
+    """`TreeModel.gdn_segment_chunks`: None (off) or an int >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"gdn_segment_chunks must be an int >= 1 or None, got {value!r}")
+    return value
+
+
 class TreeModel(nn.Module):
     """Exact tree-mode execution of a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM."""
 
@@ -116,9 +123,7 @@ class TreeModel(nn.Module):
         # opt-in: in rounds of few sequences, cut sequences longer than this many chunks into segments whose
         # state maps compose (codegen/kernels/chunk_gdn/segmented.py): shorter sequential scans for a long
         # shared prefix, at ~3x its token work; equal to the uncut rounds to rounding, not bit for bit
-        if gdn_segment_chunks is not None and (not isinstance(gdn_segment_chunks, int) or gdn_segment_chunks < 1):
-            raise ValueError(f"gdn_segment_chunks must be an int >= 1 or None, got {gdn_segment_chunks!r}")
-        self.gdn_segment_chunks = gdn_segment_chunks
+        self.gdn_segment_chunks = checked_segment_chunks(gdn_segment_chunks)
         self.model = TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -82,9 +82,10 @@ class Experts(nn.Module):
             hidden = torch.cat(pieces) if pieces else xs
         hidden = hidden * top_weight.reshape(-1)[order, None]
         # back to (token, slot) order, then the k slots summed in a fixed order: index_add over token_of
-        # adds with atomics on CUDA (bf16 ones at that), in an order that varies from run to run
+        # adds with atomics on CUDA (bf16 ones at that), in an order that varies from run to run (the
+        # backward still gathers through x[token_of], whose gradient PyTorch accumulates with atomics)
         slots = torch.index_copy(torch.empty_like(hidden), 0, order, hidden)
-        return slots.view(x.shape[0], top_k, -1).sum(1).to(x.dtype)
+        return slots.view(x.shape[0], top_k, hidden.shape[-1]).sum(1).to(x.dtype)
 
 
 class SparseMoeBlock(nn.Module):

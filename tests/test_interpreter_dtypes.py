@@ -36,3 +36,20 @@ def test_bf16_gdn_on_the_interpreter_is_right():
     assert float((got_state - want_state).norm() / want_state.norm()) < 2e-2
     grads = torch.autograd.grad(got.float().sum(), leaves)
     assert all(gr.dtype == torch.bfloat16 and torch.isfinite(gr).all() for gr in grads)
+
+
+def test_mixed_dtypes_are_widened_too():
+    """bf16 q/k with fp32 v: any 16-bit operand would reach a broken interpreter dot."""
+    gen = torch.Generator().manual_seed(2)
+    rows, heads, dim = 70, 2, 16
+    q, k, v = (torch.randn(rows, heads, dim, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(rows, heads, generator=gen) * 0.1, torch.rand(rows, heads, generator=gen)
+    common = dict(scale=dim ** -0.5, initial_state=torch.zeros(1, heads, dim, dim),
+                  cu_seqlens=torch.tensor([0, rows]), use_qk_l2norm=True)
+    leaves = [q.bfloat16().requires_grad_(True), k.bfloat16().requires_grad_(True), v.requires_grad_(True)]
+    got, _ = chunk_gated_delta_rule(*leaves, g, beta, **common)
+    want, _ = chunk_gated_delta_rule_reference(q, k, v, g, beta, **common)
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    grads = torch.autograd.grad(got.sum(), leaves)
+    assert [gr.dtype for gr in grads] == [torch.bfloat16, torch.bfloat16, torch.float32]
+

@@ -44,3 +44,4 @@ def test_segment_chunks_must_be_positive():
     from harts_compiler.runtime import TreeModel
     with pytest.raises(ValueError, match="gdn_segment_chunks"):
         TreeModel.from_config("tiny-qwen3-next", gdn_segment_chunks=0)
+

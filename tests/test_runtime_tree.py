@@ -222,3 +222,13 @@ def test_multi_microbatch_plan_with_split_trees():
         assert rel(ent[:n], flat.entropy[i, :n].detach()) < 1e-10
     for name, p in model.named_parameters():
         assert rel(tree_grads[name], p.grad) < 1e-10, name
+
+
+def test_experts_take_an_empty_microbatch():
+    """A rank's empty share of tokens: the expert block returns [0, hidden] (a view with -1 cannot)."""
+    model = tiny_model(torch.float64)
+    block = next(m for m in model.modules() if type(m).__name__ == "Experts")
+    x = torch.zeros(0, model.config.hidden_size, dtype=torch.float64)
+    top = model.config.num_experts_per_tok
+    out = block(x, torch.zeros(0, top, dtype=torch.long), torch.zeros(0, top, dtype=torch.float64))
+    assert out.shape == (0, model.config.hidden_size)

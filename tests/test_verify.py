@@ -40,6 +40,14 @@ def test_verify_segmented_tree_mode(tmp_path, capsys):
     assert "verified" in capsys.readouterr().out
 
 
+def test_segment_chunks_must_be_positive(tmp_path, capsys):
+    """0 would silently verify the plain path (the opt-in is off when falsy): refused instead."""
+    import pytest
+    with pytest.raises(SystemExit):
+        main(["verify", str(_batch(tmp_path)), "--gdn-segment-chunks", "0"])
+    assert "must be >= 1" in capsys.readouterr().err
+
+
 def test_report_fails_when_a_bar_is_missed():
     report = VerifyReport(trajectories=1, trajectory_tokens=10, compact_tokens=5, microbatches=1, rounds=1,
                           dtype=torch.float64, logprob_diff=0.0, entropy_diff=0.0, aux_diff=None,

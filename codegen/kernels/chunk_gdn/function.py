@@ -107,7 +107,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens
         index = prepare_gdn_index(cu_seqlens, export_seq, export_offset, chunk_size, device=q.device)
     elif index.chunk_size != chunk_size:
         raise ValueError(f"chunk_gated_delta_rule: `index` was built for chunk_size {index.chunk_size}, not {chunk_size}")
-    if interpreter_needs_fp32(v):  # the interpreter's 16-bit dots are wrong: fp32, autograd casts back
+    if any(map(interpreter_needs_fp32, (q, k, v, beta))):  # the interpreter's 16-bit dots are wrong: fp32
         o, exported = chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), scale=scale,
                                              initial_state=initial_state, cu_seqlens=cu_seqlens,
                                              export_seq=export_seq, export_offset=export_offset,
