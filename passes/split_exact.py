@@ -59,10 +59,14 @@ def improve_split(end_part: np.ndarray, ends: np.ndarray, node_parent: np.ndarra
     `node_parent` local) than the greedy's `end_part`, or `end_part` itself."""
     parts = int(end_part.max()) + 1
     n = node_parent.size
-    if parts >= 2 and _greedy_meets_lower_bound(end_part, ends, node_parent, node_length, budget, parts):
+    if parts < 2:
+        report.trees_greedy += 1
+        return end_part
+    greedy_total = int((_paths(end_part, ends, node_parent, parts) * node_length).sum())
+    if greedy_total <= _lower_bound(ends, node_parent, node_length, budget):
         report.trees_optimal += 1  # proven without a solver (prompt + branches trees: GRPO, a shared prompt)
         return end_part
-    if parts < 2 or (ends.size + n) * parts > MAX_MODEL_VARS or clock.det_left <= 0:
+    if (ends.size + n) * parts > MAX_MODEL_VARS or clock.det_left <= 0:
         report.trees_greedy += 1
         return end_part
     if clock.deadline - time.perf_counter() <= 0.002:  # the wall clock, not the budget, stopped us
@@ -94,14 +98,13 @@ def improve_split(end_part: np.ndarray, ends: np.ndarray, node_parent: np.ndarra
         model.add(cp_model.LinearExpr.weighted_sum([y[v][p] for v in range(n)], weight) <= budget)
     model.minimize(cp_model.LinearExpr.weighted_sum([y[v][p] for p in range(parts)
                                                      for v in range(n)], weight * parts))
-    hinted = _paths(end_part, ends, node_parent, parts)
+    hinted = _paths(end_part, ends, node_parent, parts)  # under the symmetry-breaking labels
     for k in range(ends.size):
         for p in range(parts):
             model.add_hint(x[k][p], p == end_part[k])
     for v in range(n):
         for p in range(parts):
             model.add_hint(y[v][p], bool(hinted[p, v]))
-    greedy_total = int((hinted * node_length).sum())
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(clock.deadline - time.perf_counter(), 1e-3)
     solver.parameters.max_deterministic_time = max(clock.det_left, 1e-4)
@@ -123,19 +126,17 @@ def improve_split(end_part: np.ndarray, ends: np.ndarray, node_parent: np.ndarra
     return end_part
 
 
-def _greedy_meets_lower_bound(end_part, ends, node_parent, node_length, budget: int, parts: int) -> bool:
-    """Whether the greedy split already reaches a lower bound on total tokens: every node lies on some end
-    node's root path, so the non-empty parts number at least ceil(tree tokens / budget), and each of them
-    holds the trunk (the nodes on every end node's root path). O(nodes)."""
+def _lower_bound(ends, node_parent, node_length, budget: int) -> int:
+    """Least total tokens of any split: every node lies on some end node's root path, so the non-empty
+    parts number at least ceil(tree tokens / budget), and each holds the trunk (the nodes on every end
+    node's root path). O(nodes)."""
     ends_below = np.zeros(node_parent.size, np.int64)
     np.add.at(ends_below, ends, 1)
     for v in range(node_parent.size - 1, 0, -1):  # preorder: children after their parents
         ends_below[node_parent[v]] += ends_below[v]
     tree_tokens = int(node_length.sum())
     trunk = int(node_length[ends_below == ends_below[0]].sum())
-    min_parts = -(-tree_tokens // budget)
-    greedy_total = int((_paths(end_part, ends, node_parent, parts) * node_length).sum())
-    return greedy_total <= tree_tokens + (min_parts - 1) * trunk
+    return tree_tokens + (-(-tree_tokens // budget) - 1) * trunk
 
 
 def _paths(end_part, ends, node_parent, parts) -> np.ndarray:
