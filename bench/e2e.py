@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402
 from common import (LENGTH_SCALE, TINY_GENERATOR, Step, build_model, describe_device, finish_args,  # noqa: E402
                     fla_trajectory_gdn_kernel,
-                    format_table, import_fla_gdn, kernel_ms, median, model_config, parameter_count, peak_memory, plan_microbatches,
+                    format_table, kernel_ms, median, model_config, parameter_count, peak_memory, plan_microbatches,
                     prefix_forest, sized_batch, time_calls, trajectory_microbatches, write_json)
 
 import harts_compiler as hc  # noqa: E402
@@ -135,8 +135,8 @@ def fla_comparison(model, traj_indices, device) -> dict:
         return {"fla": "not importable: baseline kernels are ours"}
     try:
         import torch.nn.functional as F
-        fla_gdn = import_fla_gdn()
-        if fla_gdn is None:
+        fla_kernel = fla_trajectory_gdn_kernel()  # the same wrapper as the fla baseline step
+        if fla_kernel is None:
             return {"fla": "import failed: baseline kernels are ours"}
 
         from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule
@@ -155,12 +155,9 @@ def fla_comparison(model, traj_indices, device) -> dict:
             return chunk_gated_delta_rule(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0, cu_seqlens=cu,
                                           use_qk_l2norm=True)[0]
 
-        def gdn_fla(q, k, v, g, beta):  # value-head groups expanded for fla
-            rep = HV // HK
-            o, _ = fla_gdn(q.repeat_interleave(rep, 1)[None], k.repeat_interleave(rep, 1)[None], v[None],
-                           g[None], beta[None], scale=K ** -0.5, initial_state=h0, output_final_state=False,
-                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
-            return o[0]
+        def gdn_fla(q, k, v, g, beta):
+            return fla_kernel(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0, cu_seqlens=cu,
+                              use_qk_l2norm=True)[0]
 
         D, HQ, HKV = c.head_dim, c.num_attention_heads, c.num_key_value_heads
         aq, ak, av = torch.randn(T, HQ, D, **bf), torch.randn(T, HKV, D, **bf), torch.randn(T, HKV, D, **bf)
