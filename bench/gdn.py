@@ -27,7 +27,8 @@ from harts_compiler.codegen.kernels.chunk_gdn import (
     chunk_gated_delta_rule_reference,
     prepare_gdn_index,
 )
-from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_trajectories, run_tree, two_level_plan
+from harts_compiler.codegen.kernels.chunk_gdn.tree import plan_tree_gdn, tree_gated_delta_rule
+from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_trajectories, run_tree, tree_rounds, two_level_plan
 
 CUDA = torch.device("cuda")
 GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
@@ -121,14 +122,16 @@ def check_tree_bitwise(log, config=None):
         return chunk_gated_delta_rule(*args, **kwargs)
 
     o_traj = run_trajectories(fn, plan, *leaves, **kw)
-    o_tree = run_tree(fn, plan, *leaves, **kw)
-    bitwise = torch.equal(o_traj, o_tree[plan.traj_rows])
+    per_round_bitwise = torch.equal(o_traj, run_tree(fn, plan, *leaves, **kw)[plan.traj_rows])
+    tree_plan = plan_tree_gdn(tree_rounds(plan), plan.compact_rows, device="cuda", config=config or GDNKernelConfig())
+    o_tree = tree_gated_delta_rule(*leaves, plan=tree_plan, **kw)
+    bitwise = torch.equal(o_traj, o_tree[plan.traj_rows]) and per_round_bitwise
     do = torch.randn(o_traj.shape, device="cuda").to(o_traj.dtype)
     g_traj = torch.autograd.grad((o_traj.float() * do.float()).sum(), leaves)
     d_tree = torch.zeros(o_tree.shape, device="cuda", dtype=torch.float32).index_add_(0, plan.traj_rows, do.float())
     g_tree = torch.autograd.grad((o_tree.float() * d_tree).sum(), leaves)
     errs = {n: rel_err(a, b) for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], g_tree, g_traj)}
-    print(f"outputs bitwise equal: {bitwise}; gradient rel diff tree vs traj: "
+    print(f"outputs bitwise equal: {bitwise} (one call per round: {per_round_bitwise}); gradient rel diff tree vs traj: "
           + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
     log.append(dict(section="tree_bitwise", bitwise=bitwise, grads=errs))
     return bitwise
@@ -141,28 +144,26 @@ def timed(fn, leaves, outputs_grad):
     return kernel_ms(step, CUDA, rep_ms=300, warmup_ms=50)
 
 
-def bench_trees(fla, log, config: GDNKernelConfig, label: str, segment_chunks: int = 8):
-    """Also times tree mode with the roots cut into segments of `segment_chunks` chunks (segmented.py) and
-    prints its relative output difference to the uncut tree (not bitwise: the composed states round
-    differently)."""
+def bench_trees(fla, log, config: GDNKernelConfig, label: str):
+    """Tree mode as the runtime runs it (every round in one Function, tree.py), next to the earlier path of
+    one chunk_gated_delta_rule call per round with autograd gathers between them ('per round')."""
     print(f"\n== fwd+bwd ms, bf16 H16 K=V=128, l2norm in kernel [{label}] ==")
     rng = random.Random(0)
     agentic = [(rng.randint(256, 6000), rng.randint(2, 12), rng.randint(100, 3000)) for _ in range(6)]
     cases = [(f"P{p} B{b} L{l}", [(p, b, l)]) for p, b, l in ANCHORS] + [("agentic 6 trees", agentic)]
     print(f"{'case':18s} {'traj tok':>9s} {'compact':>8s} {'ideal':>6s} {'ours traj':>9s} {'fla traj':>9s} "
-          f"{'fla/ours':>8s} {'ours tree':>9s} {'speedup':>7s} {'of ideal':>8s} {'segmented':>9s} {'of ideal':>8s}"
-          f" {'seg diff':>8s}")
+          f"{'fla/ours':>8s} {'ours tree':>9s} {'speedup':>7s} {'of ideal':>8s} {'per round':>9s} {'of ideal':>8s}"
+          f" {'bitwise':>7s}")
     rows = []
     for name, trees in cases:
-        case = tree_case(trees, config, segment_chunks)
+        case = tree_case(trees, config)
         plan, compact, traj, do_traj, do_tree = case.plan, case.compact, case.traj, case.do_traj, case.do_tree
-        ours_traj, ours_tree, ours_tree_segmented = case.ours_traj, case.ours_tree, case.ours_tree_segmented
         h0, scale = case.h0, case.scale
-        t_traj = timed(ours_traj, traj, lambda o: do_traj)
-        t_tree = timed(ours_tree, compact, lambda o: do_tree)
-        t_seg = timed(ours_tree_segmented, compact, lambda o: do_tree)
+        t_traj = timed(case.ours_traj, traj, lambda o: do_traj)
+        t_tree = timed(case.ours_tree, compact, lambda o: do_tree)
+        t_rounds = timed(case.ours_tree_rounds, compact, lambda o: do_tree)
         with torch.no_grad():
-            seg_err = rel_err(ours_tree_segmented(*compact).float(), ours_tree(*compact).float())
+            bitwise = torch.equal(case.ours_tree(*compact)[plan.traj_rows], case.ours_traj(*traj))
         t_fla = float("nan")
         if fla is not None:
             def fla_traj(q, k, v, g, beta):
@@ -172,13 +173,13 @@ def bench_trees(fla, log, config: GDNKernelConfig, label: str, segment_chunks: i
         speedup = t_traj / t_tree
         row = dict(case=name, config=label, traj_tokens=plan.trajectory_tokens, compact=plan.compact_rows,
                    ideal=plan.ideal_speedup, ours_traj_ms=t_traj, fla_traj_ms=t_fla, ours_tree_ms=t_tree,
-                   speedup=speedup, of_ideal=speedup / plan.ideal_speedup, segmented_tree_ms=t_seg,
-                   segmented_of_ideal=t_traj / t_seg / plan.ideal_speedup, segmented_rel_diff=seg_err)
+                   speedup=speedup, of_ideal=speedup / plan.ideal_speedup, per_round_tree_ms=t_rounds,
+                   per_round_of_ideal=t_traj / t_rounds / plan.ideal_speedup, tree_bitwise=bitwise)
         rows.append(row)
         log.append(dict(section="bench", **row))
         print(f"{name:18s} {plan.trajectory_tokens:9d} {plan.compact_rows:8d} {plan.ideal_speedup:5.2f}x "
               f"{t_traj:9.2f} {t_fla:9.2f} {t_fla / t_traj:7.2f}x {t_tree:9.2f} {speedup:6.2f}x {row['of_ideal']:7.0%}"
-              f" {t_seg:9.2f} {row['segmented_of_ideal']:7.0%} {seg_err:8.1e}")
+              f" {t_rounds:9.2f} {row['per_round_of_ideal']:7.0%} {str(bitwise):>7s}")
         del case, compact, traj
         torch.cuda.empty_cache()
     return rows
@@ -301,8 +302,8 @@ def main():
         for r in summary[label]:
             print(f"[{label}] {r['case']}: ours traj {r['ours_traj_ms']:.2f} ms (fla {r['fla_traj_ms']:.2f}), "
                   f"tree {r['ours_tree_ms']:.2f} ms, {r['speedup']:.2f}x of ideal {r['ideal']:.2f}x = {r['of_ideal']:.0%}; "
-                  f"segmented roots {r['segmented_tree_ms']:.2f} ms = {r['segmented_of_ideal']:.0%} "
-                  f"(diff {r['segmented_rel_diff']:.1e})")
+                  f"per round {r['per_round_tree_ms']:.2f} ms = {r['per_round_of_ideal']:.0%}; "
+                  f"tree == traj bitwise: {r['tree_bitwise']}")
     for key, value in summary.items():
         if not isinstance(value, list):
             print(key, value)

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import torch
 
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
-from harts_compiler.codegen.kernels.chunk_gdn.segmented import plan_segments, segmented_gated_delta_rule
-from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_tree, two_level_plan
+from harts_compiler.codegen.kernels.chunk_gdn.tree import plan_tree_gdn, tree_gated_delta_rule
+from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_tree, tree_rounds, two_level_plan
 
 
 def make_inputs(lengths, hk=16, hv=16, kd=128, vd=128, seed=0, dtype=torch.bfloat16, device="cuda"):
@@ -28,11 +28,11 @@ def make_inputs(lengths, hk=16, hv=16, kd=128, vd=128, seed=0, dtype=torch.bfloa
     return [q, k, v, g, beta, h0], cu
 
 
-def tree_case(trees, config: GDNKernelConfig, segment_chunks: int = 8, seed: int = 11,
-              device="cuda") -> SimpleNamespace:
+def tree_case(trees, config: GDNKernelConfig, seed: int = 11, device="cuda") -> SimpleNamespace:
     """Two-level trees (P, B, L) on the GPU at H = 16, K = V = 128, bf16: compact and trajectory leaves,
-    output gradients, and the three callables over them -- trajectory-wise, tree (two rounds), and tree with
-    the roots cut into `segment_chunks`-chunk segments (segmented.py) -- with launch indices prepared."""
+    output gradients, and the three callables over them -- trajectory-wise, tree (every round in one
+    Function, tree.py, as the runtime runs it), and tree as one chunk_gated_delta_rule call per round with
+    autograd gathers between them (the runtime's path before tree.py) -- with launch indices prepared."""
     plan = two_level_plan(list(trees), device=device)
     tensors, _ = make_inputs([plan.compact_rows], seed=seed, device=device)
     compact = [t.detach().requires_grad_(True) for t in tensors[:5]]
@@ -43,31 +43,22 @@ def tree_case(trees, config: GDNKernelConfig, segment_chunks: int = 8, seed: int
     root_index = prepare_gdn_index(plan.root_cu, plan.root_export_seq, plan.root_export_offset, device=device,
                                    config=config)
     branch_index = prepare_gdn_index(plan.branch_cu, device=device, config=config)
-    seg_plan = plan_segments(torch.diff(plan.root_cu).tolist(), plan.root_export_seq.tolist(),
-                             plan.root_export_offset.tolist(), segment_chunks=segment_chunks, device=device,
-                             kernel_config=config)
+    tree_plan = plan_tree_gdn(tree_rounds(plan), plan.compact_rows, device=device, config=config)
 
     def ours_traj(q, k, v, g, beta):
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, cu_seqlens=plan.traj_cu,
                                       use_qk_l2norm=True, index=traj_index)[0]
 
     def ours_tree(q, k, v, g, beta):
+        return tree_gated_delta_rule(q, k, v, g, beta, scale=scale, plan=tree_plan, use_qk_l2norm=True)
+
+    def ours_tree_rounds(q, k, v, g, beta):
         return run_tree(chunk_gated_delta_rule, plan, q, k, v, g, beta, scale=scale, use_qk_l2norm=True,
                         root_kw=dict(use_qk_l2norm=True, index=root_index),
                         branch_kw=dict(use_qk_l2norm=True, index=branch_index))
-
-    def root_segmented(q, k, v, g, beta, *, scale, initial_state, segmented=False, index=None, **kw):
-        if segmented:
-            return segmented_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                              plan=seg_plan, use_qk_l2norm=True)
-        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, index=index, **kw)
-
-    def ours_tree_segmented(q, k, v, g, beta):
-        return run_tree(root_segmented, plan, q, k, v, g, beta, scale=scale,
-                        root_kw=dict(segmented=True), branch_kw=dict(use_qk_l2norm=True, index=branch_index))
 
     return SimpleNamespace(
         plan=plan, compact=compact, traj=traj, h0=h0, scale=scale,
         do_traj=torch.randn(plan.trajectory_tokens, 16, 128, device=device).bfloat16(),
         do_tree=torch.randn(plan.compact_rows, 16, 128, device=device).bfloat16(),
-        ours_traj=ours_traj, ours_tree=ours_tree, ours_tree_segmented=ours_tree_segmented)
+        ours_traj=ours_traj, ours_tree=ours_tree, ours_tree_rounds=ours_tree_rounds)

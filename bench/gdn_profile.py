@@ -1,8 +1,8 @@
 """Where the GDN tree step's time goes: device time per kernel (torch.profiler), tree vs trajectory-wise.
 
-The kernel bench shows tree mode at ~65% of its ideal on a 4096-token root with eight 3584-token
-branches, while a model of the stages (chunk-parallel kernels ~ tokens, scans ~ chunk depth) predicts
-~85%. This prints, for one fwd+bwd of each mode, device milliseconds per kernel name (summed over
+On the H200 (2026-11-30) this showed tree mode's GDN kernels at their ideal share on a 4096-token root
+with eight 3584-token branches, and the missing third of the step in the gathers, sort-based scatter-adds
+and launches between one call per round (219 launches against 13); tree.py removed them. This prints, for one fwd+bwd of each mode, device milliseconds per kernel name (summed over
 launches), the launch count and the host-side wall time, so the missing time shows up by name:
 a kernel, a torch op around the calls (gathers, scatters, casts), or gaps between launches.
 
@@ -58,18 +58,18 @@ def compare(steps: dict[str, callable], top: int = 14) -> list[dict]:
     return rows
 
 
-def profile_section(log: list, trees=((4096, 8, 3584),), config=None, segment_chunks: int = 8) -> list[dict]:
+def profile_section(log: list, trees=((4096, 8, 3584),), config=None) -> list[dict]:
     """Kernel-level device time of one tree case in its three modes (bench/gdn_cases.tree_case)."""
     from gdn_cases import tree_case
     from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
-    case = tree_case(trees, config or GDNKernelConfig(), segment_chunks)
+    case = tree_case(trees, config or GDNKernelConfig())
     print(f"\n== device ms per kernel, one fwd+bwd, trees {list(trees)} ==")
 
     def fwd_bwd(fn, leaves, do):
         return lambda: torch.autograd.grad(fn(*leaves), leaves, do)
     rows = compare({"traj": fwd_bwd(case.ours_traj, case.traj, case.do_traj),
                     "tree": fwd_bwd(case.ours_tree, case.compact, case.do_tree),
-                    "tree seg": fwd_bwd(case.ours_tree_segmented, case.compact, case.do_tree)})
+                    "per round": fwd_bwd(case.ours_tree_rounds, case.compact, case.do_tree)})
     log.extend(dict(section="profile", **row) for row in rows)
     return rows
 

@@ -20,6 +20,8 @@ from harts_compiler.codegen.kernels.chunk_gdn import (chunk_gated_delta_rule, ch
 from harts_compiler.codegen.kernels.chunk_gdn.function import TRITON_CHUNK_SIZE
 from harts_compiler.codegen.kernels.chunk_gdn.segmented import (SegmentPlan, needs_segments, plan_segments,
                                                                  segmented_gated_delta_rule)
+from harts_compiler.codegen.kernels.chunk_gdn.tree import (TreeGDNPlan, TreeRoundSpec, plan_tree_gdn,
+                                                           tree_gated_delta_rule)
 
 # rounds of at most this many sequences may be segmented (TreeModel.gdn_segment_chunks): from 8 sequences
 # on, the scans of 16-32 heads already run >= 512 programs
@@ -35,6 +37,7 @@ class LinearRoundsPlan:
     identity: bool  # one round whose packed rows are exactly the compact tokens in order (trajectory-wise)
     kernel_index: list | None  # Triton opted in on CUDA: per round the kernel's launch index, shared by all layers
     segments: list | None = None  # per round a SegmentPlan where long sequences are cut (opt-in), else None
+    tree: TreeGDNPlan | None = None  # Triton on CUDA, a tree index: every round in one autograd Function
 
 
 def _is_identity_round(index: MicrobatchIndex) -> torch.Tensor:
@@ -78,15 +81,27 @@ def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True,
         raise ValueError(f"MicrobatchIndex.rounds[{late[0]}].init_state: a sequence starts from a bank state that "
                          "no earlier round exports")
     kernel_index = None
-    if use_triton and device.type == "cuda" and index.chunk_size == TRITON_CHUNK_SIZE:
+    identity = bool(flags and flags[-1])
+    triton = use_triton and device.type == "cuda" and index.chunk_size == TRITON_CHUNK_SIZE
+    if triton and not identity and not segment_chunks:
+        return LinearRoundsPlan(init_slot=init_slot, restore=restore, identity=False, kernel_index=None,
+                                tree=plan_tree_gdn(tree_round_specs(index), index.num_tokens,
+                                                   chunk_size=index.chunk_size, device=device))
+    if triton:
         kernel_index = [prepare_gdn_index(rnd.cu_seqlens, rnd.export_seq, rnd.export_offset, index.chunk_size,
                                           device=device) for rnd in index.rounds]
     segments = None
     if segment_chunks:
         segments = [_round_segments(rnd, None if kernel_index is None else kernel_index[r], segment_chunks,
                                     index.chunk_size, device) for r, rnd in enumerate(index.rounds)]
-    return LinearRoundsPlan(init_slot=init_slot, restore=restore, identity=bool(flags and flags[-1]),
+    return LinearRoundsPlan(init_slot=init_slot, restore=restore, identity=identity,
                             kernel_index=kernel_index, segments=segments)
+
+
+def tree_round_specs(index: MicrobatchIndex) -> list[TreeRoundSpec]:
+    """The index's rounds on the host, for `plan_tree_gdn` (one copy per microbatch, shared by all layers)."""
+    fields = [f.name for f in dataclasses.fields(TreeRoundSpec)]
+    return [TreeRoundSpec(**{name: getattr(rnd, name).cpu().numpy() for name in fields}) for rnd in index.rounds]
 
 
 def _round_segments(rnd, kernel_index, segment_chunks: int, chunk_size: int, device) -> SegmentPlan | None:
@@ -133,6 +148,8 @@ def gated_delta_rule_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     `kernel` defaults to `chunk_gated_delta_rule` when the plan opted in to Triton on CUDA, else to its
     plain torch reference; tests pass the recurrent reference here.
     """
+    if kernel is None and plan.tree is not None:
+        return tree_gated_delta_rule(q, k, v, g, beta, scale=scale, plan=plan.tree, use_qk_l2norm=use_qk_l2norm)
     heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
     states = [torch.zeros((1, heads, k_dim, v_dim), dtype=state_dtype, device=v.device)]
     outputs = []

@@ -23,8 +23,34 @@ class GDNShapes:
     export_offset: tuple[int, ...]
 
 
-def _shape_error(name: str, tensor: torch.Tensor, expected: str) -> ValueError:
-    return ValueError(f"chunk_gated_delta_rule: `{name}` has shape {tuple(tensor.shape)}, expected {expected}")
+def _shape_error(name: str, tensor: torch.Tensor, expected: str, who: str = "chunk_gated_delta_rule") -> ValueError:
+    return ValueError(f"{who}: `{name}` has shape {tuple(tensor.shape)}, expected {expected}")
+
+
+def validate_gdn_tensors(q, k, v, g, beta, *, who: str) -> tuple[int, int, int, int, int]:
+    """Types, shapes and dtypes of q, k [R, HK, K], v [R, HV, V], g, beta [R, HV]: (R, HK, HV, K, V).
+    `who` names the caller in the messages."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{who}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3:
+        raise _shape_error("q", q, "[R, HK, K]", who)
+    rows, hk, kd = q.shape
+    if k.shape != q.shape:
+        raise _shape_error("k", k, f"{list(q.shape)} (same as q)", who)
+    if v.dim() != 3 or v.shape[0] != rows:
+        raise _shape_error("v", v, f"[{rows}, HV, V]", who)
+    hv, vd = v.shape[1], v.shape[2]
+    if hk == 0 or hv % hk != 0:
+        raise ValueError(f"{who}: value heads of `v` ({hv}) must be a multiple of key heads of `q`/`k` ({hk})")
+    if g.shape != (rows, hv):
+        raise _shape_error("g", g, f"[{rows}, {hv}]", who)
+    if beta.shape != (rows, hv):
+        raise _shape_error("beta", beta, f"[{rows}, {hv}]", who)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not t.is_floating_point():
+            raise TypeError(f"{who}: `{name}` must be a float tensor, got {t.dtype}")
+    return rows, hk, hv, kd, vd
 
 
 def validate_gdn_inputs(q, k, v, g, beta, *, initial_state, cu_seqlens, export_seq, export_offset,
@@ -34,30 +60,14 @@ def validate_gdn_inputs(q, k, v, g, beta, *, initial_state, cu_seqlens, export_s
     `known` = (seq_lengths, export_seq, export_offset) already checked once (a prepared index): then the
     values of `cu_seqlens` and the export tensors are not read back (no device sync per layer), only sizes.
     """
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
-                    ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
+    rows, hk, hv, kd, vd = validate_gdn_tensors(q, k, v, g, beta, who="chunk_gated_delta_rule")
+    for name, t in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"chunk_gated_delta_rule: `{name}` must be a torch.Tensor, got {type(t).__name__}")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_gated_delta_rule: `chunk_size` must be a positive int, got {chunk_size!r}")
-    if q.dim() != 3:
-        raise _shape_error("q", q, "[R, HK, K]")
-    rows, hk, kd = q.shape
-    if k.shape != q.shape:
-        raise _shape_error("k", k, f"{list(q.shape)} (same as q)")
-    if v.dim() != 3 or v.shape[0] != rows:
-        raise _shape_error("v", v, f"[{rows}, HV, V]")
-    hv, vd = v.shape[1], v.shape[2]
-    if hk == 0 or hv % hk != 0:
-        raise ValueError(f"chunk_gated_delta_rule: value heads of `v` ({hv}) must be a multiple of key heads "
-                         f"of `q`/`k` ({hk})")
-    if g.shape != (rows, hv):
-        raise _shape_error("g", g, f"[{rows}, {hv}]")
-    if beta.shape != (rows, hv):
-        raise _shape_error("beta", beta, f"[{rows}, {hv}]")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
-        if not t.is_floating_point():
-            raise TypeError(f"chunk_gated_delta_rule: `{name}` must be a float tensor, got {t.dtype}")
+    if not initial_state.is_floating_point():
+        raise TypeError(f"chunk_gated_delta_rule: `initial_state` must be a float tensor, got {initial_state.dtype}")
     if initial_state.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"chunk_gated_delta_rule: `initial_state` must be fp32 or fp64, got {initial_state.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):

@@ -95,23 +95,44 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seq
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
-def state_bwd(q, k, w, gc, do, bank_grad, scale, index, *, block_v: int = GDNKernelConfig.scan_block_v,
-              num_warps: int = GDNKernelConfig.scan_warps, dv_local_warps: int = GDNKernelConfig.dv_local_warps):
-    """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32."""
+def dv_local_bwd(q, k, gc, do, scale, index, *, num_warps: int = GDNKernelConfig.dv_local_warps):
+    """The chunk-local part of d(v_new) [R, HV, V] fp32 (every chunk at once)."""
     rows, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
-    bv = min(block_v, vd)
     dv_local = torch.empty(rows, hv, vd, device=q.device, dtype=torch.float32)
-    dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
-    dvn = torch.empty_like(do)
-    dh0 = torch.empty(index.num_seqs, hv, kd, vd, device=q.device, dtype=torch.float32)
     if index.num_chunks:
         _dv_local_kernel[(index.num_chunks * hv,)](
             q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, num_warps=dv_local_warps)
-    if index.num_seqs:
-        _state_bwd_kernel[(index.num_seqs * hv, vd // bv)](
-            q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens, index.seq_chunk_start,
-            index.chunk_export, scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv,
-            INTERPRET=interpreting(), num_warps=num_warps, num_stages=GDNKernelConfig.scan_stages(k.element_size()))
+            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, num_warps=num_warps)
+    return dv_local
+
+
+def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, *,
+                   block_v: int = GDNKernelConfig.scan_block_v, num_warps: int = GDNKernelConfig.scan_warps,
+                   seqs: tuple[int, int] | None = None):
+    """The reverse scan of sequences `seqs` = (first, count) of `index` (default: all) into the shared dh
+    [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32."""
+    _, hk, kd = q.shape
+    hv, vd = do.shape[1], do.shape[2]
+    bv = min(block_v, vd)
+    first, count = seqs if seqs is not None else (0, index.num_seqs)
+    dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
+    if count:
+        _state_bwd_kernel[(count * hv, vd // bv)](
+            q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens[first:],
+            index.seq_chunk_start[first:], index.chunk_export, scale, HK=hk, HV=hv, K=kd, V=vd,
+            BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), num_warps=num_warps,
+            num_stages=GDNKernelConfig.scan_stages(k.element_size()))
+    return dh0
+
+
+def state_bwd(q, k, w, gc, do, bank_grad, scale, index, *, block_v: int = GDNKernelConfig.scan_block_v,
+              num_warps: int = GDNKernelConfig.scan_warps, dv_local_warps: int = GDNKernelConfig.dv_local_warps):
+    """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32."""
+    hv, kd, vd = do.shape[1], q.shape[2], do.shape[2]
+    dv_local = dv_local_bwd(q, k, gc, do, scale, index, num_warps=dv_local_warps)
+    dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
+    dvn = torch.empty_like(do)
+    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, block_v=block_v,
+                         num_warps=num_warps)
     return dh, dvn, dh0

@@ -95,17 +95,24 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, scale,
 
 
 def state_fwd(k, w, u, gc, initial_state, index, *, block_v: int = GDNKernelConfig.scan_block_v,
-              num_warps: int = GDNKernelConfig.scan_warps):
-    """Returns h [NC, HV, K, V] (k's dtype), v_new [R, HV, V] (u's dtype), bank [slots, HV, K, V] fp32."""
+              num_warps: int = GDNKernelConfig.scan_warps, seqs: tuple[int, int] | None = None, out=None):
+    """Returns h [NC, HV, K, V] (k's dtype), v_new [R, HV, V] (u's dtype), bank [slots, HV, K, V] fp32.
+
+    `seqs` = (first, count): scan only those sequences of `index`, whose initial states `initial_state`
+    holds, into `out` = (h, v_new, bank) shared by the calls of a multi-round tree (tree.py); the
+    programs read the sequence tables from `first` on, so each chunk runs exactly as in a whole call.
+    """
     _, hk, kd = k.shape
     hv, vd = u.shape[1], u.shape[2]
     bv = min(block_v, vd)
-    h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
-    v_new = torch.empty_like(u)
-    bank = torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)
-    if index.num_seqs:
-        _state_fwd_kernel[(index.num_seqs * hv, vd // bv)](
-            k, w, u, gc, initial_state, h, v_new, bank, index.cu_seqlens, index.seq_chunk_start,
+    if out is None:
+        out = (torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype), torch.empty_like(u),
+               torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32))
+    h, v_new, bank = out
+    first, count = seqs if seqs is not None else (0, index.num_seqs)
+    if count:
+        _state_fwd_kernel[(count * hv, vd // bv)](
+            k, w, u, gc, initial_state, h, v_new, bank, index.cu_seqlens[first:], index.seq_chunk_start[first:],
             index.chunk_export, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(),
             num_warps=num_warps, num_stages=GDNKernelConfig.scan_stages(k.element_size()))
     return h, v_new, bank

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from .tree import TreeRoundSpec
 
 
 @dataclass
@@ -106,3 +109,20 @@ def run_tree(fn, plan: TwoLevelPlan, q, k, v, g, beta, *, scale, root_kw=None, b
     o = o_root.new_empty((plan.compact_rows,) + o_root.shape[1:])
     o = o.index_copy(0, plan.root_rows, o_root)
     return o.index_copy(0, plan.branch_own_dst, o_branch[plan.branch_own])
+
+
+def tree_rounds(plan: TwoLevelPlan) -> list[TreeRoundSpec]:
+    """The plan's two rounds for `tree.plan_tree_gdn` (bank id e = round 0's export e)."""
+    def host(t):
+        return t.cpu().numpy().astype(np.int64)
+    n_exports = plan.root_export_seq.numel()
+    roots = host(plan.root_rows)
+    none = np.zeros(0, np.int64)
+    return [TreeRoundSpec(cu_seqlens=host(plan.root_cu), row_src=roots, own_rows=np.arange(roots.size),
+                          own_dst=roots, init_state=np.full(plan.root_cu.numel() - 1, -1),
+                          export_seq=host(plan.root_export_seq), export_offset=host(plan.root_export_offset),
+                          export_bank=np.arange(n_exports)),
+            TreeRoundSpec(cu_seqlens=host(plan.branch_cu), row_src=host(plan.branch_rows),
+                          own_rows=host(plan.branch_own), own_dst=host(plan.branch_own_dst),
+                          init_state=np.asarray(plan.branch_init, dtype=np.int64), export_seq=none,
+                          export_offset=none, export_bank=none)]

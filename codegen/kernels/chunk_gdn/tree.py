@@ -1,0 +1,243 @@
+"""Every round of a tree microbatch in one autograd Function (DESIGN.md section 6).
+
+The rounds of a plan differ only in their sequential part: a sequence of round r starts from a state
+that an earlier round exported. Everything else is chunk-local. So the rounds' packed rows are laid
+one after another in a single varlen layout, and
+
+  forward:  gather the packed rows from the compact tokens (one gather per input)
+            wy_fwd over every chunk of every round                      (1 launch)
+            per round: the initial states from the export bank, state_fwd over its sequences
+            output_fwd over every chunk                                 (1 launch)
+            keep each compact token's own row                           (1 gather)
+  backward: dv_local over every chunk; per round in reverse: the reverse scan (the exported states'
+            gradients injected), then its initial-state gradients summed into the bank slots they
+            came from; chunk_bwd over every chunk; packed-row gradients back onto compact tokens.
+
+Each chunk runs the same kernel code with the same entering state as in a trajectory-wise call, so the
+outputs equal trajectory-wise outputs bit for bit (the alignment rule of DESIGN.md section 6).
+Against one chunk_gated_delta_rule call per round with autograd gathers between them, this removes
+per layer and round 5 gathers, their sort-based scatter-add backward, and 6 launches of the
+chunk-parallel kernels. Sums over duplicates (a bank state that several sequences start from, a
+row that several sequences replay) are taken in a fixed order: results are deterministic.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from ..interpreter_safe import interpreter_needs_fp32
+from .chunk_bwd import chunk_bwd
+from .function import _group_sum
+from .inputs import validate_gdn_tensors
+from .index import GDNIndex, GDNKernelConfig, prepare_gdn_index
+from .l2norm import l2norm_fused
+from .state_bwd import dv_local_bwd, state_bwd_scan
+from .state_fwd import output_fwd, state_fwd
+from .wy_fwd import wy_fwd
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeRoundSpec:
+    """One round as the planner describes it (host arrays; the fields of `codegen.index.LinearRound`)."""
+
+    cu_seqlens: np.ndarray     # [N+1] packed rows per sequence, local to the round
+    row_src: np.ndarray        # [R] compact token of each packed row (replay rows included)
+    own_rows: np.ndarray       # [R_own] packed rows whose outputs are kept ...
+    own_dst: np.ndarray        # ... and the compact tokens they are
+    init_state: np.ndarray     # [N] bank id each sequence starts from, -1 = zeros
+    export_seq: np.ndarray     # [E] sequence (in the round) of each exported state
+    export_offset: np.ndarray  # [E] row offset (multiple of the chunk size) in that sequence
+    export_bank: np.ndarray    # [E] bank id the state is stored under
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundLaunch:
+    first_seq: int
+    num_seqs: int
+    init_row: torch.Tensor        # [N] row of the bank (with the zero state at row 0) each sequence starts from
+    grad_slots: torch.Tensor      # [U] bank slots this round's sequences start from (distinct)
+    grad_children: torch.Tensor   # [U, M] sequences starting from each (padded with a repeat of column 0) ...
+    grad_weight: torch.Tensor     # [U, M] ... 1 for real entries, 0 for padding
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeGDNPlan:
+    """Launch tables of one microbatch, built once on the host and shared by every GDN layer."""
+
+    num_tokens: int
+    index: GDNIndex                # all rounds' sequences, one after another
+    row_src: torch.Tensor          # [R] compact token of each packed row
+    own_pick: torch.Tensor         # [T] packed row holding each compact token's kept output
+    replay_dst: torch.Tensor       # [D] compact tokens that other packed rows replay (distinct)
+    replay_rows: torch.Tensor      # [D, M] those rows (padded with a repeat of column 0) ...
+    replay_weight: torch.Tensor    # [D, M] ... 1 for real entries, 0 for padding
+    rounds: tuple[_RoundLaunch, ...]
+
+
+def _padded_groups(keys: np.ndarray, values: np.ndarray):
+    """Group `values` by `keys` (order inside a group kept): distinct keys [U], values [U, M] padded
+    with each group's first value, weights [U, M]."""
+    if keys.size == 0:
+        return np.zeros(0, np.int64), np.zeros((0, 1), np.int64), np.zeros((0, 1), np.float32)
+    order = np.argsort(keys, kind="stable")
+    keys, values = keys[order], values[order]
+    distinct, start, counts = np.unique(keys, return_index=True, return_counts=True)
+    width = int(counts.max())
+    column = np.arange(keys.size) - np.repeat(start, counts)
+    table = np.repeat(values[start], width).reshape(-1, width)
+    weight = np.zeros(table.shape, np.float32)
+    group = np.repeat(np.arange(distinct.size), counts)
+    table[group, column] = values
+    weight[group, column] = 1.0
+    return distinct, table, weight
+
+
+def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: int = 64, device=None,
+                  config: GDNKernelConfig | None = None) -> TreeGDNPlan:
+    """Lay `rounds` out as one varlen call and check the plan's invariants (errors name round and field)."""
+    bounds, export_seq, export_offset, export_bank, row_src = [0], [], [], [], []
+    own_pick = np.full(num_tokens, -1, dtype=np.int64)
+    seq_base, row_base = 0, 0
+    for r, rnd in enumerate(rounds):
+        cu = np.asarray(rnd.cu_seqlens, dtype=np.int64)
+        src = np.asarray(rnd.row_src, dtype=np.int64)
+        if cu.size < 1 or cu[0] != 0 or cu[-1] != src.size or np.any(np.diff(cu) < 0):
+            raise ValueError(f"tree GDN plan: rounds[{r}].cu_seqlens must rise from 0 to len(row_src)={src.size}")
+        if src.size and (src.min() < 0 or src.max() >= num_tokens):
+            raise ValueError(f"tree GDN plan: rounds[{r}].row_src holds a token outside [0, {num_tokens})")
+        own_rows = np.asarray(rnd.own_rows, dtype=np.int64)
+        own_dst = np.asarray(rnd.own_dst, dtype=np.int64)
+        if own_rows.size and (own_rows.min() < 0 or own_rows.max() >= src.size):
+            raise ValueError(f"tree GDN plan: rounds[{r}].own_rows holds a row outside the round")
+        if not np.array_equal(src[own_rows], own_dst):
+            raise ValueError(f"tree GDN plan: rounds[{r}].own_dst is not row_src[own_rows]")
+        if np.any(own_pick[own_dst] >= 0) or np.unique(own_dst).size != own_dst.size:
+            raise ValueError(f"tree GDN plan: rounds[{r}].own_dst keeps a token a second time")
+        own_pick[own_dst] = row_base + own_rows
+        bounds.extend((row_base + cu[1:]).tolist())
+        e_seq = np.asarray(rnd.export_seq, dtype=np.int64)
+        e_off = np.asarray(rnd.export_offset, dtype=np.int64)
+        if e_seq.size != e_off.size or e_seq.size != np.asarray(rnd.export_bank).size:
+            raise ValueError(f"tree GDN plan: rounds[{r}].export_seq/export_offset/export_bank differ in length")
+        if e_seq.size and (e_seq.min() < 0 or e_seq.max() >= cu.size - 1):
+            raise ValueError(f"tree GDN plan: rounds[{r}].export_seq names a sequence outside the round")
+        lengths = np.diff(cu)
+        bad = np.flatnonzero((e_off <= 0) | (e_off % chunk_size != 0) | (e_off > lengths[e_seq] if e_seq.size else False))
+        if bad.size:
+            raise ValueError(f"tree GDN plan: rounds[{r}].export_offset[{bad[0]}]={e_off[bad[0]]} must be a positive "
+                             f"multiple of {chunk_size} within its sequence")
+        export_seq.extend((seq_base + e_seq).tolist())
+        export_offset.extend(e_off.tolist())
+        export_bank.extend(np.asarray(rnd.export_bank, dtype=np.int64).tolist())
+        row_src.append(src)
+        seq_base += cu.size - 1
+        row_base += src.size
+    if np.any(own_pick < 0):
+        raise ValueError(f"tree GDN plan: token {int(np.argmax(own_pick < 0))} is kept by no round (own_dst)")
+    index = prepare_gdn_index(bounds, export_seq, export_offset, chunk_size, device=device, config=config)
+    slot_of_bank = {}
+    for bank, slot in zip(export_bank, index.export_slot_host):
+        slot_of_bank.setdefault(bank, slot)
+
+    def as_long(a):
+        return torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64), device=device)
+
+    launches, seq_base, exported = [], 0, set()
+    for r, rnd in enumerate(rounds):
+        n = len(rnd.cu_seqlens) - 1
+        init = np.asarray(rnd.init_state, dtype=np.int64)
+        if init.size != n:
+            raise ValueError(f"tree GDN plan: rounds[{r}].init_state has {init.size} entries for {n} sequences")
+        late = [int(b) for b in init if b >= 0 and int(b) not in exported]
+        if late:
+            raise ValueError(f"tree GDN plan: rounds[{r}].init_state: bank id {late[0]} is exported by no earlier round")
+        slots = np.array([slot_of_bank[int(b)] if b >= 0 else -1 for b in init], dtype=np.int64)
+        starts = np.flatnonzero(slots >= 0)
+        distinct, children, weight = _padded_groups(slots[starts], starts)
+        launches.append(_RoundLaunch(first_seq=seq_base, num_seqs=n, init_row=as_long(slots + 1),
+                                     grad_slots=as_long(distinct), grad_children=as_long(children),
+                                     grad_weight=torch.as_tensor(weight, device=device)))
+        exported.update(int(b) for b in rnd.export_bank)
+        seq_base += n
+    src_all = np.concatenate(row_src) if row_src else np.zeros(0, np.int64)
+    replay = np.setdiff1d(np.arange(src_all.size), own_pick, assume_unique=True)
+    replay_dst, replay_rows, replay_weight = _padded_groups(src_all[replay], replay)
+    return TreeGDNPlan(num_tokens=num_tokens, index=index, row_src=as_long(src_all), own_pick=as_long(own_pick),
+                       replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
+                       replay_weight=torch.as_tensor(replay_weight, device=device), rounds=tuple(launches))
+
+
+def _grouped_sum(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_m weight[u, m] * x[rows[u, m]] in a fixed order: [U, ...] from x [N, ...]."""
+    picked = x[rows] * weight.view(*weight.shape, *([1] * (x.dim() - 1))).to(x.dtype)
+    return picked.sum(1)
+
+
+class TreeGatedDeltaRuleFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale: float, plan: TreeGDNPlan):
+        index, cfg, src = plan.index, plan.index.config, plan.row_src
+        q, k, v, g, beta = (x.index_select(0, src) for x in (q, k, v, g, beta))
+        hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
+        gc, T, w, u = wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps, split=cfg.wy_fwd_split,
+                             solve_warps=cfg.wy_solve_warps)
+        h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
+        v_new = torch.empty_like(u)
+        bank = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)  # row 0: zeros
+        for rnd in plan.rounds:
+            state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
+                      block_v=cfg.scan_block_v_for(rnd.num_seqs, hv, vd), num_warps=cfg.scan_warps,
+                      seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]))
+        o = output_fwd(q, k, v_new, gc, h, scale, index, block_v=cfg.out_block_v, num_warps=cfg.out_warps)
+        ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
+        ctx.scale, ctx.plan = scale, plan
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+        return o.index_select(0, plan.own_pick)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, beta, gc, T, w, v_new, h = ctx.saved_tensors
+        plan: TreeGDNPlan = ctx.plan
+        index, cfg = plan.index, plan.index.config
+        hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
+        do = torch.zeros_like(v).index_copy_(0, plan.own_pick, d_out.to(v.dtype))  # replayed outputs are dropped
+        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, num_warps=cfg.dv_local_warps)
+        dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
+        dvn = torch.empty_like(do)
+        bank_grad = torch.zeros(index.num_slots, hv, kd, vd, device=q.device, dtype=torch.float32)
+        for rnd in reversed(plan.rounds):  # a round's exports are read only by later rounds: done by now
+            dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
+                                 block_v=cfg.scan_block_v_for(rnd.num_seqs, hv, vd), num_warps=cfg.scan_warps,
+                                 seqs=(rnd.first_seq, rnd.num_seqs))
+            if rnd.grad_slots.numel():
+                bank_grad[rnd.grad_slots] += _grouped_sum(dh0, rnd.grad_children, rnd.grad_weight)
+        dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index,
+                                          block_v=cfg.bwd_block_v, warps_qk=cfg.bwd_qk_warps,
+                                          warps_wy=cfg.wy_bwd_warps, block_k_qk=cfg.bwd_qk_block_k)
+        hk = q.shape[1]
+        grads = (_group_sum(dq, hk), _group_sum(dk, hk), dv, dg, dbeta)
+        compact = []
+        for grad, dtype in zip(grads, ctx.dtypes):
+            out = grad.index_select(0, plan.own_pick)
+            if plan.replay_dst.numel():  # own row first, then the replays in row order
+                out = out.float().index_add_(0, plan.replay_dst,
+                                             _grouped_sum(grad.float(), plan.replay_rows, plan.replay_weight))
+            compact.append(out.to(dtype))
+        return (*compact, None, None)
+
+
+def tree_gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, use_qk_l2norm: bool = False):
+    """Compact q, k [T, HK, K], v [T, HV, V], g, beta [T, HV] -> o [T, HV, V]: every round of `plan` run
+    with the Triton kernels (CUDA, or the CPU interpreter) in one autograd Function."""
+    rows = validate_gdn_tensors(q, k, v, g, beta, who="tree_gated_delta_rule")[0]
+    if rows != plan.num_tokens:
+        raise ValueError(f"tree_gated_delta_rule: `q` has {rows} rows, the plan was built for {plan.num_tokens} tokens")
+    if any(map(interpreter_needs_fp32, (q, k, v, beta))):  # the interpreter's 16-bit dots are wrong: fp32
+        return tree_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), scale=scale, plan=plan,
+                                     use_qk_l2norm=use_qk_l2norm).to(v.dtype)
+    if use_qk_l2norm:  # on compact tokens: each once, and the replays gather the normalised rows
+        q, k = l2norm_fused(q), l2norm_fused(k)
+    return TreeGatedDeltaRuleFunction.apply(q, k, v, g, beta, float(scale), plan)

@@ -1,0 +1,121 @@
+"""The multi-round tree Function (codegen/kernels/chunk_gdn/tree.py) under TRITON_INTERPRET=1 (tests/conftest.py
+sets it without CUDA), at chunk size 64 on the DESIGN.md section 11 trees: outputs bit-equal to one
+Triton call per round, and outputs and every input gradient equal to the fp64 reference over the rounds."""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
+from harts_compiler.codegen.kernels.chunk_gdn.tree import TreeRoundSpec, plan_tree_gdn, tree_gated_delta_rule
+from harts_compiler.runtime.ops.linear_attention import (gated_delta_rule_rounds, plan_linear_rounds,
+                                                         tree_round_specs)
+from test_runtime_helpers import naive_tree_index, random_rollout_batch
+from test_runtime_tree import tricky_batches
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+C = 64
+
+
+def inputs(T, seed, hk=1, hv=2, kd=16, vd=16):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(T, hk, kd, generator=gen), torch.randn(T, hk, kd, generator=gen),
+            torch.randn(T, hv, vd, generator=gen), -torch.rand(T, hv, generator=gen) * 0.2,
+            torch.rand(T, hv, generator=gen)]
+
+
+def run(fn, tensors, weights):
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    o = fn(*leaves)
+    return [o, *torch.autograd.grad((o.double() * weights).sum(), leaves)]
+
+
+def batches():
+    cases = {name: batch for name, batch in tricky_batches(C).items()
+             if name in ("branch_on_chunk_boundary", "replay_across_short_nodes", "prefix_and_duplicate_trajectories")}
+    cases["random forks"] = random_rollout_batch(random.Random(3), vocab=3, n_traj=6, max_len=150)
+    return cases
+
+
+@pytest.mark.parametrize("name", list(batches()))
+def test_tree_function_equals_rounds(name):
+    batch = batches()[name]
+    index = naive_tree_index(batch, chunk_size=C)
+    plan = plan_tree_gdn(tree_round_specs(index), index.num_tokens, chunk_size=C)
+    tensors = inputs(index.num_tokens, seed=len(name))
+    weights = torch.randn(index.num_tokens, 2, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    rounds = plan_linear_rounds(index, use_triton=False)
+    kw = dict(scale=0.25, use_qk_l2norm=True)
+
+    def fused(q, k, v, g, beta):
+        return tree_gated_delta_rule(q, k, v, g, beta, plan=plan, **kw)
+
+    def per_round(kernel, state_dtype):
+        return lambda *x: gated_delta_rule_rounds(*x, index, rounds, state_dtype=state_dtype, kernel=kernel, **kw)
+
+    got = run(fused, tensors, weights)
+    triton_rounds = run(per_round(chunk_gated_delta_rule, torch.float32), tensors, weights)
+    reference = run(per_round(chunk_gated_delta_rule_reference, torch.float64), [t.double() for t in tensors], weights)
+    assert torch.equal(got[0], triton_rounds[0]), "outputs differ from one Triton call per round"
+    for name_, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], got, reference):
+        torch.testing.assert_close(a.double(), b, rtol=2e-4, atol=2e-5, msg=name_)
+    assert len(index.rounds) > 1, "a single round would not test the hand-offs"
+
+
+def test_replays_and_shared_starts_are_summed():
+    """A root whose tail chunk is replayed by three branches that all start from its exported state."""
+    root, branch = 70, 20
+    T = root + 3 * branch
+    replay = np.arange(C, root)
+    rounds = [TreeRoundSpec(cu_seqlens=np.array([0, root]), row_src=np.arange(root), own_rows=np.arange(root),
+                            own_dst=np.arange(root), init_state=np.array([-1]), export_seq=np.array([0]),
+                            export_offset=np.array([C]), export_bank=np.array([7])),
+              TreeRoundSpec(cu_seqlens=np.arange(4) * (root - C + branch),
+                            row_src=np.concatenate([np.r_[replay, root + b * branch + np.arange(branch)]
+                                                    for b in range(3)]),
+                            own_rows=np.concatenate([b * (root - C + branch) + root - C + np.arange(branch)
+                                                     for b in range(3)]),
+                            own_dst=root + np.arange(3 * branch), init_state=np.array([7, 7, 7]),
+                            export_seq=np.zeros(0, np.int64), export_offset=np.zeros(0, np.int64),
+                            export_bank=np.zeros(0, np.int64))]
+    plan = plan_tree_gdn(rounds, T, chunk_size=C)
+    assert plan.replay_rows.shape == (root - C, 3) and plan.rounds[1].grad_children.shape == (1, 3)
+    tensors = inputs(T, seed=1)
+    weights = torch.randn(T, 2, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    got = run(lambda *x: tree_gated_delta_rule(*x, scale=0.3, plan=plan, use_qk_l2norm=True), tensors, weights)
+
+    def trajectories(q, k, v, g, beta):  # each root + branch on its own, from zero states, fp64 reference
+        rows = torch.cat([torch.cat([torch.arange(root), root + b * branch + torch.arange(branch)]) for b in range(3)])
+        cu = torch.arange(4) * (root + branch)
+        o, _ = chunk_gated_delta_rule_reference(q[rows], k[rows], v[rows], g[rows], beta[rows], scale=0.3,
+                                                initial_state=torch.zeros(3, 2, 16, 16, dtype=q.dtype),
+                                                cu_seqlens=cu, chunk_size=C, use_qk_l2norm=True)
+        own = torch.cat([torch.arange(root), torch.cat([root + b * (root + branch) + torch.arange(branch)
+                                                        for b in range(3)])])
+        return o[own]
+    expect = run(trajectories, [t.double() for t in tensors], weights)
+    for a, b in zip(got, expect):
+        torch.testing.assert_close(a.double(), b, rtol=2e-4, atol=2e-5)
+
+
+def test_bad_plans_are_named():
+    ok = dict(cu_seqlens=np.array([0, 4]), row_src=np.arange(4), own_rows=np.arange(4), own_dst=np.arange(4),
+              init_state=np.array([-1]), export_seq=np.zeros(0, np.int64), export_offset=np.zeros(0, np.int64),
+              export_bank=np.zeros(0, np.int64))
+    with pytest.raises(ValueError, match=r"rounds\[0\].init_state: bank id 3"):
+        plan_tree_gdn([TreeRoundSpec(**{**ok, "init_state": np.array([3])})], 4)
+    with pytest.raises(ValueError, match=r"rounds\[0\].export_offset"):
+        plan_tree_gdn([TreeRoundSpec(**{**ok, "export_seq": np.array([0]), "export_offset": np.array([3]),
+                                        "export_bank": np.array([0])})], 4)
+    with pytest.raises(ValueError, match="token 3 is kept by no round"):
+        plan_tree_gdn([TreeRoundSpec(**{**ok, "own_rows": np.arange(3), "own_dst": np.arange(3)})], 4)
+    with pytest.raises(ValueError, match=r"rounds\[0\].row_src"):
+        plan_tree_gdn([TreeRoundSpec(**{**ok, "row_src": np.array([0, 1, 2, 9])})], 4)
+    plan = plan_tree_gdn([TreeRoundSpec(**ok)], 4)
+    with pytest.raises(ValueError, match="plan was built for 4 tokens"):
+        tree_gated_delta_rule(*inputs(5, 0), scale=1.0, plan=plan)
