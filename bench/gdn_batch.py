@@ -38,22 +38,23 @@ def gdn_inputs(tokens: int, heads: tuple[int, int], dims: tuple[int, int], devic
     return [t.requires_grad_(True) for t in (q, k, v, g, beta)]
 
 
-def microbatches_ms(indices, args, segment_chunks=None) -> float:
-    """Sum over microbatches of the median fwd+bwd ms of the rounds (plans built outside the timing, as
-    the runtime builds them once per forward for all layers)."""
-    total = 0.0
-    for i, index in enumerate(indices):
-        use_triton = index.device.type == "cuda"
-        plan = plan_linear_rounds(index, use_triton=use_triton, segment_chunks=segment_chunks)
-        leaves = gdn_inputs(index.num_tokens, args.heads, args.dims, index.device, args.dtype, seed=i)
-        do = torch.randn(index.num_tokens, args.heads[1], args.dims[1], device=index.device, dtype=args.dtype)
+def gdn_step(index, args, seed: int, segment_chunks=None):
+    """One fwd+bwd of the GDN rule over `index`'s rounds (the plan built outside, as the runtime builds it
+    once per forward for all layers)."""
+    plan = plan_linear_rounds(index, use_triton=index.device.type == "cuda", segment_chunks=segment_chunks)
+    leaves = gdn_inputs(index.num_tokens, args.heads, args.dims, index.device, args.dtype, seed=seed)
+    do = torch.randn(index.num_tokens, args.heads[1], args.dims[1], device=index.device, dtype=args.dtype)
 
-        def step(plan=plan, leaves=leaves, do=do, index=index):
-            o = gated_delta_rule_rounds(*leaves, index, plan, scale=args.dims[0] ** -0.5,
-                                        state_dtype=torch.float32, use_qk_l2norm=True)
-            torch.autograd.grad(o, leaves, do)
-        total += kernel_ms(step, index.device)
-    return total
+    def step():
+        o = gated_delta_rule_rounds(*leaves, index, plan, scale=args.dims[0] ** -0.5,
+                                    state_dtype=torch.float32, use_qk_l2norm=True)
+        torch.autograd.grad(o, leaves, do)
+    return step
+
+
+def microbatches_ms(indices, args, segment_chunks=None) -> float:
+    """Sum over microbatches of the median fwd+bwd ms."""
+    return sum(kernel_ms(gdn_step(index, args, i, segment_chunks), index.device) for i, index in enumerate(indices))
 
 
 def run_preset(preset: str, args) -> dict:
@@ -73,6 +74,13 @@ def run_preset(preset: str, args) -> dict:
         row["seg_ms"] = microbatches_ms(tree_indices, args, args.segment_chunks)
         row["seg_of_ideal"] = row["traj_ms"] / row["seg_ms"] / row["ideal"]
     print(f"[{preset}] {row}", flush=True)
+    if args.profile and args.device.type == "cuda":  # where a tree microbatch's time goes, kernel by kernel
+        from gdn_profile import compare
+        largest = [max(indices, key=lambda ix: ix.num_tokens) for indices in (traj_indices, tree_indices)]
+        print(f"[{preset}] device ms per kernel, largest microbatch of each mode "
+              f"({largest[0].num_tokens} / {largest[1].num_tokens} tokens, {len(largest[1].rounds)} rounds; "
+              f"sequences per round {[r.cu_seqlens.numel() - 1 for r in largest[1].rounds]})")
+        compare({"traj": gdn_step(largest[0], args, 0), "tree": gdn_step(largest[1], args, 0)}, top=12)
     return row
 
 
@@ -84,6 +92,7 @@ def main(argv=None) -> None:
     p.add_argument("--target-tokens", type=int, default=None, help="trajectory tokens per batch (default 96k)")
     p.add_argument("--microbatch-tokens", type=int, default=16384)
     p.add_argument("--segment-chunks", type=int, default=8, help="0: do not time the segmented tree mode")
+    p.add_argument("--profile", action="store_true", help="per-kernel device ms of the largest microbatches (CUDA)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
