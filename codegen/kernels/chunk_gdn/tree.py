@@ -58,8 +58,8 @@ class _RoundLaunch:
     num_seqs: int
     init_row: torch.Tensor        # [N] row of the bank (with the zero state at row 0) each sequence starts from
     grad_slots: torch.Tensor      # [U] bank slots this round's sequences start from (distinct)
-    grad_children: torch.Tensor   # [U, M] sequences starting from each (padded with a repeat of column 0) ...
-    grad_weight: torch.Tensor     # [U, M] ... 1 for real entries, 0 for padding
+    grad_children: torch.Tensor   # [N'] the sequences that start from a bank state, grouped by slot ...
+    grad_counts: torch.Tensor     # [U] ... how many start from each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,27 +71,16 @@ class TreeGDNPlan:
     row_src: torch.Tensor          # [R] compact token of each packed row
     own_pick: torch.Tensor         # [T] packed row holding each compact token's kept output
     replay_dst: torch.Tensor       # [D] compact tokens that other packed rows replay (distinct)
-    replay_rows: torch.Tensor      # [D, M] those rows (padded with a repeat of column 0) ...
-    replay_weight: torch.Tensor    # [D, M] ... 1 for real entries, 0 for padding
+    replay_rows: torch.Tensor      # [D'] the replaying rows, grouped by token, in row order ...
+    replay_counts: torch.Tensor    # [D] ... how many replay each token
     rounds: tuple[_RoundLaunch, ...]
 
 
-def _padded_groups(keys: np.ndarray, values: np.ndarray):
-    """Group `values` by `keys` (order inside a group kept): distinct keys [U], values [U, M] padded
-    with each group's first value, weights [U, M]."""
-    if keys.size == 0:
-        return np.zeros(0, np.int64), np.zeros((0, 1), np.int64), np.zeros((0, 1), np.float32)
+def _groups(keys: np.ndarray, values: np.ndarray):
+    """Group `values` by `keys`, order inside a group kept: (distinct keys [U], values grouped [N], counts [U])."""
     order = np.argsort(keys, kind="stable")
-    keys, values = keys[order], values[order]
-    distinct, start, counts = np.unique(keys, return_index=True, return_counts=True)
-    width = int(counts.max())
-    column = np.arange(keys.size) - np.repeat(start, counts)
-    table = np.repeat(values[start], width).reshape(-1, width)
-    weight = np.zeros(table.shape, np.float32)
-    group = np.repeat(np.arange(distinct.size), counts)
-    table[group, column] = values
-    weight[group, column] = 1.0
-    return distinct, table, weight
+    distinct, counts = np.unique(keys[order], return_counts=True)
+    return distinct, values[order], counts
 
 
 def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: int = 64, device=None,
@@ -155,24 +144,25 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
             raise ValueError(f"tree GDN plan: rounds[{r}].init_state: bank id {late[0]} is exported by no earlier round")
         slots = np.array([slot_of_bank[int(b)] if b >= 0 else -1 for b in init], dtype=np.int64)
         starts = np.flatnonzero(slots >= 0)
-        distinct, children, weight = _padded_groups(slots[starts], starts)
+        distinct, children, counts = _groups(slots[starts], starts)
         launches.append(_RoundLaunch(first_seq=seq_base, num_seqs=n, init_row=as_long(slots + 1),
                                      grad_slots=as_long(distinct), grad_children=as_long(children),
-                                     grad_weight=torch.as_tensor(weight, device=device)))
+                                     grad_counts=as_long(counts)))
         exported.update(int(b) for b in rnd.export_bank)
         seq_base += n
     src_all = np.concatenate(row_src) if row_src else np.zeros(0, np.int64)
     replay = np.setdiff1d(np.arange(src_all.size), own_pick, assume_unique=True)
-    replay_dst, replay_rows, replay_weight = _padded_groups(src_all[replay], replay)
+    replay_dst, replay_rows, replay_counts = _groups(src_all[replay], replay)
     return TreeGDNPlan(num_tokens=num_tokens, index=index, row_src=as_long(src_all), own_pick=as_long(own_pick),
                        replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
-                       replay_weight=torch.as_tensor(replay_weight, device=device), rounds=tuple(launches))
+                       replay_counts=as_long(replay_counts), rounds=tuple(launches))
 
 
-def _grouped_sum(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """sum_m weight[u, m] * x[rows[u, m]] in a fixed order: [U, ...] from x [N, ...]."""
-    picked = x[rows] * weight.view(*weight.shape, *([1] * (x.dim() - 1))).to(x.dtype)
-    return picked.sum(1)
+def _group_sums(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """fp32 sums of x[rows] over consecutive groups of `counts` rows: [U, ...]. segment_reduce adds each
+    group's rows in order in one thread per output element (no atomics): deterministic, and unlike a
+    padded [U, max count] gather it reads each row once."""
+    return torch.segment_reduce(x[rows].float(), "sum", lengths=counts, axis=0, unsafe=True)
 
 
 class TreeGatedDeltaRuleFunction(torch.autograd.Function):
@@ -212,8 +202,8 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
                                  block_v=cfg.scan_block_v_for(rnd.num_seqs, hv, vd), num_warps=cfg.scan_warps,
                                  seqs=(rnd.first_seq, rnd.num_seqs))
-            if rnd.grad_slots.numel():
-                bank_grad[rnd.grad_slots] += _grouped_sum(dh0, rnd.grad_children, rnd.grad_weight)
+            if rnd.grad_slots.numel():  # the slots are distinct: a plain indexed add
+                bank_grad[rnd.grad_slots] += _group_sums(dh0, rnd.grad_children, rnd.grad_counts)
         dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index,
                                           block_v=cfg.bwd_block_v, warps_qk=cfg.bwd_qk_warps,
                                           warps_wy=cfg.wy_bwd_warps, block_k_qk=cfg.bwd_qk_block_k)
@@ -222,9 +212,9 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         compact = []
         for grad, dtype in zip(grads, ctx.dtypes):
             out = grad.index_select(0, plan.own_pick)
-            if plan.replay_dst.numel():  # own row first, then the replays in row order
-                out = out.float().index_add_(0, plan.replay_dst,
-                                             _grouped_sum(grad.float(), plan.replay_rows, plan.replay_weight))
+            if plan.replay_dst.numel():  # own row + the replays' sum, in fp32, rounded once
+                dst = plan.replay_dst
+                out[dst] = (out[dst].float() + _group_sums(grad, plan.replay_rows, plan.replay_counts)).to(out.dtype)
             compact.append(out.to(dtype))
         return (*compact, None, None)
 
