@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from harts_compiler.codegen.index import MicrobatchIndex
+from harts_compiler.codegen.kernels.chunk_gdn.function import triton_supports
 
 from .attention import GatedAttention
 from .config import ModelConfig
@@ -181,8 +182,9 @@ class TreeModel(nn.Module):
         self.check_index(index)
         if index.device != device:
             index = index.to(device)
+        cfg = self.config
         use_triton = (self.triton_linear_attention and device.type == "cuda"
-                      and self.lm_head.weight.dtype in (torch.bfloat16, torch.float16))
+                      and triton_supports(self.lm_head.weight.dtype, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
         linear_plan = plan_linear_rounds(index, use_triton=use_triton,
                                          segment_chunks=None if gdn_kernel is not None else self.gdn_segment_chunks)
         ctx = ExecutionContext(index=index, linear_plan=linear_plan,

@@ -21,23 +21,25 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get
                                 reason="needs CUDA or TRITON_INTERPRET=1")
 C = 64
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter: fp32 at 16-column heads; CUDA: a configuration its guard admits (function.triton_supports)
+DTYPE, DIM = (torch.float32, 16) if DEVICE == "cpu" else (torch.bfloat16, 64)
 
 
-def inputs(T, seed, hk=1, hv=2, kd=16, vd=16):
+def inputs(T, seed, hk=1, hv=2, kd=DIM, vd=DIM):
     gen = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(T, hk, kd, generator=gen), torch.randn(T, hk, kd, generator=gen),
                torch.randn(T, hv, vd, generator=gen), -torch.rand(T, hv, generator=gen) * 0.2,
                torch.rand(T, hv, generator=gen)]
-    return [t.to(DEVICE) for t in tensors]
+    return [t.to(DEVICE, DTYPE if i != 3 else torch.float32) for i, t in enumerate(tensors)]
 
 
 def assert_close(got, expect, name=""):
-    """fp32 under the interpreter: to 2e-4; on the GPU the fp32 dots round through TF32: 2e-3 of the norm."""
+    """fp32 under the interpreter: to 2e-4; bf16 on the GPU: 1e-2 of the norm (fla's own error is 1e-3..5e-3)."""
     got, expect = got.double().cpu(), expect.cpu()
     if DEVICE == "cpu":
         torch.testing.assert_close(got, expect, rtol=2e-4, atol=2e-5, msg=name)
     else:
-        assert float((got - expect).norm() / expect.norm()) < 2e-3, name
+        assert float((got - expect).norm() / expect.norm()) < 1e-2, name
 
 
 def run(fn, tensors, weights):
@@ -58,7 +60,7 @@ def test_tree_function_equals_rounds(name):
     batch = batches()[name]
     index = naive_tree_index(batch, chunk_size=C)
     tensors = inputs(index.num_tokens, seed=len(name))
-    weights = torch.randn(index.num_tokens, 2, 16, generator=torch.Generator().manual_seed(5),
+    weights = torch.randn(index.num_tokens, 2, DIM, generator=torch.Generator().manual_seed(5),
                           dtype=torch.float64).to(DEVICE)
     plan = plan_tree_gdn(tree_round_specs(index), index.num_tokens, chunk_size=C, device=DEVICE)
     index = index.to(DEVICE)
@@ -99,7 +101,7 @@ def test_replays_and_shared_starts_are_summed():
     plan = plan_tree_gdn(rounds, T, chunk_size=C, device=DEVICE)
     assert plan.replay_counts.tolist() == [3] * (root - C) and plan.rounds[1].grad_counts.tolist() == [3]
     tensors = inputs(T, seed=1)
-    weights = torch.randn(T, 2, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEVICE)
+    weights = torch.randn(T, 2, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEVICE)
     got = run(lambda *x: tree_gated_delta_rule(*x, scale=0.3, plan=plan, use_qk_l2norm=True), tensors, weights)
 
     def trajectories(q, k, v, g, beta):  # each root + branch on its own, from zero states, fp64 reference
@@ -107,7 +109,7 @@ def test_replays_and_shared_starts_are_summed():
                           for b in range(3)]).to(DEVICE)
         cu = (torch.arange(4) * (root + branch)).to(DEVICE)
         o, _ = chunk_gated_delta_rule_reference(q[rows], k[rows], v[rows], g[rows], beta[rows], scale=0.3,
-                                                initial_state=q.new_zeros(3, 2, 16, 16),
+                                                initial_state=q.new_zeros(3, 2, DIM, DIM),
                                                 cu_seqlens=cu, chunk_size=C, use_qk_l2norm=True)
         own = torch.cat([torch.arange(root), torch.cat([root + b * (root + branch) + torch.arange(branch)
                                                         for b in range(3)])]).to(DEVICE)

@@ -85,6 +85,21 @@ def _power_of_two(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
+# On CUDA the Triton path runs only what passed on the H200 (`bench/gdn_shapes.py`, 2026-11-30): Triton 3.6
+# miscompiles some Hopper configurations (GPU.md), and fp32 operands with 16-column heads made the WY
+# backward access memory illegally there. Everything else takes the plain-torch reference.
+CUDA_DTYPES = (torch.bfloat16, torch.float16)
+CUDA_HEAD_DIMS = (64, 128)
+
+
+def triton_supports(dtype: torch.dtype, key_dim: int, value_dim: int, *, cuda: bool = True) -> bool:
+    """Whether the Triton kernels run inputs of `dtype` with these head sizes: on CUDA the validated
+    configurations only, under the CPU interpreter any non-fp64 float with power-of-two heads >= 16."""
+    if cuda:
+        return dtype in CUDA_DTYPES and key_dim in CUDA_HEAD_DIMS and value_dim in CUDA_HEAD_DIMS
+    return dtype != torch.float64 and _power_of_two(key_dim) and _power_of_two(value_dim)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, export_seq=None,
                            export_offset=None, chunk_size=64, use_qk_l2norm=False, index: GDNIndex | None = None):
     """Chunkwise Gated DeltaNet (docs/INTERFACES.md section 4): returns (o [R, HV, V], exported [E, HV, K, V] fp32).
@@ -97,8 +112,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens
     shapes = validate_gdn_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                  export_seq=export_seq, export_offset=export_offset, chunk_size=chunk_size,
                                  known=known)
-    triton_ok = (_use_triton(q) and chunk_size == TRITON_CHUNK_SIZE and q.dtype != torch.float64
-                 and _power_of_two(shapes.key_dim) and _power_of_two(shapes.value_dim))
+    triton_ok = (_use_triton(q) and chunk_size == TRITON_CHUNK_SIZE and all(
+        triton_supports(x.dtype, shapes.key_dim, shapes.value_dim, cuda=q.is_cuda) for x in (q, k, v)))
     if not triton_ok:
         return chunk_gated_delta_rule_reference(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, export_seq=export_seq,
@@ -107,11 +122,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens
         index = prepare_gdn_index(cu_seqlens, export_seq, export_offset, chunk_size, device=q.device)
     elif index.chunk_size != chunk_size:
         raise ValueError(f"chunk_gated_delta_rule: `index` was built for chunk_size {index.chunk_size}, not {chunk_size}")
+    return run_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state, index=index,
+                      use_qk_l2norm=use_qk_l2norm)
+
+
+def run_triton(q, k, v, g, beta, *, scale, initial_state, index: GDNIndex, use_qk_l2norm=False):
+    """The Triton kernels on checked inputs, whatever `triton_supports` says (bench/gdn_shapes.py probes
+    configurations with it)."""
     if any(map(interpreter_needs_fp32, (q, k, v, beta))):  # the interpreter's 16-bit dots are wrong: fp32
-        o, exported = chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), scale=scale,
-                                             initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                             export_seq=export_seq, export_offset=export_offset,
-                                             chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm, index=index)
+        o, exported = run_triton(q.float(), k.float(), v.float(), g, beta.float(), scale=scale,
+                                 initial_state=initial_state, index=index, use_qk_l2norm=use_qk_l2norm)
         return o.to(v.dtype), exported
     if use_qk_l2norm:  # in fp32 as transformers and fla do, output in the input dtype
         q, k = l2norm_fused(q), l2norm_fused(k)

@@ -29,7 +29,7 @@ import torch
 
 from ..interpreter_safe import interpreter_needs_fp32
 from .chunk_bwd import chunk_bwd
-from .function import _group_sum
+from .function import _group_sum, triton_supports
 from .inputs import validate_gdn_tensors
 from .index import GDNIndex, GDNKernelConfig, prepare_gdn_index
 from .l2norm import l2norm_fused
@@ -225,6 +225,10 @@ def tree_gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, 
     rows = validate_gdn_tensors(q, k, v, g, beta, who="tree_gated_delta_rule")[0]
     if rows != plan.num_tokens:
         raise ValueError(f"tree_gated_delta_rule: `q` has {rows} rows, the plan was built for {plan.num_tokens} tokens")
+    kd, vd = k.shape[2], v.shape[2]
+    if not all(triton_supports(x.dtype, kd, vd, cuda=x.is_cuda) for x in (q, k, v)):
+        raise ValueError(f"tree_gated_delta_rule: the Triton kernels do not run {q.dtype} with K={kd}, V={vd} "
+                         f"on {q.device.type} (function.triton_supports); use one call per round with the reference")
     if any(map(interpreter_needs_fp32, (q, k, v, beta))):  # the interpreter's 16-bit dots are wrong: fp32
         return tree_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), scale=scale, plan=plan,
                                      use_qk_l2norm=use_qk_l2norm).to(v.dtype)
