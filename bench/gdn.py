@@ -28,7 +28,8 @@ from harts_compiler.codegen.kernels.chunk_gdn import (
     prepare_gdn_index,
 )
 from harts_compiler.codegen.kernels.chunk_gdn.tree import plan_tree_gdn, tree_gated_delta_rule
-from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_trajectories, run_tree, tree_rounds, two_level_plan
+from harts_compiler.codegen.kernels.chunk_gdn.two_level import (run_trajectories, run_tree, two_level_plan,
+                                                                two_level_round_specs)
 
 CUDA = torch.device("cuda")
 GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
@@ -123,7 +124,8 @@ def check_tree_bitwise(log, config=None):
 
     o_traj = run_trajectories(fn, plan, *leaves, **kw)
     per_round_bitwise = torch.equal(o_traj, run_tree(fn, plan, *leaves, **kw)[plan.traj_rows])
-    tree_plan = plan_tree_gdn(tree_rounds(plan), plan.compact_rows, device="cuda", config=config or GDNKernelConfig())
+    tree_plan = plan_tree_gdn(two_level_round_specs(plan), plan.compact_rows, device="cuda",
+                              config=config or GDNKernelConfig())
     o_tree = tree_gated_delta_rule(*leaves, plan=tree_plan, **kw)
     bitwise = torch.equal(o_traj, o_tree[plan.traj_rows]) and per_round_bitwise
     do = torch.randn(o_traj.shape, device="cuda").to(o_traj.dtype)

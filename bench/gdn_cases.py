@@ -7,7 +7,7 @@ import torch
 
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
 from harts_compiler.codegen.kernels.chunk_gdn.tree import plan_tree_gdn, tree_gated_delta_rule
-from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_tree, tree_rounds, two_level_plan
+from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_tree, two_level_plan, two_level_round_specs
 
 
 def make_inputs(lengths, hk=16, hv=16, kd=128, vd=128, seed=0, dtype=torch.bfloat16, device="cuda"):
@@ -43,7 +43,7 @@ def tree_case(trees, config: GDNKernelConfig, seed: int = 11, device="cuda") -> 
     root_index = prepare_gdn_index(plan.root_cu, plan.root_export_seq, plan.root_export_offset, device=device,
                                    config=config)
     branch_index = prepare_gdn_index(plan.branch_cu, device=device, config=config)
-    tree_plan = plan_tree_gdn(tree_rounds(plan), plan.compact_rows, device=device, config=config)
+    tree_plan = plan_tree_gdn(two_level_round_specs(plan), plan.compact_rows, device=device, config=config)
 
     def ours_traj(q, k, v, g, beta):
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, cu_seqlens=plan.traj_cu,

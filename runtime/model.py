@@ -182,10 +182,13 @@ class TreeModel(nn.Module):
         self.check_index(index)
         if index.device != device:
             index = index.to(device)
-        cfg = self.config
+        dtype, cfg = self.lm_head.weight.dtype, self.config
+        # conv kernel: 16-bit on CUDA; GDN kernels: only the shapes validated there (triton_supports)
         use_triton = (self.triton_linear_attention and device.type == "cuda"
-                      and triton_supports(self.lm_head.weight.dtype, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
-        linear_plan = plan_linear_rounds(index, use_triton=use_triton,
+                      and dtype in (torch.bfloat16, torch.float16))
+        gdn_triton = (use_triton and gdn_kernel is None
+                      and triton_supports(dtype, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+        linear_plan = plan_linear_rounds(index, use_triton=gdn_triton,
                                          segment_chunks=None if gdn_kernel is not None else self.gdn_segment_chunks)
         ctx = ExecutionContext(index=index, linear_plan=linear_plan,
                                config=self.config, gdn_kernel=gdn_kernel, triton_linear_attention=use_triton)

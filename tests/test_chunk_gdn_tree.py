@@ -3,6 +3,7 @@ sets it without CUDA), at chunk size 64 on the DESIGN.md section 11 trees: outpu
 Triton call per round, and outputs and every input gradient equal to the fp64 reference over the rounds."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -99,7 +100,7 @@ def test_replays_and_shared_starts_are_summed():
                             export_seq=np.zeros(0, np.int64), export_offset=np.zeros(0, np.int64),
                             export_bank=np.zeros(0, np.int64))]
     plan = plan_tree_gdn(rounds, T, chunk_size=C, device=DEVICE)
-    assert plan.replay_counts.tolist() == [3] * (root - C) and plan.rounds[1].grad_counts.tolist() == [3]
+    assert plan.replay_counts.tolist() == [3] * (root - C) and plan.rounds[1].start_counts.tolist() == [3]
     tensors = inputs(T, seed=1)
     weights = torch.randn(T, 2, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEVICE)
     got = run(lambda *x: tree_gated_delta_rule(*x, scale=0.3, plan=plan, use_qk_l2norm=True), tensors, weights)
@@ -134,6 +135,55 @@ def test_bad_plans_are_named():
         plan_tree_gdn([TreeRoundSpec(**{**ok, "own_rows": np.arange(3), "own_dst": np.arange(3)})], 4)
     with pytest.raises(ValueError, match=r"rounds\[0\].row_src"):
         plan_tree_gdn([TreeRoundSpec(**{**ok, "row_src": np.array([0, 1, 2, 9])})], 4)
-    plan = plan_tree_gdn([TreeRoundSpec(**ok)], 4)
+    exported = {**ok, "export_seq": np.array([0]), "export_offset": np.array([64]), "export_bank": np.array([2])}
+    long = {**exported, "cu_seqlens": np.array([0, 64]), "row_src": np.arange(64), "own_rows": np.arange(64),
+            "own_dst": np.arange(64)}
+    again = {**ok, "cu_seqlens": np.array([0, 0]), "row_src": np.zeros(0, np.int64), "own_rows": np.zeros(0, np.int64),
+             "own_dst": np.zeros(0, np.int64), "export_seq": np.zeros(0, np.int64)}
+    with pytest.raises(ValueError, match=r"rounds\[1\].export"):  # a zero-length sequence cannot export
+        plan_tree_gdn([TreeRoundSpec(**long), TreeRoundSpec(**{**again, "export_seq": np.array([0]),
+                                                               "export_offset": np.array([64]),
+                                                               "export_bank": np.array([2])})], 64)
+    with pytest.raises(ValueError, match="export_bank id -1"):
+        plan_tree_gdn([TreeRoundSpec(**{**long, "export_bank": np.array([-1])})], 64)
+    with pytest.raises(ValueError, match="chunk_size 64 built in"):
+        plan_tree_gdn([TreeRoundSpec(**ok)], 4, chunk_size=32)
+    with pytest.raises(ValueError, match=r"rounds\[0\].cu_seqlens must be 1-D"):
+        plan_tree_gdn([TreeRoundSpec(**{**ok, "cu_seqlens": np.array([[0, 4]])})], 4)
+    plan = plan_tree_gdn([TreeRoundSpec(**ok)], 4, device=DEVICE)
     with pytest.raises(ValueError, match="plan was built for 4 tokens"):
         tree_gated_delta_rule(*inputs(5, 0), scale=1.0, plan=plan)
+
+
+def test_a_bank_id_names_one_state():
+    """Two rounds exporting different states under one bank id: rejected (a later start would be ambiguous)."""
+    first = TreeRoundSpec(cu_seqlens=np.array([0, 128]), row_src=np.arange(128), own_rows=np.arange(128),
+                          own_dst=np.arange(128), init_state=np.array([-1]), export_seq=np.array([0]),
+                          export_offset=np.array([64]), export_bank=np.array([5]))
+    second = TreeRoundSpec(cu_seqlens=np.array([0, 64]), row_src=np.arange(128, 192), own_rows=np.arange(64),
+                           own_dst=np.arange(128, 192), init_state=np.array([5]), export_seq=np.array([0]),
+                           export_offset=np.array([64]), export_bank=np.array([5]))
+    with pytest.raises(ValueError, match="export_bank id 5 .* already names another exported state"):
+        plan_tree_gdn([first, second], 192)
+
+
+def test_rounds_fall_back_where_the_kernels_do_not_run():
+    """A plan with the tree Function attached still runs fp64 inputs, through the reference per round."""
+    batch = batches()["branch_on_chunk_boundary"]
+    index = naive_tree_index(batch, chunk_size=C)
+    plan = plan_linear_rounds(index, use_triton=False)
+    fused = dataclasses.replace(plan, tree=plan_tree_gdn(tree_round_specs(index), index.num_tokens, chunk_size=C))
+    tensors = [t.double().cpu() for t in inputs(index.num_tokens, seed=2)]
+    kw = dict(scale=0.25, state_dtype=torch.float64, use_qk_l2norm=True)
+    torch.testing.assert_close(gated_delta_rule_rounds(*tensors, index, fused, **kw),
+                               gated_delta_rule_rounds(*tensors, index, plan, **kw), rtol=0, atol=0)
+
+
+def test_without_cuda_or_the_interpreter_the_error_says_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    plan = plan_tree_gdn([TreeRoundSpec(cu_seqlens=np.array([0, 4]), row_src=np.arange(4), own_rows=np.arange(4),
+                                        own_dst=np.arange(4), init_state=np.array([-1]),
+                                        export_seq=np.zeros(0, np.int64), export_offset=np.zeros(0, np.int64),
+                                        export_bank=np.zeros(0, np.int64))], 4)
+    with pytest.raises(ValueError, match="need CUDA or TRITON_INTERPRET=1"):
+        tree_gated_delta_rule(*[t.cpu() for t in inputs(4, 0)], scale=1.0, plan=plan)

@@ -1,7 +1,9 @@
 """Gated DeltaNet over a plan's rounds (DESIGN.md section 6, docs/INTERFACES.md sections 3-4).
 
-Per round: gather the packed rows (`row_src`, replay rows included) from the compact q/k/v/g/beta,
-gather every sequence's initial state from the bank of states exported by earlier rounds (zeros
+With the Triton kernels on CUDA a tree index runs every round in one autograd Function
+(`chunk_gdn/tree.py`), a trajectory-wise index one call without gathers. Otherwise (the plain-torch
+reference, an explicit `kernel`, the segmented opt-in), per round: gather the packed rows (`row_src`,
+replay rows included) from the compact q/k/v/g/beta, gather every sequence's initial state from the bank of states exported by earlier rounds (zeros
 where `init_state == -1`), make one varlen `chunk_gated_delta_rule` call that also exports the
 boundary states later rounds start from, and keep only the own rows' outputs. Everything is an
 ordinary differentiable gather, so autograd scatter-adds the replay rows' gradients back onto the
@@ -21,7 +23,7 @@ from harts_compiler.codegen.kernels.chunk_gdn.function import TRITON_CHUNK_SIZE
 from harts_compiler.codegen.kernels.chunk_gdn.segmented import (SegmentPlan, needs_segments, plan_segments,
                                                                  segmented_gated_delta_rule)
 from harts_compiler.codegen.kernels.chunk_gdn.tree import (TreeGDNPlan, TreeRoundSpec, plan_tree_gdn,
-                                                           tree_gated_delta_rule)
+                                                           tree_gated_delta_rule, tree_supported)
 
 # rounds of at most this many sequences may be segmented (TreeModel.gdn_segment_chunks): from 8 sequences
 # on, the scans of 16-32 heads already run >= 512 programs
@@ -145,10 +147,11 @@ def gated_delta_rule_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             kernel=None) -> torch.Tensor:
     """Compact q, k [T, HK, K], v [T, HV, V], g, beta [T, HV] -> o [T, HV, V] (dtype of v).
 
-    `kernel` defaults to `chunk_gated_delta_rule` when the plan opted in to Triton on CUDA, else to its
-    plain torch reference; tests pass the recurrent reference here.
+    `kernel` defaults to the tree Function (or, per round, `chunk_gated_delta_rule`) when the plan opted
+    in to Triton on CUDA and the kernels run these inputs, else to the plain torch reference; tests pass
+    the recurrent reference here.
     """
-    if kernel is None and plan.tree is not None:
+    if kernel is None and plan.tree is not None and tree_supported(q, k, v):
         return tree_gated_delta_rule(q, k, v, g, beta, scale=scale, plan=plan.tree, use_qk_l2norm=use_qk_l2norm)
     heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
     states = [torch.zeros((1, heads, k_dim, v_dim), dtype=state_dtype, device=v.device)]

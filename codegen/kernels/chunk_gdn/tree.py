@@ -27,9 +27,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..interpreter_safe import interpreter_needs_fp32
+from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from .chunk_bwd import chunk_bwd
-from .function import _group_sum, triton_supports
+from .function import TRITON_CHUNK_SIZE, _group_sum, triton_supports
 from .inputs import validate_gdn_tensors
 from .index import GDNIndex, GDNKernelConfig, prepare_gdn_index
 from .l2norm import l2norm_fused
@@ -57,9 +57,9 @@ class _RoundLaunch:
     first_seq: int
     num_seqs: int
     init_row: torch.Tensor        # [N] row of the bank (with the zero state at row 0) each sequence starts from
-    grad_slots: torch.Tensor      # [U] bank slots this round's sequences start from (distinct)
-    grad_children: torch.Tensor   # [N'] the sequences that start from a bank state, grouped by slot ...
-    grad_counts: torch.Tensor     # [U] ... how many start from each
+    start_slots: torch.Tensor      # [U] bank slots this round's sequences start from (distinct)
+    start_seqs: torch.Tensor   # [N'] the sequences that start from a bank state, grouped by slot ...
+    start_counts: torch.Tensor     # [U] ... how many start from each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +86,19 @@ def _groups(keys: np.ndarray, values: np.ndarray):
 def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: int = 64, device=None,
                   config: GDNKernelConfig | None = None) -> TreeGDNPlan:
     """Lay `rounds` out as one varlen call and check the plan's invariants (errors name round and field)."""
+    if chunk_size != TRITON_CHUNK_SIZE:
+        raise ValueError(f"tree GDN plan: the Triton kernels have chunk_size {TRITON_CHUNK_SIZE} built in, "
+                         f"got {chunk_size}")
     bounds, export_seq, export_offset, export_bank, row_src = [0], [], [], [], []
     own_pick = np.full(num_tokens, -1, dtype=np.int64)
     seq_base, row_base = 0, 0
     for r, rnd in enumerate(rounds):
         cu = np.asarray(rnd.cu_seqlens, dtype=np.int64)
         src = np.asarray(rnd.row_src, dtype=np.int64)
+        for field in ("cu_seqlens", "row_src", "own_rows", "own_dst", "init_state", "export_seq", "export_offset",
+                      "export_bank"):
+            if np.ndim(getattr(rnd, field)) != 1:
+                raise ValueError(f"tree GDN plan: rounds[{r}].{field} must be 1-D")
         if cu.size < 1 or cu[0] != 0 or cu[-1] != src.size or np.any(np.diff(cu) < 0):
             raise ValueError(f"tree GDN plan: rounds[{r}].cu_seqlens must rise from 0 to len(row_src)={src.size}")
         if src.size and (src.min() < 0 or src.max() >= num_tokens):
@@ -100,7 +107,7 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         own_dst = np.asarray(rnd.own_dst, dtype=np.int64)
         if own_rows.size and (own_rows.min() < 0 or own_rows.max() >= src.size):
             raise ValueError(f"tree GDN plan: rounds[{r}].own_rows holds a row outside the round")
-        if not np.array_equal(src[own_rows], own_dst):
+        if own_rows.size != own_dst.size or not np.array_equal(src[own_rows], own_dst):
             raise ValueError(f"tree GDN plan: rounds[{r}].own_dst is not row_src[own_rows]")
         if np.any(own_pick[own_dst] >= 0) or np.unique(own_dst).size != own_dst.size:
             raise ValueError(f"tree GDN plan: rounds[{r}].own_dst keeps a token a second time")
@@ -113,7 +120,8 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         if e_seq.size and (e_seq.min() < 0 or e_seq.max() >= cu.size - 1):
             raise ValueError(f"tree GDN plan: rounds[{r}].export_seq names a sequence outside the round")
         lengths = np.diff(cu)
-        bad = np.flatnonzero((e_off <= 0) | (e_off % chunk_size != 0) | (e_off > lengths[e_seq] if e_seq.size else False))
+        too_long = e_off > lengths[e_seq] if e_seq.size else False
+        bad = np.flatnonzero((e_off <= 0) | (e_off % chunk_size != 0) | too_long)
         if bad.size:
             raise ValueError(f"tree GDN plan: rounds[{r}].export_offset[{bad[0]}]={e_off[bad[0]]} must be a positive "
                              f"multiple of {chunk_size} within its sequence")
@@ -127,8 +135,10 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         raise ValueError(f"tree GDN plan: token {int(np.argmax(own_pick < 0))} is kept by no round (own_dst)")
     index = prepare_gdn_index(bounds, export_seq, export_offset, chunk_size, device=device, config=config)
     slot_of_bank = {}
-    for bank, slot in zip(export_bank, index.export_slot_host):
-        slot_of_bank.setdefault(bank, slot)
+    for e, (bank, slot) in enumerate(zip(export_bank, index.export_slot_host)):
+        if bank < 0 or slot_of_bank.setdefault(bank, slot) != slot:  # one bank id, one state
+            raise ValueError(f"tree GDN plan: export_bank id {bank} (export {e} over all rounds) is negative or "
+                             "already names another exported state")
 
     def as_long(a):
         return torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64), device=device)
@@ -141,13 +151,14 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
             raise ValueError(f"tree GDN plan: rounds[{r}].init_state has {init.size} entries for {n} sequences")
         late = [int(b) for b in init if b >= 0 and int(b) not in exported]
         if late:
-            raise ValueError(f"tree GDN plan: rounds[{r}].init_state: bank id {late[0]} is exported by no earlier round")
+            raise ValueError(f"tree GDN plan: rounds[{r}].init_state: bank id {late[0]} is exported by no "
+                             "earlier round")
         slots = np.array([slot_of_bank[int(b)] if b >= 0 else -1 for b in init], dtype=np.int64)
         starts = np.flatnonzero(slots >= 0)
         distinct, children, counts = _groups(slots[starts], starts)
         launches.append(_RoundLaunch(first_seq=seq_base, num_seqs=n, init_row=as_long(slots + 1),
-                                     grad_slots=as_long(distinct), grad_children=as_long(children),
-                                     grad_counts=as_long(counts)))
+                                     start_slots=as_long(distinct), start_seqs=as_long(children),
+                                     start_counts=as_long(counts)))
         exported.update(int(b) for b in rnd.export_bank)
         seq_base += n
     src_all = np.concatenate(row_src) if row_src else np.zeros(0, np.int64)
@@ -202,8 +213,8 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
                                  block_v=cfg.scan_block_v_for(rnd.num_seqs, hv, vd), num_warps=cfg.scan_warps,
                                  seqs=(rnd.first_seq, rnd.num_seqs))
-            if rnd.grad_slots.numel():  # the slots are distinct: a plain indexed add
-                bank_grad[rnd.grad_slots] += _group_sums(dh0, rnd.grad_children, rnd.grad_counts)
+            if rnd.start_slots.numel():  # the slots are distinct: a plain indexed add
+                bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
         dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index,
                                           block_v=cfg.bwd_block_v, warps_qk=cfg.bwd_qk_warps,
                                           warps_wy=cfg.wy_bwd_warps, block_k_qk=cfg.bwd_qk_block_k)
@@ -219,16 +230,24 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         return (*compact, None, None)
 
 
+def tree_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `tree_gated_delta_rule` runs these inputs (else: one call per round, which falls back)."""
+    return (q.is_cuda or interpreting()) and all(
+        triton_supports(x.dtype, k.shape[2], v.shape[2], cuda=x.is_cuda) for x in (q, k, v))
+
+
 def tree_gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, use_qk_l2norm: bool = False):
     """Compact q, k [T, HK, K], v [T, HV, V], g, beta [T, HV] -> o [T, HV, V]: every round of `plan` run
     with the Triton kernels (CUDA, or the CPU interpreter) in one autograd Function."""
     rows = validate_gdn_tensors(q, k, v, g, beta, who="tree_gated_delta_rule")[0]
     if rows != plan.num_tokens:
         raise ValueError(f"tree_gated_delta_rule: `q` has {rows} rows, the plan was built for {plan.num_tokens} tokens")
-    kd, vd = k.shape[2], v.shape[2]
-    if not all(triton_supports(x.dtype, kd, vd, cuda=x.is_cuda) for x in (q, k, v)):
-        raise ValueError(f"tree_gated_delta_rule: the Triton kernels do not run {q.dtype} with K={kd}, V={vd} "
-                         f"on {q.device.type} (function.triton_supports); use one call per round with the reference")
+    if not tree_supported(q, k, v):
+        raise ValueError(f"tree_gated_delta_rule: the Triton kernels do not run {q.dtype} with K={k.shape[2]}, "
+                         f"V={v.shape[2]} on {q.device.type} (they need CUDA or TRITON_INTERPRET=1, and "
+                         "function.triton_supports); use one call per round with the reference")
+    if plan.row_src.device != q.device:
+        raise ValueError(f"tree_gated_delta_rule: the plan lives on {plan.row_src.device}, the inputs on {q.device}")
     if any(map(interpreter_needs_fp32, (q, k, v, beta))):  # the interpreter's 16-bit dots are wrong: fp32
         return tree_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), scale=scale, plan=plan,
                                      use_qk_l2norm=use_qk_l2norm).to(v.dtype)

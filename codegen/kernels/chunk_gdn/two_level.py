@@ -111,7 +111,7 @@ def run_tree(fn, plan: TwoLevelPlan, q, k, v, g, beta, *, scale, root_kw=None, b
     return o.index_copy(0, plan.branch_own_dst, o_branch[plan.branch_own])
 
 
-def tree_rounds(plan: TwoLevelPlan) -> list[TreeRoundSpec]:
+def two_level_round_specs(plan: TwoLevelPlan) -> list[TreeRoundSpec]:
     """The plan's two rounds for `tree.plan_tree_gdn` (bank id e = round 0's export e)."""
     def host(t):
         return t.cpu().numpy().astype(np.int64)
