@@ -128,7 +128,7 @@ def test_bad_plans_are_named():
               export_bank=np.zeros(0, np.int64))
     with pytest.raises(ValueError, match=r"rounds\[0\].init_state: bank id 3"):
         plan_tree_gdn([TreeRoundSpec(**{**ok, "init_state": np.array([3])})], 4)
-    with pytest.raises(ValueError, match=r"rounds\[0\].export_offset"):
+    with pytest.raises(ValueError, match=r"rounds\[0\]: `export_offset\[0\]`=3"):
         plan_tree_gdn([TreeRoundSpec(**{**ok, "export_seq": np.array([0]), "export_offset": np.array([3]),
                                         "export_bank": np.array([0])})], 4)
     with pytest.raises(ValueError, match="token 3 is kept by no round"):
@@ -140,7 +140,7 @@ def test_bad_plans_are_named():
             "own_dst": np.arange(64)}
     again = {**ok, "cu_seqlens": np.array([0, 0]), "row_src": np.zeros(0, np.int64), "own_rows": np.zeros(0, np.int64),
              "own_dst": np.zeros(0, np.int64), "export_seq": np.zeros(0, np.int64)}
-    with pytest.raises(ValueError, match=r"rounds\[1\].export"):  # a zero-length sequence cannot export
+    with pytest.raises(ValueError, match=r"rounds\[1\]: `export_offset\[0\]`=64"):  # a zero-length sequence cannot export
         plan_tree_gdn([TreeRoundSpec(**long), TreeRoundSpec(**{**again, "export_seq": np.array([0]),
                                                                "export_offset": np.array([64]),
                                                                "export_bank": np.array([2])})], 64)

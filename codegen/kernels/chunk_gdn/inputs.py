@@ -27,6 +27,21 @@ def _shape_error(name: str, tensor: torch.Tensor, expected: str, who: str = "chu
     return ValueError(f"{who}: `{name}` has shape {tuple(tensor.shape)}, expected {expected}")
 
 
+def check_exports(export_seq, export_offset, seq_lengths, chunk_size: int, *, who: str) -> None:
+    """Each export (sequence, offset) names a sequence, at a positive multiple of the chunk size inside it.
+    `who` prefixes the messages (the caller, and where the lists come from)."""
+    if len(export_seq) != len(export_offset):
+        raise ValueError(f"{who}: `export_seq` ({len(export_seq)}) and `export_offset` ({len(export_offset)}) "
+                         "differ in length")
+    for i, (s, o) in enumerate(zip(export_seq, export_offset)):
+        s, o = int(s), int(o)
+        if not 0 <= s < len(seq_lengths):
+            raise ValueError(f"{who}: `export_seq[{i}]`={s} is not a sequence index in [0, {len(seq_lengths)})")
+        if o <= 0 or o % chunk_size != 0 or o > seq_lengths[s]:
+            raise ValueError(f"{who}: `export_offset[{i}]`={o} must be a positive multiple of chunk_size={chunk_size} "
+                             f"and <= length {seq_lengths[s]} of sequence {s}")
+
+
 def validate_gdn_tensors(q, k, v, g, beta, *, who: str) -> tuple[int, int, int, int, int]:
     """Types, shapes and dtypes of q, k [R, HK, K], v [R, HV, V], g, beta [R, HV]: (R, HK, HV, K, V).
     `who` names the caller in the messages."""
@@ -103,14 +118,6 @@ def validate_gdn_inputs(q, k, v, g, beta, *, initial_state, cu_seqlens, export_s
     elif export_seq is not None:
         e_seq = tuple(int(x) for x in torch.as_tensor(export_seq).reshape(-1).tolist())
         e_off = tuple(int(x) for x in torch.as_tensor(export_offset).reshape(-1).tolist())
-        if len(e_seq) != len(e_off):
-            raise ValueError(f"chunk_gated_delta_rule: `export_seq` ({len(e_seq)}) and `export_offset` "
-                             f"({len(e_off)}) differ in length")
-        for i, (s, o) in enumerate(zip(e_seq, e_off)):
-            if not 0 <= s < n_seq:
-                raise ValueError(f"chunk_gated_delta_rule: `export_seq[{i}]`={s} is not a sequence index in [0, {n_seq})")
-            if o <= 0 or o % chunk_size != 0 or o > lengths[s]:
-                raise ValueError(f"chunk_gated_delta_rule: `export_offset[{i}]`={o} must be a positive multiple of "
-                                 f"chunk_size={chunk_size} and <= length {lengths[s]} of sequence {s}")
+        check_exports(e_seq, e_off, lengths, chunk_size, who="chunk_gated_delta_rule")
     return GDNShapes(rows=rows, key_heads=hk, value_heads=hv, key_dim=kd, value_dim=vd, seq_lengths=lengths,
                      seq_starts=tuple(bounds[:-1]), export_seq=e_seq, export_offset=e_off)

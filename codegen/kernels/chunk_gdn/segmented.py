@@ -27,6 +27,7 @@ import torch
 
 from .function import chunk_gated_delta_rule
 from .index import GDNIndex, GDNKernelConfig, prepare_gdn_index
+from .inputs import check_exports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +84,11 @@ def plan_segments(seq_lengths, export_seq=(), export_offset=(), *, segment_chunk
         for i, seq in enumerate(seqs):
             start_order[first[seq] + p] = position_start[p] + i
     seq_lengths = list(seq_lengths)
+    # checked here, in the sequences' coordinates: once remapped, a bad export could look valid
+    check_exports(export_seq, export_offset, seq_lengths, chunk_size, who="plan_segments")
     e_seg, e_off = [], []
-    for e, (seq, off) in enumerate(zip(export_seq, export_offset)):
+    for seq, off in zip(export_seq, export_offset):
         seq, off = int(seq), int(off)
-        # checked here, in the sequences' coordinates: once remapped, a bad export could look valid
-        if not 0 <= seq < len(seq_lengths):
-            raise ValueError(f"plan_segments: `export_seq[{e}]`={seq} is not a sequence (there are {len(seq_lengths)})")
-        if off <= 0 or off % chunk_size or off > seq_lengths[seq]:
-            raise ValueError(f"plan_segments: `export_offset[{e}]`={off} must be a positive multiple of "
-                             f"chunk_size={chunk_size} and <= length {seq_lengths[seq]} of sequence {seq}")
         piece = (off // chunk_size - 1) // segment_chunks  # the segment holding the boundary's chunk
         e_seg.append(first[int(seq)] + piece)
         e_off.append(int(off) - piece * seg_rows)

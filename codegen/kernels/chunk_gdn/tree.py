@@ -30,7 +30,7 @@ import torch
 from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from .chunk_bwd import chunk_bwd
 from .function import TRITON_CHUNK_SIZE, _group_sum, triton_supports
-from .inputs import validate_gdn_tensors
+from .inputs import check_exports, validate_gdn_tensors
 from .index import GDNIndex, GDNKernelConfig, prepare_gdn_index
 from .l2norm import l2norm_fused
 from .state_bwd import dv_local_bwd, state_bwd_scan
@@ -115,16 +115,9 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         bounds.extend((row_base + cu[1:]).tolist())
         e_seq = np.asarray(rnd.export_seq, dtype=np.int64)
         e_off = np.asarray(rnd.export_offset, dtype=np.int64)
-        if e_seq.size != e_off.size or e_seq.size != np.asarray(rnd.export_bank).size:
-            raise ValueError(f"tree GDN plan: rounds[{r}].export_seq/export_offset/export_bank differ in length")
-        if e_seq.size and (e_seq.min() < 0 or e_seq.max() >= cu.size - 1):
-            raise ValueError(f"tree GDN plan: rounds[{r}].export_seq names a sequence outside the round")
-        lengths = np.diff(cu)
-        too_long = e_off > lengths[e_seq] if e_seq.size else False
-        bad = np.flatnonzero((e_off <= 0) | (e_off % chunk_size != 0) | too_long)
-        if bad.size:
-            raise ValueError(f"tree GDN plan: rounds[{r}].export_offset[{bad[0]}]={e_off[bad[0]]} must be a positive "
-                             f"multiple of {chunk_size} within its sequence")
+        if e_seq.size != np.asarray(rnd.export_bank).size:
+            raise ValueError(f"tree GDN plan: rounds[{r}].export_seq and export_bank differ in length")
+        check_exports(e_seq, e_off, np.diff(cu).tolist(), chunk_size, who=f"tree GDN plan: rounds[{r}]")
         export_seq.extend((seq_base + e_seq).tolist())
         export_offset.extend(e_off.tolist())
         export_bank.extend(np.asarray(rnd.export_bank, dtype=np.int64).tolist())
