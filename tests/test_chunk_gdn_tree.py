@@ -126,6 +126,8 @@ def test_bad_plans_are_named():
     ok = dict(cu_seqlens=np.array([0, 4]), row_src=np.arange(4), own_rows=np.arange(4), own_dst=np.arange(4),
               init_state=np.array([-1]), export_seq=np.zeros(0, np.int64), export_offset=np.zeros(0, np.int64),
               export_bank=np.zeros(0, np.int64))
+    with pytest.raises(ValueError, match=r"rounds\[0\].init_state must hold a bank id or -1"):
+        plan_tree_gdn([TreeRoundSpec(**{**ok, "init_state": np.array([-2])})], 4)
     with pytest.raises(ValueError, match=r"rounds\[0\].init_state: bank id 3"):
         plan_tree_gdn([TreeRoundSpec(**{**ok, "init_state": np.array([3])})], 4)
     with pytest.raises(ValueError, match=r"rounds\[0\]: `export_offset\[0\]`=3"):

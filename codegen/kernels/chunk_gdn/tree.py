@@ -83,6 +83,32 @@ def _groups(keys: np.ndarray, values: np.ndarray):
     return distinct, values[order], counts
 
 
+def _checked_round(r: int, rnd: TreeRoundSpec, num_tokens: int, chunk_size: int):
+    """One round's arrays as int64, checked on their own: (cu, row_src, own_rows, own_dst, export_seq,
+    export_offset)."""
+    fields = [f.name for f in dataclasses.fields(TreeRoundSpec)]
+    for field in fields:
+        if np.ndim(getattr(rnd, field)) != 1:
+            raise ValueError(f"tree GDN plan: rounds[{r}].{field} must be 1-D")
+    a = {field: np.asarray(getattr(rnd, field), dtype=np.int64) for field in fields}
+    cu, src, own_rows, own_dst = a["cu_seqlens"], a["row_src"], a["own_rows"], a["own_dst"]
+    if cu.size < 1 or cu[0] != 0 or cu[-1] != src.size or np.any(np.diff(cu) < 0):
+        raise ValueError(f"tree GDN plan: rounds[{r}].cu_seqlens must rise from 0 to len(row_src)={src.size}")
+    if src.size and (src.min() < 0 or src.max() >= num_tokens):
+        raise ValueError(f"tree GDN plan: rounds[{r}].row_src holds a token outside [0, {num_tokens})")
+    if own_rows.size and (own_rows.min() < 0 or own_rows.max() >= src.size):
+        raise ValueError(f"tree GDN plan: rounds[{r}].own_rows holds a row outside the round")
+    if own_rows.size != own_dst.size or not np.array_equal(src[own_rows], own_dst):
+        raise ValueError(f"tree GDN plan: rounds[{r}].own_dst is not row_src[own_rows]")
+    if np.unique(own_dst).size != own_dst.size:
+        raise ValueError(f"tree GDN plan: rounds[{r}].own_dst keeps a token twice")
+    if a["export_seq"].size != a["export_bank"].size:
+        raise ValueError(f"tree GDN plan: rounds[{r}].export_seq and export_bank differ in length")
+    check_exports(a["export_seq"], a["export_offset"], np.diff(cu).tolist(), chunk_size,
+                  who=f"tree GDN plan: rounds[{r}]")
+    return cu, src, own_rows, own_dst, a["export_seq"], a["export_offset"]
+
+
 def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: int = 64, device=None,
                   config: GDNKernelConfig | None = None) -> TreeGDNPlan:
     """Lay `rounds` out as one varlen call and check the plan's invariants (errors name round and field)."""
@@ -93,31 +119,11 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
     own_pick = np.full(num_tokens, -1, dtype=np.int64)
     seq_base, row_base = 0, 0
     for r, rnd in enumerate(rounds):
-        cu = np.asarray(rnd.cu_seqlens, dtype=np.int64)
-        src = np.asarray(rnd.row_src, dtype=np.int64)
-        for field in ("cu_seqlens", "row_src", "own_rows", "own_dst", "init_state", "export_seq", "export_offset",
-                      "export_bank"):
-            if np.ndim(getattr(rnd, field)) != 1:
-                raise ValueError(f"tree GDN plan: rounds[{r}].{field} must be 1-D")
-        if cu.size < 1 or cu[0] != 0 or cu[-1] != src.size or np.any(np.diff(cu) < 0):
-            raise ValueError(f"tree GDN plan: rounds[{r}].cu_seqlens must rise from 0 to len(row_src)={src.size}")
-        if src.size and (src.min() < 0 or src.max() >= num_tokens):
-            raise ValueError(f"tree GDN plan: rounds[{r}].row_src holds a token outside [0, {num_tokens})")
-        own_rows = np.asarray(rnd.own_rows, dtype=np.int64)
-        own_dst = np.asarray(rnd.own_dst, dtype=np.int64)
-        if own_rows.size and (own_rows.min() < 0 or own_rows.max() >= src.size):
-            raise ValueError(f"tree GDN plan: rounds[{r}].own_rows holds a row outside the round")
-        if own_rows.size != own_dst.size or not np.array_equal(src[own_rows], own_dst):
-            raise ValueError(f"tree GDN plan: rounds[{r}].own_dst is not row_src[own_rows]")
-        if np.any(own_pick[own_dst] >= 0) or np.unique(own_dst).size != own_dst.size:
-            raise ValueError(f"tree GDN plan: rounds[{r}].own_dst keeps a token a second time")
+        cu, src, own_rows, own_dst, e_seq, e_off = _checked_round(r, rnd, num_tokens, chunk_size)
+        if np.any(own_pick[own_dst] >= 0):
+            raise ValueError(f"tree GDN plan: rounds[{r}].own_dst keeps a token an earlier round keeps")
         own_pick[own_dst] = row_base + own_rows
         bounds.extend((row_base + cu[1:]).tolist())
-        e_seq = np.asarray(rnd.export_seq, dtype=np.int64)
-        e_off = np.asarray(rnd.export_offset, dtype=np.int64)
-        if e_seq.size != np.asarray(rnd.export_bank).size:
-            raise ValueError(f"tree GDN plan: rounds[{r}].export_seq and export_bank differ in length")
-        check_exports(e_seq, e_off, np.diff(cu).tolist(), chunk_size, who=f"tree GDN plan: rounds[{r}]")
         export_seq.extend((seq_base + e_seq).tolist())
         export_offset.extend(e_off.tolist())
         export_bank.extend(np.asarray(rnd.export_bank, dtype=np.int64).tolist())
@@ -140,8 +146,9 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
     for r, rnd in enumerate(rounds):
         n = len(rnd.cu_seqlens) - 1
         init = np.asarray(rnd.init_state, dtype=np.int64)
-        if init.size != n:
-            raise ValueError(f"tree GDN plan: rounds[{r}].init_state has {init.size} entries for {n} sequences")
+        if init.size != n or np.any(init < -1):
+            raise ValueError(f"tree GDN plan: rounds[{r}].init_state must hold a bank id or -1 for each of its "
+                             f"{n} sequences")
         late = [int(b) for b in init if b >= 0 and int(b) not in exported]
         if late:
             raise ValueError(f"tree GDN plan: rounds[{r}].init_state: bank id {late[0]} is exported by no "
