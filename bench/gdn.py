@@ -133,7 +133,8 @@ def check_tree_bitwise(log, config=None):
     d_tree = torch.zeros(o_tree.shape, device="cuda", dtype=torch.float32).index_add_(0, plan.traj_rows, do.float())
     g_tree = torch.autograd.grad((o_tree.float() * d_tree).sum(), leaves)
     errs = {n: rel_err(a, b) for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], g_tree, g_traj)}
-    print(f"outputs bitwise equal: {bitwise} (one call per round: {per_round_bitwise}); gradient rel diff tree vs traj: "
+    print(f"outputs bitwise equal: {bitwise} (one call per round: {per_round_bitwise}); "
+          "gradient rel diff tree vs traj: "
           + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
     log.append(dict(section="tree_bitwise", bitwise=bitwise, grads=errs))
     return bitwise

@@ -1,8 +1,9 @@
 """Where the GDN tree step's time goes: device time per kernel (torch.profiler), tree vs trajectory-wise.
 
 On the H200 (2026-11-30) this showed tree mode's GDN kernels at their ideal share on a 4096-token root
-with eight 3584-token branches, and the missing third of the step in the gathers, sort-based scatter-adds
-and launches between one call per round (219 launches against 13); tree.py removed them. This prints, for one fwd+bwd of each mode, device milliseconds per kernel name (summed over
+with eight 3584-token branches, and the missing third of the step in the gathers, sort-based
+scatter-adds and launches between one call per round (219 launches against 13); tree.py removed
+them. This prints, for one fwd+bwd of each mode, device milliseconds per kernel name (summed over
 launches), the launch count and the host-side wall time, so the missing time shows up by name:
 a kernel, a torch op around the calls (gathers, scatters, casts), or gaps between launches.
 

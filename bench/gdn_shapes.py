@@ -28,7 +28,8 @@ def check(dtype_name: str, kd: int, vd: int) -> dict:
     gen = torch.Generator("cuda").manual_seed(0)
     lengths, hk, hv = [200, 64, 130, 1], 2, 4
     rows = sum(lengths)
-    tensors = [torch.randn(rows, hk, kd, device="cuda", generator=gen), torch.randn(rows, hk, kd, device="cuda", generator=gen),
+    tensors = [torch.randn(rows, hk, kd, device="cuda", generator=gen),
+               torch.randn(rows, hk, kd, device="cuda", generator=gen),
                torch.randn(rows, hv, vd, device="cuda", generator=gen),
                -torch.rand(rows, hv, device="cuda", generator=gen) * 0.3,
                torch.rand(rows, hv, device="cuda", generator=gen),

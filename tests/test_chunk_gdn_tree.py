@@ -142,7 +142,8 @@ def test_bad_plans_are_named():
             "own_dst": np.arange(64)}
     again = {**ok, "cu_seqlens": np.array([0, 0]), "row_src": np.zeros(0, np.int64), "own_rows": np.zeros(0, np.int64),
              "own_dst": np.zeros(0, np.int64), "export_seq": np.zeros(0, np.int64)}
-    with pytest.raises(ValueError, match=r"rounds\[1\]: `export_offset\[0\]`=64"):  # a zero-length sequence cannot export
+    # a zero-length sequence cannot export
+    with pytest.raises(ValueError, match=r"rounds\[1\]: `export_offset\[0\]`=64"):
         plan_tree_gdn([TreeRoundSpec(**long), TreeRoundSpec(**{**again, "export_seq": np.array([0]),
                                                                "export_offset": np.array([64]),
                                                                "export_bank": np.array([2])})], 64)

@@ -2,12 +2,13 @@
 
 With the Triton kernels on CUDA a tree index runs every round in one autograd Function
 (`chunk_gdn/tree.py`), a trajectory-wise index one call without gathers. Otherwise (the plain-torch
-reference, an explicit `kernel`, the segmented opt-in), per round: gather the packed rows (`row_src`,
-replay rows included) from the compact q/k/v/g/beta, gather every sequence's initial state from the bank of states exported by earlier rounds (zeros
-where `init_state == -1`), make one varlen `chunk_gated_delta_rule` call that also exports the
-boundary states later rounds start from, and keep only the own rows' outputs. Everything is an
-ordinary differentiable gather, so autograd scatter-adds the replay rows' gradients back onto the
-ancestors' q/k/v/g/beta and routes exported-state gradients into the kernel's backward.
+reference, an explicit `kernel`, the segmented opt-in), per round: gather the packed rows
+(`row_src`, replay rows included) from the compact q/k/v/g/beta, gather every sequence's initial
+state from the bank of states exported by earlier rounds (zeros where `init_state == -1`), make one
+varlen `chunk_gated_delta_rule` call that also exports the boundary states later rounds start from,
+and keep only the own rows' outputs. Everything is an ordinary differentiable gather, so autograd
+scatter-adds the replay rows' gradients back onto the ancestors' q/k/v/g/beta and routes
+exported-state gradients into the kernel's backward.
 """
 from __future__ import annotations
 
