@@ -202,30 +202,22 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
     n = cu.numel() - 1
     h0 = torch.zeros(n, 16, 128, 128, device="cuda")
     index = prepare_gdn_index(cu, device="cuda")
-    cfg = index.config
+    blocked = prepare_gdn_index(cu, device="cuda", config=GDNKernelConfig(wy_fwd_blocked=True))
     scale = 128 ** -0.5
     q, k = l2norm_fused(q), l2norm_fused(k)
-    gc, T, w, u = wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps)
-    h, v_new, bank = state_fwd(k, w, u, gc, h0, index, block_v=cfg.scan_block_v, num_warps=cfg.scan_warps)
+    gc, T, w, u = wy_fwd(k, v, g, beta, index)
+    h, v_new, bank = state_fwd(k, w, u, gc, h0, index)
     do = torch.randn_like(v)
-    dh, dvn, _ = state_bwd(q, k, w, gc, do, bank, scale, index, block_v=cfg.scan_block_v, num_warps=cfg.scan_warps,
-                             dv_local_warps=cfg.dv_local_warps)
+    dh, dvn, _ = state_bwd(q, k, w, gc, do, bank, scale, index)
     bench = lambda f: kernel_ms(f, CUDA, rep_ms=100, warmup_ms=20)  # noqa: E731
     stages = {
         "l2norm fwd (q,k)": bench(lambda: (l2norm_fused(tensors[0]), l2norm_fused(tensors[1]))),
-        "wy_fwd": bench(lambda: wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps)),
-        "wy_fwd split (3 kernels)": bench(lambda: wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps, split=True,
-                                                         solve_warps=cfg.wy_solve_warps)),
-        "state_fwd (scan)": bench(lambda: state_fwd(k, w, u, gc, h0, index, block_v=cfg.scan_block_v,
-                                                     num_warps=cfg.scan_warps)),
-        "output_fwd": bench(lambda: output_fwd(q, k, v_new, gc, h, scale, index, block_v=cfg.out_block_v,
-                                               num_warps=cfg.out_warps)),
-        "state_bwd (dv_local+scan)": bench(lambda: state_bwd(q, k, w, gc, do, bank, scale, index,
-                                                             block_v=cfg.scan_block_v, num_warps=cfg.scan_warps,
-                                                             dv_local_warps=cfg.dv_local_warps)),
-        "chunk_bwd (qk+wy)": bench(lambda: chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index,
-                                                     block_v=cfg.bwd_block_v, warps_qk=cfg.bwd_qk_warps,
-                                                     warps_wy=cfg.wy_bwd_warps)),
+        "wy_fwd": bench(lambda: wy_fwd(k, v, g, beta, index)),
+        "wy_fwd blocked (2 kernels)": bench(lambda: wy_fwd(k, v, g, beta, blocked)),
+        "state_fwd (scan)": bench(lambda: state_fwd(k, w, u, gc, h0, index)),
+        "output_fwd": bench(lambda: output_fwd(q, k, v_new, gc, h, scale, index)),
+        "state_bwd (dv_local+scan)": bench(lambda: state_bwd(q, k, w, gc, do, bank, scale, index)),
+        "chunk_bwd (qk+wy)": bench(lambda: chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index)),
     }
     leaves = [t.detach().requires_grad_(True) for t in tensors[:5]]
     stages["ours fwd (wrapper)"] = bench(lambda: chunk_gated_delta_rule(
@@ -283,11 +275,10 @@ def main():
     stage_breakdown(fla, log)
     configs = [("default", GDNKernelConfig())]
     if args.variants:
-        configs += [("wy_fwd split", GDNKernelConfig(wy_fwd_split=True)),
-                    ("wy_fwd split, solve 4w", GDNKernelConfig(wy_fwd_split=True, wy_solve_warps=4)),
+        configs += [("wy_fwd blocked", GDNKernelConfig(wy_fwd_blocked=True)),
                     ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
                     ("bwd qk BK32", GDNKernelConfig(bwd_qk_block_k=32)),
-                    ("split wy + bwd qk BK64", GDNKernelConfig(wy_fwd_split=True, bwd_qk_block_k=64))]
+                    ("blocked wy + bwd qk BK64", GDNKernelConfig(wy_fwd_blocked=True, bwd_qk_block_k=64))]
     summary["default"] = bench_trees(fla, log, configs[0][1], "default")
     profile_section(log)  # where the tree step's time goes, kernel by kernel
     if not args.skip_check:

@@ -69,19 +69,22 @@ def test_varlen_grouped_heads_exports_all_gradients():
     assert_all_close(got, want)
 
 
-def test_split_wy_forward_matches_fused_and_reference():
-    """The WY forward as three kernels (A, solve, w/u with K and V in 64-column blocks) agrees with the fused
-    kernel stage by stage, and the whole call with it agrees with the reference, every gradient included."""
+@pytest.mark.parametrize("block_k", [32, 128])
+def test_blocked_wy_forward_matches_fused_and_reference(block_k):
+    """The WY forward as two kernels (A and its inverse in 16x16 register blocks over `block_k` columns of k;
+    w / u in 64-column blocks) agrees with the fused kernel stage by stage, partial chunks included, and the
+    whole call with it agrees with the reference, every gradient included."""
     lengths = [70, 5, 131]
     tensors, cu = make_inputs(lengths, kd=128, vd=128, seed=7)
     export_seq, export_offset = torch.tensor([0, 2]), torch.tensor([64, 128])
     k, v, g, beta = (t.detach() for t in tensors[1:5])
     index = prepare_gdn_index(cu, export_seq, export_offset)
     fused = wy_fwd(k, v, g, beta, index)
-    split = wy_fwd(k, v, g, beta, index, split=True)
-    for name, a, b in zip(["gc", "T", "w", "u"], split, fused):
+    config = GDNKernelConfig(wy_fwd_blocked=True, wy_kkt_block_k=block_k)
+    split_index = prepare_gdn_index(cu, export_seq, export_offset, config=config)
+    blocked = wy_fwd(k, v, g, beta, split_index)
+    for name, a, b in zip(["gc", "T", "w", "u"], blocked, fused):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    split_index = prepare_gdn_index(cu, export_seq, export_offset, config=GDNKernelConfig(wy_fwd_split=True))
     got = forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, index=split_index)
     want = forward_backward(chunk_gated_delta_rule_reference, tensors, cu, export_seq, export_offset)
     assert_all_close(got, want, rtol=5e-5, atol=5e-5)
@@ -131,15 +134,16 @@ def test_value_blocks_do_not_change_results():
     """BV < V (several programs per state) must agree with one block over all of V."""
     (q, k, v, g, beta, h0), cu = make_inputs([90, 40], kd=16, vd=32, seed=5)
     q, k, v, g, beta, h0 = (x.detach() for x in (q, k, v, g, beta, h0))
-    index = prepare_gdn_index(cu, torch.tensor([0]), torch.tensor([64]))
     do = torch.randn(v.shape, generator=torch.Generator().manual_seed(6))
     results = []
     for bv in (16, 32):
+        config = GDNKernelConfig(scan_block_v=bv, few_seqs_scan_block_v=bv, out_block_v=bv, bwd_block_v=bv)
+        index = prepare_gdn_index(cu, torch.tensor([0]), torch.tensor([64]), config=config)
         gc, T, w, u = wy_fwd(k, v, g, beta, index)
-        h, v_new, bank = state_fwd(k, w, u, gc, h0, index, block_v=bv)
-        o = output_fwd(q, k, v_new, gc, h, 0.4, index, block_v=bv)
-        dh, dvn, dh0 = state_bwd(q, k, w, gc, do, torch.ones_like(bank), 0.4, index, block_v=bv)
-        grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, 0.4, index, block_v=bv)
+        h, v_new, bank = state_fwd(k, w, u, gc, h0, index)
+        o = output_fwd(q, k, v_new, gc, h, 0.4, index)
+        dh, dvn, dh0 = state_bwd(q, k, w, gc, do, torch.ones_like(bank), 0.4, index)
+        grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, 0.4, index)
         results.append([o, bank, dh0, *grads])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

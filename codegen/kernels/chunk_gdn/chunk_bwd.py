@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from .gates import _chunk_rows, _exp_gate_gap
-from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
 @triton.jit
@@ -175,18 +174,18 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dk_out, dv, dbeta, dg, scratch
     tl.store(dg + rows * HV + i_h, b_dg, mask=m_t)
 
 
-def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, *,
-              block_v: int = GDNKernelConfig.bwd_block_v, warps_qk: int = GDNKernelConfig.bwd_qk_warps,
-              warps_wy: int = GDNKernelConfig.wy_bwd_warps, block_k_qk: int = GDNKernelConfig.bwd_qk_block_k):
+def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index):
     """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head).
-    `block_k_qk`: K columns per dq/dk/dw program (0 or >= K: all of K in one program).
+    Launch configuration from `index.config` (`bwd_qk_block_k`: K columns per dq/dk/dw program, 0 or >= K:
+    all of K in one program).
 
     dk and dv come out in the input dtypes when every value head has its own key head (nothing left to
     reduce), else dk in fp32 for the grouped-head sum; dq is always fp32.
     """
     rows, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
-    bv = min(block_v, vd)
+    cfg = index.config
+    bv = min(cfg.bwd_block_v, vd)
     BT = index.chunk_size
     grouped = hv != hk
     dq = torch.empty(rows, hv, kd, device=q.device, dtype=torch.float32)  # bf16 here made the qk kernel spill more
@@ -198,16 +197,16 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, *,
     dbeta = torch.empty(rows, hv, device=q.device, dtype=torch.float32)
     if index.num_chunks:
         grid = (index.num_chunks * hv,)
-        bk = kd if block_k_qk <= 0 else min(block_k_qk, kd)
+        bk = kd if cfg.bwd_qk_block_k <= 0 else min(cfg.bwd_qk_block_k, kd)
         n_k = kd // bk
         dgc_parts = dgc if n_k == 1 else torch.empty(rows, hv, n_k, device=q.device, dtype=torch.float32)
         _chunk_bwd_qk_kernel[(index.num_chunks * hv, n_k)](
             q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc_parts, index.chunk_row_start, index.chunk_row_end,
-            scale, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, num_warps=warps_qk)
+            scale, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, num_warps=cfg.bwd_qk_warps)
         if n_k > 1:
             torch.sum(dgc_parts, dim=-1, out=dgc)
         scratch = torch.empty(index.num_chunks * hv, BT, BT, device=q.device, dtype=torch.float32)
         _wy_bwd_kernel[grid](
             k, v, beta, gc, T, dw, dvn, dk_part, dk, dv, dbeta, dgc, scratch, index.chunk_row_start,
-            index.chunk_row_end, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, num_warps=warps_wy)
+            index.chunk_row_end, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, num_warps=cfg.wy_bwd_warps)
     return dq, dk, dv, dbeta, dgc

@@ -38,12 +38,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         g, beta = g.contiguous(), beta.contiguous()
         h0 = initial_state.to(torch.float32).contiguous()
-        cfg = index.config
-        gc, T, w, u = wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps, split=cfg.wy_fwd_split,
-                             solve_warps=cfg.wy_solve_warps)
-        scan_bv = cfg.scan_block_v_for(index.num_seqs, v.shape[1], v.shape[2])
-        h, v_new, bank = state_fwd(k, w, u, gc, h0, index, block_v=scan_bv, num_warps=cfg.scan_warps)
-        o = output_fwd(q, k, v_new, gc, h, scale, index, block_v=cfg.out_block_v, num_warps=cfg.out_warps)
+        gc, T, w, u = wy_fwd(k, v, g, beta, index)
+        h, v_new, bank = state_fwd(k, w, u, gc, h0, index)
+        o = output_fwd(q, k, v_new, gc, h, scale, index)
         exported = bank[index.export_slot]
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
         ctx.scale, ctx.index = scale, index
@@ -64,13 +61,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             else:  # duplicates summed in a fixed order (index_add_ may use atomics on CUDA)
                 for e, slot in enumerate(index.export_slot_host):
                     bank_grad[slot] += d_exported[e]
-        cfg = index.config
-        scan_bv = cfg.scan_block_v_for(index.num_seqs, hv, vd)
-        dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank_grad, ctx.scale, index, block_v=scan_bv,
-                                 num_warps=cfg.scan_warps, dv_local_warps=cfg.dv_local_warps)
-        dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index,
-                                          block_v=cfg.bwd_block_v, warps_qk=cfg.bwd_qk_warps,
-                                          warps_wy=cfg.wy_bwd_warps, block_k_qk=cfg.bwd_qk_block_k)
+        dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank_grad, ctx.scale, index)
+        dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index)
         q_dt, k_dt, v_dt, g_dt, beta_dt, h0_dt = ctx.dtypes
         hk = q.shape[1]
         return (_group_sum(dq, hk).to(q_dt), _group_sum(dk, hk).to(k_dt), dv.to(v_dt), dg.to(g_dt),

@@ -25,8 +25,9 @@ class GDNKernelConfig:
     out_block_v: int = 64
     out_warps: int = 8
     dv_local_warps: int = 8
-    wy_fwd_split: bool = False  # WY forward as three kernels (fla's layout); not yet timed on the H200
-    wy_solve_warps: int = 8     # the split layout's (I + A)^-1 kernel: 128 registers at 8 warps, 201 at 4 (sm_90a)
+    wy_fwd_blocked: bool = False  # WY forward as A + (I + A)^-1 in 16x16 register blocks, then w / u (wy_fwd.py)
+    wy_kkt_warps: int = 2         # the blocked layout's first kernel
+    wy_kkt_block_k: int = 64      # columns of k per step of that kernel
     wy_fwd_warps: int = 4       # H200, bench/gdn.py --variants: 9.36 vs 10.30 ms fwd+bwd (61k tokens) at 8
     bwd_block_v: int = 32       # V block of the chunk-parallel backward kernels
     bwd_qk_warps: int = 8
@@ -37,6 +38,7 @@ class GDNKernelConfig:
     # `few_seqs_scan_block_v` columns instead (0 = off). Column blocks are independent: tree == trajectory stayed bitwise on the H200.
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
     few_seqs_scan_block_v: int = 16
+    scan_num_stages: int = 0      # 0 = by input dtype (scan_stages_for)
 
     def __post_init__(self):
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
@@ -50,12 +52,13 @@ class GDNKernelConfig:
             block_v = min(self.few_seqs_scan_block_v, block_v)
         return block_v
 
-    @staticmethod
-    def scan_stages(element_size: int) -> int:
-        """Software-pipeline depth of the two state scans. sm_90a shared memory at K=V=128, BV=32,
-        4 warps (`bench/gdn_resources.py --dtype ... --stages N`): bf16 at 3 stages 40/81 KiB (fwd/bwd
-        scan); fp32 at 3 stages 240/353 KiB and at 2 stages 168/240 KiB, over the H200's 227 KiB
-        (the runtime saw `OutOfResources` in fp32), at 1 stage 56/80 KiB."""
+    def scan_stages_for(self, element_size: int) -> int:
+        """Software-pipeline depth of the two state scans: `scan_num_stages`, or by input size (0). sm_90a
+        shared memory at K=V=128, BV=32, 4 warps (`bench/gdn_resources.py --dtype ... --stages N`): bf16 at
+        3 stages 40/81 KiB (fwd/bwd scan); fp32 at 3 stages 240/353 KiB and at 2 stages 168/240 KiB, over
+        the H200's 227 KiB (the runtime saw `OutOfResources` in fp32), at 1 stage 56/80 KiB."""
+        if self.scan_num_stages:
+            return self.scan_num_stages
         return 3 if element_size <= 2 else 1
 
 

@@ -16,7 +16,6 @@ import triton.language as tl
 
 from ..interpreter_safe import interpreting
 from .gates import _chunk_rows, _exp_gate_gap, _scan_program
-from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
 @triton.jit
@@ -51,9 +50,9 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export,
     m_t = rows < eos
     last = tl.minimum(bos + i_c * BT + BT, eos) - 1
 
-    slot = tl.load(chunk_export + ic)
-    if slot >= 0:
-        b_ds += tl.load(bank_grad + (slot.to(tl.int64) * HV + i_h) * (K * V) + state_offs)
+    slot = tl.load(chunk_export + ic)  # masked, not a branch (see state_fwd)
+    b_ds += tl.load(bank_grad + (tl.maximum(slot, 0).to(tl.int64) * HV + i_h) * (K * V) + state_offs,
+                    mask=(state_offs * 0 + slot) >= 0, other=0.0)
     tl.store(dh + (ic * HV + i_h) * (K * V) + state_offs, b_ds.to(dh.dtype.element_ty))
 
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
@@ -95,7 +94,7 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seq
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
-def dv_local_bwd(q, k, gc, do, scale, index, *, num_warps: int = GDNKernelConfig.dv_local_warps):
+def dv_local_bwd(q, k, gc, do, scale, index):
     """The chunk-local part of d(v_new) [R, HV, V] fp32 (every chunk at once)."""
     rows, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
@@ -103,36 +102,34 @@ def dv_local_bwd(q, k, gc, do, scale, index, *, num_warps: int = GDNKernelConfig
     if index.num_chunks:
         _dv_local_kernel[(index.num_chunks * hv,)](
             q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, num_warps=num_warps)
+            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, num_warps=index.config.dv_local_warps)
     return dv_local
 
 
 def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, *,
-                   block_v: int = GDNKernelConfig.scan_block_v, num_warps: int = GDNKernelConfig.scan_warps,
                    seqs: tuple[int, int] | None = None):
     """The reverse scan of sequences `seqs` = (first, count) of `index` (default: all) into the shared dh
     [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32."""
     _, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
-    bv = min(block_v, vd)
     first, count = seqs if seqs is not None else (0, index.num_seqs)
+    cfg = index.config
+    bv = cfg.scan_block_v_for(count, hv, vd)
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
     if count:
         _state_bwd_kernel[(count * hv, vd // bv)](
             q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens[first:],
             index.seq_chunk_start[first:], index.chunk_export, scale, HK=hk, HV=hv, K=kd, V=vd,
-            BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), num_warps=num_warps,
-            num_stages=GDNKernelConfig.scan_stages(k.element_size()))
+            BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), num_warps=cfg.scan_warps,
+            num_stages=cfg.scan_stages_for(k.element_size()))
     return dh0
 
 
-def state_bwd(q, k, w, gc, do, bank_grad, scale, index, *, block_v: int = GDNKernelConfig.scan_block_v,
-              num_warps: int = GDNKernelConfig.scan_warps, dv_local_warps: int = GDNKernelConfig.dv_local_warps):
+def state_bwd(q, k, w, gc, do, bank_grad, scale, index):
     """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32."""
     hv, kd, vd = do.shape[1], q.shape[2], do.shape[2]
-    dv_local = dv_local_bwd(q, k, gc, do, scale, index, num_warps=dv_local_warps)
+    dv_local = dv_local_bwd(q, k, gc, do, scale, index)
     dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
     dvn = torch.empty_like(do)
-    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, block_v=block_v,
-                         num_warps=num_warps)
+    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn)
     return dh, dvn, dh0

@@ -15,7 +15,6 @@ import triton.language as tl
 
 from ..interpreter_safe import interpreting
 from .gates import _chunk_rows, _exp_gate_gap, _scan_program
-from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
 @triton.jit
@@ -43,9 +42,11 @@ def _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos
     b_vd = tl.where(m_t[:, None], b_vn * tl.exp(b_gl - b_gc)[:, None], 0.0)
     b_s = b_s * tl.exp(b_gl) + tl.dot(b_kt, b_vd.to(b_kt.dtype))
 
+    # a masked store, not a branch: an scf.if in the loop body can keep Triton from pipelining the loads
+    # (the mask is a tile: the interpreter takes no scalar masks)
     slot = tl.load(chunk_export + ic)
-    if slot >= 0:
-        tl.store(bank + (slot.to(tl.int64) * HV + i_h) * (K * V) + state_offs, b_s)
+    tl.store(bank + (tl.maximum(slot, 0).to(tl.int64) * HV + i_h) * (K * V) + state_offs, b_s,
+             mask=(state_offs * 0 + slot) >= 0)
     return b_s
 
 
@@ -94,8 +95,7 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, scale,
     tl.store(o + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])
 
 
-def state_fwd(k, w, u, gc, initial_state, index, *, block_v: int = GDNKernelConfig.scan_block_v,
-              num_warps: int = GDNKernelConfig.scan_warps, seqs: tuple[int, int] | None = None, out=None):
+def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None = None, out=None):
     """Returns h [NC, HV, K, V] (k's dtype), v_new [R, HV, V] (u's dtype), bank [slots, HV, K, V] fp32.
 
     `seqs` = (first, count): scan only those sequences of `index`, whose initial states `initial_state`
@@ -104,28 +104,29 @@ def state_fwd(k, w, u, gc, initial_state, index, *, block_v: int = GDNKernelConf
     """
     _, hk, kd = k.shape
     hv, vd = u.shape[1], u.shape[2]
-    bv = min(block_v, vd)
+    first, count = seqs if seqs is not None else (0, index.num_seqs)
+    cfg = index.config
+    bv = cfg.scan_block_v_for(count, hv, vd)
     if out is None:
         out = (torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype), torch.empty_like(u),
                torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32))
     h, v_new, bank = out
-    first, count = seqs if seqs is not None else (0, index.num_seqs)
     if count:
         _state_fwd_kernel[(count * hv, vd // bv)](
             k, w, u, gc, initial_state, h, v_new, bank, index.cu_seqlens[first:], index.seq_chunk_start[first:],
             index.chunk_export, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(),
-            num_warps=num_warps, num_stages=GDNKernelConfig.scan_stages(k.element_size()))
+            num_warps=cfg.scan_warps, num_stages=cfg.scan_stages_for(k.element_size()))
     return h, v_new, bank
 
 
-def output_fwd(q, k, v_new, gc, h, scale, index, *, block_v: int = GDNKernelConfig.out_block_v,
-               num_warps: int = GDNKernelConfig.out_warps):
+def output_fwd(q, k, v_new, gc, h, scale, index):
     _, hk, kd = q.shape
     hv, vd = v_new.shape[1], v_new.shape[2]
-    bv = min(block_v, vd)
+    cfg = index.config
+    bv = min(cfg.out_block_v, vd)
     o = torch.empty_like(v_new)
     if index.num_chunks:
         _output_kernel[(index.num_chunks * hv, vd // bv)](
             q, k, v_new, gc, h, o, index.chunk_row_start, index.chunk_row_end, scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, num_warps=num_warps)
+            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, num_warps=cfg.out_warps)
     return o

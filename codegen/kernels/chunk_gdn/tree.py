@@ -180,19 +180,17 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale: float, plan: TreeGDNPlan):
-        index, cfg, src = plan.index, plan.index.config, plan.row_src
+        index, src = plan.index, plan.row_src
         q, k, v, g, beta = (x.index_select(0, src) for x in (q, k, v, g, beta))
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
-        gc, T, w, u = wy_fwd(k, v, g, beta, index, num_warps=cfg.wy_fwd_warps, split=cfg.wy_fwd_split,
-                             solve_warps=cfg.wy_solve_warps)
+        gc, T, w, u = wy_fwd(k, v, g, beta, index)
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
         v_new = torch.empty_like(u)
         bank = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)  # row 0: zeros
         for rnd in plan.rounds:
-            state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
-                      block_v=cfg.scan_block_v_for(rnd.num_seqs, hv, vd), num_warps=cfg.scan_warps,
-                      seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]))
-        o = output_fwd(q, k, v_new, gc, h, scale, index, block_v=cfg.out_block_v, num_warps=cfg.out_warps)
+            state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index, seqs=(rnd.first_seq, rnd.num_seqs),
+                      out=(h, v_new, bank[1:]))
+        o = output_fwd(q, k, v_new, gc, h, scale, index)
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
         ctx.scale, ctx.plan = scale, plan
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
@@ -202,22 +200,19 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         q, k, v, beta, gc, T, w, v_new, h = ctx.saved_tensors
         plan: TreeGDNPlan = ctx.plan
-        index, cfg = plan.index, plan.index.config
+        index = plan.index
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
         do = torch.zeros_like(v).index_copy_(0, plan.own_pick, d_out.to(v.dtype))  # replayed outputs are dropped
-        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, num_warps=cfg.dv_local_warps)
+        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(do)
         bank_grad = torch.zeros(index.num_slots, hv, kd, vd, device=q.device, dtype=torch.float32)
         for rnd in reversed(plan.rounds):  # a round's exports are read only by later rounds: done by now
             dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
-                                 block_v=cfg.scan_block_v_for(rnd.num_seqs, hv, vd), num_warps=cfg.scan_warps,
                                  seqs=(rnd.first_seq, rnd.num_seqs))
             if rnd.start_slots.numel():  # the slots are distinct: a plain indexed add
                 bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
-        dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index,
-                                          block_v=cfg.bwd_block_v, warps_qk=cfg.bwd_qk_warps,
-                                          warps_wy=cfg.wy_bwd_warps, block_k_qk=cfg.bwd_qk_block_k)
+        dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index)
         hk = q.shape[1]
         grads = (_group_sum(dq, hk), _group_sum(dk, hk), dv, dg, dbeta)
         compact = []

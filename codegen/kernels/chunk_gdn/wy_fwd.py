@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from .gates import _chunk_rows, _exp_gate_gap, _gate_cumsum
-from .index import GDNKernelConfig  # the stage wrappers default to its launch configuration
 
 
 @triton.jit
@@ -60,30 +59,22 @@ def _store_t(T, row0, row_end, blk_i, blk_j, b_t, i_h, HV: tl.constexpr, BT: tl.
 
 
 @triton.jit
-def _wy_solve(T, row0, row_end, i_h, HV: tl.constexpr, BT: tl.constexpr):
-    """T = (I + A)^-1 in place of A (parked in T's rows of one chunk): 16x16 diagonal inverses, then the
-    off-diagonal blocks merged in fp32."""
-    b_t00 = _diag_inverse16(T, row0, row_end, 0, i_h, HV, BT)
-    b_t11 = _diag_inverse16(T, row0, row_end, 1, i_h, HV, BT)
-    b_t22 = _diag_inverse16(T, row0, row_end, 2, i_h, HV, BT)
-    b_t33 = _diag_inverse16(T, row0, row_end, 3, i_h, HV, BT)
-    # diagonal blocks: forward substitution over rows read back from memory
-    b_a10 = _load_a(T, row0, row_end, 1, 0, i_h, HV, BT)
-    b_a20 = _load_a(T, row0, row_end, 2, 0, i_h, HV, BT)
-    b_a21 = _load_a(T, row0, row_end, 2, 1, i_h, HV, BT)
-    b_a30 = _load_a(T, row0, row_end, 3, 0, i_h, HV, BT)
-    b_a31 = _load_a(T, row0, row_end, 3, 1, i_h, HV, BT)
-    b_a32 = _load_a(T, row0, row_end, 3, 2, i_h, HV, BT)
-    tl.debug_barrier()  # every thread has read A before T overwrites it
-
-    # off-diagonal blocks: T_ij = -T_ii sum_{j<=m<i} A_im T_mj
+def _merge_inverse(b_t00, b_t11, b_t22, b_t33, b_a10, b_a20, b_a21, b_a30, b_a31, b_a32):
+    """Off-diagonal 16x16 blocks of T = (I + A)^-1 from the diagonal inverses T_ii and A's blocks below the
+    diagonal, in fp32: T_ij = -T_ii sum_{j<=m<i} A_im T_mj, i > j. Returns (t10, t20, t21, t30, t31, t32)."""
     b_t10 = -_dot32(b_t11, _dot32(b_a10, b_t00))
     b_t21 = -_dot32(b_t22, _dot32(b_a21, b_t11))
     b_t20 = -_dot32(b_t22, _dot32(b_a20, b_t00) + _dot32(b_a21, b_t10))
     b_t32 = -_dot32(b_t33, _dot32(b_a32, b_t22))
     b_t31 = -_dot32(b_t33, _dot32(b_a31, b_t11) + _dot32(b_a32, b_t21))
     b_t30 = -_dot32(b_t33, _dot32(b_a30, b_t00) + _dot32(b_a31, b_t10) + _dot32(b_a32, b_t20))
+    return b_t10, b_t20, b_t21, b_t30, b_t31, b_t32
 
+
+@triton.jit
+def _store_inverse(T, row0, row_end, i_h, b_t00, b_t10, b_t11, b_t20, b_t21, b_t22, b_t30, b_t31, b_t32, b_t33,
+                   HV: tl.constexpr, BT: tl.constexpr):
+    """The ten lower blocks of T and zeros above the diagonal (T is allocated uninitialised)."""
     b_zero = tl.zeros([16, 16], dtype=tl.float32)
     _store_t(T, row0, row_end, 0, 0, b_t00, i_h, HV, BT)
     _store_t(T, row0, row_end, 0, 1, b_zero, i_h, HV, BT)
@@ -101,6 +92,27 @@ def _wy_solve(T, row0, row_end, i_h, HV: tl.constexpr, BT: tl.constexpr):
     _store_t(T, row0, row_end, 3, 1, b_t31, i_h, HV, BT)
     _store_t(T, row0, row_end, 3, 2, b_t32, i_h, HV, BT)
     _store_t(T, row0, row_end, 3, 3, b_t33, i_h, HV, BT)
+
+
+@triton.jit
+def _wy_solve(T, row0, row_end, i_h, HV: tl.constexpr, BT: tl.constexpr):
+    """T = (I + A)^-1 in place of A (parked in T's rows of one chunk): 16x16 diagonal inverses, then the
+    off-diagonal blocks merged in fp32."""
+    b_t00 = _diag_inverse16(T, row0, row_end, 0, i_h, HV, BT)
+    b_t11 = _diag_inverse16(T, row0, row_end, 1, i_h, HV, BT)
+    b_t22 = _diag_inverse16(T, row0, row_end, 2, i_h, HV, BT)
+    b_t33 = _diag_inverse16(T, row0, row_end, 3, i_h, HV, BT)
+    b_a10 = _load_a(T, row0, row_end, 1, 0, i_h, HV, BT)
+    b_a20 = _load_a(T, row0, row_end, 2, 0, i_h, HV, BT)
+    b_a21 = _load_a(T, row0, row_end, 2, 1, i_h, HV, BT)
+    b_a30 = _load_a(T, row0, row_end, 3, 0, i_h, HV, BT)
+    b_a31 = _load_a(T, row0, row_end, 3, 1, i_h, HV, BT)
+    b_a32 = _load_a(T, row0, row_end, 3, 2, i_h, HV, BT)
+    tl.debug_barrier()  # every thread has read A before T overwrites it
+    b_t10, b_t20, b_t21, b_t30, b_t31, b_t32 = _merge_inverse(b_t00, b_t11, b_t22, b_t33,
+                                                              b_a10, b_a20, b_a21, b_a30, b_a31, b_a32)
+    _store_inverse(T, row0, row_end, i_h, b_t00, b_t10, b_t11, b_t20, b_t21, b_t22, b_t30, b_t31, b_t32, b_t33,
+                   HV, BT)
 
 
 @triton.jit
@@ -137,37 +149,104 @@ def _wy_fwd_kernel(k, v, g, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
     tl.store(u + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None])
 
 
-# -- the same stage as three kernels (fla's layout: A = kk^T, solve, w/u), each with a smaller register
-# footprint than the fused kernel, which holds k, k^T, A, the T blocks and w at once: sm_90a with the JIT's
-# alignment hints, 4 warps, 88 / 201 / 116 registers against the fused kernel's 254
-# (`bench/gdn_resources.py --aligned`)
+# -- the same stage as two kernels: A and its inverse built from 16x16 blocks that never leave registers
+# (fla 0.6.0's fused kkt + solve layout), then w / u as a second kernel. The fused kernel above round-trips
+# A through global memory and holds [64, K] tiles of k and k^T at once (254 registers at 4 warps, sm_90a).
 
 @triton.jit
-def _wy_kkt_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end,
-                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """gc = in-chunk cumsum of g; A = strictly_lower((beta k) k^T exp(gc_i - gc_j)) parked in T's rows."""
+def _sub_gate_cumsum(g, gc, row0, row_end, sub, b_carry, i_h, HV: tl.constexpr):
+    """Gate cumsum over rows sub*16 .. sub*16+15 of a chunk, continuing from `b_carry` (the sum of the rows
+    before them); stores it. Returns (gc [16] fp32, mask of valid rows [16], carry after these rows)."""
+    rows = row0 + sub * 16 + tl.arange(0, 16)
+    m = rows < row_end
+    b_g = tl.load(g + rows * HV + i_h, mask=m, other=0.0).to(tl.float32)
+    b_gc = b_carry + tl.cumsum(b_g, 0)
+    tl.store(gc + rows * HV + i_h, b_gc, mask=m)
+    return b_gc, m, b_carry + tl.sum(b_g, 0)
+
+
+@triton.jit
+def _inverse_unit_lower16(b_a):
+    """(I + A)^-1 of a strictly lower [16, 16] fp32 block held in registers, by forward substitution:
+    x_r = e_r - sum_{j<r} A[r, j] x_j."""
+    o_i = tl.arange(0, 16)
+    b_x = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    for r in tl.static_range(1, 16):
+        b_row = tl.sum(tl.where(o_i[:, None] == r, b_a, 0.0), 0)           # A[r, :], zero from column r on
+        b_new = tl.where(o_i == r, 1.0, 0.0) - tl.sum(b_row[:, None] * b_x, 0)
+        b_x = tl.where(o_i[:, None] == r, b_new[None, :], b_x)
+    return b_x
+
+
+@triton.jit
+def _decay_block(b_a, b_gci, b_gcj, b_bi, DIAG: tl.constexpr):
+    """Block (i, j) of A from its k_i k_j^T block: times exp(gc_i - gc_j) and beta_i, strictly lower if DIAG."""
+    b_a = b_a * _exp_gate_gap(b_gci[:, None] - b_gcj[None, :]) * b_bi[:, None]
+    if DIAG:
+        o_i = tl.arange(0, 16)
+        b_a = tl.where(o_i[:, None] > o_i[None, :], b_a, 0.0)
+    return b_a
+
+
+@triton.jit
+def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end,
+                         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """gc = in-chunk cumsum of g; T = (I + A)^-1, A = strictly_lower((beta k) k^T exp(gc_i - gc_j)), with A's
+    ten lower [16, 16] blocks accumulated over BK columns of k at a time and inverted in registers."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
-    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
-    o_t = tl.arange(0, BT)
-    dt = k.dtype.element_ty
-    b_gc = _gate_cumsum(g, gc, rows, m_t, i_h, HV)
-    b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_a = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in tl.range(0, K // BK):
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    o_i = tl.arange(0, 16)
+    b_gc0, m0, b_carry = _sub_gate_cumsum(g, gc, row0, row_end, 0, 0.0, i_h, HV)
+    b_gc1, m1, b_carry = _sub_gate_cumsum(g, gc, row0, row_end, 1, b_carry, i_h, HV)
+    b_gc2, m2, b_carry = _sub_gate_cumsum(g, gc, row0, row_end, 2, b_carry, i_h, HV)
+    b_gc3, m3, b_carry = _sub_gate_cumsum(g, gc, row0, row_end, 3, b_carry, i_h, HV)
+
+    b_a00 = tl.zeros([16, 16], dtype=tl.float32)
+    b_a10 = tl.zeros([16, 16], dtype=tl.float32)
+    b_a11 = tl.zeros([16, 16], dtype=tl.float32)
+    b_a20 = tl.zeros([16, 16], dtype=tl.float32)
+    b_a21 = tl.zeros([16, 16], dtype=tl.float32)
+    b_a22 = tl.zeros([16, 16], dtype=tl.float32)
+    b_a30 = tl.zeros([16, 16], dtype=tl.float32)
+    b_a31 = tl.zeros([16, 16], dtype=tl.float32)
+    b_a32 = tl.zeros([16, 16], dtype=tl.float32)
+    b_a33 = tl.zeros([16, 16], dtype=tl.float32)
+    p_k = k + (row0 + o_i)[:, None] * (HK * K) + i_hk * K          # [16, 1] row pointers of sub-chunk 0
+    for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
-        b_a += tl.dot((b_k * b_b[:, None]).to(dt), b_kt)
-    b_a = tl.where(o_t[:, None] > o_t[None, :], b_a * _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
-    tl.store(T + (rows[:, None] * HV + i_h) * BT + o_t[None, :], b_a, mask=m_t[:, None])
+        b_k0 = tl.load(p_k + o_k[None, :], mask=m0[:, None], other=0.0)                      # [16, BK]
+        b_k1 = tl.load(p_k + 16 * HK * K + o_k[None, :], mask=m1[:, None], other=0.0)
+        b_k2 = tl.load(p_k + 32 * HK * K + o_k[None, :], mask=m2[:, None], other=0.0)
+        b_k3 = tl.load(p_k + 48 * HK * K + o_k[None, :], mask=m3[:, None], other=0.0)
+        b_kt0, b_kt1, b_kt2 = tl.trans(b_k0), tl.trans(b_k1), tl.trans(b_k2)  # loaded tiles, not accumulators
+        b_a00 = tl.dot(b_k0, b_kt0, b_a00)
+        b_a10 = tl.dot(b_k1, b_kt0, b_a10)
+        b_a11 = tl.dot(b_k1, b_kt1, b_a11)
+        b_a20 = tl.dot(b_k2, b_kt0, b_a20)
+        b_a21 = tl.dot(b_k2, b_kt1, b_a21)
+        b_a22 = tl.dot(b_k2, b_kt2, b_a22)
+        b_a30 = tl.dot(b_k3, b_kt0, b_a30)
+        b_a31 = tl.dot(b_k3, b_kt1, b_a31)
+        b_a32 = tl.dot(b_k3, b_kt2, b_a32)
+        b_a33 = tl.dot(b_k3, tl.trans(b_k3), b_a33)
 
-
-@triton.jit
-def _wy_solve_kernel(T, chunk_row_start, chunk_row_end, HV: tl.constexpr, BT: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    row0, row_end, _, _ = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
-    _wy_solve(T, row0, row_end, i_h, HV, BT)
+    b_b0 = tl.load(beta + (row0 + o_i) * HV + i_h, mask=m0, other=0.0).to(tl.float32)
+    b_b1 = tl.load(beta + (row0 + 16 + o_i) * HV + i_h, mask=m1, other=0.0).to(tl.float32)
+    b_b2 = tl.load(beta + (row0 + 32 + o_i) * HV + i_h, mask=m2, other=0.0).to(tl.float32)
+    b_b3 = tl.load(beta + (row0 + 48 + o_i) * HV + i_h, mask=m3, other=0.0).to(tl.float32)
+    b_t00 = _inverse_unit_lower16(_decay_block(b_a00, b_gc0, b_gc0, b_b0, True))
+    b_t11 = _inverse_unit_lower16(_decay_block(b_a11, b_gc1, b_gc1, b_b1, True))
+    b_t22 = _inverse_unit_lower16(_decay_block(b_a22, b_gc2, b_gc2, b_b2, True))
+    b_t33 = _inverse_unit_lower16(_decay_block(b_a33, b_gc3, b_gc3, b_b3, True))
+    b_t10, b_t20, b_t21, b_t30, b_t31, b_t32 = _merge_inverse(
+        b_t00, b_t11, b_t22, b_t33,
+        _decay_block(b_a10, b_gc1, b_gc0, b_b1, False), _decay_block(b_a20, b_gc2, b_gc0, b_b2, False),
+        _decay_block(b_a21, b_gc2, b_gc1, b_b2, False), _decay_block(b_a30, b_gc3, b_gc0, b_b3, False),
+        _decay_block(b_a31, b_gc3, b_gc1, b_b3, False), _decay_block(b_a32, b_gc3, b_gc2, b_b3, False))
+    _store_inverse(T, row0, row_end, i_h, b_t00, b_t10, b_t11, b_t20, b_t21, b_t22, b_t30, b_t31, b_t32, b_t33,
+                   HV, BT)
 
 
 @triton.jit
@@ -196,10 +275,12 @@ def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
         tl.store(u + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None])
 
 
-def wy_fwd(k, v, g, beta, index, *, num_warps: int = GDNKernelConfig.wy_fwd_warps, split: bool = False,
-           solve_warps: int = GDNKernelConfig.wy_solve_warps):
+def wy_fwd(k, v, g, beta, index):
     """Returns gc [R, HV] fp32, T [R, HV, BT] fp32, w [R, HV, K] (k's dtype), u [R, HV, V] (v's dtype).
-    `split`: three kernels (A, solve, w/u; `num_warps` for the first and last) instead of the fused one."""
+    Launch configuration from `index.config`: `wy_fwd_blocked` runs A and T in 16x16 register blocks
+    (`wy_kkt_warps`, `wy_kkt_block_k` columns of k per step), then w / u as a second kernel, instead of
+    the fused kernel; both w / u kernels run at `wy_fwd_warps`."""
+    cfg = index.config
     rows, hk, kd = k.shape
     hv, vd = v.shape[1], v.shape[2]
     BT = index.chunk_size
@@ -213,13 +294,13 @@ def wy_fwd(k, v, g, beta, index, *, num_warps: int = GDNKernelConfig.wy_fwd_warp
         return gc, T, w, u
     grid = (index.num_chunks, hv)
     bounds = (index.chunk_row_start, index.chunk_row_end)
-    if not split:
+    if not cfg.wy_fwd_blocked:
         _wy_fwd_kernel[grid](k, v, g, beta, gc, T, w, u, *bounds, HK=hk, HV=hv, K=kd, V=vd, BT=BT,
-                             num_warps=num_warps)
+                             num_warps=cfg.wy_fwd_warps)
         return gc, T, w, u
+    _wy_kkt_solve_kernel[grid](k, g, beta, gc, T, *bounds, HK=hk, HV=hv, K=kd, BT=BT, BK=min(cfg.wy_kkt_block_k, kd),
+                               num_warps=cfg.wy_kkt_warps)
     bk, bv = min(64, kd), min(64, vd)
-    _wy_kkt_kernel[grid](k, g, beta, gc, T, *bounds, HK=hk, HV=hv, K=kd, BT=BT, BK=bk, num_warps=num_warps)
-    _wy_solve_kernel[grid](T, *bounds, HV=hv, BT=BT, num_warps=solve_warps)
     _wy_wu_kernel[grid](k, v, beta, gc, T, w, u, *bounds, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=bk, BV=bv,
-                        num_warps=num_warps)
+                        num_warps=cfg.wy_fwd_warps)
     return gc, T, w, u

@@ -1,0 +1,66 @@
+"""Trajectory-wise GDN fwd+bwd kernel by kernel: ours against fla 0.6.0, and launch-config sweeps.
+
+Answers "which of our kernels loses to which of fla's" before any kernel is rewritten: device ms per
+kernel name (torch.profiler, summed over launches) for one fwd+bwd of each, on the trajectory rows
+of GPU.md's first anchor tree (8 sequences of 7,680 tokens = 61,440 tokens, H = 16, K = V = 128,
+bf16, l2norm in the kernel), then fwd+bwd ms of ours under each `GDNKernelConfig` given with --sweep.
+
+    PYTHONUNBUFFERED=1 python bench/gdn_kernels.py [--sweep] 2>&1 | tee $OUT/gdn_kernels.log
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from common import kernel_ms
+from gdn import load_fla
+from gdn_cases import make_inputs
+from gdn_profile import compare
+from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
+
+# GDNKernelConfig changes timed with --sweep (each against the default in the same run)
+CANDIDATE = dict(wy_fwd_blocked=True, wy_bwd_warps=4)
+SWEEP = [dict(wy_bwd_warps=4), dict(wy_bwd_warps=2),
+         dict(wy_fwd_blocked=True), dict(wy_fwd_blocked=True, wy_kkt_warps=1), dict(wy_fwd_blocked=True, wy_kkt_warps=4),
+         dict(wy_fwd_blocked=True, wy_kkt_block_k=32), dict(wy_fwd_blocked=True, wy_fwd_warps=8),
+         dict(scan_num_stages=2), dict(scan_num_stages=4), dict(scan_block_v=64), dict(scan_warps=2),
+         CANDIDATE, dict(CANDIDATE, bwd_block_v=64, out_warps=4)]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lengths", type=int, nargs="+", default=[7680] * 8)
+    parser.add_argument("--sweep", action="store_true", help="also time ours under the configs of SWEEP")
+    args = parser.parse_args()
+    tensors, cu = make_inputs(args.lengths, seed=5)
+    leaves = [t.detach().requires_grad_(True) for t in tensors[:5]]
+    h0 = tensors[5]
+    do = torch.randn_like(tensors[2])
+    scale = 128 ** -0.5
+    fla = load_fla()
+
+    def ours_step(config):
+        index = prepare_gdn_index(cu, device="cuda", config=config)
+        return lambda: torch.autograd.grad(chunk_gated_delta_rule(
+            *leaves, scale=scale, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True, index=index)[0], leaves, do)
+
+    steps = {"ours": ours_step(GDNKernelConfig()), "candidate": ours_step(GDNKernelConfig(**CANDIDATE))}
+    if fla is not None:
+        steps["fla"] = lambda: torch.autograd.grad(fla(*leaves, scale=scale, initial_state=h0, cu_seqlens=cu,
+                                                       use_qk_l2norm=True)[0], leaves, do)
+    print(f"== device ms per kernel, one trajectory-wise fwd+bwd, {sum(args.lengths)} tokens ==")
+    compare(steps, top=30)
+    print("\n== fwd+bwd ms (do_bench median) ==")
+    timings = {name: kernel_ms(step, torch.device("cuda")) for name, step in steps.items()}
+    if args.sweep:
+        for change in SWEEP:
+            timings[f"ours {change}"] = kernel_ms(ours_step(dataclasses.replace(GDNKernelConfig(), **change)),
+                                                  torch.device("cuda"))
+    for name, ms in timings.items():
+        print(f"{name:60s} {ms:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
