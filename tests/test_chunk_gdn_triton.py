@@ -78,7 +78,7 @@ def test_blocked_wy_forward_matches_fused_and_reference(block_k):
     tensors, cu = make_inputs(lengths, kd=128, vd=128, seed=7)
     export_seq, export_offset = torch.tensor([0, 2]), torch.tensor([64, 128])
     k, v, g, beta = (t.detach() for t in tensors[1:5])
-    index = prepare_gdn_index(cu, export_seq, export_offset)
+    index = prepare_gdn_index(cu, export_seq, export_offset, config=GDNKernelConfig(wy_fwd_blocked=False))
     fused = wy_fwd(k, v, g, beta, index)
     config = GDNKernelConfig(wy_fwd_blocked=True, wy_kkt_block_k=block_k)
     split_index = prepare_gdn_index(cu, export_seq, export_offset, config=config)
@@ -145,8 +145,8 @@ def test_value_blocks_do_not_change_results():
         dh, dvn, dh0 = state_bwd(q, k, w, gc, do, torch.ones_like(bank), 0.4, index)
         grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, 0.4, index)
         results.append([o, bank, dh0, *grads])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(*results):  # fp32; dbeta / dg sum over value blocks in a different order
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
 
 
 def test_index_must_match_the_call():

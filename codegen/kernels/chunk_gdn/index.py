@@ -16,23 +16,23 @@ import torch
 class GDNKernelConfig:
     """Launch configuration: fixed per plan (never autotuned), so equal chunks give equal bits in any call.
 
-    Defaults chosen from `bench/gdn_resources.py` (sm_90a registers and spills at H=16, K=V=128, bf16):
-    each kernel at the warp count / block size where ptxas spills least; wy_fwd warps and the few-sequence
-    scan block from H200 timings (`bench/gdn.py --variants`, 2026-11-29).
+    Defaults from H200 timings of one trajectory-wise fwd+bwd at 61,440 tokens, H=16, K=V=128, bf16
+    (`bench/gdn_kernels.py --sweep`, 2026-11-30, each change against the old default in one run: 9.53 ms,
+    fla 8.36 ms), after `bench/gdn_resources.py` ruled out configurations that spill on sm_90a.
     """
-    scan_block_v: int = 32      # state columns per scan program: 2x the programs for few sequences, no spills
-    scan_warps: int = 4
+    scan_block_v: int = 32      # state columns per scan program (64: 11.37 ms, half the programs)
+    scan_warps: int = 2         # 8.91 ms vs 9.53 at 4 (fla's scans also run at 2-4 warps)
     out_block_v: int = 64
-    out_warps: int = 8
+    out_warps: int = 4          # with bwd_block_v 64: 7.83 vs 8.21 ms
     dv_local_warps: int = 8
-    wy_fwd_blocked: bool = False  # WY forward as A + (I + A)^-1 in 16x16 register blocks, then w / u (wy_fwd.py)
-    wy_kkt_warps: int = 2         # the blocked layout's first kernel
-    wy_kkt_block_k: int = 64      # columns of k per step of that kernel
-    wy_fwd_warps: int = 4       # H200, bench/gdn.py --variants: 9.36 vs 10.30 ms fwd+bwd (61k tokens) at 8
-    bwd_block_v: int = 32       # V block of the chunk-parallel backward kernels
+    wy_fwd_blocked: bool = True   # A + (I + A)^-1 in 16x16 register blocks, then w / u: 9.07 vs 9.53 ms
+    wy_kkt_warps: int = 1         # that first kernel: 8.90 ms at 1 warp, 9.07 at 2, 9.61 at 4
+    wy_kkt_block_k: int = 64      # columns of k per step of that kernel (32: 9.63 ms)
+    wy_fwd_warps: int = 4       # w / u kernel (8: no faster); also the fused kernel's (wy_fwd_blocked=False)
+    bwd_block_v: int = 64       # V block of the chunk-parallel backward kernels (see out_warps)
     bwd_qk_warps: int = 8
-    bwd_qk_block_k: int = 0     # K columns per dq/dk/dw program, 0 = all (255 registers at 8 warps); untimed
-    wy_bwd_warps: int = 8       # GPU.md: fla's WY backward miscompiled at 4 warps; ours has no tl.trans
+    bwd_qk_block_k: int = 0     # K columns per dq/dk/dw program, 0 = all (255 registers at 8 warps)
+    wy_bwd_warps: int = 4       # 8.68 vs 9.53 ms at 8 (12.49 at 2); no tl.trans, unlike fla's (GPU.md)
     # A round of few long sequences (a tree's shared prefix) gives the scans too few programs to fill the
     # GPU, and the scans are latency-bound per chunk: below `scan_min_programs` programs the scans use
     # `few_seqs_scan_block_v` columns instead (0 = off). Column blocks are independent: tree == trajectory stayed bitwise on the H200.
@@ -59,7 +59,7 @@ class GDNKernelConfig:
         the H200's 227 KiB (the runtime saw `OutOfResources` in fp32), at 1 stage 56/80 KiB."""
         if self.scan_num_stages:
             return self.scan_num_stages
-        return 3 if element_size <= 2 else 1
+        return 2 if element_size <= 2 else 1  # bf16 at 4 scan warps: 9.20 ms at 2 stages, 9.53 at 3, 9.56 at 4
 
 
 @dataclass(frozen=True)
