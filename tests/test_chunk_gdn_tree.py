@@ -13,6 +13,8 @@ import torch
 
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
 from harts_compiler.codegen.kernels.chunk_gdn.tree import TreeRoundSpec, plan_tree_gdn, tree_gated_delta_rule
+from harts_compiler.codegen.kernels.chunk_gdn.two_level import (run_trajectories, run_tree, two_level_plan,
+                                                                two_level_round_specs)
 from harts_compiler.runtime.ops.linear_attention import (gated_delta_rule_rounds, plan_linear_rounds,
                                                          tree_round_specs)
 from test_runtime_helpers import naive_tree_index, random_rollout_batch
@@ -120,6 +122,31 @@ def test_replays_and_shared_starts_are_summed():
     expect = run(trajectories, [t.double() for t in tensors], weights)
     for a, b in zip(got, expect):
         assert_close(a, b)
+
+
+def test_aligned_branch_points_skip_the_gathers():
+    """A tree whose branches fork on a chunk boundary replays nothing: the packed layout is the compact one
+    (identity_layout, no gathers), and results still equal one call per round bit for bit and the fp64
+    trajectory-wise reference in every gradient."""
+    plan2 = two_level_plan([(2 * C, 3, 70)], device=DEVICE)
+    plan = plan_tree_gdn(two_level_round_specs(plan2), plan2.compact_rows, chunk_size=C, device=DEVICE)
+    assert plan.identity_layout
+    tensors = inputs(plan2.compact_rows, seed=4)
+    weights = torch.randn(plan2.compact_rows, 2, DIM, generator=torch.Generator().manual_seed(3),
+                          dtype=torch.float64).to(DEVICE)
+    kw = dict(scale=0.3, use_qk_l2norm=True)
+    got = run(lambda *x: tree_gated_delta_rule(*x, plan=plan, **kw), tensors, weights)
+    rounds = run(lambda *x: run_tree(chunk_gated_delta_rule, plan2, *x, **kw), tensors, weights)
+    assert torch.equal(got[0], rounds[0]), "outputs differ from one Triton call per round"
+
+    first_row = np.unique(plan2.traj_rows.cpu().numpy(), return_index=True)[1]  # trajectory row of each token
+
+    def trajectories(q, k, v, g, beta):
+        o = run_trajectories(chunk_gated_delta_rule_reference, plan2, q, k, v, g, beta, chunk_size=C, **kw)
+        return o[torch.as_tensor(first_row, device=o.device)]
+    expect = run(trajectories, [t.double() for t in tensors], weights)
+    for name_, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], got, expect):
+        assert_close(a, b, name_)
 
 
 def test_bad_plans_are_named():
