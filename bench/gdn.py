@@ -147,13 +147,14 @@ def timed(fn, leaves, outputs_grad):
     return kernel_ms(step, CUDA, rep_ms=300, warmup_ms=50)
 
 
-def bench_trees(fla, log, config: GDNKernelConfig, label: str):
+def bench_trees(fla, log, config: GDNKernelConfig, label: str, only: list[str] | None = None):
     """Tree mode as the runtime runs it (every round in one Function, tree.py), next to the earlier path of
     one chunk_gated_delta_rule call per round with autograd gathers between them ('per round')."""
     print(f"\n== fwd+bwd ms, bf16 H16 K=V=128, l2norm in kernel [{label}] ==")
     rng = random.Random(0)
     agentic = [(rng.randint(256, 6000), rng.randint(2, 12), rng.randint(100, 3000)) for _ in range(6)]
     cases = [(f"P{p} B{b} L{l}", [(p, b, l)]) for p, b, l in ANCHORS] + [("agentic 6 trees", agentic)]
+    cases = [case for case in cases if not only or any(word in case[0] for word in only)]
     print(f"{'case':18s} {'traj tok':>9s} {'compact':>8s} {'ideal':>6s} {'ours traj':>9s} {'fla traj':>9s} "
           f"{'fla/ours':>8s} {'ours tree':>9s} {'speedup':>7s} {'of ideal':>8s} {'per round':>9s} {'of ideal':>8s}"
           f" {'bitwise':>7s}")
@@ -261,11 +262,16 @@ def main():
     parser.add_argument("--variants", action="store_true", help="also time other launch configurations")
     parser.add_argument("--no-fla", action="store_true", help="skip fla (saves its ~1-2 min of autotuning)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--trees-only", nargs="*", metavar="CASE",
+                        help="only the tree timings, of the cases whose names contain one of these words")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     fla = None if args.no_fla else load_fla()
     log: list[dict] = []
+    if args.trees_only is not None:
+        bench_trees(fla, log, GDNKernelConfig(), "default", only=args.trees_only)
+        return
     summary = {}
     # cheapest and most telling first: a GPU session may end before the script does
     conv_section(log)
