@@ -203,7 +203,6 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
     n = cu.numel() - 1
     h0 = torch.zeros(n, 16, 128, 128, device="cuda")
     index = prepare_gdn_index(cu, device="cuda")
-    fused = prepare_gdn_index(cu, device="cuda", config=GDNKernelConfig(wy_fwd_blocked=False))
     scale = 128 ** -0.5
     q, k = l2norm_fused(q), l2norm_fused(k)
     gc, T, w, u = wy_fwd(k, v, g, beta, index)
@@ -213,8 +212,7 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
     bench = lambda f: kernel_ms(f, CUDA, rep_ms=100, warmup_ms=20)  # noqa: E731
     stages = {
         "l2norm fwd (q,k)": bench(lambda: (l2norm_fused(tensors[0]), l2norm_fused(tensors[1]))),
-        "wy_fwd (blocked, 2 kernels)": bench(lambda: wy_fwd(k, v, g, beta, index)),
-        "wy_fwd fused (1 kernel)": bench(lambda: wy_fwd(k, v, g, beta, fused)),
+        "wy_fwd (2 kernels)": bench(lambda: wy_fwd(k, v, g, beta, index)),
         "state_fwd (scan)": bench(lambda: state_fwd(k, w, u, gc, h0, index)),
         "output_fwd": bench(lambda: output_fwd(q, k, v_new, gc, h, scale, index)),
         "state_bwd (dv_local+scan)": bench(lambda: state_bwd(q, k, w, gc, do, bank, scale, index)),
@@ -281,8 +279,7 @@ def main():
     stage_breakdown(fla, log)
     configs = [("default", GDNKernelConfig())]
     if args.variants:
-        configs += [("wy_fwd fused", GDNKernelConfig(wy_fwd_blocked=False)),
-                    ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
+        configs += [("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
                     ("bwd qk BK32", GDNKernelConfig(bwd_qk_block_k=32)),
                     ("scans at 4 warps", GDNKernelConfig(scan_warps=4))]
     summary["default"] = bench_trees(fla, log, configs[0][1], "default")

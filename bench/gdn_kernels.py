@@ -20,11 +20,9 @@ from gdn_cases import make_inputs
 from gdn_profile import compare
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
 
-# GDNKernelConfig changes timed with --sweep (each against the default in the same run); the previous
-# default (before 2026-11-30 session 4) is OLD
-OLD = dict(wy_fwd_blocked=False, wy_bwd_warps=8, scan_warps=4, scan_num_stages=3, bwd_block_v=32, out_warps=8)
+# GDNKernelConfig changes timed with --sweep (each against the default in the same run)
 CANDIDATE = dict(few_seqs_scan_block_v=32)
-SWEEP = [OLD, dict(scan_warps=4), dict(scan_num_stages=3), dict(scan_warps=4, scan_num_stages=3),
+SWEEP = [dict(scan_warps=4), dict(scan_num_stages=3), dict(scan_warps=4, scan_num_stages=3),
          dict(wy_kkt_warps=2), dict(bwd_block_v=32), dict(out_warps=8), dict(dv_local_warps=4),
          dict(bwd_qk_warps=4, bwd_qk_block_k=64), dict(bwd_qk_warps=4), CANDIDATE]
 

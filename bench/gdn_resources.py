@@ -51,9 +51,8 @@ def resources(fn, num_warps, constexprs, overrides=None, num_stages=3, data_kind
 
 
 KERNELS = [
-    ("wy_fwd", wy_fwd._wy_fwd_kernel, {}, None),
-    ("wy_kkt_solve (blocked)", wy_fwd._wy_kkt_solve_kernel, {}, None),
-    ("wy_wu (blocked)", wy_fwd._wy_wu_kernel, {}, None),
+    ("wy_kkt_solve", wy_fwd._wy_kkt_solve_kernel, {}, None),
+    ("wy_wu", wy_fwd._wy_wu_kernel, {}, None),
     ("state_fwd scan", state_fwd._state_fwd_kernel, {}, None),
     ("output_fwd", state_fwd._output_kernel, {}, None),
     ("dv_local", state_bwd._dv_local_kernel, {}, {"dv": "*fp32"}),  # chunk_bwd's dq/dv are bf16 (HK == HV)

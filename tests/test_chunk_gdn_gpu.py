@@ -49,9 +49,9 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("config", [GDNKernelConfig(), GDNKernelConfig(scan_block_v=64, wy_bwd_warps=2),
-                                    GDNKernelConfig(wy_fwd_blocked=False, wy_bwd_warps=8, scan_warps=4),
+                                    GDNKernelConfig(wy_bwd_warps=8, scan_warps=4, wy_kkt_warps=2),
                                     GDNKernelConfig(bwd_qk_block_k=32)],
-                         ids=["default", "bv64-wy2", "fused-wy", "qk-bk32"])
+                         ids=["default", "bv64-wy2", "8w-wybwd-4w-scans", "qk-bk32"])
 def test_bf16_matches_fp32_reference(config):
     lengths = [2000, 1, 64, 63, 1300, 2500]
     tensors, cu = make_inputs(lengths, hk=8, hv=16)

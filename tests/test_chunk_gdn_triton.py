@@ -70,22 +70,13 @@ def test_varlen_grouped_heads_exports_all_gradients():
 
 
 @pytest.mark.parametrize("block_k", [32, 128])
-def test_blocked_wy_forward_matches_fused_and_reference(block_k):
-    """The WY forward as two kernels (A and its inverse in 16x16 register blocks over `block_k` columns of k;
-    w / u in 64-column blocks) agrees with the fused kernel stage by stage, partial chunks included, and the
-    whole call with it agrees with the reference, every gradient included."""
-    lengths = [70, 5, 131]
-    tensors, cu = make_inputs(lengths, kd=128, vd=128, seed=7)
+def test_wy_forward_column_blocks_match_reference(block_k):
+    """The WY forward's first kernel walks k in `block_k` columns (one block or several): the whole call
+    agrees with the reference, partial chunks, exports and every gradient included."""
+    tensors, cu = make_inputs([70, 5, 131], kd=128, vd=128, seed=7)
     export_seq, export_offset = torch.tensor([0, 2]), torch.tensor([64, 128])
-    k, v, g, beta = (t.detach() for t in tensors[1:5])
-    index = prepare_gdn_index(cu, export_seq, export_offset, config=GDNKernelConfig(wy_fwd_blocked=False))
-    fused = wy_fwd(k, v, g, beta, index)
-    config = GDNKernelConfig(wy_fwd_blocked=True, wy_kkt_block_k=block_k)
-    split_index = prepare_gdn_index(cu, export_seq, export_offset, config=config)
-    blocked = wy_fwd(k, v, g, beta, split_index)
-    for name, a, b in zip(["gc", "T", "w", "u"], blocked, fused):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    got = forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, index=split_index)
+    index = prepare_gdn_index(cu, export_seq, export_offset, config=GDNKernelConfig(wy_kkt_block_k=block_k))
+    got = forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, index=index)
     want = forward_backward(chunk_gated_delta_rule_reference, tensors, cu, export_seq, export_offset)
     assert_all_close(got, want, rtol=5e-5, atol=5e-5)
 

@@ -24,14 +24,6 @@ def _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT: tl.constexpr):
 
 
 @triton.jit
-def _gate_cumsum(g, gc, rows, m_t, i_h, HV: tl.constexpr):
-    """In-chunk cumsum of the gate, fp32 [BT], stored: every later kernel reads these values."""
-    b_gc = tl.cumsum(tl.load(g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32), 0)
-    tl.store(gc + rows * HV + i_h, b_gc, mask=m_t)
-    return b_gc
-
-
-@triton.jit
 def _scan_program(cu_seqlens, seq_chunk_start, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
     """The (sequence, value head, BV state columns) of a scan program: (i_n, i_h, i_hk, bos, eos, first chunk

@@ -25,10 +25,11 @@ class GDNKernelConfig:
     out_block_v: int = 64
     out_warps: int = 4          # with bwd_block_v 64: 7.83 vs 8.21 ms
     dv_local_warps: int = 8
-    wy_fwd_blocked: bool = True   # A + (I + A)^-1 in 16x16 register blocks, then w / u: 9.07 vs 9.53 ms
-    wy_kkt_warps: int = 1         # that first kernel: 8.90 ms at 1 warp, 9.07 at 2, 9.61 at 4
+    # WY forward (wy_fwd.py): A + (I + A)^-1 in 16x16 register blocks, then w / u; 9.07 vs 9.53 ms for
+    # the single kernel it replaced (wy_fwd 0.79 vs 1.44 ms)
+    wy_kkt_warps: int = 1         # its first kernel: 8.90 ms at 1 warp, 9.07 at 2, 9.61 at 4
     wy_kkt_block_k: int = 64      # columns of k per step of that kernel (32: 9.63 ms)
-    wy_fwd_warps: int = 4       # w / u kernel (8: no faster); also the fused kernel's (wy_fwd_blocked=False)
+    wy_wu_warps: int = 4          # its w / u kernel (8: no faster)
     bwd_block_v: int = 64       # V block of the chunk-parallel backward kernels (see out_warps)
     bwd_qk_warps: int = 8
     bwd_qk_block_k: int = 0     # K columns per dq/dk/dw program, 0 = all (255 registers at 8 warps)
