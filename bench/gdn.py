@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 
 import torch
 import triton
 
 from common import import_fla_gdn, kernel_ms
-from gdn_cases import make_inputs, tree_case
+from gdn_cases import agentic_trees, make_inputs, tree_case
 from gdn_profile import profile_section
 from harts_compiler.codegen.kernels.chunk_gdn import (
     GDNKernelConfig,
@@ -151,8 +150,7 @@ def bench_trees(fla, log, config: GDNKernelConfig, label: str, only: list[str] |
     """Tree mode as the runtime runs it (every round in one Function, tree.py), next to the earlier path of
     one chunk_gated_delta_rule call per round with autograd gathers between them ('per round')."""
     print(f"\n== fwd+bwd ms, bf16 H16 K=V=128, l2norm in kernel [{label}] ==")
-    rng = random.Random(0)
-    agentic = [(rng.randint(256, 6000), rng.randint(2, 12), rng.randint(100, 3000)) for _ in range(6)]
+    agentic = agentic_trees()
     cases = [(f"P{p} B{b} L{l}", [(p, b, l)]) for p, b, l in ANCHORS] + [("agentic 6 trees", agentic)]
     cases = [case for case in cases if not only or any(word in case[0] for word in only)]
     print(f"{'case':18s} {'traj tok':>9s} {'compact':>8s} {'ideal':>6s} {'ours traj':>9s} {'fla traj':>9s} "

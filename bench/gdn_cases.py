@@ -1,6 +1,7 @@
 """Inputs and tree cases shared by the GDN benchmarks (bench/gdn.py, bench/gdn_profile.py)."""
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import torch
@@ -8,6 +9,13 @@ import torch
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
 from harts_compiler.codegen.kernels.chunk_gdn.tree import plan_tree_gdn, tree_gated_delta_rule
 from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_tree, two_level_plan, two_level_round_specs
+
+
+def agentic_trees(count: int = 6, seed: int = 0) -> list[tuple[int, int, int]]:
+    """The benchmarks' random agentic batch: (P, B, L) per tree with P in [256, 6000], B in [2, 12],
+    L in [100, 3000] (bench/gdn.py's "agentic 6 trees")."""
+    rng = random.Random(seed)
+    return [(rng.randint(256, 6000), rng.randint(2, 12), rng.randint(100, 3000)) for _ in range(count)]
 
 
 def make_inputs(lengths, hk=16, hv=16, kd=128, vd=128, seed=0, dtype=torch.bfloat16, device="cuda"):

@@ -16,22 +16,28 @@ import torch
 
 from common import kernel_ms
 from gdn import load_fla
-from gdn_cases import make_inputs
+from gdn_cases import agentic_trees, make_inputs
 from gdn_profile import compare
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
 
 # GDNKernelConfig changes timed with --sweep (each against the default in the same run)
-CANDIDATE = dict(few_seqs_scan_block_v=32)
+CANDIDATE = dict(many_seqs_scan_block_v=64)
 SWEEP = [dict(scan_warps=4), dict(scan_num_stages=3), dict(scan_warps=4, scan_num_stages=3),
          dict(wy_kkt_warps=2), dict(bwd_block_v=32), dict(out_warps=8), dict(dv_local_warps=4),
-         dict(bwd_qk_warps=4, bwd_qk_block_k=64), dict(bwd_qk_warps=4), CANDIDATE]
+         dict(bwd_qk_warps=4, bwd_qk_block_k=64), dict(bwd_qk_warps=4), dict(few_seqs_scan_block_v=32),
+         dict(many_seqs_scan_block_v=64, scan_warps=4), dict(many_seqs_scan_block_v=64, scan_many_programs=512)]
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lengths", type=int, nargs="+", default=[7680] * 8)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[7680] * 8,
+                        help="trajectory lengths (default: the P4096 B8 L3584 tree's 8 x 7,680)")
+    parser.add_argument("--agentic", action="store_true",
+                        help="the trajectories of bench/gdn.py's agentic batch instead (42, 3,676-5,644 tokens)")
     parser.add_argument("--sweep", action="store_true", help="also time ours under the configs of SWEEP")
     args = parser.parse_args()
+    if args.agentic:
+        args.lengths = [p + length for p, branches, length in agentic_trees() for _ in range(branches)]
     tensors, cu = make_inputs(args.lengths, seed=5)
     leaves = [t.detach().requires_grad_(True) for t in tensors[:5]]
     h0 = tensors[5]

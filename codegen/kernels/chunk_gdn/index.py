@@ -39,6 +39,12 @@ class GDNKernelConfig:
     # `few_seqs_scan_block_v` columns instead (0 = off). Column blocks are independent: tree == trajectory stayed bitwise on the H200.
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
     few_seqs_scan_block_v: int = 16
+    # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
+    # (fwd) and 1.6x (bwd) faster than ours at 32 columns (H200, 2026-12-01). At or above
+    # `scan_many_programs` programs of `many_seqs_scan_block_v` columns the scans use those (0 = off);
+    # off until timed (`bench/gdn_kernels.py --sweep --lengths ...` of that batch).
+    many_seqs_scan_block_v: int = 0
+    scan_many_programs: int = 1024
     scan_num_stages: int = 0      # 0 = by input dtype (scan_stages_for)
 
     def __post_init__(self):
@@ -49,6 +55,9 @@ class GDNKernelConfig:
     def scan_block_v_for(self, num_seqs: int, value_heads: int, value_dim: int) -> int:
         """State columns per scan program for a call with `num_seqs` sequences."""
         block_v = min(self.scan_block_v, value_dim)
+        many = min(self.many_seqs_scan_block_v, value_dim)
+        if many and num_seqs * value_heads * (value_dim // many) >= self.scan_many_programs:
+            return many
         if num_seqs * value_heads * (value_dim // block_v) < self.scan_min_programs:
             block_v = min(self.few_seqs_scan_block_v, block_v)
         return block_v
