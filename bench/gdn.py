@@ -277,7 +277,9 @@ def main():
     stage_breakdown(fla, log)
     configs = [("default", GDNKernelConfig())]
     if args.variants:
-        configs += [("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
+        configs += [("row maps in kernels", GDNKernelConfig(tree_rows_in_kernels=True)),
+                    ("many-seq scans BV64", GDNKernelConfig(many_seqs_scan_block_v=64)),
+                    ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
                     ("bwd qk BK32", GDNKernelConfig(bwd_qk_block_k=32)),
                     ("scans at 4 warps", GDNKernelConfig(scan_warps=4))]
     summary["default"] = bench_trees(fla, log, configs[0][1], "default")

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (LENGTH_SCALE, TINY_GENERATOR, format_table, kernel_ms, plan_microbatches,  # noqa: E402
                     prefix_forest, sized_batch, trajectory_microbatches)
 
+from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig  # noqa: E402
 from harts_compiler.runtime.ops.linear_attention import gated_delta_rule_rounds, plan_linear_rounds  # noqa: E402
 
 
@@ -38,10 +39,11 @@ def gdn_inputs(tokens: int, heads: tuple[int, int], dims: tuple[int, int], devic
     return [t.requires_grad_(True) for t in (q, k, v, g, beta)]
 
 
-def gdn_step(index, args, seed: int, segment_chunks=None):
+def gdn_step(index, args, seed: int, segment_chunks=None, config=None):
     """One fwd+bwd of the GDN rule over `index`'s rounds (the plan built outside, as the runtime builds it
     once per forward for all layers)."""
-    plan = plan_linear_rounds(index, use_triton=index.device.type == "cuda", segment_chunks=segment_chunks)
+    plan = plan_linear_rounds(index, use_triton=index.device.type == "cuda", segment_chunks=segment_chunks,
+                              gdn_config=config)
     leaves = gdn_inputs(index.num_tokens, args.heads, args.dims, index.device, args.dtype, seed=seed)
     do = torch.randn(index.num_tokens, args.heads[1], args.dims[1], device=index.device, dtype=args.dtype)
 
@@ -52,9 +54,10 @@ def gdn_step(index, args, seed: int, segment_chunks=None):
     return step
 
 
-def microbatches_ms(indices, args, segment_chunks=None) -> float:
+def microbatches_ms(indices, args, segment_chunks=None, config=None) -> float:
     """Sum over microbatches of the median fwd+bwd ms."""
-    return sum(kernel_ms(gdn_step(index, args, i, segment_chunks), index.device) for i, index in enumerate(indices))
+    return sum(kernel_ms(gdn_step(index, args, i, segment_chunks, config), index.device)
+               for i, index in enumerate(indices))
 
 
 def run_preset(preset: str, args) -> dict:
@@ -70,6 +73,9 @@ def run_preset(preset: str, args) -> dict:
                rounds=plan.stats["rounds"], ideal=plan.stats["trajectory_tokens"] / distinct,
                traj_ms=microbatches_ms(traj_indices, args), tree_ms=microbatches_ms(tree_indices, args))
     row["of_ideal"] = row["traj_ms"] / row["tree_ms"] / row["ideal"]
+    if args.rows_in_kernels:  # tree mode with the kernels reading through the plan's row maps (no gathers)
+        row["rows_ms"] = microbatches_ms(tree_indices, args, config=GDNKernelConfig(tree_rows_in_kernels=True))
+        row["rows_of_ideal"] = row["traj_ms"] / row["rows_ms"] / row["ideal"]
     if args.segment_chunks:
         row["seg_ms"] = microbatches_ms(tree_indices, args, args.segment_chunks)
         row["seg_of_ideal"] = row["traj_ms"] / row["seg_ms"] / row["ideal"]
@@ -93,6 +99,8 @@ def main(argv=None) -> None:
     p.add_argument("--microbatch-tokens", type=int, default=16384)
     p.add_argument("--segment-chunks", type=int, default=8, help="0: do not time the segmented tree mode")
     p.add_argument("--profile", action="store_true", help="per-kernel device ms of the largest microbatches (CUDA)")
+    p.add_argument("--rows-in-kernels", action="store_true",
+                   help="also time tree mode with GDNKernelConfig(tree_rows_in_kernels=True)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
@@ -105,6 +113,8 @@ def main(argv=None) -> None:
                ("of_ideal", "of ideal")]
     if args.segment_chunks:
         columns += [("seg_ms", "segmented ms"), ("seg_of_ideal", "of ideal")]
+    if args.rows_in_kernels:
+        columns += [("rows_ms", "row maps ms"), ("rows_of_ideal", "of ideal")]
     print(format_table(rows, columns))
 
 

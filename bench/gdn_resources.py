@@ -16,13 +16,14 @@ from harts_compiler.codegen.kernels.hopper_resources import hopper_resources
 # pointer arguments by name (everything else below is a scalar or a constexpr)
 POINTERS = {
     "fp32": {"g", "gc", "T", "h0", "bank", "dv_local", "dh0", "bank_grad", "dq", "dk", "dw", "dgc", "dbeta", "dg",
-             "scratch", "rstd", "dv_f32", "gpre", "dw_part"},
-    "i64": {"chunk_row_start", "chunk_row_end", "cu_seqlens", "seq_chunk_start", "pred", "succ_ptr", "succ_flat"},
+             "scratch", "rstd", "dv_f32", "gpre", "dw_part", "dq_side", "side_dbeta", "side_dg"},
+    "i64": {"chunk_row_start", "chunk_row_end", "cu_seqlens", "seq_chunk_start", "pred", "succ_ptr", "succ_flat",
+            "row_src", "row_own"},
     "i32": {"chunk_export"},
 }
 SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32"}
 BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64,
-            SILU=True)
+            SILU=True, GATHER=False)
 
 
 def signature_of(fn, constexprs, overrides, data_kind="bf16"):
@@ -72,7 +73,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--only", default=None, help="substring of a kernel name")
-    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (the bf16 scans run at 2)")
     parser.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BV=32")
     parser.add_argument("--aligned", action="store_true",
                         help="give pointers the 16-byte divisibility hint the JIT sees for torch tensors")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
+from harts_compiler.codegen.kernels.chunk_gdn import (GDNKernelConfig, chunk_gated_delta_rule,
+                                                      chunk_gated_delta_rule_reference)
 from harts_compiler.codegen.kernels.chunk_gdn.tree import TreeRoundSpec, plan_tree_gdn, tree_gated_delta_rule
 from harts_compiler.codegen.kernels.chunk_gdn.two_level import (run_trajectories, run_tree, two_level_plan,
                                                                 two_level_round_specs)
@@ -58,14 +59,18 @@ def batches():
     return cases
 
 
+@pytest.mark.parametrize("rows_in_kernels", [False, True], ids=["gathers", "row-maps"])
 @pytest.mark.parametrize("name", list(batches()))
-def test_tree_function_equals_rounds(name):
+def test_tree_function_equals_rounds(name, rows_in_kernels):
+    """Both ways of feeding the packed layout: gathered copies, or the kernels reading through row maps."""
     batch = batches()[name]
     index = naive_tree_index(batch, chunk_size=C)
     tensors = inputs(index.num_tokens, seed=len(name))
     weights = torch.randn(index.num_tokens, 2, DIM, generator=torch.Generator().manual_seed(5),
                           dtype=torch.float64).to(DEVICE)
-    plan = plan_tree_gdn(tree_round_specs(index), index.num_tokens, chunk_size=C, device=DEVICE)
+    config = GDNKernelConfig(tree_rows_in_kernels=rows_in_kernels)
+    plan = plan_tree_gdn(tree_round_specs(index), index.num_tokens, chunk_size=C, device=DEVICE, config=config)
+    assert (plan.rows is not None) == rows_in_kernels
     index = index.to(DEVICE)
     rounds = plan_linear_rounds(index, use_triton=False)
     kw = dict(scale=0.25, use_qk_l2norm=True)
@@ -85,7 +90,8 @@ def test_tree_function_equals_rounds(name):
     assert len(index.rounds) > 1, "a single round would not test the hand-offs"
 
 
-def test_replays_and_shared_starts_are_summed():
+@pytest.mark.parametrize("rows_in_kernels", [False, True], ids=["gathers", "row-maps"])
+def test_replays_and_shared_starts_are_summed(rows_in_kernels):
     """A root whose tail chunk is replayed by three branches that all start from its exported state."""
     root, branch = 70, 20
     T = root + 3 * branch
@@ -101,7 +107,8 @@ def test_replays_and_shared_starts_are_summed():
                             own_dst=root + np.arange(3 * branch), init_state=np.array([7, 7, 7]),
                             export_seq=np.zeros(0, np.int64), export_offset=np.zeros(0, np.int64),
                             export_bank=np.zeros(0, np.int64))]
-    plan = plan_tree_gdn(rounds, T, chunk_size=C, device=DEVICE)
+    plan = plan_tree_gdn(rounds, T, chunk_size=C, device=DEVICE,
+                         config=GDNKernelConfig(tree_rows_in_kernels=rows_in_kernels))
     assert plan.replay_counts.tolist() == [3] * (root - C) and plan.rounds[1].start_counts.tolist() == [3]
     tensors = inputs(T, seed=1)
     weights = torch.randn(T, 2, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEVICE)
@@ -126,8 +133,9 @@ def test_replays_and_shared_starts_are_summed():
 
 def test_aligned_branch_points_skip_the_gathers():
     """A tree whose branches fork on a chunk boundary replays nothing: the packed layout is the compact one
-    (identity_layout, no gathers), and results still equal one call per round bit for bit and the fp64
-    trajectory-wise reference in every gradient."""
+    (identity_layout, no gathers). Results equal the gathered path bit for bit, gradients included, even on
+    a non-contiguous v (the runtime's is a view), one call per round bit for bit in the outputs, and the
+    fp64 trajectory-wise reference in every gradient."""
     plan2 = two_level_plan([(2 * C, 3, 70)], device=DEVICE)
     plan = plan_tree_gdn(two_level_round_specs(plan2), plan2.compact_rows, chunk_size=C, device=DEVICE)
     assert plan.identity_layout
@@ -136,6 +144,14 @@ def test_aligned_branch_points_skip_the_gathers():
                           dtype=torch.float64).to(DEVICE)
     kw = dict(scale=0.3, use_qk_l2norm=True)
     got = run(lambda *x: tree_gated_delta_rule(*x, plan=plan, **kw), tensors, weights)
+    gathered = run(lambda *x: tree_gated_delta_rule(*x, plan=dataclasses.replace(plan, identity_layout=False), **kw),
+                   tensors, weights)
+    assert all(torch.equal(a, b) for a, b in zip(got, gathered)), "identity layout differs from the gathers"
+
+    def strided_v(q, k, v, g, beta):  # v as every other head of a wider tensor
+        wide = torch.stack([v, torch.full_like(v, float("nan"))], dim=2).flatten(1, 2)
+        return tree_gated_delta_rule(q, k, wide[:, ::2], g, beta, plan=plan, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(run(strided_v, tensors, weights), got)), "non-contiguous v"
     rounds = run(lambda *x: run_tree(chunk_gated_delta_rule, plan2, *x, **kw), tensors, weights)
     assert torch.equal(got[0], rounds[0]), "outputs differ from one Triton call per round"
 

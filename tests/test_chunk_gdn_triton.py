@@ -136,7 +136,7 @@ def test_value_blocks_do_not_change_results():
         dh, dvn, dh0 = state_bwd(q, k, w, gc, do, torch.ones_like(bank), 0.4, index)
         grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, 0.4, index)
         results.append([o, bank, dh0, *grads])
-    for a, b in zip(*results):  # fp32; dbeta / dg sum over value blocks in a different order
+    for a, b in zip(*results):  # fp32; gradients summed over value blocks in a different order
         torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
 
 

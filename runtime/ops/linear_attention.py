@@ -18,8 +18,8 @@ import functools
 import torch
 
 from harts_compiler.codegen.index import MicrobatchIndex
-from harts_compiler.codegen.kernels.chunk_gdn import (chunk_gated_delta_rule, chunk_gated_delta_rule_reference,
-                                                      prepare_gdn_index)
+from harts_compiler.codegen.kernels.chunk_gdn import (GDNKernelConfig, chunk_gated_delta_rule,
+                                                      chunk_gated_delta_rule_reference, prepare_gdn_index)
 from harts_compiler.codegen.kernels.chunk_gdn.function import TRITON_CHUNK_SIZE
 from harts_compiler.codegen.kernels.chunk_gdn.segmented import (SegmentPlan, needs_segments, plan_segments,
                                                                  segmented_gated_delta_rule)
@@ -54,13 +54,13 @@ def _is_identity_round(index: MicrobatchIndex) -> torch.Tensor:
     return (rnd.row_src == order).all() & (rnd.own_rows == order).all() & (rnd.own_dst == order).all()
 
 
-def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True,
-                       segment_chunks: int | None = None) -> LinearRoundsPlan:
+def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True, segment_chunks: int | None = None,
+                       gdn_config: GDNKernelConfig | None = None) -> LinearRoundsPlan:
     """Bank ids -> rows of the list [zero state, exports of round 0, exports of round 1, ...].
 
     The slot of every bank id is known from the export sizes (shapes). One host transfer per forward
     both rejects a plan whose sequence starts from a state no earlier round exported and detects the
-    trajectory-wise (identity) layout.
+    trajectory-wise (identity) layout. `gdn_config`: the Triton kernels' launch configuration.
     """
     device = index.device
     slot_of_bank = torch.full((max(index.num_states, 1),), -1, dtype=torch.long, device=device)
@@ -89,10 +89,10 @@ def plan_linear_rounds(index: MicrobatchIndex, *, use_triton: bool = True,
     if triton and not identity and not segment_chunks:
         return LinearRoundsPlan(init_slot=init_slot, restore=restore, identity=False, kernel_index=None,
                                 tree=plan_tree_gdn(tree_round_specs(index), index.num_tokens,
-                                                   chunk_size=index.chunk_size, device=device))
+                                                   chunk_size=index.chunk_size, device=device, config=gdn_config))
     if triton:
         kernel_index = [prepare_gdn_index(rnd.cu_seqlens, rnd.export_seq, rnd.export_offset, index.chunk_size,
-                                          device=device) for rnd in index.rounds]
+                                          device=device, config=gdn_config) for rnd in index.rounds]
     segments = None
     if segment_chunks:
         segments = [_round_segments(rnd, None if kernel_index is None else kernel_index[r], segment_chunks,

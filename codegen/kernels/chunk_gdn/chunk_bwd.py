@@ -10,20 +10,26 @@ import torch
 import triton
 import triton.language as tl
 
-from .gates import _chunk_rows, _exp_gate_gap
+from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows
+from .index import row_tables
 
 
 @triton.jit
-def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end, scale,
-                         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dq_side, dk, dw, dgc, chunk_row_start, chunk_row_end,
+                         row_src, row_own, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+                         GATHER: tl.constexpr):
     """BK < K: one program per BK columns of K (grid axis 1), a quarter to a half of the fp32 accumulators
     each; every program recomputes the [BT, BT] do.v_new tiles and leaves its share of dgc in
-    dgc[row, head, i_k] (summed by the wrapper, no atomics). BK == K: one program per chunk and head."""
+    dgc[row, head, i_k] (summed by the wrapper, no atomics). BK == K: one program per chunk and head.
+    GATHER: q, k, do are compact (index.PackedRows); dq of kept rows goes to compact rows, of replayed rows
+    to dq_side (packed rows)."""
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
+    src = _input_rows(row_src, rows, m_t, GATHER)
+    kept, m_keep = _kept_rows(row_own, rows, m_t, GATHER)
     o_t = tl.arange(0, BT)
     if BK < K:
         i_k = tl.program_id(1)
@@ -42,8 +48,8 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
         o_v = i_v * BV + tl.arange(0, BV)
         b_vn = tl.load(v_new + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
         b_vnt = tl.load(v_new + (rows[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
-        b_do = tl.load(do + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
-        b_dot = tl.load(do + (rows[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
+        b_do = tl.load(do + (kept[:, None] * HV + i_h) * V + o_v[None, :], mask=m_keep[:, None], other=0.0)
+        b_dot = tl.load(do + (kept[None, :] * HV + i_h) * V + o_v[:, None], mask=m_keep[None, :], other=0.0)
         b_dvn = tl.load(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
         b_ht = tl.load(h + state + o_v[:, None] + o_k[None, :] * V)        # [BV, BK]
         b_dht = tl.load(dh + state + o_v[:, None] + o_k[None, :] * V)      # [BV, BK]
@@ -54,9 +60,9 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
         b_dk += tl.dot(b_vn, b_dht)
         b_dw += tl.dot(b_dvn.to(b_ht.dtype), b_ht)
 
-    b_q = tl.load(q + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_q = tl.load(q + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     last = row_end - 1 - row0
     b_gl = tl.sum(tl.where(o_t == last, b_gc, 0.0))
@@ -78,7 +84,9 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
     b_dgc += tl.where(o_t == last, b_dgl, 0.0)
 
     p_rows = (rows[:, None] * HV + i_h) * K + o_k[None, :]
-    tl.store(dq + p_rows, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
+    tl.store(dq + (kept[:, None] * HV + i_h) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_keep[:, None])
+    if GATHER:
+        tl.store(dq_side + p_rows, b_dq.to(dq.dtype.element_ty), mask=(m_t & ~m_keep)[:, None])
     tl.store(dk + p_rows, b_dk, mask=m_t[:, None])
     tl.store(dw + p_rows, -b_dw, mask=m_t[:, None])
     if BK < K:
@@ -88,22 +96,28 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
 
 
 @triton.jit
-def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dk_out, dv, dbeta, dg, scratch, chunk_row_start, chunk_row_end,
+def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta, side_dg,
+                   scratch, chunk_row_start, chunk_row_end, row_src, row_own,
                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
     """Through w = T (beta exp(gc) k), u = T (beta v), T = (I + A)^-1, A = (beta k k^T exp(gc_i - gc_j))_{i>j}.
 
-    dk and dgc (in dg) arrive holding the chunk_bwd_qk contributions; the total dk leaves in dk_out and dg
-    as the reverse in-chunk cumsum of dgc. K and V are walked in blocks so that only [BT, BT] tiles stay live (no spills).
+    dk and dgc arrive holding the chunk_bwd_qk contributions; the total dk leaves in dk_out and dg as the
+    reverse in-chunk cumsum of dgc (dg may be dgc itself). K and V are walked in blocks so that only [BT, BT]
+    tiles stay live (no spills). GATHER: k, v, beta are compact (index.PackedRows); the gradients of kept rows
+    go to compact rows, those of replayed rows to the side buffers (packed rows).
     """
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
+    src = _input_rows(row_src, rows, m_t, GATHER)
+    kept, m_keep = _kept_rows(row_own, rows, m_t, GATHER)
+    m_side = m_t & ~m_keep
     o_t = tl.arange(0, BT)
     dt = k.dtype.element_ty
 
-    b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + src * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     b_eg = tl.exp(b_gc)
     b_tt = tl.load(T + (rows[None, :] * HV + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0).to(dt)  # T_ji
@@ -112,13 +126,13 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dk_out, dv, dbeta, dg, scratch
     b_dt = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+        b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
         b_dw = tl.load(dw + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_dt += tl.dot(b_dw.to(dt), (b_kt * (b_b * b_eg)[None, :]).to(dt))
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_du = tl.load(du + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
-        b_vt = tl.load(v + (rows[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
+        b_vt = tl.load(v + (src[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
         b_dt += tl.dot(b_du.to(dt), (b_vt * b_b[None, :]).to(dt))
 
     # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept strictly lower
@@ -127,15 +141,15 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dk_out, dv, dbeta, dg, scratch
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)  # k k^T, after dT is dead (2 warps hold few registers)
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+        b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
         b_kk += tl.dot(b_k, b_kt)
     b_decay = tl.where(m_lower, _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
     b_da = tl.where(m_lower, b_da, 0.0)
     b_dkk = b_da * b_decay                                             # d(k_i . k_j) / beta_i, i > j
     b_db = tl.sum(b_dkk * b_kk, 1)
     b_dgc_a = b_dkk * b_kk * b_b[:, None]                              # dA * A
-    b_dgc = tl.load(dg + rows * HV + i_h, mask=m_t, other=0.0) + tl.sum(b_dgc_a, 1) - tl.sum(b_dgc_a, 0)
+    b_dgc = tl.load(dgc + rows * HV + i_h, mask=m_t, other=0.0) + tl.sum(b_dgc_a, 1) - tl.sum(b_dgc_a, 0)
     b_dkk = b_dkk * b_b[:, None]
     # the other side of k_i . k_j needs b_dkk^T: round trip through this program's scratch tile
     p_s = scratch + i_ch.to(tl.int64) * (BT * BT)
@@ -148,7 +162,7 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dk_out, dv, dbeta, dg, scratch
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         p_rk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
-        b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_dw = tl.load(dw + p_rk, mask=m_t[:, None], other=0.0)
         b_dkb = tl.dot(b_tt, b_dw.to(dt))
         b_kb = tl.sum(b_dkb * b_k.to(tl.float32), 1)
@@ -156,57 +170,76 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dk_out, dv, dbeta, dg, scratch
         b_dgc += b_kb * b_b * b_eg
         b_dk = tl.load(dk + p_rk, mask=m_t[:, None], other=0.0) + b_dkb * (b_b * b_eg)[:, None]
         b_dk += tl.dot(b_dkk, b_k) + tl.dot(b_dkkt, b_k)
-        tl.store(dk_out + p_rk, b_dk.to(dk_out.dtype.element_ty), mask=m_t[:, None])
+        tl.store(dk_out + (kept[:, None] * HV + i_h) * K + o_k[None, :], b_dk.to(dk_out.dtype.element_ty),
+                 mask=m_keep[:, None])
+        if GATHER:
+            tl.store(side_dk + p_rk, b_dk.to(side_dk.dtype.element_ty), mask=m_side[:, None])
     # dv = T^T du * beta
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_rv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
         b_du = tl.load(du + p_rv, mask=m_t[:, None], other=0.0)
-        b_v = tl.load(v + p_rv, mask=m_t[:, None], other=0.0)
+        b_v = tl.load(v + (src[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
         b_dvb = tl.dot(b_tt, b_du.to(dt))
         b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
-        tl.store(dv + p_rv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
+        tl.store(dv + (kept[:, None] * HV + i_h) * V + o_v[None, :], (b_dvb * b_b[:, None]).to(dv.dtype.element_ty),
+                 mask=m_keep[:, None])
+        if GATHER:
+            tl.store(side_dv + p_rv, (b_dvb * b_b[:, None]).to(side_dv.dtype.element_ty), mask=m_side[:, None])
 
     # dg = reverse cumsum of dgc inside the chunk
     b_dgc = tl.where(m_t, b_dgc, 0.0)
     b_dg = tl.sum(b_dgc) - tl.cumsum(b_dgc, 0) + b_dgc
-    tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
-    tl.store(dg + rows * HV + i_h, b_dg, mask=m_t)
+    tl.store(dbeta + kept * HV + i_h, b_db, mask=m_keep)
+    tl.store(dg + kept * HV + i_h, b_dg, mask=m_keep)
+    if GATHER:
+        tl.store(side_dbeta + rows * HV + i_h, b_db, mask=m_side)
+        tl.store(side_dg + rows * HV + i_h, b_dg, mask=m_side)
 
 
-def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index):
-    """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head).
+def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None):
+    """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head) on the R packed rows.
     Launch configuration from `index.config` (`bwd_qk_block_k`: K columns per dq/dk/dw program, 0 or >= K:
     all of K in one program).
+
+    With `rows` (index.PackedRows: q, k, v, beta, do compact) the five gradients are on the T compact tokens,
+    from the rows that keep them, and a sixth value holds the replayed rows' gradients in five packed side
+    buffers (only those rows written), for the caller to add to the tokens they replay.
 
     dk and dv come out in the input dtypes when every value head has its own key head (nothing left to
     reduce), else dk in fp32 for the grouped-head sum; dq is always fp32.
     """
-    rows, hk, kd = q.shape
+    _, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
+    n_rows, dev = gc.shape[0], q.device
     cfg = index.config
     bv = min(cfg.bwd_block_v, vd)
     BT = index.chunk_size
     grouped = hv != hk
-    dq = torch.empty(rows, hv, kd, device=q.device, dtype=torch.float32)  # bf16 here made the qk kernel spill more
-    dk_part = torch.empty(rows, hv, kd, device=q.device, dtype=torch.float32)
-    dk = torch.empty(rows, hv, kd, device=q.device, dtype=torch.float32 if grouped else k.dtype)
+    dk_dtype = torch.float32 if grouped else k.dtype
+
+    def grads(n):  # dq, dk, dv, dbeta, dg on n rows; dq fp32: bf16 made the qk kernel spill more
+        return (torch.empty(n, hv, kd, device=dev, dtype=torch.float32), torch.empty(n, hv, kd, device=dev, dtype=dk_dtype),
+                torch.empty(n, hv, vd, device=dev, dtype=v.dtype), torch.empty(n, hv, device=dev, dtype=torch.float32),
+                torch.empty(n, hv, device=dev, dtype=torch.float32))
+    out = grads(n_rows if rows is None else rows.num_tokens)
+    side = out if rows is None else grads(n_rows)
+    dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32)
     dw = torch.empty_like(dk_part)
-    dgc = torch.empty(rows, hv, device=q.device, dtype=torch.float32)
-    dv = torch.empty(rows, hv, vd, device=q.device, dtype=v.dtype)
-    dbeta = torch.empty(rows, hv, device=q.device, dtype=torch.float32)
+    dgc = out[4] if rows is None else torch.empty(n_rows, hv, device=dev, dtype=torch.float32)
     if index.num_chunks:
-        grid = (index.num_chunks * hv,)
+        tables = (index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows))
         bk = kd if cfg.bwd_qk_block_k <= 0 else min(cfg.bwd_qk_block_k, kd)
         n_k = kd // bk
-        dgc_parts = dgc if n_k == 1 else torch.empty(rows, hv, n_k, device=q.device, dtype=torch.float32)
+        dgc_parts = dgc if n_k == 1 else torch.empty(n_rows, hv, n_k, device=dev, dtype=torch.float32)
         _chunk_bwd_qk_kernel[(index.num_chunks * hv, n_k)](
-            q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc_parts, index.chunk_row_start, index.chunk_row_end,
-            scale, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, num_warps=cfg.bwd_qk_warps)
+            q, k, v_new, gc, h, dh, do, dvn, out[0], side[0], dk_part, dw, dgc_parts, *tables, scale,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, GATHER=rows is not None, num_warps=cfg.bwd_qk_warps)
         if n_k > 1:
             torch.sum(dgc_parts, dim=-1, out=dgc)
-        scratch = torch.empty(index.num_chunks * hv, BT, BT, device=q.device, dtype=torch.float32)
-        _wy_bwd_kernel[grid](
-            k, v, beta, gc, T, dw, dvn, dk_part, dk, dv, dbeta, dgc, scratch, index.chunk_row_start,
-            index.chunk_row_end, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, num_warps=cfg.wy_bwd_warps)
-    return dq, dk, dv, dbeta, dgc
+        scratch = torch.empty(index.num_chunks * hv, BT, BT, device=dev, dtype=torch.float32)
+        _wy_bwd_kernel[(index.num_chunks * hv,)](
+            k, v, beta, gc, T, dw, dvn, dk_part, dgc, *out[1:], *side[1:], scratch, *tables,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None,
+            num_warps=cfg.wy_bwd_warps)
+    return out if rows is None else (*out, side)

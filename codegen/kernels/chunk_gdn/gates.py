@@ -1,4 +1,4 @@
-"""Jit helpers shared by the chunk kernels: a chunk's rows and the gate arithmetic."""
+"""Jit helpers shared by the chunk kernels: a chunk's rows, the rows behind them, and the gate arithmetic."""
 import triton
 import triton.language as tl
 
@@ -21,6 +21,27 @@ def _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT: tl.constexpr):
     row_end = tl.load(chunk_row_end + i_c)
     rows = row0 + tl.arange(0, BT)
     return row0, row_end, rows, rows < row_end
+
+
+@triton.jit
+def _input_rows(row_src, rows, m_t, GATHER: tl.constexpr):
+    """Rows of q, k, v, g, beta behind packed rows: the rows themselves, or with GATHER the compact tokens
+    they hold (index.PackedRows.src), so that tree mode reads its inputs in place instead of from copies."""
+    if GATHER:
+        return tl.load(row_src + rows, mask=m_t, other=0)
+    else:
+        return rows
+
+
+@triton.jit
+def _kept_rows(row_own, rows, m_t, GATHER: tl.constexpr):
+    """(rows of o, do and the input gradients of kept tokens, their mask): the packed rows, or with GATHER
+    the compact token each row keeps (index.PackedRows.own), masked off on replayed rows."""
+    if GATHER:
+        b_own = tl.load(row_own + rows, mask=m_t, other=-1)
+        return b_own, m_t & (b_own >= 0)
+    else:
+        return rows, m_t
 
 
 @triton.jit

@@ -46,11 +46,17 @@ class GDNKernelConfig:
     many_seqs_scan_block_v: int = 0
     scan_many_programs: int = 1024
     scan_num_stages: int = 0      # 0 = by input dtype (scan_stages_for)
+    # tree mode (tree.py): kernels read inputs / write outputs through the plan's row maps instead of
+    # gathered copies; off until timed (`bench/gdn.py --variants`)
+    tree_rows_in_kernels: bool = False
 
     def __post_init__(self):
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
             raise ValueError(f"GDNKernelConfig.bwd_qk_block_k must be 0 or a power of two >= 16 (tl.dot, "
                              f"tl.arange), got {self.bwd_qk_block_k}")
+        if self.wy_kkt_block_k < 16 or self.wy_kkt_block_k & (self.wy_kkt_block_k - 1):
+            raise ValueError(f"GDNKernelConfig.wy_kkt_block_k must be a power of two >= 16 (tl.dot, tl.arange), "
+                             f"got {self.wy_kkt_block_k}")
 
     def scan_block_v_for(self, num_seqs: int, value_heads: int, value_dim: int) -> int:
         """State columns per scan program for a call with `num_seqs` sequences."""
@@ -70,6 +76,25 @@ class GDNKernelConfig:
         if self.scan_num_stages:
             return self.scan_num_stages
         return 2 if element_size <= 2 else 1  # bf16 at 4 scan warps: 9.20 ms at 2 stages, 9.53 at 3, 9.56 at 4
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Row maps that let the kernels run a packed layout (tree mode: sequences of every round one after
+    another, replayed rows included) on compact tensors, without gathered copies: packed row r reads q, k,
+    v, g, beta at compact token src[r], and reads do / writes o and its input gradients at compact token
+    own[r]; a replayed row (own[r] = -1) writes no output and leaves its input gradients in packed side
+    buffers for the caller to add to the tokens it replays (tree.py)."""
+    src: torch.Tensor   # [R] int64
+    own: torch.Tensor   # [R] int64, -1 on replayed rows
+    num_tokens: int
+
+
+def row_tables(index: "GDNIndex", rows: PackedRows | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (src, own) pointers a kernel takes: the maps of `rows`, or placeholders it never reads (GATHER off)."""
+    if rows is None:
+        return index.chunk_row_start, index.chunk_row_start
+    return rows.src, rows.own
 
 
 @dataclass(frozen=True)

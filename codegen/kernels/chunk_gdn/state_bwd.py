@@ -15,12 +15,14 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
-from .gates import _chunk_rows, _exp_gate_gap, _scan_program
+from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
+from .index import row_tables
 
 
 @triton.jit
-def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, scale,
-                     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, scale,
+                     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     GATHER: tl.constexpr):
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
@@ -28,21 +30,23 @@ def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, scale,
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
-    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_qt = tl.load(q + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    src = _input_rows(row_src, rows, m_t, GATHER)
+    do_rows, m_do = _kept_rows(row_own, rows, m_t, GATHER)  # replayed rows have no output gradient
+    b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_qt = tl.load(q + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     # [BT(j), BT(i)]: A^T of the intra-chunk attention, non-zero for i >= j
     b_at = tl.dot(b_k, b_qt)
     b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at * _exp_gate_gap(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
-    b_do = tl.load(do + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+    b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
     b_dv = tl.dot(b_at.to(b_do.dtype), b_do)
     tl.store(dv + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dv, mask=m_t[:, None])
 
 
 @triton.jit
-def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, b_ds, i_c, c0, bos, eos,
-                    i_h, i_hk, state_offs, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                    V: tl.constexpr, BT: tl.constexpr, o_v):
+def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, row_src, row_own, b_ds, i_c, c0,
+                    bos, eos, i_h, i_hk, state_offs, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, BT: tl.constexpr, o_v, GATHER: tl.constexpr):
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     ic = (c0 + i_c).to(tl.int64)
@@ -55,17 +59,19 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export,
                     mask=(state_offs * 0 + slot) >= 0, other=0.0)
     tl.store(dh + (ic * HV + i_h) * (K * V) + state_offs, b_ds.to(dh.dtype.element_ty))
 
+    src = _input_rows(row_src, rows, m_t, GATHER)
+    do_rows, m_do = _kept_rows(row_own, rows, m_t, GATHER)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     b_gl = tl.load(gc + last * HV + i_h)
-    b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_dvn = tl.load(dv_local + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
     b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp(b_gl - b_gc)[:, None], 0.0)
     tl.store(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty),
              mask=m_t[:, None])
 
     # (scale exp(gc) q)^T do, with the row scaling applied to the [BT, BV] do tile (fewer registers than q^T)
-    b_qt = tl.load(q + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
-    b_do = tl.load(do + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+    b_qt = tl.load(q + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
     b_do = (b_do * (tl.exp(b_gc) * scale)[:, None]).to(b_qt.dtype)
     b_wt = tl.load(w + (rows[None, :] * HV + i_h) * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_ds = b_ds * tl.exp(b_gl) + tl.dot(b_qt, b_do) - tl.dot(b_wt, b_dvn.to(b_wt.dtype))
@@ -74,8 +80,9 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export,
 
 @triton.jit
 def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seqlens, seq_chunk_start,
-                      chunk_export, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr):
+                      chunk_export, row_src, row_own, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr,
+                      GATHER: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
 
@@ -83,33 +90,37 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seq
     if INTERPRET:  # see state_fwd: no loaded loop bounds in the CPU interpreter
         i_c = n_chunks - 1
         while i_c >= 0:
-            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, b_ds, i_c, c0, bos,
-                                   eos, i_h, i_hk, state_offs, scale, HK, HV, K, V, BT, o_v)
+            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, row_src, row_own,
+                                   b_ds, i_c, c0, bos, eos, i_h, i_hk, state_offs, scale, HK, HV, K, V, BT, o_v,
+                                   GATHER)
             i_c -= 1
     else:
         for i_r in range(0, n_chunks):
-            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, b_ds,
-                                   n_chunks - 1 - i_r, c0, bos, eos, i_h, i_hk, state_offs, scale,
-                                   HK, HV, K, V, BT, o_v)
+            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, row_src, row_own,
+                                   b_ds, n_chunks - 1 - i_r, c0, bos, eos, i_h, i_hk, state_offs, scale,
+                                   HK, HV, K, V, BT, o_v, GATHER)
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
-def dv_local_bwd(q, k, gc, do, scale, index):
-    """The chunk-local part of d(v_new) [R, HV, V] fp32 (every chunk at once)."""
-    rows, hk, kd = q.shape
+def dv_local_bwd(q, k, gc, do, scale, index, rows=None):
+    """The chunk-local part of d(v_new) [R, HV, V] fp32 (every chunk at once). `rows` (index.PackedRows): q, k
+    and do are compact, read through `rows.src` and `rows.own`."""
+    _, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
-    dv_local = torch.empty(rows, hv, vd, device=q.device, dtype=torch.float32)
+    dv_local = torch.empty(gc.shape[0], hv, vd, device=q.device, dtype=torch.float32)
     if index.num_chunks:
         _dv_local_kernel[(index.num_chunks * hv,)](
-            q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, num_warps=index.config.dv_local_warps)
+            q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), scale,
+            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, GATHER=rows is not None,
+            num_warps=index.config.dv_local_warps)
     return dv_local
 
 
 def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, *,
-                   seqs: tuple[int, int] | None = None):
+                   seqs: tuple[int, int] | None = None, rows=None):
     """The reverse scan of sequences `seqs` = (first, count) of `index` (default: all) into the shared dh
-    [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32."""
+    [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32.
+    `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and `rows.own`."""
     _, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
     first, count = seqs if seqs is not None else (0, index.num_seqs)
@@ -119,9 +130,9 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     if count:
         _state_bwd_kernel[(count * hv, vd // bv)](
             q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens[first:],
-            index.seq_chunk_start[first:], index.chunk_export, scale, HK=hk, HV=hv, K=kd, V=vd,
-            BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), num_warps=cfg.scan_warps,
-            num_stages=cfg.scan_stages_for(k.element_size()))
+            index.seq_chunk_start[first:], index.chunk_export, *row_tables(index, rows), scale, HK=hk, HV=hv,
+            K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
+            num_warps=cfg.scan_warps, num_stages=cfg.scan_stages_for(k.element_size()))
     return dh0
 
 

@@ -14,13 +14,14 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
-from .gates import _chunk_rows, _exp_gate_gap, _scan_program
+from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
+from .index import row_tables
 
 
 @triton.jit
-def _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
-                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BT: tl.constexpr, o_v):
+def _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk,
+                    state_offs, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BT: tl.constexpr, o_v, GATHER: tl.constexpr):
     """One chunk of the scan; returns the state leaving the chunk."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
@@ -38,7 +39,8 @@ def _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos
 
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     b_gl = tl.load(gc + last * HV + i_h)
-    b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    src = _input_rows(row_src, rows, m_t, GATHER)
+    b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_vd = tl.where(m_t[:, None], b_vn * tl.exp(b_gl - b_gc)[:, None], 0.0)
     b_s = b_s * tl.exp(b_gl) + tl.dot(b_kt, b_vd.to(b_kt.dtype))
 
@@ -51,9 +53,9 @@ def _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos
 
 
 @triton.jit
-def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_start, chunk_export,
+def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_start, chunk_export, row_src,
                       HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr):
+                      BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
 
@@ -61,19 +63,19 @@ def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_sta
     if INTERPRET:  # the CPU interpreter cannot take a loaded bound in range() (numpy >= 2.4)
         i_c = n_chunks * 0
         while i_c < n_chunks:
-            b_s = _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos, eos, i_h, i_hk,
-                                  state_offs, HK, HV, K, V, BT, o_v)
+            b_s = _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, row_src, b_s, i_c, c0, bos, eos, i_h,
+                                  i_hk, state_offs, HK, HV, K, V, BT, o_v, GATHER)
             i_c += 1
     else:
         for i_c in range(0, n_chunks):
-            b_s = _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, b_s, i_c, c0, bos, eos, i_h, i_hk,
-                                  state_offs, HK, HV, K, V, BT, o_v)
+            b_s = _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, row_src, b_s, i_c, c0, bos, eos, i_h,
+                                  i_hk, state_offs, HK, HV, K, V, BT, o_v, GATHER)
 
 
 @triton.jit
-def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, scale,
+def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, scale,
                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BV: tl.constexpr):
+                   BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
     i_ch, i_v = tl.program_id(0), tl.program_id(1)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
@@ -81,9 +83,10 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, scale,
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
+    src = _input_rows(row_src, rows, m_t, GATHER)
 
-    b_q = tl.load(q + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_kt = tl.load(k + rows[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_q = tl.load(q + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_h = tl.load(h + (i_c.to(tl.int64) * HV + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :])
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
 
@@ -92,15 +95,17 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, scale,
     b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a * _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
     b_vn = tl.load(v_new + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
     b_o = (b_o + tl.dot(b_a.to(b_vn.dtype), b_vn)) * scale
-    tl.store(o + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])
+    out_rows, m_out = _kept_rows(row_own, rows, m_t, GATHER)  # replayed rows' outputs are dropped
+    tl.store(o + (out_rows[:, None] * HV + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_out[:, None])
 
 
-def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None = None, out=None):
+def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None = None, out=None, rows=None):
     """Returns h [NC, HV, K, V] (k's dtype), v_new [R, HV, V] (u's dtype), bank [slots, HV, K, V] fp32.
 
     `seqs` = (first, count): scan only those sequences of `index`, whose initial states `initial_state`
     holds, into `out` = (h, v_new, bank) shared by the calls of a multi-round tree (tree.py); the
     programs read the sequence tables from `first` on, so each chunk runs exactly as in a whole call.
+    `rows` (index.PackedRows): k is compact and read through `rows.src`.
     """
     _, hk, kd = k.shape
     hv, vd = u.shape[1], u.shape[2]
@@ -114,19 +119,22 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
     if count:
         _state_fwd_kernel[(count * hv, vd // bv)](
             k, w, u, gc, initial_state, h, v_new, bank, index.cu_seqlens[first:], index.seq_chunk_start[first:],
-            index.chunk_export, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(),
+            index.chunk_export, row_tables(index, rows)[0], HK=hk, HV=hv, K=kd, V=vd,
+            BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
             num_warps=cfg.scan_warps, num_stages=cfg.scan_stages_for(k.element_size()))
     return h, v_new, bank
 
 
-def output_fwd(q, k, v_new, gc, h, scale, index):
+def output_fwd(q, k, v_new, gc, h, scale, index, rows=None):
+    """o [R, HV, V] on the packed rows, or with `rows` (index.PackedRows) o [T, HV, V] on the compact tokens:
+    q and k read through `rows.src`, each kept row's output stored at `rows.own`, replayed rows' dropped."""
     _, hk, kd = q.shape
     hv, vd = v_new.shape[1], v_new.shape[2]
     cfg = index.config
     bv = min(cfg.out_block_v, vd)
-    o = torch.empty_like(v_new)
+    o = torch.empty_like(v_new) if rows is None else v_new.new_empty(rows.num_tokens, hv, vd)
     if index.num_chunks:
         _output_kernel[(index.num_chunks * hv, vd // bv)](
-            q, k, v_new, gc, h, o, index.chunk_row_start, index.chunk_row_end, scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, num_warps=cfg.out_warps)
+            q, k, v_new, gc, h, o, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), scale,
+            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, GATHER=rows is not None, num_warps=cfg.out_warps)
     return o

@@ -4,14 +4,20 @@ The rounds of a plan differ only in their sequential part: a sequence of round r
 that an earlier round exported. Everything else is chunk-local. So the rounds' packed rows are laid
 one after another in a single varlen layout, and
 
-  forward:  gather the packed rows from the compact tokens (one gather per input)
-            wy_fwd over every chunk of every round                      (1 launch)
+  forward:  gather the packed rows from the compact tokens (one gather per input; but see below)
+            wy_fwd over every chunk of every round                      (2 launches)
             per round: the initial states from the export bank, state_fwd over its sequences
             output_fwd over every chunk                                 (1 launch)
             keep each compact token's own row                           (1 gather)
   backward: dv_local over every chunk; per round in reverse: the reverse scan (the exported states'
             gradients injected), then its initial-state gradients summed into the bank slots they
             came from; chunk_bwd over every chunk; packed-row gradients back onto compact tokens.
+
+The gathers move whole q/k/v-sized tensors (134 MB each at 32k rows, H=16, K=128, bf16): on the H200
+they were 0.9 of a 4.9 ms step. Two ways around them: a plan whose packed rows are the compact tokens in
+order skips them (identity_layout); and with `GDNKernelConfig.tree_rows_in_kernels` the kernels read
+inputs and do, and write o and the kept gradients, through the plan's row maps (index.PackedRows), so
+only the replayed rows' gradients are summed afterwards (opt-in until timed on the GPU).
 
 Each chunk runs the same kernel code with the same entering state as in a trajectory-wise call, so the
 outputs equal trajectory-wise outputs bit for bit (the alignment rule of DESIGN.md section 6).
@@ -31,7 +37,7 @@ from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from .chunk_bwd import chunk_bwd
 from .function import TRITON_CHUNK_SIZE, _group_sum, triton_supports
 from .inputs import check_exports, validate_gdn_tensors
-from .index import GDNIndex, GDNKernelConfig, prepare_gdn_index
+from .index import GDNIndex, GDNKernelConfig, PackedRows, prepare_gdn_index
 from .l2norm import l2norm_fused
 from .state_bwd import dv_local_bwd, state_bwd_scan
 from .state_fwd import output_fwd, state_fwd
@@ -78,6 +84,7 @@ class TreeGDNPlan:
     # gathers into and out of the packed layout are then identities and are skipped: on GPU.md's anchor
     # trees they were 0.9 of the tree step's 4.9 ms (H200, 2026-11-30).
     identity_layout: bool = False
+    rows: PackedRows | None = None  # packed <-> compact row maps for the kernels (tree_rows_in_kernels)
 
 
 def _groups(keys: np.ndarray, values: np.ndarray):
@@ -170,9 +177,15 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
     replay_dst, replay_rows, replay_counts = _groups(src_all[replay], replay)
     identity = src_all.size == num_tokens and np.array_equal(src_all, np.arange(num_tokens)) and np.array_equal(
         own_pick, np.arange(num_tokens))
+    rows = None
+    if index.config.tree_rows_in_kernels and not identity:
+        row_own = np.full(src_all.size, -1, dtype=np.int64)
+        row_own[own_pick] = np.arange(num_tokens)
+        rows = PackedRows(src=as_long(src_all), own=as_long(row_own), num_tokens=num_tokens)
     return TreeGDNPlan(num_tokens=num_tokens, index=index, row_src=as_long(src_all), own_pick=as_long(own_pick),
                        replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
-                       replay_counts=as_long(replay_counts), rounds=tuple(launches), identity_layout=identity)
+                       replay_counts=as_long(replay_counts), rounds=tuple(launches), identity_layout=identity,
+                       rows=rows)
 
 
 def _group_sums(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -186,55 +199,57 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale: float, plan: TreeGDNPlan):
-        index = plan.index
-        if not plan.identity_layout:
+        index, rows = plan.index, plan.rows
+        if not plan.identity_layout and rows is None:
             q, k, v, g, beta = (x.index_select(0, plan.row_src) for x in (q, k, v, g, beta))
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
-        gc, T, w, u = wy_fwd(k, v, g, beta, index)
+        gc, T, w, u = wy_fwd(k, v, g, beta, index, rows)
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
         v_new = torch.empty_like(u)
         bank = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)  # row 0: zeros
         for rnd in plan.rounds:
             state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index, seqs=(rnd.first_seq, rnd.num_seqs),
-                      out=(h, v_new, bank[1:]))
-        o = output_fwd(q, k, v_new, gc, h, scale, index)
+                      out=(h, v_new, bank[1:]), rows=rows)
+        o = output_fwd(q, k, v_new, gc, h, scale, index, rows)
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
         ctx.scale, ctx.plan = scale, plan
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
-        return o if plan.identity_layout else o.index_select(0, plan.own_pick)
+        return o if plan.identity_layout or rows is not None else o.index_select(0, plan.own_pick)
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, beta, gc, T, w, v_new, h = ctx.saved_tensors
         plan: TreeGDNPlan = ctx.plan
-        index = plan.index
+        index, rows = plan.index, plan.rows
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
-        if plan.identity_layout:
+        if plan.identity_layout or rows is not None:  # the kernels read do on compact tokens
             do = d_out.to(v.dtype).contiguous()
         else:  # replayed outputs are dropped
-            do = torch.zeros_like(v).index_copy_(0, plan.own_pick, d_out.to(v.dtype))
-        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index)
+            do = torch.zeros_like(v_new).index_copy_(0, plan.own_pick, d_out.to(v.dtype))
+        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, rows)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
-        dvn = torch.empty_like(do)
+        dvn = torch.empty_like(v_new)
         bank_grad = torch.zeros(index.num_slots, hv, kd, vd, device=q.device, dtype=torch.float32)
         for rnd in reversed(plan.rounds):  # a round's exports are read only by later rounds: done by now
             dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
-                                 seqs=(rnd.first_seq, rnd.num_seqs))
+                                 seqs=(rnd.first_seq, rnd.num_seqs), rows=rows)
             if rnd.start_slots.numel():  # the slots are distinct: a plain indexed add
                 bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
-        dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index)
+        dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
+        per_token = (dq, dk, dv, dg, dbeta)  # compact with row maps, else per packed row
+        replayed = (side[0][0], side[0][1], side[0][2], side[0][4], side[0][3]) if side else per_token
         hk = q.shape[1]
-        grads = (_group_sum(dq, hk), _group_sum(dk, hk), dv, dg, dbeta)
         compact = []
-        for grad, dtype in zip(grads, ctx.dtypes):
-            if plan.identity_layout:
-                compact.append(grad.to(dtype))
-                continue
-            out = grad.index_select(0, plan.own_pick)
+        for i, dtype in enumerate(ctx.dtypes):
+            grad = _group_sum(per_token[i], hk) if i < 2 else per_token[i]
+            if rows is None and not plan.identity_layout:
+                grad = grad.index_select(0, plan.own_pick)
             if plan.replay_dst.numel():  # own row + the replays' sum, in fp32, rounded once
+                extra = _group_sums(replayed[i], plan.replay_rows, plan.replay_counts)
+                extra = _group_sum(extra, hk) if i < 2 else extra
                 dst = plan.replay_dst
-                out[dst] = (out[dst].float() + _group_sums(grad, plan.replay_rows, plan.replay_counts)).to(out.dtype)
-            compact.append(out.to(dtype))
+                grad[dst] = (grad[dst].float() + extra).to(grad.dtype)
+            compact.append(grad.to(dtype))
         return (*compact, None, None)
 
 
@@ -261,4 +276,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, 
                                      use_qk_l2norm=use_qk_l2norm).to(v.dtype)
     if use_qk_l2norm:  # on compact tokens: each once, and the replays gather the normalised rows
         q, k = l2norm_fused(q), l2norm_fused(k)
+    # the kernels assume dense rows; without a gather (identity layout, row maps) nothing else copies them
+    # (the runtime's v is a split view of one projection)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     return TreeGatedDeltaRuleFunction.apply(q, k, v, g, beta, float(scale), plan)

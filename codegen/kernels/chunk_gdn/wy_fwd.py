@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gates import _chunk_rows, _exp_gate_gap
+from .gates import _chunk_rows, _exp_gate_gap, _input_rows
+from .index import row_tables
 
 
 @triton.jit
@@ -70,15 +71,17 @@ def _store_inverse(T, row0, row_end, i_h, b_t00, b_t10, b_t11, b_t20, b_t21, b_t
 
 
 @triton.jit
-def _sub_gate_cumsum(g, gc, row0, row_end, sub, b_carry, i_h, HV: tl.constexpr):
+def _sub_gate_cumsum(g, gc, row_src, row0, row_end, sub, b_carry, i_h, HV: tl.constexpr, GATHER: tl.constexpr):
     """Gate cumsum over rows sub*16 .. sub*16+15 of a chunk, continuing from `b_carry` (the sum of the rows
-    before them); stores it. Returns (gc [16] fp32, mask of valid rows [16], carry after these rows)."""
+    before them); stores it. Returns (gc [16] fp32, mask of valid rows [16], their input rows [16], carry
+    after these rows)."""
     rows = row0 + sub * 16 + tl.arange(0, 16)
     m = rows < row_end
-    b_g = tl.load(g + rows * HV + i_h, mask=m, other=0.0).to(tl.float32)
+    src = _input_rows(row_src, rows, m, GATHER)
+    b_g = tl.load(g + src * HV + i_h, mask=m, other=0.0).to(tl.float32)
     b_gc = b_carry + tl.cumsum(b_g, 0)
     tl.store(gc + rows * HV + i_h, b_gc, mask=m)
-    return b_gc, m, b_carry + tl.sum(b_g, 0)
+    return b_gc, m, src, b_carry + tl.sum(b_g, 0)
 
 
 @triton.jit
@@ -105,19 +108,19 @@ def _decay_block(b_a, b_gci, b_gcj, b_bi, DIAG: tl.constexpr):
 
 
 @triton.jit
-def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end,
-                         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src,
+                         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         GATHER: tl.constexpr):
     """gc = in-chunk cumsum of g; T = (I + A)^-1, A = strictly_lower((beta k) k^T exp(gc_i - gc_j)), with A's
     ten lower [16, 16] blocks accumulated over BK columns of k at a time and inverted in registers."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
     row0 = tl.load(chunk_row_start + i_c)
     row_end = tl.load(chunk_row_end + i_c)
-    o_i = tl.arange(0, 16)
-    b_gc0, m0, b_carry = _sub_gate_cumsum(g, gc, row0, row_end, 0, 0.0, i_h, HV)
-    b_gc1, m1, b_carry = _sub_gate_cumsum(g, gc, row0, row_end, 1, b_carry, i_h, HV)
-    b_gc2, m2, b_carry = _sub_gate_cumsum(g, gc, row0, row_end, 2, b_carry, i_h, HV)
-    b_gc3, m3, b_carry = _sub_gate_cumsum(g, gc, row0, row_end, 3, b_carry, i_h, HV)
+    b_gc0, m0, s0, b_carry = _sub_gate_cumsum(g, gc, row_src, row0, row_end, 0, 0.0, i_h, HV, GATHER)
+    b_gc1, m1, s1, b_carry = _sub_gate_cumsum(g, gc, row_src, row0, row_end, 1, b_carry, i_h, HV, GATHER)
+    b_gc2, m2, s2, b_carry = _sub_gate_cumsum(g, gc, row_src, row0, row_end, 2, b_carry, i_h, HV, GATHER)
+    b_gc3, m3, s3, b_carry = _sub_gate_cumsum(g, gc, row_src, row0, row_end, 3, b_carry, i_h, HV, GATHER)
 
     b_a00 = tl.zeros([16, 16], dtype=tl.float32)
     b_a10 = tl.zeros([16, 16], dtype=tl.float32)
@@ -129,13 +132,13 @@ def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end,
     b_a31 = tl.zeros([16, 16], dtype=tl.float32)
     b_a32 = tl.zeros([16, 16], dtype=tl.float32)
     b_a33 = tl.zeros([16, 16], dtype=tl.float32)
-    p_k = k + (row0 + o_i)[:, None] * (HK * K) + i_hk * K          # [16, 1] row pointers of sub-chunk 0
+    p_k = k + i_hk * K
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k0 = tl.load(p_k + o_k[None, :], mask=m0[:, None], other=0.0)                      # [16, BK]
-        b_k1 = tl.load(p_k + 16 * HK * K + o_k[None, :], mask=m1[:, None], other=0.0)
-        b_k2 = tl.load(p_k + 32 * HK * K + o_k[None, :], mask=m2[:, None], other=0.0)
-        b_k3 = tl.load(p_k + 48 * HK * K + o_k[None, :], mask=m3[:, None], other=0.0)
+        b_k0 = tl.load(p_k + s0[:, None] * (HK * K) + o_k[None, :], mask=m0[:, None], other=0.0)  # [16, BK]
+        b_k1 = tl.load(p_k + s1[:, None] * (HK * K) + o_k[None, :], mask=m1[:, None], other=0.0)
+        b_k2 = tl.load(p_k + s2[:, None] * (HK * K) + o_k[None, :], mask=m2[:, None], other=0.0)
+        b_k3 = tl.load(p_k + s3[:, None] * (HK * K) + o_k[None, :], mask=m3[:, None], other=0.0)
         b_kt0, b_kt1, b_kt2 = tl.trans(b_k0), tl.trans(b_k1), tl.trans(b_k2)  # loaded tiles, not accumulators
         b_a00 = tl.dot(b_k0, b_kt0, b_a00)
         b_a10 = tl.dot(b_k1, b_kt0, b_a10)
@@ -148,10 +151,10 @@ def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end,
         b_a32 = tl.dot(b_k3, b_kt2, b_a32)
         b_a33 = tl.dot(b_k3, tl.trans(b_k3), b_a33)
 
-    b_b0 = tl.load(beta + (row0 + o_i) * HV + i_h, mask=m0, other=0.0).to(tl.float32)
-    b_b1 = tl.load(beta + (row0 + 16 + o_i) * HV + i_h, mask=m1, other=0.0).to(tl.float32)
-    b_b2 = tl.load(beta + (row0 + 32 + o_i) * HV + i_h, mask=m2, other=0.0).to(tl.float32)
-    b_b3 = tl.load(beta + (row0 + 48 + o_i) * HV + i_h, mask=m3, other=0.0).to(tl.float32)
+    b_b0 = tl.load(beta + s0 * HV + i_h, mask=m0, other=0.0).to(tl.float32)
+    b_b1 = tl.load(beta + s1 * HV + i_h, mask=m1, other=0.0).to(tl.float32)
+    b_b2 = tl.load(beta + s2 * HV + i_h, mask=m2, other=0.0).to(tl.float32)
+    b_b3 = tl.load(beta + s3 * HV + i_h, mask=m3, other=0.0).to(tl.float32)
     b_t00 = _inverse_unit_lower16(_decay_block(b_a00, b_gc0, b_gc0, b_b0, True))
     b_t11 = _inverse_unit_lower16(_decay_block(b_a11, b_gc1, b_gc1, b_b1, True))
     b_t22 = _inverse_unit_lower16(_decay_block(b_a22, b_gc2, b_gc2, b_b2, True))
@@ -166,50 +169,54 @@ def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end,
 
 
 @triton.jit
-def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end,
+def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src,
                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr):
+                  BK: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
     """w = T (beta exp(gc) k) [BT, K], u = T (beta v) [BT, V], BK / BV columns at a time."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
+    src = _input_rows(row_src, rows, m_t, GATHER)
     o_t = tl.arange(0, BT)
     dt = k.dtype.element_ty
-    # T rounds to the inputs' dtype once, as in the fused kernel's dots
+    # T rounds to the inputs' dtype once, for both dots
     b_t = tl.load(T + (rows[:, None] * HV + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0).to(dt)
-    b_b = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + src * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_kscale = b_b * tl.exp(tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0))
     for i_k in tl.range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_w = tl.dot(b_t, (b_k * b_kscale[:, None]).to(dt))
         tl.store(w + (rows[:, None] * HV + i_h) * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None])
     for i_v in tl.range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
-        b_v = tl.load(v + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+        b_v = tl.load(v + (src[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
         b_u = tl.dot(b_t.to(b_v.dtype), (b_v * b_b[:, None]).to(b_v.dtype))
         tl.store(u + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None])
 
 
-def wy_fwd(k, v, g, beta, index):
-    """Returns gc [R, HV] fp32, T [R, HV, BT] fp32, w [R, HV, K] (k's dtype), u [R, HV, V] (v's dtype), with
-    the launch configuration of `index.config` (wy_kkt_warps, wy_kkt_block_k, wy_wu_warps)."""
+def wy_fwd(k, v, g, beta, index, rows=None):
+    """Returns gc [R, HV] fp32, T [R, HV, BT] fp32, w [R, HV, K] (k's dtype), u [R, HV, V] (v's dtype) over the
+    R packed rows of `index`, with the launch configuration of `index.config` (wy_kkt_warps, wy_kkt_block_k,
+    wy_wu_warps). `rows` (index.PackedRows): k, v, g, beta are compact and read through `rows.src`."""
     cfg = index.config
-    rows, hk, kd = k.shape
+    _, hk, kd = k.shape
     hv, vd = v.shape[1], v.shape[2]
+    n_rows = rows.src.numel() if rows is not None else k.shape[0]
     BT = index.chunk_size
     if BT != 64:
         raise ValueError(f"chunk_gated_delta_rule: the Triton path has chunk_size 64 built in, got {BT}")
-    gc = torch.empty(rows, hv, device=k.device, dtype=torch.float32)
-    T = torch.empty(rows, hv, BT, device=k.device, dtype=torch.float32)
-    w = torch.empty(rows, hv, kd, device=k.device, dtype=k.dtype)
-    u = torch.empty(rows, hv, vd, device=k.device, dtype=v.dtype)
+    gc = torch.empty(n_rows, hv, device=k.device, dtype=torch.float32)
+    T = torch.empty(n_rows, hv, BT, device=k.device, dtype=torch.float32)
+    w = torch.empty(n_rows, hv, kd, device=k.device, dtype=k.dtype)
+    u = torch.empty(n_rows, hv, vd, device=k.device, dtype=v.dtype)
     if not index.num_chunks:
         return gc, T, w, u
     grid = (index.num_chunks, hv)
-    bounds = (index.chunk_row_start, index.chunk_row_end)
-    _wy_kkt_solve_kernel[grid](k, g, beta, gc, T, *bounds, HK=hk, HV=hv, K=kd, BT=BT, BK=min(cfg.wy_kkt_block_k, kd),
-                               num_warps=cfg.wy_kkt_warps)
-    _wy_wu_kernel[grid](k, v, beta, gc, T, w, u, *bounds, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd),
-                        BV=min(64, vd), num_warps=cfg.wy_wu_warps)
+    tables = (index.chunk_row_start, index.chunk_row_end, row_tables(index, rows)[0])
+    gather = rows is not None
+    _wy_kkt_solve_kernel[grid](k, g, beta, gc, T, *tables, HK=hk, HV=hv, K=kd, BT=BT,
+                               BK=min(cfg.wy_kkt_block_k, kd), GATHER=gather, num_warps=cfg.wy_kkt_warps)
+    _wy_wu_kernel[grid](k, v, beta, gc, T, w, u, *tables, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd),
+                        BV=min(64, vd), GATHER=gather, num_warps=cfg.wy_wu_warps)
     return gc, T, w, u
