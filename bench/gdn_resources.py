@@ -16,7 +16,7 @@ from harts_compiler.codegen.kernels.hopper_resources import hopper_resources
 # pointer arguments by name (everything else below is a scalar or a constexpr)
 POINTERS = {
     "fp32": {"g", "gc", "T", "h0", "bank", "dv_local", "dh0", "bank_grad", "dq", "dk", "dw", "dgc", "dbeta", "dg",
-             "scratch", "rstd", "dv_f32", "gpre", "dw_part", "dq_side", "side_dbeta", "side_dg"},
+             "scratch", "rstd", "dv_f32", "gpre", "dw_part", "side_dbeta", "side_dg"},
     "i64": {"chunk_row_start", "chunk_row_end", "cu_seqlens", "seq_chunk_start", "pred", "succ_ptr", "succ_flat",
             "row_src", "row_own"},
     "i32": {"chunk_export"},

@@ -82,6 +82,10 @@ def test_tree_function_equals_rounds(name, rows_in_kernels):
         return lambda *x: gated_delta_rule_rounds(*x, index, rounds, state_dtype=state_dtype, kernel=kernel, **kw)
 
     got = run(fused, tensors, weights)
+    if rows_in_kernels:  # the same values reach the same kernels: equal to the gathered copies bit for bit
+        gathered = run(lambda *x: tree_gated_delta_rule(*x, plan=dataclasses.replace(plan, rows=None), **kw),
+                       tensors, weights)
+        assert all(torch.equal(a, b) for a, b in zip(got, gathered)), "row maps differ from the gathers"
     triton_rounds = run(per_round(chunk_gated_delta_rule, torch.float32), tensors, weights)
     reference = run(per_round(chunk_gated_delta_rule_reference, torch.float64), [t.double() for t in tensors], weights)
     assert torch.equal(got[0], triton_rounds[0]), "outputs differ from one Triton call per round"

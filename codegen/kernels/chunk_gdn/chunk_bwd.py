@@ -15,15 +15,15 @@ from .index import row_tables
 
 
 @triton.jit
-def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dq_side, dk, dw, dgc, chunk_row_start, chunk_row_end,
+def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
                          row_src, row_own, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
                          GATHER: tl.constexpr):
     """BK < K: one program per BK columns of K (grid axis 1), a quarter to a half of the fp32 accumulators
     each; every program recomputes the [BT, BT] do.v_new tiles and leaves its share of dgc in
     dgc[row, head, i_k] (summed by the wrapper, no atomics). BK == K: one program per chunk and head.
-    GATHER: q, k, do are compact (index.PackedRows); dq of kept rows goes to compact rows, of replayed rows
-    to dq_side (packed rows)."""
+    GATHER: q, k, do are compact (index.PackedRows); dq of kept rows goes to compact rows. A replayed row's dq
+    is exactly 0 (dq_i is linear in do_i, and a replayed row's do is 0), so it is not stored."""
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
@@ -85,8 +85,6 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dq_side, dk, dw, d
 
     p_rows = (rows[:, None] * HV + i_h) * K + o_k[None, :]
     tl.store(dq + (kept[:, None] * HV + i_h) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_keep[:, None])
-    if GATHER:
-        tl.store(dq_side + p_rows, b_dq.to(dq.dtype.element_ty), mask=(m_t & ~m_keep)[:, None])
     tl.store(dk + p_rows, b_dk, mask=m_t[:, None])
     tl.store(dw + p_rows, -b_dw, mask=m_t[:, None])
     if BK < K:
@@ -105,7 +103,7 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
     dk and dgc arrive holding the chunk_bwd_qk contributions; the total dk leaves in dk_out and dg as the
     reverse in-chunk cumsum of dgc (dg may be dgc itself). K and V are walked in blocks so that only [BT, BT]
     tiles stay live (no spills). GATHER: k, v, beta are compact (index.PackedRows); the gradients of kept rows
-    go to compact rows, those of replayed rows to the side buffers (packed rows).
+    go to compact rows, those of replayed rows to their slots of the side buffers.
     """
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
@@ -114,6 +112,7 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
     src = _input_rows(row_src, rows, m_t, GATHER)
     kept, m_keep = _kept_rows(row_own, rows, m_t, GATHER)
     m_side = m_t & ~m_keep
+    slot = -1 - kept  # side-buffer row of a replayed row (garbage, and masked, elsewhere)
     o_t = tl.arange(0, BT)
     dt = k.dtype.element_ty
 
@@ -173,7 +172,8 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
         tl.store(dk_out + (kept[:, None] * HV + i_h) * K + o_k[None, :], b_dk.to(dk_out.dtype.element_ty),
                  mask=m_keep[:, None])
         if GATHER:
-            tl.store(side_dk + p_rk, b_dk.to(side_dk.dtype.element_ty), mask=m_side[:, None])
+            tl.store(side_dk + (slot[:, None] * HV + i_h) * K + o_k[None, :], b_dk.to(side_dk.dtype.element_ty),
+                     mask=m_side[:, None])
     # dv = T^T du * beta
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -185,7 +185,8 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
         tl.store(dv + (kept[:, None] * HV + i_h) * V + o_v[None, :], (b_dvb * b_b[:, None]).to(dv.dtype.element_ty),
                  mask=m_keep[:, None])
         if GATHER:
-            tl.store(side_dv + p_rv, (b_dvb * b_b[:, None]).to(side_dv.dtype.element_ty), mask=m_side[:, None])
+            tl.store(side_dv + (slot[:, None] * HV + i_h) * V + o_v[None, :],
+                     (b_dvb * b_b[:, None]).to(side_dv.dtype.element_ty), mask=m_side[:, None])
 
     # dg = reverse cumsum of dgc inside the chunk
     b_dgc = tl.where(m_t, b_dgc, 0.0)
@@ -193,8 +194,8 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
     tl.store(dbeta + kept * HV + i_h, b_db, mask=m_keep)
     tl.store(dg + kept * HV + i_h, b_dg, mask=m_keep)
     if GATHER:
-        tl.store(side_dbeta + rows * HV + i_h, b_db, mask=m_side)
-        tl.store(side_dg + rows * HV + i_h, b_dg, mask=m_side)
+        tl.store(side_dbeta + slot * HV + i_h, b_db, mask=m_side)
+        tl.store(side_dg + slot * HV + i_h, b_dg, mask=m_side)
 
 
 def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None):
@@ -203,8 +204,8 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     all of K in one program).
 
     With `rows` (index.PackedRows: q, k, v, beta, do compact) the five gradients are on the T compact tokens,
-    from the rows that keep them, and a sixth value holds the replayed rows' gradients in five packed side
-    buffers (only those rows written), for the caller to add to the tokens they replay.
+    from the rows that keep them, and a sixth value holds the replayed rows' dk, dv, dbeta, dg
+    [rows.num_replays, ...] by replay slot, for the caller to add to the tokens they replay (their dq is 0).
 
     dk and dv come out in the input dtypes when every value head has its own key head (nothing left to
     reduce), else dk in fp32 for the grouped-head sum; dq is always fp32.
@@ -215,31 +216,32 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     cfg = index.config
     bv = min(cfg.bwd_block_v, vd)
     BT = index.chunk_size
-    grouped = hv != hk
-    dk_dtype = torch.float32 if grouped else k.dtype
+    dk_dtype = torch.float32 if hv != hk else k.dtype
 
-    def grads(n):  # dq, dk, dv, dbeta, dg on n rows; dq fp32: bf16 made the qk kernel spill more
-        return (torch.empty(n, hv, kd, device=dev, dtype=torch.float32), torch.empty(n, hv, kd, device=dev, dtype=dk_dtype),
-                torch.empty(n, hv, vd, device=dev, dtype=v.dtype), torch.empty(n, hv, device=dev, dtype=torch.float32),
-                torch.empty(n, hv, device=dev, dtype=torch.float32))
-    out = grads(n_rows if rows is None else rows.num_tokens)
-    side = out if rows is None else grads(n_rows)
+    def dk_dv_dbeta_dg(n):
+        return (torch.empty(n, hv, kd, device=dev, dtype=dk_dtype), torch.empty(n, hv, vd, device=dev, dtype=v.dtype),
+                torch.empty(n, hv, device=dev, dtype=torch.float32), torch.empty(n, hv, device=dev, dtype=torch.float32))
+    n_out = n_rows if rows is None else rows.num_tokens
+    dq = torch.empty(n_out, hv, kd, device=dev, dtype=torch.float32)  # bf16 here made the qk kernel spill more
+    out = dk_dv_dbeta_dg(n_out)
+    side = out if rows is None else dk_dv_dbeta_dg(rows.num_replays)
     dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32)
     dw = torch.empty_like(dk_part)
-    dgc = out[4] if rows is None else torch.empty(n_rows, hv, device=dev, dtype=torch.float32)
+    dgc = out[3] if rows is None else torch.empty(n_rows, hv, device=dev, dtype=torch.float32)
     if index.num_chunks:
         tables = (index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows))
         bk = kd if cfg.bwd_qk_block_k <= 0 else min(cfg.bwd_qk_block_k, kd)
         n_k = kd // bk
         dgc_parts = dgc if n_k == 1 else torch.empty(n_rows, hv, n_k, device=dev, dtype=torch.float32)
         _chunk_bwd_qk_kernel[(index.num_chunks * hv, n_k)](
-            q, k, v_new, gc, h, dh, do, dvn, out[0], side[0], dk_part, dw, dgc_parts, *tables, scale,
+            q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc_parts, *tables, scale,
             HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, GATHER=rows is not None, num_warps=cfg.bwd_qk_warps)
         if n_k > 1:
             torch.sum(dgc_parts, dim=-1, out=dgc)
         scratch = torch.empty(index.num_chunks * hv, BT, BT, device=dev, dtype=torch.float32)
         _wy_bwd_kernel[(index.num_chunks * hv,)](
-            k, v, beta, gc, T, dw, dvn, dk_part, dgc, *out[1:], *side[1:], scratch, *tables,
+            k, v, beta, gc, T, dw, dvn, dk_part, dgc, *out, *side, scratch, *tables,
             HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None,
             num_warps=cfg.wy_bwd_warps)
-    return out if rows is None else (*out, side)
+    grads = (dq, *out)  # dq, dk, dv, dbeta, dg
+    return grads if rows is None else (*grads, side)

@@ -36,7 +36,8 @@ def _input_rows(row_src, rows, m_t, GATHER: tl.constexpr):
 @triton.jit
 def _kept_rows(row_own, rows, m_t, GATHER: tl.constexpr):
     """(rows of o, do and the input gradients of kept tokens, their mask): the packed rows, or with GATHER
-    the compact token each row keeps (index.PackedRows.own), masked off on replayed rows."""
+    the compact token each row keeps (index.PackedRows.own), masked off on replayed rows (whose value
+    there is -1 - their slot in the side buffers)."""
     if GATHER:
         b_own = tl.load(row_own + rows, mask=m_t, other=-1)
         return b_own, m_t & (b_own >= 0)

@@ -83,11 +83,13 @@ class PackedRows:
     """Row maps that let the kernels run a packed layout (tree mode: sequences of every round one after
     another, replayed rows included) on compact tensors, without gathered copies: packed row r reads q, k,
     v, g, beta at compact token src[r], and reads do / writes o and its input gradients at compact token
-    own[r]; a replayed row (own[r] = -1) writes no output and leaves its input gradients in packed side
-    buffers for the caller to add to the tokens it replays (tree.py)."""
+    own[r]. A replayed row (own[r] = -1 - s) writes no output and leaves its input gradients in row s of
+    side buffers [num_replays, ...], for the caller to add to the tokens it replays (tree.py numbers the
+    replayed rows grouped by token, so those sums read the side buffers in order)."""
     src: torch.Tensor   # [R] int64
-    own: torch.Tensor   # [R] int64, -1 on replayed rows
+    own: torch.Tensor   # [R] int64: compact token, or -1 - (replay slot) on replayed rows
     num_tokens: int
+    num_replays: int
 
 
 def row_tables(index: "GDNIndex", rows: PackedRows | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -179,9 +179,11 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         own_pick, np.arange(num_tokens))
     rows = None
     if index.config.tree_rows_in_kernels and not identity:
-        row_own = np.full(src_all.size, -1, dtype=np.int64)
+        row_own = np.empty(src_all.size, dtype=np.int64)
         row_own[own_pick] = np.arange(num_tokens)
-        rows = PackedRows(src=as_long(src_all), own=as_long(row_own), num_tokens=num_tokens)
+        row_own[replay_rows] = -1 - np.arange(replay_rows.size)  # side slots grouped by token, as summed
+        rows = PackedRows(src=as_long(src_all), own=as_long(row_own), num_tokens=num_tokens,
+                          num_replays=int(replay_rows.size))
     return TreeGDNPlan(num_tokens=num_tokens, index=index, row_src=as_long(src_all), own_pick=as_long(own_pick),
                        replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
                        replay_counts=as_long(replay_counts), rounds=tuple(launches), identity_layout=identity,
@@ -237,15 +239,20 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
                 bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
         dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
         per_token = (dq, dk, dv, dg, dbeta)  # compact with row maps, else per packed row
-        replayed = (side[0][0], side[0][1], side[0][2], side[0][4], side[0][3]) if side else per_token
         hk = q.shape[1]
         compact = []
         for i, dtype in enumerate(ctx.dtypes):
             grad = _group_sum(per_token[i], hk) if i < 2 else per_token[i]
             if rows is None and not plan.identity_layout:
                 grad = grad.index_select(0, plan.own_pick)
-            if plan.replay_dst.numel():  # own row + the replays' sum, in fp32, rounded once
-                extra = _group_sums(replayed[i], plan.replay_rows, plan.replay_counts)
+            # own row + the replays' sum, in fp32, rounded once; a replayed row's dq is exactly 0 (its do is 0)
+            if plan.replay_dst.numel() and i > 0:
+                if rows is not None:  # side slots are the replayed rows grouped by token
+                    side_dk, side_dv, side_dbeta, side_dg = side[0]
+                    replayed = (None, side_dk, side_dv, side_dg, side_dbeta)[i].float()
+                    extra = torch.segment_reduce(replayed, "sum", lengths=plan.replay_counts, axis=0, unsafe=True)
+                else:
+                    extra = _group_sums(per_token[i], plan.replay_rows, plan.replay_counts)
                 extra = _group_sum(extra, hk) if i < 2 else extra
                 dst = plan.replay_dst
                 grad[dst] = (grad[dst].float() + extra).to(grad.dtype)
