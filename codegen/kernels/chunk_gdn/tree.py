@@ -86,6 +86,11 @@ class TreeGDNPlan:
     identity_layout: bool = False
     rows: PackedRows | None = None  # packed <-> compact row maps for the kernels (tree_rows_in_kernels)
 
+    @property
+    def compact_io(self) -> bool:
+        """Whether the kernels read inputs and do, and write o, on the compact tokens (no gathers)."""
+        return self.identity_layout or self.rows is not None
+
 
 def _groups(keys: np.ndarray, values: np.ndarray):
     """Group `values` by `keys`, order inside a group kept: (distinct keys [U], values grouped [N], counts [U])."""
@@ -202,7 +207,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale: float, plan: TreeGDNPlan):
         index, rows = plan.index, plan.rows
-        if not plan.identity_layout and rows is None:
+        if not plan.compact_io:
             q, k, v, g, beta = (x.index_select(0, plan.row_src) for x in (q, k, v, g, beta))
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
         gc, T, w, u = wy_fwd(k, v, g, beta, index, rows)
@@ -216,7 +221,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
         ctx.scale, ctx.plan = scale, plan
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
-        return o if plan.identity_layout or rows is not None else o.index_select(0, plan.own_pick)
+        return o if plan.compact_io else o.index_select(0, plan.own_pick)
 
     @staticmethod
     def backward(ctx, d_out):
@@ -224,7 +229,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         plan: TreeGDNPlan = ctx.plan
         index, rows = plan.index, plan.rows
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
-        if plan.identity_layout or rows is not None:  # the kernels read do on compact tokens
+        if plan.compact_io:
             do = d_out.to(v.dtype).contiguous()
         else:  # replayed outputs are dropped
             do = torch.zeros_like(v_new).index_copy_(0, plan.own_pick, d_out.to(v.dtype))
@@ -243,7 +248,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         compact = []
         for i, dtype in enumerate(ctx.dtypes):
             grad = _group_sum(per_token[i], hk) if i < 2 else per_token[i]
-            if rows is None and not plan.identity_layout:
+            if not plan.compact_io:
                 grad = grad.index_select(0, plan.own_pick)
             # own row + the replays' sum, in fp32, rounded once; a replayed row's dq is exactly 0 (its do is 0)
             if plan.replay_dst.numel() and i > 0:
