@@ -58,7 +58,7 @@ def model_config(tiny: bool, layer_types: list[str] | None = None):
 
 def build_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0,
                 checkpointing: bool = True, draw_on_device: bool | None = None,
-                triton_linear_attention: bool = True, gdn_segment_chunks: int | None = None):
+                triton_linear_attention: bool = True, gdn_segment_chunks: int | None = None, gdn_config=None):
     """Random TreeModel. CPU: `TreeModel.from_config` (transformers' init, CPU float64 draws).
     Other devices (or `draw_on_device`): the same distributions drawn on the device, because
     from_config's CPU float64 draws took minutes for a billion parameters here: N(0,
@@ -69,11 +69,12 @@ def build_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0,
     if not (device.type != "cpu" if draw_on_device is None else draw_on_device):
         return TreeModel.from_config(config, seed=seed, dtype=dtype, activation_checkpointing=checkpointing,
                                      triton_linear_attention=triton_linear_attention,
-                                     gdn_segment_chunks=gdn_segment_chunks)
+                                     gdn_segment_chunks=gdn_segment_chunks, gdn_config=gdn_config)
     torch.manual_seed(seed)
     with torch.device(device):
         model = TreeModel(config, activation_checkpointing=checkpointing,
-                          triton_linear_attention=triton_linear_attention, gdn_segment_chunks=gdn_segment_chunks)
+                          triton_linear_attention=triton_linear_attention, gdn_segment_chunks=gdn_segment_chunks,
+                          gdn_config=gdn_config)
     gen = torch.Generator(device).manual_seed(seed)
     std = config.initializer_range
     with torch.no_grad():

@@ -85,6 +85,8 @@ def parse_args(argv):
     p.add_argument("--gdn-segment-chunks", type=int, default=None,
                    help="opt-in: cut long sequences of GDN rounds of <= 8 sequences into segments of this many "
                         "chunks (TreeModel.gdn_segment_chunks), in both modes: same model, same options")
+    p.add_argument("--gdn-rows-in-kernels", action="store_true",
+                   help="opt-in: GDNKernelConfig(tree_rows_in_kernels=True), tree mode without gathers")
     p.add_argument("--no-fla", action="store_true", help="do not time the trajectory-wise step with fla's GDN")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON results here")
@@ -312,8 +314,10 @@ def main(argv=None) -> int:
     info = describe_device(device)
     config = model_config(args.tiny)
     start = time.perf_counter()
+    from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
+    gdn_config = GDNKernelConfig(tree_rows_in_kernels=True) if args.gdn_rows_in_kernels else None
     model = build_model(config, device, torch.bfloat16, seed=args.seed, checkpointing=True,
-                        gdn_segment_chunks=args.gdn_segment_chunks)
+                        gdn_segment_chunks=args.gdn_segment_chunks, gdn_config=gdn_config)
     print(f"device {info}\nmodel {'tiny-qwen3-next' if args.tiny else 'BENCH_MODEL'}: "
           f"{parameter_count(model) / 1e9:.3f}B parameters, {config.num_hidden_layers} layers "
           f"({config.layer_types.count('linear_attention')} GDN, {config.layer_types.count('full_attention')} "

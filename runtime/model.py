@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from harts_compiler.codegen.index import MicrobatchIndex
+from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
 from harts_compiler.codegen.kernels.chunk_gdn.function import triton_supports
 
 from .attention import GatedAttention
@@ -112,7 +113,8 @@ class TreeModel(nn.Module):
     """Exact tree-mode execution of a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM."""
 
     def __init__(self, config: ModelConfig, *, activation_checkpointing: bool = False,
-                 triton_linear_attention: bool = True, gdn_segment_chunks: int | None = None):
+                 triton_linear_attention: bool = True, gdn_segment_chunks: int | None = None,
+                 gdn_config: GDNKernelConfig | None = None):
         super().__init__()
         self.config = config
         self.activation_checkpointing = activation_checkpointing
@@ -125,6 +127,10 @@ class TreeModel(nn.Module):
         # state maps compose (codegen/kernels/chunk_gdn/segmented.py): shorter sequential scans for a long
         # shared prefix, at ~3x its token work; equal to the uncut rounds to rounding, not bit for bit
         self.gdn_segment_chunks = checked_segment_chunks(gdn_segment_chunks)
+        # launch configuration of the Triton GDN kernels (None: the defaults, tuned on the H200)
+        if gdn_config is not None and not isinstance(gdn_config, GDNKernelConfig):
+            raise TypeError(f"TreeModel: gdn_config must be a GDNKernelConfig or None, got {type(gdn_config).__name__}")
+        self.gdn_config = gdn_config
         self.model = TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -188,7 +194,7 @@ class TreeModel(nn.Module):
                       and dtype in (torch.bfloat16, torch.float16))
         gdn_triton = (use_triton and gdn_kernel is None
                       and triton_supports(dtype, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
-        linear_plan = plan_linear_rounds(index, use_triton=gdn_triton,
+        linear_plan = plan_linear_rounds(index, use_triton=gdn_triton, gdn_config=self.gdn_config,
                                          segment_chunks=None if gdn_kernel is not None else self.gdn_segment_chunks)
         ctx = ExecutionContext(index=index, linear_plan=linear_plan,
                                config=self.config, gdn_kernel=gdn_kernel, triton_linear_attention=use_triton)

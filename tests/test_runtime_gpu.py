@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
 from harts_compiler.runtime import TreeModel, trajectory_wise
 from test_runtime_helpers import naive_tree_index, random_rollout_batch
 
@@ -60,10 +61,12 @@ def _models():
             for dtype in (torch.float64, torch.float32, torch.bfloat16)}
 
 
-def _tree_flat_reference(dtype):
+def _tree_flat_reference(dtype, gdn_config=None):
     """(log-probs, gradients) of tree mode and trajectory-wise mode in `dtype`, and of an fp64 reference."""
     batch = _batch()
     models = _models()
+    if gdn_config is not None:
+        models[dtype] = TreeModel.from_config(GPU_CONFIG, seed=0, dtype=dtype, device="cuda", gdn_config=gdn_config)
     index = naive_tree_index(batch, chunk_size=64).to("cuda")
     weights = torch.randn(len(batch), max(map(len, batch)), device="cuda")
     reference = _run(models[torch.float64], batch, weights.double())
@@ -85,8 +88,10 @@ def test_tree_equals_trajectory_wise_fp32():
     assert _worst_grad(g_tree, g_ref) <= FP32_FACTOR * _worst_grad(g_flat, g_ref) + 1e-6
 
 
-def test_bf16_tree_error_within_trajectory_wise_error():
-    (lp_tree, g_tree), (lp_flat, g_flat), (lp_ref, g_ref) = _tree_flat_reference(torch.bfloat16)
+@pytest.mark.parametrize("gdn_config", [None, GDNKernelConfig(tree_rows_in_kernels=True)],
+                         ids=["default", "gdn-row-maps"])
+def test_bf16_tree_error_within_trajectory_wise_error(gdn_config):
+    (lp_tree, g_tree), (lp_flat, g_flat), (lp_ref, g_ref) = _tree_flat_reference(torch.bfloat16, gdn_config)
     tree_err, flat_err = _rel(lp_tree, lp_ref), _rel(lp_flat, lp_ref)
     tree_g, flat_g = _worst_grad(g_tree, g_ref), _worst_grad(g_flat, g_ref)
     print(f"bf16 vs fp64: logprobs tree {tree_err:.2e} / trajectory-wise {flat_err:.2e}; "

@@ -45,3 +45,12 @@ def test_segment_chunks_must_be_positive():
     with pytest.raises(ValueError, match="gdn_segment_chunks"):
         TreeModel.from_config("tiny-qwen3-next", gdn_segment_chunks=0)
 
+
+def test_gdn_config_must_be_a_kernel_config():
+    from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
+    from harts_compiler.runtime import TreeModel
+    with pytest.raises(TypeError, match="gdn_config"):
+        TreeModel.from_config("tiny-qwen3-next", gdn_config={"tree_rows_in_kernels": True})
+    model = TreeModel.from_config("tiny-qwen3-next", gdn_config=GDNKernelConfig(tree_rows_in_kernels=True))
+    assert model.gdn_config.tree_rows_in_kernels
+
