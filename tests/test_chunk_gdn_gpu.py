@@ -48,7 +48,8 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("config", [GDNKernelConfig(), GDNKernelConfig(scan_block_v=64, scan_min_programs=0, wy_bwd_warps=2),
+@pytest.mark.parametrize("config", [GDNKernelConfig(),
+                                    GDNKernelConfig(scan_block_v=64, scan_min_programs=0, wy_bwd_warps=2),
                                     GDNKernelConfig(wy_bwd_warps=8, scan_warps=4, wy_kkt_warps=2, scan_num_stages=3),
                                     GDNKernelConfig(bwd_qk_block_k=32, wy_kkt_block_k=32),
                                     GDNKernelConfig(many_seqs_scan_block_v=64, scan_many_programs=0)],

@@ -219,8 +219,9 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     dk_dtype = torch.float32 if hv != hk else k.dtype
 
     def dk_dv_dbeta_dg(n):
+        per_head = [torch.empty(n, hv, device=dev, dtype=torch.float32) for _ in range(2)]
         return (torch.empty(n, hv, kd, device=dev, dtype=dk_dtype), torch.empty(n, hv, vd, device=dev, dtype=v.dtype),
-                torch.empty(n, hv, device=dev, dtype=torch.float32), torch.empty(n, hv, device=dev, dtype=torch.float32))
+                *per_head)
     n_out = n_rows if rows is None else rows.num_tokens
     dq = torch.empty(n_out, hv, kd, device=dev, dtype=torch.float32)  # bf16 here made the qk kernel spill more
     out = dk_dv_dbeta_dg(n_out)

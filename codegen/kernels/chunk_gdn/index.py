@@ -36,7 +36,8 @@ class GDNKernelConfig:
     wy_bwd_warps: int = 4       # 8.68 vs 9.53 ms at 8 (12.49 at 2); no tl.trans, unlike fla's (GPU.md)
     # A round of few long sequences (a tree's shared prefix) gives the scans too few programs to fill the
     # GPU, and the scans are latency-bound per chunk: below `scan_min_programs` programs the scans use
-    # `few_seqs_scan_block_v` columns instead (0 = off). Column blocks are independent: tree == trajectory stayed bitwise on the H200.
+    # `few_seqs_scan_block_v` columns instead (0 = off). Column blocks are independent: tree == trajectory
+    # stayed bitwise on the H200.
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
     few_seqs_scan_block_v: int = 16
     # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
