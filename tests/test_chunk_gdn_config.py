@@ -4,16 +4,20 @@ import pytest
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
 
 
-def test_scan_columns_follow_the_program_count():
-    config = GDNKernelConfig()  # 32 columns; 16 below 264 programs; the many-sequence switch off
-    assert config.scan_block_v_for(num_seqs=8, value_heads=16, value_dim=128) == 32     # 512 programs
-    assert config.scan_block_v_for(num_seqs=4, value_heads=16, value_dim=128) == 16     # 256 < 264
-    assert config.scan_block_v_for(num_seqs=500, value_heads=16, value_dim=128) == 32
-    assert config.scan_block_v_for(num_seqs=1, value_heads=4, value_dim=8) == 8         # never above V
+def test_scan_launch_follows_the_program_count():
+    """(columns, warps, stages) of the scans for bf16 inputs at HV=16, V=128."""
+    config = GDNKernelConfig()  # 32 columns at 2 warps, 2 stages; 16 below 264 programs; many-sequence switch off
+    assert config.scan_launch_for(8, 16, 128, 2) == (32, 2, 2)      # 512 programs
+    assert config.scan_launch_for(4, 16, 128, 2) == (16, 2, 2)      # 256 < 264
+    assert config.scan_launch_for(500, 16, 128, 2) == (32, 2, 2)
+    assert config.scan_launch_for(1, 4, 8, 2)[0] == 8                # never above V
     many = GDNKernelConfig(many_seqs_scan_block_v=64, scan_many_programs=1024)
-    assert many.scan_block_v_for(num_seqs=32, value_heads=16, value_dim=128) == 64      # 1024 programs at 64
-    assert many.scan_block_v_for(num_seqs=31, value_heads=16, value_dim=128) == 32
-    assert many.scan_block_v_for(num_seqs=1, value_heads=16, value_dim=128) == 16
+    assert many.scan_launch_for(32, 16, 128, 2) == (64, 4, 1)       # 1024 programs at 64 columns
+    assert many.scan_launch_for(31, 16, 128, 2) == (32, 2, 2)
+    assert many.scan_launch_for(1, 16, 128, 2) == (16, 2, 2)
+    deep = GDNKernelConfig(many_seqs_scan_block_v=64, many_seqs_scan_stages=3)
+    assert deep.scan_launch_for(64, 16, 128, 2)[2] == 3
+    assert deep.scan_launch_for(64, 16, 128, 4)[2] == 1             # fp32 scans fit only at 1 stage
 
 
 def test_scan_stages_fit_shared_memory():

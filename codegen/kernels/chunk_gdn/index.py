@@ -41,10 +41,17 @@ class GDNKernelConfig:
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
     few_seqs_scan_block_v: int = 16
     # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
-    # (fwd) and 1.6x (bwd) faster than ours at 32 columns (H200, 2026-12-01). At or above
-    # `scan_many_programs` programs of `many_seqs_scan_block_v` columns the scans use those (0 = off);
-    # off until timed (`bench/gdn_kernels.py --sweep --lengths ...` of that batch).
+    # (fwd) and 1.6x (bwd) faster than ours (H200, 2026-12-01). Compiled offline (Triton 3.6, sm_90a), both
+    # have the same footprint per configuration, but at 4 warps the scans' dots become wgmma, which
+    # ours at 2 warps never use; 1 stage keeps shared memory at 16-40 KiB. At or above
+    # `scan_many_programs` programs of `many_seqs_scan_block_v` columns the scans launch with the
+    # many_seqs_* settings (block_v 0 = off; off until timed: `bench/gdn_kernels.py --agentic --sweep`).
+    # Caution: other warps can mean other dot instructions (wgmma) and summation orders, and a tree round
+    # and a trajectory-wise call of the same chunk may land on different sides of the threshold: enable it
+    # only if `bench/gdn.py` still prints tree == trajectory bitwise (DESIGN.md's alignment rule).
     many_seqs_scan_block_v: int = 0
+    many_seqs_scan_warps: int = 4
+    many_seqs_scan_stages: int = 1
     scan_many_programs: int = 1024
     scan_num_stages: int = 0      # 0 = by input dtype (scan_stages_for)
     # tree mode (tree.py): kernels read inputs / write outputs through the plan's row maps instead of
@@ -59,15 +66,18 @@ class GDNKernelConfig:
             raise ValueError(f"GDNKernelConfig.wy_kkt_block_k must be a power of two >= 16 (tl.dot, tl.arange), "
                              f"got {self.wy_kkt_block_k}")
 
-    def scan_block_v_for(self, num_seqs: int, value_heads: int, value_dim: int) -> int:
-        """State columns per scan program for a call with `num_seqs` sequences."""
-        block_v = min(self.scan_block_v, value_dim)
+    def scan_launch_for(self, num_seqs: int, value_heads: int, value_dim: int,
+                        element_size: int) -> tuple[int, int, int]:
+        """(state columns per program, warps, pipeline stages) of the two scans for a call with `num_seqs`
+        sequences of `element_size`-byte inputs."""
         many = min(self.many_seqs_scan_block_v, value_dim)
         if many and num_seqs * value_heads * (value_dim // many) >= self.scan_many_programs:
-            return many
+            stages = self.many_seqs_scan_stages if element_size <= 2 else 1  # fp32: see scan_stages_for
+            return many, self.many_seqs_scan_warps, stages
+        block_v = min(self.scan_block_v, value_dim)
         if num_seqs * value_heads * (value_dim // block_v) < self.scan_min_programs:
             block_v = min(self.few_seqs_scan_block_v, block_v)
-        return block_v
+        return block_v, self.scan_warps, self.scan_stages_for(element_size)
 
     def scan_stages_for(self, element_size: int) -> int:
         """Software-pipeline depth of the two state scans: `scan_num_stages`, or by input size (0). sm_90a

@@ -125,14 +125,14 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     hv, vd = do.shape[1], do.shape[2]
     first, count = seqs if seqs is not None else (0, index.num_seqs)
     cfg = index.config
-    bv = cfg.scan_block_v_for(count, hv, vd)
+    bv, warps, stages = cfg.scan_launch_for(count, hv, vd, k.element_size())
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
     if count:
         _state_bwd_kernel[(count * hv, vd // bv)](
             q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens[first:],
             index.seq_chunk_start[first:], index.chunk_export, *row_tables(index, rows), scale, HK=hk, HV=hv,
             K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
-            num_warps=cfg.scan_warps, num_stages=cfg.scan_stages_for(k.element_size()))
+            num_warps=warps, num_stages=stages)
     return dh0
 
 

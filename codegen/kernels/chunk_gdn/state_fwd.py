@@ -111,7 +111,7 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
     hv, vd = u.shape[1], u.shape[2]
     first, count = seqs if seqs is not None else (0, index.num_seqs)
     cfg = index.config
-    bv = cfg.scan_block_v_for(count, hv, vd)
+    bv, warps, stages = cfg.scan_launch_for(count, hv, vd, k.element_size())
     if out is None:
         out = (torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype), torch.empty_like(u),
                torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32))
@@ -121,7 +121,7 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
             k, w, u, gc, initial_state, h, v_new, bank, index.cu_seqlens[first:], index.seq_chunk_start[first:],
             index.chunk_export, row_tables(index, rows)[0], HK=hk, HV=hv, K=kd, V=vd,
             BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
-            num_warps=cfg.scan_warps, num_stages=cfg.scan_stages_for(k.element_size()))
+            num_warps=warps, num_stages=stages)
     return h, v_new, bank
 
 
