@@ -207,7 +207,9 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale: float, plan: TreeGDNPlan):
         index, rows = plan.index, plan.rows
-        if not plan.compact_io:
+        if plan.compact_io:  # the kernels assume dense rows; the runtime's v is a split view of one projection
+            q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        else:  # the gathers write dense copies
             q, k, v, g, beta = (x.index_select(0, plan.row_src) for x in (q, k, v, g, beta))
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
         gc, T, w, u = wy_fwd(k, v, g, beta, index, rows)
@@ -243,22 +245,24 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             if rnd.start_slots.numel():  # the slots are distinct: a plain indexed add
                 bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
         dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
-        per_token = (dq, dk, dv, dg, dbeta)  # compact with row maps, else per packed row
+        names = ("q", "k", "v", "g", "beta")  # the order of ctx.dtypes and of the returned gradients
+        per_token = dict(zip(names, (dq, dk, dv, dg, dbeta)))  # compact with row maps, else per packed row
+        replayed = dict(zip(("k", "v", "beta", "g"), side[0])) if side else per_token  # side: by replay slot
         hk = q.shape[1]
         compact = []
-        for i, dtype in enumerate(ctx.dtypes):
-            grad = _group_sum(per_token[i], hk) if i < 2 else per_token[i]
+        for name, dtype in zip(names, ctx.dtypes):
+            per_key_head = name in ("q", "k")
+            grad = _group_sum(per_token[name], hk) if per_key_head else per_token[name]
             if not plan.compact_io:
                 grad = grad.index_select(0, plan.own_pick)
             # own row + the replays' sum, in fp32, rounded once; a replayed row's dq is exactly 0 (its do is 0)
-            if plan.replay_dst.numel() and i > 0:
-                if rows is not None:  # side slots are the replayed rows grouped by token
-                    side_dk, side_dv, side_dbeta, side_dg = side[0]
-                    replayed = (None, side_dk, side_dv, side_dg, side_dbeta)[i].float()
-                    extra = torch.segment_reduce(replayed, "sum", lengths=plan.replay_counts, axis=0, unsafe=True)
+            if plan.replay_dst.numel() and name != "q":
+                if side:  # side slots are the replayed rows grouped by token
+                    extra = torch.segment_reduce(replayed[name].float(), "sum", lengths=plan.replay_counts, axis=0,
+                                                 unsafe=True)
                 else:
-                    extra = _group_sums(per_token[i], plan.replay_rows, plan.replay_counts)
-                extra = _group_sum(extra, hk) if i < 2 else extra
+                    extra = _group_sums(replayed[name], plan.replay_rows, plan.replay_counts)
+                extra = _group_sum(extra, hk) if per_key_head else extra
                 dst = plan.replay_dst
                 grad[dst] = (grad[dst].float() + extra).to(grad.dtype)
             compact.append(grad.to(dtype))
@@ -288,7 +292,4 @@ def tree_gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, 
                                      use_qk_l2norm=use_qk_l2norm).to(v.dtype)
     if use_qk_l2norm:  # on compact tokens: each once, and the replays gather the normalised rows
         q, k = l2norm_fused(q), l2norm_fused(k)
-    # the kernels assume dense rows; without a gather (identity layout, row maps) nothing else copies them
-    # (the runtime's v is a split view of one projection)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     return TreeGatedDeltaRuleFunction.apply(q, k, v, g, beta, float(scale), plan)

@@ -71,9 +71,9 @@ def _store_inverse(T, row0, row_end, i_h, b_t00, b_t10, b_t11, b_t20, b_t21, b_t
 
 
 @triton.jit
-def _sub_gate_cumsum(g, gc, row_src, row0, row_end, sub, b_carry, i_h, HV: tl.constexpr, GATHER: tl.constexpr):
-    """Gate cumsum over rows sub*16 .. sub*16+15 of a chunk, continuing from `b_carry` (the sum of the rows
-    before them); stores it. Returns (gc [16] fp32, mask of valid rows [16], their input rows [16], carry
+def _sub_block(g, beta, gc, row_src, row0, row_end, sub, b_carry, i_h, HV: tl.constexpr, GATHER: tl.constexpr):
+    """Rows sub*16 .. sub*16+15 of a chunk: their gate cumsum continuing from `b_carry` (the sum of the rows
+    before them), stored. Returns (gc [16] fp32, beta [16] fp32, mask of valid rows, their input rows, carry
     after these rows)."""
     rows = row0 + sub * 16 + tl.arange(0, 16)
     m = rows < row_end
@@ -81,7 +81,8 @@ def _sub_gate_cumsum(g, gc, row_src, row0, row_end, sub, b_carry, i_h, HV: tl.co
     b_g = tl.load(g + src * HV + i_h, mask=m, other=0.0).to(tl.float32)
     b_gc = b_carry + tl.cumsum(b_g, 0)
     tl.store(gc + rows * HV + i_h, b_gc, mask=m)
-    return b_gc, m, src, b_carry + tl.sum(b_g, 0)
+    b_b = tl.load(beta + src * HV + i_h, mask=m, other=0.0).to(tl.float32)
+    return b_gc, b_b, m, src, b_carry + tl.sum(b_g, 0)
 
 
 @triton.jit
@@ -117,10 +118,10 @@ def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_
     i_hk = i_h // (HV // HK)
     row0 = tl.load(chunk_row_start + i_c)
     row_end = tl.load(chunk_row_end + i_c)
-    b_gc0, m0, s0, b_carry = _sub_gate_cumsum(g, gc, row_src, row0, row_end, 0, 0.0, i_h, HV, GATHER)
-    b_gc1, m1, s1, b_carry = _sub_gate_cumsum(g, gc, row_src, row0, row_end, 1, b_carry, i_h, HV, GATHER)
-    b_gc2, m2, s2, b_carry = _sub_gate_cumsum(g, gc, row_src, row0, row_end, 2, b_carry, i_h, HV, GATHER)
-    b_gc3, m3, s3, b_carry = _sub_gate_cumsum(g, gc, row_src, row0, row_end, 3, b_carry, i_h, HV, GATHER)
+    b_gc0, b_b0, m0, s0, b_carry = _sub_block(g, beta, gc, row_src, row0, row_end, 0, 0.0, i_h, HV, GATHER)
+    b_gc1, b_b1, m1, s1, b_carry = _sub_block(g, beta, gc, row_src, row0, row_end, 1, b_carry, i_h, HV, GATHER)
+    b_gc2, b_b2, m2, s2, b_carry = _sub_block(g, beta, gc, row_src, row0, row_end, 2, b_carry, i_h, HV, GATHER)
+    b_gc3, b_b3, m3, s3, b_carry = _sub_block(g, beta, gc, row_src, row0, row_end, 3, b_carry, i_h, HV, GATHER)
 
     b_a00 = tl.zeros([16, 16], dtype=tl.float32)
     b_a10 = tl.zeros([16, 16], dtype=tl.float32)
@@ -151,10 +152,6 @@ def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_
         b_a32 = tl.dot(b_k3, b_kt2, b_a32)
         b_a33 = tl.dot(b_k3, tl.trans(b_k3), b_a33)
 
-    b_b0 = tl.load(beta + s0 * HV + i_h, mask=m0, other=0.0).to(tl.float32)
-    b_b1 = tl.load(beta + s1 * HV + i_h, mask=m1, other=0.0).to(tl.float32)
-    b_b2 = tl.load(beta + s2 * HV + i_h, mask=m2, other=0.0).to(tl.float32)
-    b_b3 = tl.load(beta + s3 * HV + i_h, mask=m3, other=0.0).to(tl.float32)
     b_t00 = _inverse_unit_lower16(_decay_block(b_a00, b_gc0, b_gc0, b_b0, True))
     b_t11 = _inverse_unit_lower16(_decay_block(b_a11, b_gc1, b_gc1, b_b1, True))
     b_t22 = _inverse_unit_lower16(_decay_block(b_a22, b_gc2, b_gc2, b_b2, True))
