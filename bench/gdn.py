@@ -146,6 +146,15 @@ def timed(fn, leaves, outputs_grad):
     return kernel_ms(step, CUDA, rep_ms=300, warmup_ms=50)
 
 
+# launch configurations timed with --variants, each against the default in the same run
+VARIANTS = [("row maps in kernels", GDNKernelConfig(tree_rows_in_kernels=True)),
+            ("many-seq scans BV32", GDNKernelConfig(many_seqs_scan_block_v=32)),
+            ("many-seq scans BV64", GDNKernelConfig(many_seqs_scan_block_v=64)),
+            ("row maps + many-seq BV32", GDNKernelConfig(tree_rows_in_kernels=True, many_seqs_scan_block_v=32)),
+            ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
+            ("scans at 4 warps", GDNKernelConfig(scan_warps=4))]
+
+
 def bench_trees(fla, log, config: GDNKernelConfig, label: str, only: list[str] | None = None):
     """Tree mode as the runtime runs it (every round in one Function, tree.py), next to the earlier path of
     one chunk_gated_delta_rule call per round with autograd gathers between them ('per round')."""
@@ -265,8 +274,10 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     fla = None if args.no_fla else load_fla()
     log: list[dict] = []
+    configs = [("default", GDNKernelConfig())] + (VARIANTS if args.variants else [])
     if args.trees_only is not None:
-        bench_trees(fla, log, GDNKernelConfig(), "default", only=args.trees_only)
+        for label, cfg in configs:
+            bench_trees(fla if label == "default" else None, log, cfg, label, only=args.trees_only)
         return
     summary = {}
     # cheapest and most telling first: a GPU session may end before the script does
@@ -275,13 +286,6 @@ def main():
         summary["check_ok[exports]"] = check_against_reference(fla, log, only_exports=True)[0]
         summary["tree_bitwise"] = check_tree_bitwise(log)
     stage_breakdown(fla, log)
-    configs = [("default", GDNKernelConfig())]
-    if args.variants:
-        configs += [("row maps in kernels", GDNKernelConfig(tree_rows_in_kernels=True)),
-                    ("many-seq scans BV64", GDNKernelConfig(many_seqs_scan_block_v=64)),
-                    ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
-                    ("bwd qk BK32", GDNKernelConfig(bwd_qk_block_k=32)),
-                    ("scans at 4 warps", GDNKernelConfig(scan_warps=4))]
     summary["default"] = bench_trees(fla, log, configs[0][1], "default")
     profile_section(log)  # where the tree step's time goes, kernel by kernel
     if not args.skip_check:
