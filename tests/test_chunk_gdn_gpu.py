@@ -55,7 +55,7 @@ def rel(a, b):
                                     GDNKernelConfig(many_seqs_scan_block_v=64, scan_many_programs=0),
                                     GDNKernelConfig(many_seqs_scan_block_v=32, scan_many_programs=0)],
                          ids=["default", "scan-bv64-wybwd-2w", "wybwd-8w-scans-4w-3st-kkt-2w", "qk-bk32-kkt-bk32",
-                              "many-seqs-bv64"])
+                              "many-seqs-bv64", "many-seqs-bv32"])
 def test_bf16_matches_fp32_reference(config):
     lengths = [2000, 1, 64, 63, 1300, 2500]
     tensors, cu = make_inputs(lengths, hk=8, hv=16)
