@@ -85,8 +85,9 @@ def parse_args(argv):
     p.add_argument("--gdn-segment-chunks", type=int, default=None,
                    help="opt-in: cut long sequences of GDN rounds of <= 8 sequences into segments of this many "
                         "chunks (TreeModel.gdn_segment_chunks), in both modes: same model, same options")
-    p.add_argument("--gdn-rows-in-kernels", action="store_true",
-                   help="opt-in: GDNKernelConfig(tree_rows_in_kernels=True), tree mode without gathers")
+    p.add_argument("--gdn-gathers", action="store_true",
+                   help="GDNKernelConfig(tree_rows_in_kernels=False): tree mode gathers its packed layout "
+                        "instead of the kernels reading through row maps (the default)")
     p.add_argument("--no-fla", action="store_true", help="do not time the trajectory-wise step with fla's GDN")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON results here")
@@ -315,7 +316,7 @@ def main(argv=None) -> int:
     config = model_config(args.tiny)
     start = time.perf_counter()
     from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
-    gdn_config = GDNKernelConfig(tree_rows_in_kernels=True) if args.gdn_rows_in_kernels else None
+    gdn_config = GDNKernelConfig(tree_rows_in_kernels=False) if args.gdn_gathers else None
     model = build_model(config, device, torch.bfloat16, seed=args.seed, checkpointing=True,
                         gdn_segment_chunks=args.gdn_segment_chunks, gdn_config=gdn_config)
     print(f"device {info}\nmodel {'tiny-qwen3-next' if args.tiny else 'BENCH_MODEL'}: "

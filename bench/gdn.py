@@ -146,22 +146,27 @@ def timed(fn, leaves, outputs_grad):
     return kernel_ms(step, CUDA, rep_ms=300, warmup_ms=50)
 
 
+def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
+    """(name, trees) of the anchors and the agentic batch, those whose names contain a word of `only`."""
+    cases = [(f"P{p} B{b} L{l}", [(p, b, l)]) for p, b, l in ANCHORS] + [("agentic 6 trees", agentic_trees())]
+    return [case for case in cases if not only or any(word in case[0] for word in only)]
+
+
 # launch configurations timed with --variants, each against the default in the same run
-VARIANTS = [("row maps in kernels", GDNKernelConfig(tree_rows_in_kernels=True)),
-            ("many-seq scans BV32", GDNKernelConfig(many_seqs_scan_block_v=32)),
-            ("many-seq scans BV64", GDNKernelConfig(many_seqs_scan_block_v=64)),
-            ("row maps + many-seq BV32", GDNKernelConfig(tree_rows_in_kernels=True, many_seqs_scan_block_v=32)),
-            ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
-            ("scans at 4 warps", GDNKernelConfig(scan_warps=4))]
+VARIANTS = [("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
+            ("many-seq BV64", GDNKernelConfig(many_seqs_scan_block_v=64)),
+            ("many-seq BV64 2 stages", GDNKernelConfig(many_seqs_scan_block_v=64, many_seqs_scan_stages=2)),
+            ("many-seq BV64 8 warps", GDNKernelConfig(many_seqs_scan_block_v=64, many_seqs_scan_warps=8)),
+            ("many-seq BV64 from 512", GDNKernelConfig(many_seqs_scan_block_v=64, scan_many_programs=512)),
+            ("many-seq BV64 from 264", GDNKernelConfig(many_seqs_scan_block_v=64, scan_many_programs=264)),
+            ("many-seq BV32", GDNKernelConfig(many_seqs_scan_block_v=32))]
 
 
 def bench_trees(fla, log, config: GDNKernelConfig, label: str, only: list[str] | None = None):
     """Tree mode as the runtime runs it (every round in one Function, tree.py), next to the earlier path of
     one chunk_gated_delta_rule call per round with autograd gathers between them ('per round')."""
     print(f"\n== fwd+bwd ms, bf16 H16 K=V=128, l2norm in kernel [{label}] ==")
-    agentic = agentic_trees()
-    cases = [(f"P{p} B{b} L{l}", [(p, b, l)]) for p, b, l in ANCHORS] + [("agentic 6 trees", agentic)]
-    cases = [case for case in cases if not only or any(word in case[0] for word in only)]
+    cases = tree_cases(only)
     print(f"{'case':18s} {'traj tok':>9s} {'compact':>8s} {'ideal':>6s} {'ours traj':>9s} {'fla traj':>9s} "
           f"{'fla/ours':>8s} {'ours tree':>9s} {'speedup':>7s} {'of ideal':>8s} {'per round':>9s} {'of ideal':>8s}"
           f" {'bitwise':>7s}")
@@ -267,6 +272,8 @@ def main():
     parser.add_argument("--variants", action="store_true", help="also time other launch configurations")
     parser.add_argument("--no-fla", action="store_true", help="skip fla (saves its ~1-2 min of autotuning)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--profile", action="store_true",
+                        help="with --trees-only: device ms per kernel of the first selected case, per config")
     parser.add_argument("--trees-only", nargs="*", metavar="CASE",
                         help="only the tree timings, of the cases whose names contain one of these words")
     args = parser.parse_args()
@@ -278,6 +285,10 @@ def main():
     if args.trees_only is not None:
         for label, cfg in configs:
             bench_trees(fla if label == "default" else None, log, cfg, label, only=args.trees_only)
+            if args.profile:
+                name, trees = tree_cases(args.trees_only)[0]
+                print(f"[{label}] {name}")
+                profile_section(log, trees=trees, config=cfg)
         return
     summary = {}
     # cheapest and most telling first: a GPU session may end before the script does

@@ -88,8 +88,8 @@ def test_tree_equals_trajectory_wise_fp32():
     assert _worst_grad(g_tree, g_ref) <= FP32_FACTOR * _worst_grad(g_flat, g_ref) + 1e-6
 
 
-@pytest.mark.parametrize("gdn_config", [None, GDNKernelConfig(tree_rows_in_kernels=True)],
-                         ids=["default", "gdn-row-maps"])
+@pytest.mark.parametrize("gdn_config", [None, GDNKernelConfig(tree_rows_in_kernels=False)],
+                         ids=["default", "gdn-gathers"])
 def test_bf16_tree_error_within_trajectory_wise_error(gdn_config):
     (lp_tree, g_tree), (lp_flat, g_flat), (lp_ref, g_ref) = _tree_flat_reference(torch.bfloat16, gdn_config)
     tree_err, flat_err = _rel(lp_tree, lp_ref), _rel(lp_flat, lp_ref)

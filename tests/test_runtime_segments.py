@@ -51,6 +51,6 @@ def test_gdn_config_must_be_a_kernel_config():
     from harts_compiler.runtime import TreeModel
     with pytest.raises(TypeError, match="gdn_config"):
         TreeModel.from_config("tiny-qwen3-next", gdn_config={"tree_rows_in_kernels": True})
-    model = TreeModel.from_config("tiny-qwen3-next", gdn_config=GDNKernelConfig(tree_rows_in_kernels=True))
-    assert model.gdn_config.tree_rows_in_kernels
+    model = TreeModel.from_config("tiny-qwen3-next", gdn_config=GDNKernelConfig(tree_rows_in_kernels=False))
+    assert not model.gdn_config.tree_rows_in_kernels
 
