@@ -154,12 +154,10 @@ def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
 
 # launch configurations timed with --variants, each against the default in the same run
 VARIANTS = [("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
-            ("many-seq BV64", GDNKernelConfig(many_seqs_scan_block_v=64)),
-            ("many-seq BV64 2 stages", GDNKernelConfig(many_seqs_scan_block_v=64, many_seqs_scan_stages=2)),
-            ("many-seq BV64 8 warps", GDNKernelConfig(many_seqs_scan_block_v=64, many_seqs_scan_warps=8)),
-            ("many-seq BV64 from 512", GDNKernelConfig(many_seqs_scan_block_v=64, scan_many_programs=512)),
-            ("many-seq BV64 from 264", GDNKernelConfig(many_seqs_scan_block_v=64, scan_many_programs=264)),
-            ("many-seq BV32", GDNKernelConfig(many_seqs_scan_block_v=32))]
+            ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
+            ("many-seq scans off", GDNKernelConfig(many_seqs_scan_block_v=0)),
+            ("many-seq scans 1 stage", GDNKernelConfig(many_seqs_scan_stages=1)),
+            ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64))]
 
 
 def bench_trees(fla, log, config: GDNKernelConfig, label: str, only: list[str] | None = None):

@@ -21,14 +21,12 @@ from gdn_profile import compare
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
 
 # GDNKernelConfig changes timed with --sweep (each against the default in the same run)
-CANDIDATE = dict(many_seqs_scan_block_v=32)  # 4 warps, 1 stage (wgmma) once the scans fill the GPU
+CANDIDATE = dict(many_seqs_scan_block_v=0)  # the scans without the many-sequence launch
 SWEEP = [dict(scan_warps=4), dict(scan_num_stages=3), dict(scan_num_stages=1), dict(scan_warps=4, scan_num_stages=1),
          dict(wy_kkt_warps=2), dict(bwd_block_v=32), dict(out_warps=8), dict(dv_local_warps=4),
          dict(bwd_qk_warps=4, bwd_qk_block_k=64), dict(few_seqs_scan_block_v=32),
-         dict(many_seqs_scan_block_v=64), dict(many_seqs_scan_block_v=64, many_seqs_scan_stages=2),
-         dict(many_seqs_scan_block_v=32, many_seqs_scan_stages=2),
-         dict(many_seqs_scan_block_v=32, many_seqs_scan_warps=2),
-         dict(many_seqs_scan_block_v=32, scan_many_programs=512)]
+         dict(many_seqs_scan_stages=1), dict(many_seqs_scan_stages=3), dict(many_seqs_scan_block_v=32),
+         dict(many_seqs_scan_warps=8), dict(scan_many_programs=512)]
 
 
 def main():

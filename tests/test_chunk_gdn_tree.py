@@ -169,6 +169,34 @@ def test_aligned_branch_points_skip_the_gathers():
         assert_close(a, b, name_)
 
 
+def test_independent_trees_scan_on_lanes():
+    """Three trees, their branch points off chunk boundaries: each tree's scans form one lane (a CUDA stream on
+    the GPU; in order under the interpreter), and the results equal one launch per round bit for bit, every
+    gradient included."""
+    plan2 = two_level_plan([(150, 3, 40), (70, 2, 90), (100, 4, 20)], device=DEVICE)
+    specs = two_level_round_specs(plan2)
+    kw = dict(scale=0.3, use_qk_l2norm=True)
+    plans = {lanes: plan_tree_gdn(specs, plan2.compact_rows, chunk_size=C, device=DEVICE,
+                                  config=GDNKernelConfig(tree_scan_lanes=lanes)) for lanes in (1, 2, 8)}
+    assert [len(plans[n].rounds) for n in (1, 2, 8)] == [2, 4, 6] and plans[8].num_lanes == 3
+    by_lane = {}
+    for launch in plans[8].rounds:  # each lane: its tree's root, then that tree's branches
+        by_lane.setdefault(launch.lane, []).append(launch.num_seqs)
+    assert sorted(by_lane.values()) == [[1, 2], [1, 3], [1, 4]]
+    assert all(launch.round_seqs == (3 if launch.num_seqs == 1 else 9) for launch in plans[8].rounds)
+    tensors = inputs(plan2.compact_rows, seed=6)
+    weights = torch.randn(plan2.compact_rows, 2, DIM, generator=torch.Generator().manual_seed(7),
+                          dtype=torch.float64).to(DEVICE)
+    results = {n: run(lambda *x: tree_gated_delta_rule(*x, plan=plan, **kw), tensors, weights)
+               for n, plan in plans.items()}
+    for n in (2, 8):
+        assert all(torch.equal(a, b) for a, b in zip(results[n], results[1])), f"{n} lanes differ from one"
+    rounds = run(lambda *x: run_tree(chunk_gated_delta_rule, plan2, *x, **kw), tensors, weights)
+    assert torch.equal(results[8][0], rounds[0]), "outputs differ from one Triton call per round"
+    with pytest.raises(ValueError, match="tree_scan_lanes"):
+        GDNKernelConfig(tree_scan_lanes=0)
+
+
 def test_bad_plans_are_named():
     ok = dict(cu_seqlens=np.array([0, 4]), row_src=np.arange(4), own_rows=np.arange(4), own_dst=np.arange(4),
               init_state=np.array([-1]), export_seq=np.zeros(0, np.int64), export_offset=np.zeros(0, np.int64),

@@ -41,28 +41,31 @@ class GDNKernelConfig:
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
     few_seqs_scan_block_v: int = 16
     # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
-    # (fwd) and 1.6x (bwd) faster than ours (H200, 2026-12-01). Compiled offline (Triton 3.6, sm_90a), both
-    # have the same footprint per configuration, but at 4 warps the scans' dots become wgmma, which
-    # ours at 2 warps never use; 1 stage keeps shared memory at 16-40 KiB. At or above
+    # (fwd) and 1.6x (bwd) faster than ours at 32 columns and 2 warps (H200, 2026-12-01). At or above
     # `scan_many_programs` programs of `many_seqs_scan_block_v` columns the scans launch with the
-    # many_seqs_* settings (block_v 0 = off; off until timed: `bench/gdn_kernels.py --agentic --sweep`).
-    # Caution: other warps can mean other dot instructions (wgmma) and summation orders, and a tree round
-    # and a trajectory-wise call of the same chunk may land on different sides of the threshold: enable it
-    # only if `bench/gdn.py` still prints tree == trajectory bitwise (DESIGN.md's alignment rule).
-    many_seqs_scan_block_v: int = 0
+    # many_seqs_* settings (block_v 0 = off). At 4 warps the dots compile to wgmma (offline, sm_90a).
+    # Timed on that batch (`bench/gdn.py --variants`, H200 2026-12-01): trajectory-wise fwd+bwd 23.28 ms
+    # -> 20.49 ms at 64 columns, 4 warps, 2 stages (1 stage 20.71, 8 warps 22.74, 32 columns 23.77);
+    # tree == trajectory-wise stayed bitwise (a tree round and a trajectory call may launch differently).
+    many_seqs_scan_block_v: int = 64
     many_seqs_scan_warps: int = 4
-    many_seqs_scan_stages: int = 1
+    many_seqs_scan_stages: int = 2
     scan_many_programs: int = 1024
     scan_num_stages: int = 0      # 0 = by input dtype (scan_stages_for)
     # tree mode (tree.py): kernels read inputs / write outputs through the plan's row maps instead of
     # gathered copies (agentic batch of bench/gdn.py: 11.68 vs 12.37 ms, 82% vs 77% of ideal, H200
     # 2026-12-01, bitwise equal to trajectory-wise); False = the gathered path
     tree_rows_in_kernels: bool = True
+    # tree mode: the scans of independent trees (components of the state hand-offs) run on up to this many
+    # CUDA streams, so a tree's branches start when its own root is scanned; 1 = one launch per round
+    tree_scan_lanes: int = 8
 
     def __post_init__(self):
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
             raise ValueError(f"GDNKernelConfig.bwd_qk_block_k must be 0 or a power of two >= 16 (tl.dot, "
                              f"tl.arange), got {self.bwd_qk_block_k}")
+        if self.tree_scan_lanes < 1:
+            raise ValueError(f"GDNKernelConfig.tree_scan_lanes must be >= 1, got {self.tree_scan_lanes}")
         if self.wy_kkt_block_k < 16 or self.wy_kkt_block_k & (self.wy_kkt_block_k - 1):
             raise ValueError(f"GDNKernelConfig.wy_kkt_block_k must be a power of two >= 16 (tl.dot, tl.arange), "
                              f"got {self.wy_kkt_block_k}")

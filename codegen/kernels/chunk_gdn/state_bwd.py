@@ -117,15 +117,16 @@ def dv_local_bwd(q, k, gc, do, scale, index, rows=None):
 
 
 def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, *,
-                   seqs: tuple[int, int] | None = None, rows=None):
+                   seqs: tuple[int, int] | None = None, rows=None, launch_seqs: int | None = None):
     """The reverse scan of sequences `seqs` = (first, count) of `index` (default: all) into the shared dh
     [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32.
-    `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and `rows.own`."""
+    `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and `rows.own`.
+    `launch_seqs`: as in state_fwd."""
     _, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
     first, count = seqs if seqs is not None else (0, index.num_seqs)
     cfg = index.config
-    bv, warps, stages = cfg.scan_launch_for(count, hv, vd, k.element_size())
+    bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size())
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
     if count:
         _state_bwd_kernel[(count * hv, vd // bv)](

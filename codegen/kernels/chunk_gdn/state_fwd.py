@@ -99,19 +99,22 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_sr
     tl.store(o + (out_rows[:, None] * HV + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_out[:, None])
 
 
-def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None = None, out=None, rows=None):
+def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None = None, out=None, rows=None,
+              launch_seqs: int | None = None):
     """Returns h [NC, HV, K, V] (k's dtype), v_new [R, HV, V] (u's dtype), bank [slots, HV, K, V] fp32.
 
     `seqs` = (first, count): scan only those sequences of `index`, whose initial states `initial_state`
     holds, into `out` = (h, v_new, bank) shared by the calls of a multi-round tree (tree.py); the
     programs read the sequence tables from `first` on, so each chunk runs exactly as in a whole call.
-    `rows` (index.PackedRows): k is compact and read through `rows.src`.
+    `rows` (index.PackedRows): k is compact and read through `rows.src`. `launch_seqs`: the sequence count
+    the launch configuration is chosen for (default: count; tree.py passes its round's, whose lanes run
+    side by side).
     """
     _, hk, kd = k.shape
     hv, vd = u.shape[1], u.shape[2]
     first, count = seqs if seqs is not None else (0, index.num_seqs)
     cfg = index.config
-    bv, warps, stages = cfg.scan_launch_for(count, hv, vd, k.element_size())
+    bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size())
     if out is None:
         out = (torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype), torch.empty_like(u),
                torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32))

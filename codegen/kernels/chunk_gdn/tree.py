@@ -28,6 +28,7 @@ row that several sequences replay) are taken in a fixed order: results are deter
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -60,8 +61,11 @@ class TreeRoundSpec:
 
 @dataclasses.dataclass(frozen=True)
 class _RoundLaunch:
+    """The scans of one round's sequences [first_seq, first_seq + num_seqs) that belong to one lane."""
     first_seq: int
     num_seqs: int
+    lane: int                      # CUDA stream (of `TreeGDNPlan.num_lanes`) the launch runs on
+    round_seqs: int                # sequences of the whole round: what the launch configuration is chosen for
     init_row: torch.Tensor        # [N] row of the bank (with the zero state at row 0) each sequence starts from
     start_slots: torch.Tensor      # [U] bank slots this round's sequences start from (distinct)
     start_seqs: torch.Tensor   # [N'] the sequences that start from a bank state, grouped by slot ...
@@ -79,7 +83,8 @@ class TreeGDNPlan:
     replay_dst: torch.Tensor       # [D] compact tokens that other packed rows replay (distinct)
     replay_rows: torch.Tensor      # [D'] the replaying rows, grouped by token, in row order ...
     replay_counts: torch.Tensor    # [D] ... how many replay each token
-    rounds: tuple[_RoundLaunch, ...]
+    rounds: tuple[_RoundLaunch, ...]  # in round order; a round of several lanes has one launch per lane run
+    num_lanes: int = 1
     # packed rows == compact tokens, in order (no replay: every branch point on a chunk boundary). The
     # gathers into and out of the packed layout are then identities and are skipped: on GPU.md's anchor
     # trees they were 0.9 of the tree step's 4.9 ms (H200, 2026-11-30).
@@ -158,7 +163,8 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
     def as_long(a):
         return torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64), device=device)
 
-    launches, seq_base, exported = [], 0, set()
+    exporter = dict(zip(export_bank, export_seq))  # bank id -> the sequence that exported it
+    round_slots, parent, seq_base, exported = [], [], 0, set()
     for r, rnd in enumerate(rounds):
         n = len(rnd.cu_seqlens) - 1
         init = np.asarray(rnd.init_state, dtype=np.int64)
@@ -169,13 +175,23 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         if late:
             raise ValueError(f"tree GDN plan: rounds[{r}].init_state: bank id {late[0]} is exported by no "
                              "earlier round")
-        slots = np.array([slot_of_bank[int(b)] if b >= 0 else -1 for b in init], dtype=np.int64)
-        starts = np.flatnonzero(slots >= 0)
-        distinct, children, counts = _groups(slots[starts], starts)
-        launches.append(_RoundLaunch(first_seq=seq_base, num_seqs=n, init_row=as_long(slots + 1),
-                                     start_slots=as_long(distinct), start_seqs=as_long(children),
-                                     start_counts=as_long(counts)))
+        round_slots.append(np.array([slot_of_bank[int(b)] if b >= 0 else -1 for b in init], dtype=np.int64))
+        parent.extend(exporter[int(b)] if b >= 0 else -1 for b in init)
         exported.update(int(b) for b in rnd.export_bank)
+        seq_base += n
+    lane, num_lanes = _lanes(seq_base, np.diff(np.asarray(bounds)), np.asarray(parent, dtype=np.int64),
+                             index.config.tree_scan_lanes)
+    launches, seq_base = [], 0
+    for slots in round_slots:
+        n = slots.size
+        for start, stop in _runs(lane[seq_base:seq_base + n]):
+            run_slots = slots[start:stop]
+            starts = np.flatnonzero(run_slots >= 0)
+            distinct, children, counts = _groups(run_slots[starts], starts)
+            launches.append(_RoundLaunch(first_seq=seq_base + start, num_seqs=stop - start,
+                                         lane=int(lane[seq_base + start]), round_seqs=n,
+                                         init_row=as_long(run_slots + 1), start_slots=as_long(distinct),
+                                         start_seqs=as_long(children), start_counts=as_long(counts)))
         seq_base += n
     src_all = np.concatenate(row_src) if row_src else np.zeros(0, np.int64)
     replay = np.setdiff1d(np.arange(src_all.size), own_pick, assume_unique=True)
@@ -191,8 +207,38 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
                           num_replays=int(replay_rows.size))
     return TreeGDNPlan(num_tokens=num_tokens, index=index, row_src=as_long(src_all), own_pick=as_long(own_pick),
                        replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
-                       replay_counts=as_long(replay_counts), rounds=tuple(launches), identity_layout=identity,
-                       rows=rows)
+                       replay_counts=as_long(replay_counts), rounds=tuple(launches), num_lanes=num_lanes,
+                       identity_layout=identity, rows=rows)
+
+
+def _lanes(num_seqs: int, seq_rows: np.ndarray, parent: np.ndarray, max_lanes: int) -> tuple[np.ndarray, int]:
+    """Lane of each sequence and the number of lanes. Sequences linked by a state hand-off (`parent`: the
+    sequence that exported the state a sequence starts from, -1 = none) form one component (in practice
+    one tree); components go to at most `max_lanes` lanes, largest first onto the least loaded. A lane's
+    scans run in round order on its own stream, so a tree's branches start when its own root is done,
+    not when the longest root of the microbatch is. O(N log N)."""
+    root = np.arange(num_seqs)
+    for s in range(num_seqs):  # parents precede children (earlier rounds): one pass resolves the roots
+        if parent[s] >= 0:
+            root[s] = root[parent[s]]
+    comps, comp_of = np.unique(root, return_inverse=True)
+    num_lanes = max(1, min(max_lanes, comps.size))
+    if num_lanes == 1:
+        return np.zeros(num_seqs, dtype=np.int64), 1
+    load = np.zeros(num_lanes, dtype=np.int64)
+    lane_of_comp = np.empty(comps.size, dtype=np.int64)
+    comp_rows = np.bincount(comp_of, weights=seq_rows, minlength=comps.size)
+    for c in np.argsort(-comp_rows, kind="stable"):
+        lane_of_comp[c] = int(np.argmin(load))
+        load[lane_of_comp[c]] += comp_rows[c]
+    return lane_of_comp[comp_of], num_lanes
+
+
+def _runs(values: np.ndarray):
+    """(start, stop) of the maximal runs of equal values."""
+    cuts = np.flatnonzero(np.diff(values)) + 1
+    edges = np.r_[0, cuts, values.size]
+    return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
 
 
 def _group_sums(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -200,6 +246,33 @@ def _group_sums(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> to
     group's rows in order in one thread per output element (no atomics): deterministic, and unlike a
     padded [U, max count] gather it reads each row once."""
     return torch.segment_reduce(x[rows].float(), "sum", lengths=counts, axis=0, unsafe=True)
+
+
+class _LaneStreams:
+    """One CUDA stream per lane for the scans (lane 0: the current stream). Entering makes the lanes wait
+    for the work queued so far; leaving makes the current stream wait for every lane. Tensors allocated
+    inside `on(lane)` belong to that lane's stream in the caching allocator; the shared outputs are
+    allocated before, on the current stream, which waits for the lanes before anything else touches
+    them. On the CPU (interpreter) or with one lane everything runs in order, as written."""
+
+    def __init__(self, num_lanes: int, device: torch.device):
+        self.streams = None
+        if num_lanes > 1 and device.type == "cuda":
+            self.main = torch.cuda.current_stream(device)
+            self.streams = [self.main] + [torch.cuda.Stream(device) for _ in range(num_lanes - 1)]
+
+    def __enter__(self):
+        for stream in (self.streams or [])[1:]:
+            stream.wait_stream(self.main)
+        return self
+
+    def on(self, lane: int):
+        return torch.cuda.stream(self.streams[lane]) if self.streams else contextlib.nullcontext()
+
+    def __exit__(self, *exc):
+        for stream in (self.streams or [])[1:]:
+            self.main.wait_stream(stream)
+        return False
 
 
 class TreeGatedDeltaRuleFunction(torch.autograd.Function):
@@ -216,9 +289,12 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
         v_new = torch.empty_like(u)
         bank = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)  # row 0: zeros
-        for rnd in plan.rounds:
-            state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index, seqs=(rnd.first_seq, rnd.num_seqs),
-                      out=(h, v_new, bank[1:]), rows=rows)
+        with _LaneStreams(plan.num_lanes, k.device) as lanes:
+            for rnd in plan.rounds:
+                with lanes.on(rnd.lane):
+                    state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
+                              seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
+                              launch_seqs=rnd.round_seqs)
         o = output_fwd(q, k, v_new, gc, h, scale, index, rows)
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
         ctx.scale, ctx.plan = scale, plan
@@ -239,11 +315,13 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
         bank_grad = torch.zeros(index.num_slots, hv, kd, vd, device=q.device, dtype=torch.float32)
-        for rnd in reversed(plan.rounds):  # a round's exports are read only by later rounds: done by now
-            dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
-                                 seqs=(rnd.first_seq, rnd.num_seqs), rows=rows)
-            if rnd.start_slots.numel():  # the slots are distinct: a plain indexed add
-                bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
+        with _LaneStreams(plan.num_lanes, q.device) as lanes:
+            for rnd in reversed(plan.rounds):  # a round's exports are read only by later rounds (same lane)
+                with lanes.on(rnd.lane):
+                    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
+                                         seqs=(rnd.first_seq, rnd.num_seqs), rows=rows, launch_seqs=rnd.round_seqs)
+                    if rnd.start_slots.numel():  # distinct slots of this lane's own states: a plain indexed add
+                        bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
         dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
         names = ("q", "k", "v", "g", "beta")  # the order of ctx.dtypes and of the returned gradients
         per_token = dict(zip(names, (dq, dk, dv, dg, dbeta)))  # compact with row maps, else per packed row
