@@ -156,7 +156,7 @@ def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
 VARIANTS = [("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
             ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
             ("many-seq scans off", GDNKernelConfig(many_seqs_scan_block_v=0)),
-            ("many-seq scans 1 stage", GDNKernelConfig(many_seqs_scan_stages=1)),
+            ("many-seq scans 2 stages", GDNKernelConfig(many_seqs_scan_stages=2)),
             ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64))]
 
 

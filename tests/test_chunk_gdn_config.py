@@ -11,12 +11,11 @@ def test_scan_launch_follows_the_program_count():
     assert config.scan_launch_for(4, 16, 128, 2) == (16, 2, 2)      # 256 < 264
     assert config.scan_launch_for(500, 16, 128, 2) == (32, 2, 2)
     assert config.scan_launch_for(1, 4, 8, 2)[0] == 8                # never above V
-    many = GDNKernelConfig()  # the default: 64 columns, 4 warps, 2 stages from 1024 such programs
-    assert many.scan_launch_for(32, 16, 128, 2) == (64, 4, 2)       # 1024 programs at 64 columns
-    assert many.scan_launch_for(32, 16, 128, 4) == (64, 4, 1)       # fp32: 1 stage
+    many = GDNKernelConfig()  # the default: 64 columns, 4 warps, 1 stage from 1024 such programs
+    assert many.scan_launch_for(32, 16, 128, 2) == (64, 4, 1)       # 1024 programs at 64 columns
     assert many.scan_launch_for(31, 16, 128, 2) == (32, 2, 2)
     assert many.scan_launch_for(1, 16, 128, 2) == (16, 2, 2)
-    deep = GDNKernelConfig(many_seqs_scan_block_v=64, many_seqs_scan_stages=3)
+    deep = GDNKernelConfig(many_seqs_scan_stages=3)
     assert deep.scan_launch_for(64, 16, 128, 2)[2] == 3
     assert deep.scan_launch_for(64, 16, 128, 4)[2] == 1             # fp32 scans fit only at 1 stage
 

@@ -45,11 +45,12 @@ class GDNKernelConfig:
     # `scan_many_programs` programs of `many_seqs_scan_block_v` columns the scans launch with the
     # many_seqs_* settings (block_v 0 = off). At 4 warps the dots compile to wgmma (offline, sm_90a).
     # Timed on that batch (`bench/gdn.py --variants`, H200 2026-12-01): trajectory-wise fwd+bwd 23.28 ms
-    # -> 20.49 ms at 64 columns, 4 warps, 2 stages (1 stage 20.71, 8 warps 22.74, 32 columns 23.77);
-    # tree == trajectory-wise stayed bitwise (a tree round and a trajectory call may launch differently).
+    # -> 20.72 ms at 64 columns, 4 warps, 1 stage (2 stages 20.49, but its tree step 10.24 vs 10.11 ms;
+    # 8 warps 22.74, 32 columns 23.77); tree == trajectory-wise stayed bitwise (a tree round and a
+    # trajectory call may launch differently).
     many_seqs_scan_block_v: int = 64
     many_seqs_scan_warps: int = 4
-    many_seqs_scan_stages: int = 2
+    many_seqs_scan_stages: int = 1
     scan_many_programs: int = 1024
     scan_num_stages: int = 0      # 0 = by input dtype (scan_stages_for)
     # tree mode (tree.py): kernels read inputs / write outputs through the plan's row maps instead of
