@@ -68,7 +68,11 @@ def _tree_flat_reference(dtype, gdn_config=None):
     if gdn_config is not None:
         models[dtype] = TreeModel.from_config(GPU_CONFIG, seed=0, dtype=dtype, device="cuda", gdn_config=gdn_config)
     index = naive_tree_index(batch, chunk_size=64).to("cuda")
-    weights = torch.randn(len(batch), max(map(len, batch)), device="cuda")
+    # seeded: the loss weights drew from whatever CUDA RNG state earlier tests left, so the fp32 bar (two
+    # rounding noises compared) passed or failed with the test order; over 8 seeds on the H200 the worst
+    # gradient's tree / trajectory-wise error ratio ranged 0.6-1.9
+    weights = torch.randn(len(batch), max(map(len, batch)), device="cuda",
+                          generator=torch.Generator(device="cuda").manual_seed(0))
     reference = _run(models[torch.float64], batch, weights.double())
     return _run(models[dtype], index, weights), _run(models[dtype], batch, weights), reference
 
