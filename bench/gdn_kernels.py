@@ -25,7 +25,7 @@ CANDIDATE = dict(many_seqs_scan_block_v=0)  # the scans without the many-sequenc
 SWEEP = [dict(scan_warps=4), dict(scan_num_stages=3), dict(scan_num_stages=1), dict(scan_warps=4, scan_num_stages=1),
          dict(wy_kkt_warps=2), dict(bwd_block_v=32), dict(out_warps=8), dict(dv_local_warps=4),
          dict(bwd_qk_warps=4, bwd_qk_block_k=64), dict(few_seqs_scan_block_v=32),
-         dict(many_seqs_scan_stages=1), dict(many_seqs_scan_stages=3), dict(many_seqs_scan_block_v=32),
+         dict(many_seqs_scan_stages=2), dict(many_seqs_scan_stages=3), dict(many_seqs_scan_block_v=32),
          dict(many_seqs_scan_warps=8), dict(scan_many_programs=512)]
 
 

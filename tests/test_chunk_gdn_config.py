@@ -33,3 +33,26 @@ def test_scan_stages_fit_shared_memory():
 def test_bad_key_blocks_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         GDNKernelConfig(**{field: value})
+
+
+def test_lanes_are_contiguous_blocks_of_trees():
+    """tree.py's lanes: independent trees (components of the state hand-offs) in contiguous blocks, one
+    launch per lane and round; a round that interleaves trees falls back to one lane; empty rounds pass."""
+    import numpy as np
+
+    from harts_compiler.codegen.kernels.chunk_gdn.lanes import assign_lanes, lane_runs
+    rows = np.ones(6, dtype=np.int64)
+    # round 0: roots of trees A, B, C; round 1: A's branch, B's two, C's
+    parent = np.array([-1, -1, -1, 0, 1, 1, 2])
+    lane, n = assign_lanes([3, 4], np.ones(7), parent, max_lanes=8)
+    assert n == 3 and lane.tolist() == [0, 1, 2, 0, 1, 1, 2]
+    lane, n = assign_lanes([3, 4], np.ones(7), parent, max_lanes=2)
+    assert n == 2 and all(len(lane_runs(lane[a:b])) <= 2 for a, b in [(0, 3), (3, 7)])
+    assert lane[3] == lane[0] and lane[4] == lane[5] == lane[1] and lane[6] == lane[2]
+    # round 1 interleaves A and B: A, B, A
+    lane, n = assign_lanes([2, 3], np.ones(5), np.array([-1, -1, 0, 1, 0]), max_lanes=8)
+    assert n == 1 and not lane.any()
+    lane, n = assign_lanes([2, 0, 2], rows[:4], np.array([-1, -1, 0, 1]), max_lanes=8)  # an empty round
+    assert n == 2 and lane.tolist() == [0, 1, 0, 1] and lane_runs(lane[2:2]) == []
+    lane, n = assign_lanes([3], np.array([100, 1, 1]), np.array([-1, -1, -1]), max_lanes=2)  # one big tree first
+    assert n == 2 and lane.tolist() == [0, 1, 1]

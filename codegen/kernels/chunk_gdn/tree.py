@@ -33,7 +33,6 @@ row that several sequences replay) are taken in a fixed order: results are deter
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -45,6 +44,7 @@ from .function import TRITON_CHUNK_SIZE, _group_sum, triton_supports
 from .inputs import check_exports, validate_gdn_tensors
 from .index import GDNIndex, GDNKernelConfig, PackedRows, prepare_gdn_index
 from .l2norm import l2norm_fused
+from .lanes import LaneStreams, assign_lanes, lane_runs
 from .state_bwd import dv_local_bwd, state_bwd_scan
 from .state_fwd import output_fwd, state_fwd
 from .wy_fwd import wy_fwd
@@ -184,12 +184,12 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         parent.extend(exporter[int(b)] if b >= 0 else -1 for b in init)
         exported.update(int(b) for b in rnd.export_bank)
         seq_base += n
-    lane, num_lanes = _lanes(seq_base, np.diff(np.asarray(bounds)), np.asarray(parent, dtype=np.int64),
-                             index.config.tree_scan_lanes)
+    lane, num_lanes = assign_lanes([slots.size for slots in round_slots], np.diff(np.asarray(bounds)),
+                                     np.asarray(parent, dtype=np.int64), index.config.tree_scan_lanes)
     launches, seq_base = [], 0
     for slots in round_slots:
         n = slots.size
-        for start, stop in _runs(lane[seq_base:seq_base + n]):
+        for start, stop in lane_runs(lane[seq_base:seq_base + n]):
             run_slots = slots[start:stop]
             starts = np.flatnonzero(run_slots >= 0)
             distinct, children, counts = _groups(run_slots[starts], starts)
@@ -216,68 +216,11 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
                        identity_layout=identity, rows=rows)
 
 
-def _lanes(num_seqs: int, seq_rows: np.ndarray, parent: np.ndarray, max_lanes: int) -> tuple[np.ndarray, int]:
-    """Lane of each sequence and the number of lanes. Sequences linked by a state hand-off (`parent`: the
-    sequence that exported the state a sequence starts from, -1 = none) form one component (in practice
-    one tree); components go to at most `max_lanes` lanes, largest first onto the least loaded. A lane's
-    scans run in round order on its own stream, so a tree's branches start when its own root is done,
-    not when the longest root of the microbatch is. O(N log N)."""
-    root = np.arange(num_seqs)
-    for s in range(num_seqs):  # parents precede children (earlier rounds): one pass resolves the roots
-        if parent[s] >= 0:
-            root[s] = root[parent[s]]
-    comps, comp_of = np.unique(root, return_inverse=True)
-    num_lanes = max(1, min(max_lanes, comps.size))
-    if num_lanes == 1:
-        return np.zeros(num_seqs, dtype=np.int64), 1
-    load = np.zeros(num_lanes, dtype=np.int64)
-    lane_of_comp = np.empty(comps.size, dtype=np.int64)
-    comp_rows = np.bincount(comp_of, weights=seq_rows, minlength=comps.size)
-    for c in np.argsort(-comp_rows, kind="stable"):
-        lane_of_comp[c] = int(np.argmin(load))
-        load[lane_of_comp[c]] += comp_rows[c]
-    return lane_of_comp[comp_of], num_lanes
-
-
-def _runs(values: np.ndarray):
-    """(start, stop) of the maximal runs of equal values."""
-    cuts = np.flatnonzero(np.diff(values)) + 1
-    edges = np.r_[0, cuts, values.size]
-    return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
-
-
 def _group_sums(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """fp32 sums of x[rows] over consecutive groups of `counts` rows: [U, ...]. segment_reduce adds each
     group's rows in order in one thread per output element (no atomics): deterministic, and unlike a
     padded [U, max count] gather it reads each row once."""
     return torch.segment_reduce(x[rows].float(), "sum", lengths=counts, axis=0, unsafe=True)
-
-
-class _LaneStreams:
-    """One CUDA stream per lane for the scans (lane 0: the current stream). Entering makes the lanes wait
-    for the work queued so far; leaving makes the current stream wait for every lane. Tensors allocated
-    inside `on(lane)` belong to that lane's stream in the caching allocator; the shared outputs are
-    allocated before, on the current stream, which waits for the lanes before anything else touches
-    them. On the CPU (interpreter) or with one lane everything runs in order, as written."""
-
-    def __init__(self, num_lanes: int, device: torch.device):
-        self.streams = None
-        if num_lanes > 1 and device.type == "cuda":
-            self.main = torch.cuda.current_stream(device)
-            self.streams = [self.main] + [torch.cuda.Stream(device) for _ in range(num_lanes - 1)]
-
-    def __enter__(self):
-        for stream in (self.streams or [])[1:]:
-            stream.wait_stream(self.main)
-        return self
-
-    def on(self, lane: int):
-        return torch.cuda.stream(self.streams[lane]) if self.streams else contextlib.nullcontext()
-
-    def __exit__(self, *exc):
-        for stream in (self.streams or [])[1:]:
-            self.main.wait_stream(stream)
-        return False
 
 
 class TreeGatedDeltaRuleFunction(torch.autograd.Function):
@@ -294,7 +237,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
         v_new = torch.empty_like(u)
         bank = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)  # row 0: zeros
-        with _LaneStreams(plan.num_lanes, k.device) as lanes:
+        with LaneStreams(plan.num_lanes, k.device) as lanes:
             for rnd in plan.rounds:
                 with lanes.on(rnd.lane):
                     state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
@@ -320,7 +263,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
         bank_grad = torch.zeros(index.num_slots, hv, kd, vd, device=q.device, dtype=torch.float32)
-        with _LaneStreams(plan.num_lanes, q.device) as lanes:
+        with LaneStreams(plan.num_lanes, q.device) as lanes:
             for rnd in reversed(plan.rounds):  # a round's exports are read only by later rounds (same lane)
                 with lanes.on(rnd.lane):
                     dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
