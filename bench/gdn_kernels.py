@@ -21,7 +21,8 @@ from gdn_profile import compare
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
 
 # GDNKernelConfig changes timed with --sweep (each against the default in the same run)
-CANDIDATE = dict(many_seqs_scan_block_v=0)  # the scans without the many-sequence launch
+# profiled next to the default and fla, kernel by kernel (the one change whose per-kernel effect matters)
+COMPARED = ("no many-seq scans", dict(many_seqs_scan_block_v=0))
 SWEEP = [dict(scan_warps=4), dict(scan_num_stages=3), dict(scan_num_stages=1), dict(scan_warps=4, scan_num_stages=1),
          dict(wy_kkt_warps=2), dict(bwd_block_v=32), dict(out_warps=8), dict(dv_local_warps=4),
          dict(bwd_qk_warps=4, bwd_qk_block_k=64), dict(few_seqs_scan_block_v=32),
@@ -51,7 +52,7 @@ def main():
         return lambda: torch.autograd.grad(chunk_gated_delta_rule(
             *leaves, scale=scale, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True, index=index)[0], leaves, do)
 
-    steps = {"ours": ours_step(GDNKernelConfig()), "candidate": ours_step(GDNKernelConfig(**CANDIDATE))}
+    steps = {"ours": ours_step(GDNKernelConfig()), COMPARED[0]: ours_step(GDNKernelConfig(**COMPARED[1]))}
     if fla is not None:
         steps["fla"] = lambda: torch.autograd.grad(fla(*leaves, scale=scale, initial_state=h0, cu_seqlens=cu,
                                                        use_qk_l2norm=True)[0], leaves, do)
