@@ -153,7 +153,8 @@ def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
 
 
 # launch configurations timed with --variants, each against the default in the same run
-VARIANTS = [("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
+VARIANTS = [("no round overlap", GDNKernelConfig(tree_overlap_rounds=False)),
+            ("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
             ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
             ("many-seq scans off", GDNKernelConfig(many_seqs_scan_block_v=0)),
             ("many-seq scans 2 stages", GDNKernelConfig(many_seqs_scan_stages=2)),
@@ -267,7 +268,9 @@ def conv_section(log, rows=32768, channels=8192, width=4):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-check", action="store_true")
-    parser.add_argument("--variants", action="store_true", help="also time other launch configurations")
+    parser.add_argument("--variants", nargs="*", metavar="WORD",
+                        help="also time other launch configurations (VARIANTS): all, or those whose labels "
+                             "contain one of these words")
     parser.add_argument("--no-fla", action="store_true", help="skip fla (saves its ~1-2 min of autotuning)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--profile", action="store_true",
@@ -279,7 +282,9 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     fla = None if args.no_fla else load_fla()
     log: list[dict] = []
-    configs = [("default", GDNKernelConfig())] + (VARIANTS if args.variants else [])
+    variants = [] if args.variants is None else [
+        (label, cfg) for label, cfg in VARIANTS if not args.variants or any(w in label for w in args.variants)]
+    configs = [("default", GDNKernelConfig())] + variants
     if args.trees_only is not None:
         for label, cfg in configs:
             bench_trees(fla if label == "default" else None, log, cfg, label, only=args.trees_only)

@@ -60,6 +60,12 @@ def microbatches_ms(indices, args, segment_chunks=None, config=None) -> float:
                for i, index in enumerate(indices))
 
 
+# earlier defaults, for --compare: tree mode gathering its packed layout (before the kernels read through row
+# maps), and every round's chunk-parallel kernels in one launch each, before or after all scans
+COMPARE = {"gathers": GDNKernelConfig(tree_rows_in_kernels=False),
+           "no_overlap": GDNKernelConfig(tree_overlap_rounds=False)}
+
+
 def run_preset(preset: str, args) -> dict:
     overrides = dict(TINY_GENERATOR[preset]) if args.tiny else {"scale": LENGTH_SCALE[preset]}
     scale = overrides.pop("scale")
@@ -73,9 +79,9 @@ def run_preset(preset: str, args) -> dict:
                rounds=plan.stats["rounds"], ideal=plan.stats["trajectory_tokens"] / distinct,
                traj_ms=microbatches_ms(traj_indices, args), tree_ms=microbatches_ms(tree_indices, args))
     row["of_ideal"] = row["traj_ms"] / row["tree_ms"] / row["ideal"]
-    if args.gathers:  # tree mode gathering its packed layout (before the kernels read through row maps)
-        row["gathers_ms"] = microbatches_ms(tree_indices, args, config=GDNKernelConfig(tree_rows_in_kernels=False))
-        row["gathers_of_ideal"] = row["traj_ms"] / row["gathers_ms"] / row["ideal"]
+    for name in args.compare:  # tree mode under an earlier default (COMPARE)
+        row[f"{name}_ms"] = microbatches_ms(tree_indices, args, config=COMPARE[name])
+        row[f"{name}_of_ideal"] = row["traj_ms"] / row[f"{name}_ms"] / row["ideal"]
     if args.segment_chunks:
         row["seg_ms"] = microbatches_ms(tree_indices, args, args.segment_chunks)
         row["seg_of_ideal"] = row["traj_ms"] / row["seg_ms"] / row["ideal"]
@@ -99,11 +105,13 @@ def main(argv=None) -> None:
     p.add_argument("--microbatch-tokens", type=int, default=16384)
     p.add_argument("--segment-chunks", type=int, default=8, help="0: do not time the segmented tree mode")
     p.add_argument("--profile", action="store_true", help="per-kernel device ms of the largest microbatches (CUDA)")
-    p.add_argument("--gathers", action="store_true",
-                   help="also time tree mode with GDNKernelConfig(tree_rows_in_kernels=False)")
+    p.add_argument("--compare", nargs="*", default=[], choices=sorted(COMPARE),
+                   help="also time tree mode with these configurations (COMPARE)")
+    p.add_argument("--gathers", action="store_true", help="the same as --compare gathers")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
+    args.compare = list(dict.fromkeys(args.compare + (["gathers"] if args.gathers else [])))
     args.target_tokens = args.target_tokens or (300 if args.tiny else 96 * 1024)
     args.heads, args.dims = ((1, 2), (16, 16)) if args.tiny else ((16, 32), (128, 128))
     args.dtype = torch.float32 if args.device.type == "cpu" else torch.bfloat16
@@ -113,8 +121,8 @@ def main(argv=None) -> None:
                ("of_ideal", "of ideal")]
     if args.segment_chunks:
         columns += [("seg_ms", "segmented ms"), ("seg_of_ideal", "of ideal")]
-    if args.gathers:
-        columns += [("gathers_ms", "gathers ms"), ("gathers_of_ideal", "of ideal")]
+    for name in args.compare:
+        columns += [(f"{name}_ms", f"{name} ms"), (f"{name}_of_ideal", "of ideal")]
     print(format_table(rows, columns))
 
 

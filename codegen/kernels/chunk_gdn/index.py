@@ -60,6 +60,11 @@ class GDNKernelConfig:
     # tree mode: the scans of independent trees (components of the state hand-offs) run on up to this many
     # CUDA streams, so a tree's branches start when its own root is scanned; 1 = one launch per round
     tree_scan_lanes: int = 8
+    # tree mode: the chunk-parallel kernels of each round run on the main stream as soon as that round's
+    # scans are done (and the WY forward / dv_local of later rounds before them), next to the other rounds'
+    # latency-bound scans, which run on high-priority streams; False = every chunk in one launch per kernel,
+    # before or after all scans
+    tree_overlap_rounds: bool = True
 
     def __post_init__(self):
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
@@ -106,6 +111,35 @@ class PackedRows:
     own: torch.Tensor   # [R] int64: compact token, or -1 - (replay slot) on replayed rows
     num_tokens: int
     num_replays: int
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Chunks [first, stop) of a call and the packed rows [row_first, row_stop) they cover. The chunk-parallel
+    kernels run a span with the chunk tables and per-chunk tensors sliced to it (views: the pointer moves,
+    the kernels do not change), so a chunk computes the same bits in a span as in a whole call. Tree mode
+    (tree.py) runs each round's span as soon as its scans are done, next to the other rounds' scans."""
+    first: int
+    stop: int
+    row_first: int
+    row_stop: int
+
+    @property
+    def num_chunks(self) -> int:
+        return self.stop - self.first
+
+    def tables(self, index: "GDNIndex") -> tuple[torch.Tensor, torch.Tensor]:
+        """(chunk_row_start, chunk_row_end) of the span's chunks."""
+        return index.chunk_row_start[self.first:self.stop], index.chunk_row_end[self.first:self.stop]
+
+    def of(self, per_chunk: torch.Tensor) -> torch.Tensor:
+        """The span's rows of a per-chunk tensor ([NC, ...])."""
+        return per_chunk[self.first:self.stop]
+
+
+def whole_span(index: "GDNIndex", num_rows: int) -> ChunkSpan:
+    """Every chunk of `index` (packed rows [0, num_rows))."""
+    return ChunkSpan(0, index.num_chunks, 0, num_rows)
 
 
 def row_tables(index: "GDNIndex", rows: PackedRows | None) -> tuple[torch.Tensor, torch.Tensor]:
