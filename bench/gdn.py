@@ -153,7 +153,14 @@ def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
 
 
 # launch configurations timed with --variants, each against the default in the same run
-VARIANTS = [("no round overlap", GDNKernelConfig(tree_overlap_rounds=False)),
+VARIANTS = [("few-seq scans 2 warps", GDNKernelConfig(few_seqs_scan_warps=0)),
+            ("few-seq scans 16 columns", GDNKernelConfig(few_seqs_scan_block_v=16)),
+            ("few-seq scans 64 columns", GDNKernelConfig(few_seqs_scan_block_v=64)),
+            ("few-seq scans below 400 programs", GDNKernelConfig(scan_min_programs=400)),
+            ("few-seq scans below 400 programs, 64 columns", GDNKernelConfig(scan_min_programs=400,
+                                                                            few_seqs_scan_block_v=64)),
+            ("round overlap backward", GDNKernelConfig(tree_overlap_rounds="backward")),
+            ("round overlap both", GDNKernelConfig(tree_overlap_rounds="both")),
             ("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
             ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
             ("many-seq scans off", GDNKernelConfig(many_seqs_scan_block_v=0)),

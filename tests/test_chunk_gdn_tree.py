@@ -177,14 +177,16 @@ def test_independent_trees_scan_on_lanes():
     plan2 = two_level_plan([(150, 3, 40), (70, 2, 90), (100, 4, 20)], device=DEVICE)
     specs = two_level_round_specs(plan2)
     kw = dict(scale=0.3, use_qk_l2norm=True)
-    configs = {"one launch per round": GDNKernelConfig(tree_scan_lanes=1, tree_overlap_rounds=False),
-               "overlap": GDNKernelConfig(tree_scan_lanes=1), "2 lanes": GDNKernelConfig(tree_scan_lanes=2),
-               "8 lanes, no overlap": GDNKernelConfig(tree_overlap_rounds=False), "8 lanes": GDNKernelConfig()}
+    configs = {"one launch per round": GDNKernelConfig(tree_scan_lanes=1, tree_overlap_rounds="none"),
+               "overlap": GDNKernelConfig(tree_scan_lanes=1, tree_overlap_rounds="both"),
+               "2 lanes": GDNKernelConfig(tree_scan_lanes=2, tree_overlap_rounds="forward"),
+               "8 lanes, no overlap": GDNKernelConfig(tree_overlap_rounds="none"),
+               "8 lanes": GDNKernelConfig(tree_overlap_rounds="both")}
     plans = {name: plan_tree_gdn(specs, plan2.compact_rows, chunk_size=C, device=DEVICE, config=config)
              for name, config in configs.items()}
     launches = {name: [launch for rnd in plan.rounds for launch in rnd] for name, plan in plans.items()}
     assert [len(launches[n]) for n in ("overlap", "2 lanes", "8 lanes")] == [2, 4, 6]
-    assert plans["8 lanes"].num_lanes == 3 and plans["8 lanes"].overlap_rounds
+    assert plans["8 lanes"].num_lanes == 3 and plans["8 lanes"].overlap_rounds("backward")
     spans = plans["8 lanes"].spans  # round 0: the three roots' chunks and rows, round 1: the nine branches'
     assert (spans[0].first, spans[0].stop, spans[1].stop) == (0, 3 + 2 + 2, plans["8 lanes"].index.num_chunks)
     assert spans[0].row_stop == spans[1].row_first == 150 + 70 + 100
@@ -205,6 +207,8 @@ def test_independent_trees_scan_on_lanes():
     assert torch.equal(base[0], rounds[0]), "outputs differ from one Triton call per round"
     with pytest.raises(ValueError, match="tree_scan_lanes"):
         GDNKernelConfig(tree_scan_lanes=0)
+    with pytest.raises(ValueError, match="tree_overlap_rounds"):
+        GDNKernelConfig(tree_overlap_rounds=True)
 
 
 def test_bad_plans_are_named():

@@ -12,6 +12,9 @@ import numpy as np
 import torch
 
 
+OVERLAP_CHOICES = ("none", "forward", "backward", "both")
+
+
 @dataclass(frozen=True)
 class GDNKernelConfig:
     """Launch configuration: fixed per plan (never autotuned), so equal chunks give equal bits in any call.
@@ -39,7 +42,8 @@ class GDNKernelConfig:
     # `few_seqs_scan_block_v` columns instead (0 = off). Column blocks are independent: tree == trajectory
     # stayed bitwise on the H200.
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
-    few_seqs_scan_block_v: int = 16
+    few_seqs_scan_block_v: int = 32
+    few_seqs_scan_warps: int = 4  # warps of those launches (0 = scan_warps): see below
     # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
     # (fwd) and 1.6x (bwd) faster than ours at 32 columns and 2 warps (H200, 2026-12-01). At or above
     # `scan_many_programs` programs of `many_seqs_scan_block_v` columns the scans launch with the
@@ -60,16 +64,19 @@ class GDNKernelConfig:
     # tree mode: the scans of independent trees (components of the state hand-offs) run on up to this many
     # CUDA streams, so a tree's branches start when its own root is scanned; 1 = one launch per round
     tree_scan_lanes: int = 8
-    # tree mode: the chunk-parallel kernels of each round run on the main stream as soon as that round's
-    # scans are done (and the WY forward / dv_local of later rounds before them), next to the other rounds'
-    # latency-bound scans, which run on high-priority streams; False = every chunk in one launch per kernel,
-    # before or after all scans
-    tree_overlap_rounds: bool = True
+    # tree mode, in "forward", "backward" or "both" passes: the chunk-parallel kernels of each round run on
+    # the main stream as soon as that round's scans are done (and the WY forward / dv_local of later rounds
+    # before them), next to the other rounds' latency-bound scans, which run on high-priority streams;
+    # "none" = every chunk in one launch per kernel, before or after all scans
+    tree_overlap_rounds: str = "none"
 
     def __post_init__(self):
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
             raise ValueError(f"GDNKernelConfig.bwd_qk_block_k must be 0 or a power of two >= 16 (tl.dot, "
                              f"tl.arange), got {self.bwd_qk_block_k}")
+        if self.tree_overlap_rounds not in OVERLAP_CHOICES:
+            raise ValueError(f"GDNKernelConfig.tree_overlap_rounds must be one of {OVERLAP_CHOICES}, "
+                             f"got {self.tree_overlap_rounds!r}")
         if self.tree_scan_lanes < 1:
             raise ValueError(f"GDNKernelConfig.tree_scan_lanes must be >= 1, got {self.tree_scan_lanes}")
         if self.wy_kkt_block_k < 16 or self.wy_kkt_block_k & (self.wy_kkt_block_k - 1):
@@ -86,7 +93,8 @@ class GDNKernelConfig:
             return many, self.many_seqs_scan_warps, stages
         block_v = min(self.scan_block_v, value_dim)
         if num_seqs * value_heads * (value_dim // block_v) < self.scan_min_programs:
-            block_v = min(self.few_seqs_scan_block_v, block_v)
+            block_v = min(self.few_seqs_scan_block_v, value_dim)
+            return block_v, self.few_seqs_scan_warps or self.scan_warps, self.scan_stages_for(element_size)
         return block_v, self.scan_warps, self.scan_stages_for(element_size)
 
     def scan_stages_for(self, element_size: int) -> int:

@@ -26,7 +26,7 @@ for the longest root of the microbatch, not for their own (agentic batch: 10.24 
 
 The scans are latency-bound (a chain of small dots per chunk on few programs: a lone 16k-token root runs
 256 chunks in a row on 128 programs), so the GPU idles beside them. With
-`GDNKernelConfig.tree_overlap_rounds` (the default) the scans run on high-priority streams and the
+`GDNKernelConfig.tree_overlap_rounds` the scans run on high-priority streams and the
 chunk-parallel kernels go round by round on the main stream, each as soon as what it reads is there
 (index.ChunkSpan: one launch per round over that round's chunks): the WY forward of rounds 1.. beside
 round 0's scans, round r's output beside the scans of rounds r + 1..; backward: dv_local of every round
@@ -107,10 +107,10 @@ class TreeGDNPlan:
     identity_layout: bool = False
     rows: PackedRows | None = None  # packed <-> compact row maps for the kernels (tree_rows_in_kernels)
 
-    @property
-    def overlap_rounds(self) -> bool:
-        """Whether the chunk-parallel kernels run round by round beside the scans (GDNKernelConfig)."""
-        return self.index.config.tree_overlap_rounds and len(self.spans) > 1
+    def overlap_rounds(self, direction: str) -> bool:
+        """Whether the chunk-parallel kernels of the "forward" or "backward" pass run round by round beside
+        the scans (GDNKernelConfig.tree_overlap_rounds)."""
+        return self.index.config.tree_overlap_rounds in (direction, "both") and len(self.spans) > 1
 
     def later_rounds_span(self) -> ChunkSpan:
         """The chunks of rounds 1.. (their WY forward runs beside round 0's scans)."""
@@ -262,7 +262,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         else:  # the gathers write dense copies
             q, k, v, g, beta = (x.index_select(0, plan.row_src) for x in (q, k, v, g, beta))
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
-        overlap = plan.overlap_rounds
+        overlap = plan.overlap_rounds("forward")
         wy = wy_fwd(k, v, g, beta, index, rows, span=plan.spans[0] if overlap else None)
         gc, T, w, u = wy
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
@@ -301,7 +301,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             do = d_out.to(v.dtype).contiguous()
         else:  # replayed outputs are dropped
             do = torch.zeros_like(v_new).index_copy_(0, plan.own_pick, d_out.to(v.dtype))
-        overlap = plan.overlap_rounds
+        overlap = plan.overlap_rounds("backward")
         dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, span=plan.spans[-1] if overlap else None)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
