@@ -6,15 +6,17 @@ from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
 
 def test_scan_launch_follows_the_program_count():
     """(columns, warps, stages) of the scans for bf16 inputs at HV=16, V=128."""
-    config = GDNKernelConfig(many_seqs_scan_block_v=0)  # 32 columns at 2 warps, 2 stages; 16 below 264 programs
+    config = GDNKernelConfig(many_seqs_scan_block_v=0)  # 32 columns at 2 warps, 2 stages; 16 at 4 warps below 264
     assert config.scan_launch_for(8, 16, 128, 2) == (32, 2, 2)      # 512 programs
-    assert config.scan_launch_for(4, 16, 128, 2) == (16, 2, 2)      # 256 < 264
+    assert config.scan_launch_for(4, 16, 128, 2) == (16, 4, 2)      # 256 < 264
     assert config.scan_launch_for(500, 16, 128, 2) == (32, 2, 2)
     assert config.scan_launch_for(1, 4, 8, 2)[0] == 8                # never above V
     many = GDNKernelConfig()  # the default: 64 columns, 4 warps, 1 stage from 1024 such programs
     assert many.scan_launch_for(32, 16, 128, 2) == (64, 4, 1)       # 1024 programs at 64 columns
     assert many.scan_launch_for(31, 16, 128, 2) == (32, 2, 2)
-    assert many.scan_launch_for(1, 16, 128, 2) == (16, 2, 2)
+    assert many.scan_launch_for(1, 16, 128, 2) == (16, 4, 2)
+    assert GDNKernelConfig(few_seqs_scan_warps=0).scan_launch_for(1, 16, 128, 2) == (16, 2, 2)  # as scan_warps
+    assert GDNKernelConfig(few_seqs_scan_block_v=64).scan_launch_for(1, 16, 128, 2) == (64, 4, 2)
     deep = GDNKernelConfig(many_seqs_scan_stages=3)
     assert deep.scan_launch_for(64, 16, 128, 2)[2] == 3
     assert deep.scan_launch_for(64, 16, 128, 4)[2] == 1             # fp32 scans fit only at 1 stage

@@ -42,7 +42,7 @@ class GDNKernelConfig:
     # `few_seqs_scan_block_v` columns instead (0 = off). Column blocks are independent: tree == trajectory
     # stayed bitwise on the H200.
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
-    few_seqs_scan_block_v: int = 32
+    few_seqs_scan_block_v: int = 16
     few_seqs_scan_warps: int = 4  # warps of those launches (0 = scan_warps): see below
     # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
     # (fwd) and 1.6x (bwd) faster than ours at 32 columns and 2 warps (H200, 2026-12-01). At or above
