@@ -43,7 +43,12 @@ class GDNKernelConfig:
     # stayed bitwise on the H200.
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
     few_seqs_scan_block_v: int = 16
-    few_seqs_scan_warps: int = 4  # warps of those launches (0 = scan_warps): see below
+    # At most one program per SM (a lone long root): `few_seqs_scan_warps` warps, whose dots compile to wgmma
+    # and shorten each chunk's chain; the SMs have room for them. P16384 B8 L2048 tree (128 programs):
+    # 4.30 vs 4.47 ms, bitwise equal; with 256 programs (generated batches, 32 value heads) 4 warps were
+    # slower (swe GDN 10.6 vs 9.9 ms), so above `few_seqs_wide_programs` the scans keep `scan_warps`.
+    few_seqs_scan_warps: int = 4  # 0 = scan_warps
+    few_seqs_wide_programs: int = 132
     # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
     # (fwd) and 1.6x (bwd) faster than ours at 32 columns and 2 warps (H200, 2026-12-01). At or above
     # `scan_many_programs` programs of `many_seqs_scan_block_v` columns the scans launch with the
@@ -94,7 +99,9 @@ class GDNKernelConfig:
         block_v = min(self.scan_block_v, value_dim)
         if num_seqs * value_heads * (value_dim // block_v) < self.scan_min_programs:
             block_v = min(self.few_seqs_scan_block_v, value_dim)
-            return block_v, self.few_seqs_scan_warps or self.scan_warps, self.scan_stages_for(element_size)
+            lone = num_seqs * value_heads * (value_dim // block_v) <= self.few_seqs_wide_programs
+            warps = self.few_seqs_scan_warps if lone and self.few_seqs_scan_warps else self.scan_warps
+            return block_v, warps, self.scan_stages_for(element_size)
         return block_v, self.scan_warps, self.scan_stages_for(element_size)
 
     def scan_stages_for(self, element_size: int) -> int:
