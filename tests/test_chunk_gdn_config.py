@@ -10,7 +10,7 @@ def test_scan_launch_follows_the_program_count():
     assert config.scan_launch_for(8, 16, 128, 2) == (32, 2, 2)      # 512 programs
     assert config.scan_launch_for(4, 16, 128, 2) == (16, 2, 2)      # 256 < 264 columns-16 programs, over 132
     assert config.scan_launch_for(1, 32, 128, 2) == (16, 2, 2)      # 256 programs: 2 warps
-    assert config.scan_launch_for(2, 16, 128, 2) == (16, 4, 2)      # 128 programs, at most one per SM: 4 warps
+    assert config.scan_launch_for(1, 16, 128, 2) == (16, 4, 2)      # 128 programs, at most one per SM: 4 warps
     assert config.scan_launch_for(500, 16, 128, 2) == (32, 2, 2)
     assert config.scan_launch_for(1, 4, 8, 2)[0] == 8                # never above V
     many = GDNKernelConfig()  # the default: 64 columns, 4 warps, 1 stage from 1024 such programs
