@@ -26,7 +26,8 @@ for the longest root of the microbatch, not for their own (agentic batch: 10.24 
 
 The scans are latency-bound (a chain of small dots per chunk on few programs: a lone 16k-token root runs
 256 chunks in a row on 128 programs), so the GPU idles beside them. With
-`GDNKernelConfig.tree_overlap_rounds` the scans run on high-priority streams and the
+`GDNKernelConfig.tree_overlap_rounds` (opt-in: gains within the noise on the H200, BENCHMARKS.md session 6;
+presumably the co-running kernels slow the scans, not profiled) the scans run on high-priority streams and the
 chunk-parallel kernels go round by round on the main stream, each as soon as what it reads is there
 (index.ChunkSpan: one launch per round over that round's chunks): the WY forward of rounds 1.. beside
 round 0's scans, round r's output beside the scans of rounds r + 1..; backward: dv_local of every round
