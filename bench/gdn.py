@@ -154,11 +154,10 @@ def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
 
 # launch configurations timed with --variants, each against the default in the same run
 VARIANTS = [("few-seq scans 2 warps", GDNKernelConfig(few_seqs_scan_warps=0)),
-            ("few-seq scans 16 columns", GDNKernelConfig(few_seqs_scan_block_v=16)),
-            ("few-seq scans 64 columns", GDNKernelConfig(few_seqs_scan_block_v=64)),
-            ("few-seq scans below 400 programs", GDNKernelConfig(scan_min_programs=400)),
-            ("few-seq scans below 400 programs, 64 columns", GDNKernelConfig(scan_min_programs=400,
-                                                                            few_seqs_scan_block_v=64)),
+            ("few-seq scans 32 columns", GDNKernelConfig(few_seqs_scan_block_v=32)),
+            ("few-seq scans auto columns", GDNKernelConfig(few_seqs_scan_block_v=0)),
+            ("few-seq scans auto columns below 400 programs", GDNKernelConfig(few_seqs_scan_block_v=0,
+                                                                             scan_min_programs=400)),
             ("round overlap backward", GDNKernelConfig(tree_overlap_rounds="backward")),
             ("round overlap both", GDNKernelConfig(tree_overlap_rounds="both")),
             ("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),

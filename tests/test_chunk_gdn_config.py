@@ -19,6 +19,13 @@ def test_scan_launch_follows_the_program_count():
     assert many.scan_launch_for(1, 16, 128, 2) == (16, 4, 2)
     assert GDNKernelConfig(few_seqs_scan_warps=0).scan_launch_for(1, 16, 128, 2) == (16, 2, 2)  # as scan_warps
     assert GDNKernelConfig(few_seqs_scan_block_v=64).scan_launch_for(1, 16, 128, 2) == (64, 4, 2)
+    auto = GDNKernelConfig(few_seqs_scan_block_v=0)  # the widest columns with >= 128 programs, 4 warps
+    assert auto.scan_launch_for(1, 16, 128, 2) == (16, 4, 2)       # 16 x 8 = 128 programs
+    assert auto.scan_launch_for(6, 16, 128, 2) == (32, 2, 2)       # 384 programs of 32 columns: not few
+    assert GDNKernelConfig(few_seqs_scan_block_v=0, scan_min_programs=400).scan_launch_for(6, 16, 128, 2) == (
+        64, 4, 2)                                                   # 96 x 2 = 192 programs
+    assert auto.scan_launch_for(1, 32, 128, 2) == (32, 4, 2)       # 32 x 4 = 128 programs
+    assert auto.scan_launch_for(1, 4, 64, 2) == (16, 4, 2)         # nothing reaches 128: the narrowest
     deep = GDNKernelConfig(many_seqs_scan_stages=3)
     assert deep.scan_launch_for(64, 16, 128, 2)[2] == 3
     assert deep.scan_launch_for(64, 16, 128, 4)[2] == 1             # fp32 scans fit only at 1 stage
@@ -33,7 +40,8 @@ def test_scan_stages_fit_shared_memory():
     assert GDNKernelConfig(scan_num_stages=3).scan_stages_for(2) == 3
 
 
-@pytest.mark.parametrize("field, value", [("bwd_qk_block_k", 24), ("wy_kkt_block_k", 8), ("wy_kkt_block_k", 0)])
+@pytest.mark.parametrize("field, value", [("bwd_qk_block_k", 24), ("wy_kkt_block_k", 8), ("wy_kkt_block_k", 0),
+                                         ("few_seqs_scan_block_v", 8), ("few_seqs_scan_block_v", 48)])
 def test_bad_key_blocks_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         GDNKernelConfig(**{field: value})

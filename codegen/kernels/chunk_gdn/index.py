@@ -38,17 +38,20 @@ class GDNKernelConfig:
     bwd_qk_block_k: int = 0     # K columns per dq/dk/dw program, 0 = all (255 registers at 8 warps)
     wy_bwd_warps: int = 4       # 8.68 vs 9.53 ms at 8 (12.49 at 2); no tl.trans, unlike fla's (GPU.md)
     # A round of few long sequences (a tree's shared prefix) gives the scans too few programs to fill the
-    # GPU, and the scans are latency-bound per chunk: below `scan_min_programs` programs the scans use
-    # `few_seqs_scan_block_v` columns instead (0 = off). Column blocks are independent: tree == trajectory
+    # GPU, and the scans are latency-bound per chunk: below `scan_min_programs` programs (0 = never) the
+    # scans use `few_seqs_scan_block_v` columns instead. Column blocks are independent: tree == trajectory
     # stayed bitwise on the H200.
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
-    few_seqs_scan_block_v: int = 16
+    few_seqs_scan_block_v: int = 16  # 0 = auto: the widest of 64 / 32 columns with >= few_seqs_wide_programs
+    # programs (one per SM), else 16, always at few_seqs_scan_warps (opt-in, not yet timed: it picks 64
+    # columns at 4 warps for the agentic batch's round of six roots, 9.97 vs 10.11 ms in a fixed-columns
+    # run, BENCHMARKS.md session 6, and 16 for a lone root of 16 heads)
     # At most one program per SM (a lone long root): `few_seqs_scan_warps` warps, whose dots compile to wgmma
     # and shorten each chunk's chain; the SMs have room for them. P16384 B8 L2048 tree (128 programs):
     # 4.30 vs 4.47 ms, bitwise equal; with 256 programs (generated batches, 32 value heads) 4 warps were
     # slower (swe GDN 10.6 vs 9.9 ms), so above `few_seqs_wide_programs` the scans keep `scan_warps`.
     few_seqs_scan_warps: int = 4  # 0 = scan_warps
-    few_seqs_wide_programs: int = 132
+    few_seqs_wide_programs: int = 128
     # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
     # (fwd) and 1.6x (bwd) faster than ours at 32 columns and 2 warps (H200, 2026-12-01). At or above
     # `scan_many_programs` programs of `many_seqs_scan_block_v` columns the scans launch with the
@@ -82,6 +85,10 @@ class GDNKernelConfig:
         if self.tree_overlap_rounds not in OVERLAP_CHOICES:
             raise ValueError(f"GDNKernelConfig.tree_overlap_rounds must be one of {OVERLAP_CHOICES}, "
                              f"got {self.tree_overlap_rounds!r}")
+        if self.few_seqs_scan_block_v and (self.few_seqs_scan_block_v < 16 or
+                                           self.few_seqs_scan_block_v & (self.few_seqs_scan_block_v - 1)):
+            raise ValueError(f"GDNKernelConfig.few_seqs_scan_block_v must be 0 (auto) or a power of two >= 16, "
+                             f"got {self.few_seqs_scan_block_v}")
         if self.tree_scan_lanes < 1:
             raise ValueError(f"GDNKernelConfig.tree_scan_lanes must be >= 1, got {self.tree_scan_lanes}")
         if self.wy_kkt_block_k < 16 or self.wy_kkt_block_k & (self.wy_kkt_block_k - 1):
@@ -98,11 +105,20 @@ class GDNKernelConfig:
             return many, self.many_seqs_scan_warps, stages
         block_v = min(self.scan_block_v, value_dim)
         if num_seqs * value_heads * (value_dim // block_v) < self.scan_min_programs:
-            block_v = min(self.few_seqs_scan_block_v, value_dim)
-            lone = num_seqs * value_heads * (value_dim // block_v) <= self.few_seqs_wide_programs
-            warps = self.few_seqs_scan_warps if lone and self.few_seqs_scan_warps else self.scan_warps
+            block_v, wide = self._few_seqs_columns(num_seqs * value_heads, value_dim)
+            warps = self.few_seqs_scan_warps if wide and self.few_seqs_scan_warps else self.scan_warps
             return block_v, warps, self.scan_stages_for(element_size)
         return block_v, self.scan_warps, self.scan_stages_for(element_size)
+
+    def _few_seqs_columns(self, seq_heads: int, value_dim: int) -> tuple[int, bool]:
+        """(columns per scan program, whether the launch takes few_seqs_scan_warps) for a few-sequence call of
+        `seq_heads` sequences x value heads."""
+        wide = self.few_seqs_wide_programs
+        if self.few_seqs_scan_block_v:
+            block_v = min(self.few_seqs_scan_block_v, value_dim)
+            return block_v, seq_heads * (value_dim // block_v) <= wide
+        fits = [bv for bv in (64, 32) if bv <= value_dim and seq_heads * (value_dim // bv) >= wide]
+        return (fits[0] if fits else min(16, value_dim)), True
 
     def scan_stages_for(self, element_size: int) -> int:
         """Software-pipeline depth of the two state scans: `scan_num_stages`, or by input size (0). sm_90a
