@@ -8,7 +8,7 @@ def test_scan_launch_follows_the_program_count():
     """(columns, warps, stages) of the scans for bf16 inputs at HV=16, V=128."""
     config = GDNKernelConfig(many_seqs_scan_block_v=0)  # 32 columns at 2 warps, 2 stages; 16 below 264
     assert config.scan_launch_for(8, 16, 128, 2) == (32, 2, 2)      # 512 programs
-    assert config.scan_launch_for(4, 16, 128, 2) == (16, 2, 2)      # 256 < 264 columns-16 programs, over 132
+    assert config.scan_launch_for(4, 16, 128, 2) == (16, 2, 2)      # 256 < 264: few; 512 programs of 16: 2 warps
     assert config.scan_launch_for(1, 32, 128, 2) == (16, 2, 2)      # 256 programs: 2 warps
     assert config.scan_launch_for(1, 16, 128, 2) == (16, 4, 2)      # 128 programs, at most one per SM: 4 warps
     assert config.scan_launch_for(500, 16, 128, 2) == (32, 2, 2)
@@ -41,7 +41,9 @@ def test_scan_stages_fit_shared_memory():
 
 
 @pytest.mark.parametrize("field, value", [("bwd_qk_block_k", 24), ("wy_kkt_block_k", 8), ("wy_kkt_block_k", 0),
-                                         ("few_seqs_scan_block_v", 8), ("few_seqs_scan_block_v", 48)])
+                                         ("few_seqs_scan_block_v", 8), ("few_seqs_scan_block_v", 48),
+                                         ("scan_block_v", 0), ("many_seqs_scan_block_v", 24),
+                                         ("few_seqs_scan_warps", -1), ("scan_warps", 3), ("few_seqs_wide_programs", 0)])
 def test_bad_key_blocks_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         GDNKernelConfig(**{field: value})

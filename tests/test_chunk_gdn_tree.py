@@ -211,6 +211,35 @@ def test_independent_trees_scan_on_lanes():
         GDNKernelConfig(tree_overlap_rounds=True)
 
 
+def test_round_overlap_with_empty_rounds_and_key_blocks():
+    """tree_overlap_rounds with empty rounds first, between and last (the planner may leave one), 32-column keys
+    in 16-column dq/dk blocks (each span sums its own dgc parts) and the gathered path: bitwise equal to every
+    chunk in one launch per kernel."""
+    plan2 = two_level_plan([(150, 3, 40), (70, 2, 90)], device=DEVICE)
+    none = np.zeros(0, np.int64)
+    empty = TreeRoundSpec(cu_seqlens=np.zeros(1, np.int64), row_src=none, own_rows=none, own_dst=none,
+                          init_state=none, export_seq=none, export_offset=none, export_bank=none)
+    root, branches = two_level_round_specs(plan2)
+    kw = dict(scale=0.3, use_qk_l2norm=True)
+    kd = 2 * DIM
+    tensors = inputs(plan2.compact_rows, seed=8, kd=kd)
+    weights = torch.randn(plan2.compact_rows, 2, DIM, generator=torch.Generator().manual_seed(9),
+                          dtype=torch.float64).to(DEVICE)
+
+    def result(specs, **config):
+        plan = plan_tree_gdn(specs, plan2.compact_rows, chunk_size=C, device=DEVICE,
+                             config=GDNKernelConfig(bwd_qk_block_k=kd // 2, **config))
+        return plan, run(lambda *x: tree_gated_delta_rule(*x, plan=plan, **kw), tensors, weights)
+    for rows_in_kernels in (True, False):
+        _, base = result([root, branches], tree_overlap_rounds="none", tree_rows_in_kernels=rows_in_kernels)
+        plan, got = result([empty, root, empty, branches, empty], tree_overlap_rounds="both",
+                           tree_rows_in_kernels=rows_in_kernels)
+        assert plan.live_rounds() == [1, 3] and plan.overlap_rounds("forward")
+        assert plan.later_rounds_span().first == plan.spans[1].stop == plan.spans[3].first
+        assert plan.earlier_rounds_span().stop == plan.spans[3].first
+        assert all(torch.equal(a, b) for a, b in zip(got, base)), f"overlap differs (row maps: {rows_in_kernels})"
+
+
 def test_bad_plans_are_named():
     ok = dict(cu_seqlens=np.array([0, 4]), row_src=np.arange(4), own_rows=np.arange(4), own_dst=np.arange(4),
               init_state=np.array([-1]), export_seq=np.zeros(0, np.int64), export_offset=np.zeros(0, np.int64),

@@ -43,9 +43,10 @@ class GDNKernelConfig:
     # stayed bitwise on the H200.
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
     few_seqs_scan_block_v: int = 16  # 0 = auto: the widest of 64 / 32 columns with >= few_seqs_wide_programs
-    # programs (one per SM), else 16, always at few_seqs_scan_warps (opt-in, not yet timed: it picks 64
-    # columns at 4 warps for the agentic batch's round of six roots, 9.97 vs 10.11 ms in a fixed-columns
-    # run, BENCHMARKS.md session 6, and 16 for a lone root of 16 heads)
+    # programs (about one per SM), else 16, always at few_seqs_scan_warps, so at 128-255 programs where the
+    # fixed width keeps scan_warps (opt-in, not yet timed. With scan_min_programs=400 it gives the agentic
+    # batch's round of six roots 64 columns at 4 warps, which a fixed-width run timed at 9.97 vs 10.11 ms,
+    # BENCHMARKS.md session 6; a lone root of 16 heads gets 16 columns, of 32 heads 32 columns.)
     # At most one program per SM (a lone long root): `few_seqs_scan_warps` warps, whose dots compile to wgmma
     # and shorten each chunk's chain; the SMs have room for them. P16384 B8 L2048 tree (128 programs):
     # 4.30 vs 4.47 ms, bitwise equal; with 256 programs (generated batches, 32 value heads) 4 warps were
@@ -85,10 +86,18 @@ class GDNKernelConfig:
         if self.tree_overlap_rounds not in OVERLAP_CHOICES:
             raise ValueError(f"GDNKernelConfig.tree_overlap_rounds must be one of {OVERLAP_CHOICES}, "
                              f"got {self.tree_overlap_rounds!r}")
-        if self.few_seqs_scan_block_v and (self.few_seqs_scan_block_v < 16 or
-                                           self.few_seqs_scan_block_v & (self.few_seqs_scan_block_v - 1)):
-            raise ValueError(f"GDNKernelConfig.few_seqs_scan_block_v must be 0 (auto) or a power of two >= 16, "
-                             f"got {self.few_seqs_scan_block_v}")
+        for field in ("scan_block_v", "few_seqs_scan_block_v", "many_seqs_scan_block_v"):  # tl.arange, tl.dot
+            value = getattr(self, field)
+            if not (value == 0 and field != "scan_block_v") and (value < 16 or value & (value - 1)):
+                raise ValueError(f"GDNKernelConfig.{field} must be a power of two >= 16"
+                                 f"{'' if field == 'scan_block_v' else ' or 0'}, got {value}")
+        for field in ("scan_warps", "few_seqs_scan_warps", "many_seqs_scan_warps"):
+            value = getattr(self, field)
+            if not (value == 0 and field == "few_seqs_scan_warps") and (value < 1 or value & (value - 1)):
+                raise ValueError(f"GDNKernelConfig.{field} must be a power of two"
+                                 f"{' or 0' if field == 'few_seqs_scan_warps' else ''}, got {value}")
+        if self.few_seqs_wide_programs < 1:
+            raise ValueError(f"GDNKernelConfig.few_seqs_wide_programs must be >= 1, got {self.few_seqs_wide_programs}")
         if self.tree_scan_lanes < 1:
             raise ValueError(f"GDNKernelConfig.tree_scan_lanes must be >= 1, got {self.tree_scan_lanes}")
         if self.wy_kkt_block_k < 16 or self.wy_kkt_block_k & (self.wy_kkt_block_k - 1):

@@ -108,18 +108,24 @@ class TreeGDNPlan:
     identity_layout: bool = False
     rows: PackedRows | None = None  # packed <-> compact row maps for the kernels (tree_rows_in_kernels)
 
+    def live_rounds(self) -> list[int]:
+        """The rounds that have chunks (the planner may leave a round empty)."""
+        return [r for r, span in enumerate(self.spans) if span.num_chunks]
+
     def overlap_rounds(self, direction: str) -> bool:
         """Whether the chunk-parallel kernels of the "forward" or "backward" pass run round by round beside
-        the scans (GDNKernelConfig.tree_overlap_rounds)."""
-        return self.index.config.tree_overlap_rounds in (direction, "both") and len(self.spans) > 1
+        the scans (GDNKernelConfig.tree_overlap_rounds): with at least two rounds that have chunks."""
+        return self.index.config.tree_overlap_rounds in (direction, "both") and len(self.live_rounds()) > 1
 
     def later_rounds_span(self) -> ChunkSpan:
-        """The chunks of rounds 1.. (their WY forward runs beside round 0's scans)."""
-        return ChunkSpan(self.spans[1].first, self.spans[-1].stop, self.spans[1].row_first, self.spans[-1].row_stop)
+        """The chunks after the first live round's (their WY forward runs beside that round's scans)."""
+        first = self.spans[self.live_rounds()[0]]
+        return ChunkSpan(first.stop, self.spans[-1].stop, first.row_stop, self.spans[-1].row_stop)
 
     def earlier_rounds_span(self) -> ChunkSpan:
-        """The chunks of every round but the last (their dv_local runs beside the last round's reverse scans)."""
-        return ChunkSpan(0, self.spans[-1].first, 0, self.spans[-1].row_first)
+        """The chunks before the last live round's (their dv_local runs beside that round's reverse scans)."""
+        last = self.spans[self.live_rounds()[-1]]
+        return ChunkSpan(0, last.first, 0, last.row_first)
 
     @property
     def compact_io(self) -> bool:
@@ -212,11 +218,11 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
     lane, num_lanes = assign_lanes([slots.size for slots in round_slots], np.diff(np.asarray(bounds)),
                                      np.asarray(parent, dtype=np.int64), index.config.tree_scan_lanes)
     launches, spans, seq_base = [], [], 0
-    chunks_per_seq = -(-np.diff(np.asarray(bounds)) // chunk_size)
+    chunk_bounds = np.concatenate([[0], np.cumsum(-(-np.diff(np.asarray(bounds)) // chunk_size))])
     for slots in round_slots:
         n = slots.size
-        spans.append(ChunkSpan(int(chunks_per_seq[:seq_base].sum()), int(chunks_per_seq[:seq_base + n].sum()),
-                               int(bounds[seq_base]), int(bounds[seq_base + n])))
+        spans.append(ChunkSpan(int(chunk_bounds[seq_base]), int(chunk_bounds[seq_base + n]), int(bounds[seq_base]),
+                               int(bounds[seq_base + n])))
         launches.append([])
         for start, stop in lane_runs(lane[seq_base:seq_base + n]):
             run_slots = slots[start:stop]
@@ -264,7 +270,8 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             q, k, v, g, beta = (x.index_select(0, plan.row_src) for x in (q, k, v, g, beta))
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
         overlap = plan.overlap_rounds("forward")
-        wy = wy_fwd(k, v, g, beta, index, rows, span=plan.spans[0] if overlap else None)
+        first = plan.live_rounds()[0] if overlap else -1
+        wy = wy_fwd(k, v, g, beta, index, rows, span=plan.spans[first] if overlap else None)
         gc, T, w, u = wy
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
         v_new = torch.empty_like(u)
@@ -280,7 +287,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
                 if not overlap:
                     continue
                 scanned = lanes.mark(rnd.lane for rnd in launches)
-                if r == 0:  # the other rounds' WY forward beside round 0's scans; their scans wait for it
+                if r == first:  # the later rounds' WY forward beside this round's scans; their scans wait for it
                     wy_fwd(k, v, g, beta, index, rows, span=plan.later_rounds_span(), out=wy)
                     lanes.wait_main()
                 lanes.main_waits(scanned)  # this round's outputs beside the next rounds' scans
@@ -303,7 +310,8 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         else:  # replayed outputs are dropped
             do = torch.zeros_like(v_new).index_copy_(0, plan.own_pick, d_out.to(v.dtype))
         overlap = plan.overlap_rounds("backward")
-        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, span=plan.spans[-1] if overlap else None)
+        last_live = plan.live_rounds()[-1] if overlap else -1
+        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, span=plan.spans[last_live] if overlap else None)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
         bank_grad = torch.zeros(index.num_slots, hv, kd, vd, device=q.device, dtype=torch.float32)
@@ -322,7 +330,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
                 if not overlap:
                     continue
                 scanned = lanes.mark(rnd.lane for rnd in launches)
-                if r == last:  # the earlier rounds' dv_local beside the last round's scans; their scans wait for it
+                if r == last_live:  # the earlier rounds' dv_local beside this round's scans; their scans wait for it
                     dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, span=plan.earlier_rounds_span(), out=dv_local)
                     lanes.wait_main()
                 lanes.main_waits(scanned)  # this round's chunk-parallel backward beside the earlier rounds' scans
