@@ -5,6 +5,7 @@ fp64 reference; the wrapper's CUDA guard (`function.triton_supports`) should adm
 marked ok.
 
     PYTHONUNBUFFERED=1 python bench/gdn_shapes.py            # H200, ~2 minutes (one compile per row)
+    python bench/gdn_shapes.py --stages bfloat16 32 32         # which kernel a wrong row comes from
 """
 from __future__ import annotations
 
@@ -58,10 +59,67 @@ def check(dtype_name: str, kd: int, vd: int) -> dict:
     return dict(triton=triton_supports(dtype, kd, vd), max_rel_err=max(errors))
 
 
+def stage_errors(dtype_name: str, kd: int, vd: int, device: str = "cuda") -> dict:
+    """Which kernel a wrong row comes from: each stage run in `dtype_name` on the fp32 run's inputs to that
+    stage (cast), against the same stage in fp32, so an error does not spread to the stages after it.
+    Relative (Frobenius) error per stage output, the worst over its outputs. The yardstick is the kernels' own
+    fp32 run (TF32 dots on the GPU, ~1e-3), enough to find a stage that is wrong (the wrong rows are off by ~1)."""
+    import torch
+
+    from harts_compiler.codegen.kernels.chunk_gdn import prepare_gdn_index
+    from harts_compiler.codegen.kernels.chunk_gdn.chunk_bwd import chunk_bwd
+    from harts_compiler.codegen.kernels.chunk_gdn.state_bwd import state_bwd
+    from harts_compiler.codegen.kernels.chunk_gdn.state_fwd import output_fwd, state_fwd
+    from harts_compiler.codegen.kernels.chunk_gdn.wy_fwd import wy_fwd
+    low = getattr(torch, dtype_name)
+    gen = torch.Generator(device).manual_seed(0)
+    lengths, hk, hv, scale = [200, 64, 130, 1], 2, 4, kd ** -0.5
+    rows = sum(lengths)
+    q, k = (torch.nn.functional.normalize(torch.randn(rows, hk, kd, device=device, generator=gen), dim=-1)
+            for _ in range(2))
+    v = torch.randn(rows, hv, vd, device=device, generator=gen)
+    g = -torch.rand(rows, hv, device=device, generator=gen) * 0.3
+    beta = torch.rand(rows, hv, device=device, generator=gen)
+    h0 = torch.randn(len(lengths), hv, kd, vd, device=device, generator=gen) * 0.05
+    do = torch.randn(rows, hv, vd, device=device, generator=gen)
+    index = prepare_gdn_index(torch.tensor([0] + lengths).cumsum(0), torch.tensor([0, 2]), torch.tensor([64, 128]),
+                              device=device)
+    bank_grad = torch.randn(index.num_slots, hv, kd, vd, device=device, generator=gen)
+
+    # per stage: (kernels, inputs as the fp32 run made them, positions the pipeline holds in the 16-bit dtype)
+    gc, T, w, u = wy = wy_fwd(k, v, g, beta, index)
+    h, v_new, bank = fwd = state_fwd(k, w, u, gc, h0, index)
+    dh, dvn, dh0 = bwd = state_bwd(q, k, w, gc, do, bank_grad, scale, index)
+    stages = {
+        "wy_fwd (gc, T, w, u)": (lambda *a: wy_fwd(*a, index), (k, v, g, beta), {0, 1, 3}, wy),
+        "state_fwd (h, v_new, bank)": (lambda *a: state_fwd(*a, index), (k, w, u, gc, h0), {0, 1, 2}, fwd),
+        "output_fwd (o)": (lambda *a: (output_fwd(*a, scale, index),), (q, k, v_new, gc, h), {0, 1, 2, 4},
+                           (output_fwd(q, k, v_new, gc, h, scale, index),)),
+        "state_bwd (dh, dvn, dh0)": (lambda *a: state_bwd(*a, scale, index), (q, k, w, gc, do, bank_grad),
+                                     {0, 1, 2, 4}, bwd),
+        "chunk_bwd (dq, dk, dv, dbeta, dg)": (
+            lambda *a: chunk_bwd(*a, scale, index), (q, k, v, beta, gc, T, v_new, h, dh, do, dvn),
+            {0, 1, 2, 3, 6, 7, 8, 9, 10}, chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index)),
+    }
+    errors = {}
+    for name, (fn, inputs, low_positions, expect) in stages.items():
+        got = fn(*(x.to(low) if i in low_positions else x for i, x in enumerate(inputs)))
+        errors[name] = max(float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+                           for a, b in zip(got, expect))
+    return errors
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--stages", nargs=3, metavar=("DTYPE", "K", "V"),
+                   help="per-kernel errors of one configuration (stage_errors), e.g. --stages bfloat16 32 32")
+    p.add_argument("--device", default="cuda")
     args = p.parse_args()
+    if args.stages:
+        for name, err in stage_errors(args.stages[0], int(args.stages[1]), int(args.stages[2]), args.device).items():
+            print(f"{name:34s} {err:9.2e}")
+        return
     if args.one:
         print(json.dumps(check(args.one[0], int(args.one[1]), int(args.one[2]))))
         return
