@@ -42,15 +42,17 @@ class GDNKernelConfig:
     # scans use `few_seqs_scan_block_v` columns instead. Column blocks are independent: tree == trajectory
     # stayed bitwise on the H200.
     scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
-    few_seqs_scan_block_v: int = 16  # 0 = auto: the widest of 64 / 32 columns with >= few_seqs_wide_programs
-    # programs (about one per SM), else 16, always at few_seqs_scan_warps, so at 128-255 programs where the
-    # fixed width keeps scan_warps (opt-in, not yet timed. With scan_min_programs=400 it gives the agentic
-    # batch's round of six roots 64 columns at 4 warps, which a fixed-width run timed at 9.97 vs 10.11 ms,
-    # BENCHMARKS.md session 6; a lone root of 16 heads gets 16 columns, of 32 heads 32 columns.)
-    # At most one program per SM (a lone long root): `few_seqs_scan_warps` warps, whose dots compile to wgmma
-    # and shorten each chunk's chain; the SMs have room for them. P16384 B8 L2048 tree (128 programs):
-    # 4.30 vs 4.47 ms, bitwise equal; with 256 programs (generated batches, 32 value heads) 4 warps were
-    # slower (swe GDN 10.6 vs 9.9 ms), so above `few_seqs_wide_programs` the scans keep `scan_warps`.
+    few_seqs_scan_block_v: int = 16  # 0 = auto, see below
+    # Launches of at most `few_seqs_wide_programs` programs (about one per SM: a lone long root) take
+    # `few_seqs_scan_warps` warps, whose dots compile to wgmma and shorten each chunk's chain; the SMs have
+    # room for them. P16384 B8 L2048 tree (128 programs): 4.30 vs 4.47 ms at 2 warps, bitwise equal; with
+    # 256 programs (generated batches, 32 value heads) 4 warps were slower (swe GDN 10.6 vs 9.9 ms), so
+    # larger few-sequence launches keep `scan_warps` (H200, BENCHMARKS.md session 6).
+    # Auto columns (few_seqs_scan_block_v = 0; opt-in, not yet timed): the widest of 64 / 32 columns that
+    # still gives >= few_seqs_wide_programs programs, else 16, always at few_seqs_scan_warps (so also at
+    # 128-255 programs). A lone root of 16 value heads gets 16 columns, of 32 heads 32 columns; with
+    # scan_min_programs=400 the agentic batch's round of six roots gets 64 columns at 4 warps, which a
+    # fixed-width run timed at 9.97 vs 10.11 ms.
     few_seqs_scan_warps: int = 4  # 0 = scan_warps
     few_seqs_wide_programs: int = 128
     # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
