@@ -61,11 +61,8 @@ def microbatches_ms(indices, args, segment_chunks=None, config=None) -> float:
 
 
 # other configurations, for --compare: tree mode gathering its packed layout (before the kernels read through
-# row maps), the chunk-parallel kernels round by round beside the scans, other launches for few sequences
+# row maps), other launches for few sequences
 COMPARE = {"gathers": GDNKernelConfig(tree_rows_in_kernels=False),
-           "overlap": GDNKernelConfig(tree_overlap_rounds="both"),
-           "overlap_fwd": GDNKernelConfig(tree_overlap_rounds="forward"),
-           "overlap_bwd": GDNKernelConfig(tree_overlap_rounds="backward"),
            "few_seq_w2": GDNKernelConfig(few_seqs_scan_warps=0),
            "few_seq_auto": GDNKernelConfig(few_seqs_scan_block_v=0),
            "few_seq_auto_400": GDNKernelConfig(few_seqs_scan_block_v=0, scan_min_programs=400)}

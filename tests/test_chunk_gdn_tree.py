@@ -113,7 +113,7 @@ def test_replays_and_shared_starts_are_summed(rows_in_kernels):
                             export_bank=np.zeros(0, np.int64))]
     plan = plan_tree_gdn(rounds, T, chunk_size=C, device=DEVICE,
                          config=GDNKernelConfig(tree_rows_in_kernels=rows_in_kernels))
-    assert plan.replay_counts.tolist() == [3] * (root - C) and plan.rounds[1][0].start_counts.tolist() == [3]
+    assert plan.replay_counts.tolist() == [3] * (root - C) and plan.rounds[1].start_counts.tolist() == [3]
     tensors = inputs(T, seed=1)
     weights = torch.randn(T, 2, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEVICE)
     got = run(lambda *x: tree_gated_delta_rule(*x, scale=0.3, plan=plan, use_qk_l2norm=True), tensors, weights)
@@ -171,73 +171,30 @@ def test_aligned_branch_points_skip_the_gathers():
 
 def test_independent_trees_scan_on_lanes():
     """Three trees, their branch points off chunk boundaries: each tree's scans form one lane (a CUDA stream on
-    the GPU; in order under the interpreter), the chunk-parallel kernels run round by round beside them
-    (tree_overlap_rounds), and the results equal one launch per round and per kernel bit for bit, every
+    the GPU; in order under the interpreter), and the results equal one launch per round bit for bit, every
     gradient included."""
     plan2 = two_level_plan([(150, 3, 40), (70, 2, 90), (100, 4, 20)], device=DEVICE)
     specs = two_level_round_specs(plan2)
     kw = dict(scale=0.3, use_qk_l2norm=True)
-    configs = {"one launch per round": GDNKernelConfig(tree_scan_lanes=1, tree_overlap_rounds="none"),
-               "overlap": GDNKernelConfig(tree_scan_lanes=1, tree_overlap_rounds="both"),
-               "2 lanes": GDNKernelConfig(tree_scan_lanes=2, tree_overlap_rounds="forward"),
-               "8 lanes, no overlap": GDNKernelConfig(tree_overlap_rounds="none"),
-               "8 lanes": GDNKernelConfig(tree_overlap_rounds="both")}
-    plans = {name: plan_tree_gdn(specs, plan2.compact_rows, chunk_size=C, device=DEVICE, config=config)
-             for name, config in configs.items()}
-    launches = {name: [launch for rnd in plan.rounds for launch in rnd] for name, plan in plans.items()}
-    assert [len(launches[n]) for n in ("overlap", "2 lanes", "8 lanes")] == [2, 4, 6]
-    assert plans["8 lanes"].num_lanes == 3 and plans["8 lanes"].overlap_rounds("backward")
-    spans = plans["8 lanes"].spans  # round 0: the three roots' chunks and rows, round 1: the nine branches'
-    assert (spans[0].first, spans[0].stop, spans[1].stop) == (0, 3 + 2 + 2, plans["8 lanes"].index.num_chunks)
-    assert spans[0].row_stop == spans[1].row_first == 150 + 70 + 100
+    plans = {lanes: plan_tree_gdn(specs, plan2.compact_rows, chunk_size=C, device=DEVICE,
+                                  config=GDNKernelConfig(tree_scan_lanes=lanes)) for lanes in (1, 2, 8)}
+    assert [len(plans[n].rounds) for n in (1, 2, 8)] == [2, 4, 6] and plans[8].num_lanes == 3
     by_lane = {}
-    for launch in launches["8 lanes"]:  # each lane: its tree's root, then that tree's branches
+    for launch in plans[8].rounds:  # each lane: its tree's root, then that tree's branches
         by_lane.setdefault(launch.lane, []).append(launch.num_seqs)
     assert sorted(by_lane.values()) == [[1, 2], [1, 3], [1, 4]]
-    assert all(launch.round_seqs == (3 if launch.num_seqs == 1 else 9) for launch in launches["8 lanes"])
+    assert all(launch.round_seqs == (3 if launch.num_seqs == 1 else 9) for launch in plans[8].rounds)
     tensors = inputs(plan2.compact_rows, seed=6)
     weights = torch.randn(plan2.compact_rows, 2, DIM, generator=torch.Generator().manual_seed(7),
                           dtype=torch.float64).to(DEVICE)
     results = {n: run(lambda *x: tree_gated_delta_rule(*x, plan=plan, **kw), tensors, weights)
                for n, plan in plans.items()}
-    base = results["one launch per round"]
-    for name, result in results.items():
-        assert all(torch.equal(a, b) for a, b in zip(result, base)), f"{name} differs from one launch per round"
+    for n in (2, 8):
+        assert all(torch.equal(a, b) for a, b in zip(results[n], results[1])), f"{n} lanes differ from one"
     rounds = run(lambda *x: run_tree(chunk_gated_delta_rule, plan2, *x, **kw), tensors, weights)
-    assert torch.equal(base[0], rounds[0]), "outputs differ from one Triton call per round"
+    assert torch.equal(results[8][0], rounds[0]), "outputs differ from one Triton call per round"
     with pytest.raises(ValueError, match="tree_scan_lanes"):
         GDNKernelConfig(tree_scan_lanes=0)
-    with pytest.raises(ValueError, match="tree_overlap_rounds"):
-        GDNKernelConfig(tree_overlap_rounds=True)
-
-
-def test_round_overlap_with_empty_rounds_and_key_blocks():
-    """tree_overlap_rounds with empty rounds first, between and last (the planner may leave one), 32-column keys
-    in 16-column dq/dk blocks (each span sums its own dgc parts) and the gathered path: bitwise equal to every
-    chunk in one launch per kernel."""
-    plan2 = two_level_plan([(150, 3, 40), (70, 2, 90)], device=DEVICE)
-    none = np.zeros(0, np.int64)
-    empty = TreeRoundSpec(cu_seqlens=np.zeros(1, np.int64), row_src=none, own_rows=none, own_dst=none,
-                          init_state=none, export_seq=none, export_offset=none, export_bank=none)
-    root, branches = two_level_round_specs(plan2)
-    kw = dict(scale=0.3, use_qk_l2norm=True)
-    kd = 2 * DIM
-    tensors = inputs(plan2.compact_rows, seed=8, kd=kd)
-    weights = torch.randn(plan2.compact_rows, 2, DIM, generator=torch.Generator().manual_seed(9),
-                          dtype=torch.float64).to(DEVICE)
-
-    def result(specs, **config):
-        plan = plan_tree_gdn(specs, plan2.compact_rows, chunk_size=C, device=DEVICE,
-                             config=GDNKernelConfig(bwd_qk_block_k=kd // 2, **config))
-        return plan, run(lambda *x: tree_gated_delta_rule(*x, plan=plan, **kw), tensors, weights)
-    for rows_in_kernels in (True, False):
-        _, base = result([root, branches], tree_overlap_rounds="none", tree_rows_in_kernels=rows_in_kernels)
-        plan, got = result([empty, root, empty, branches, empty], tree_overlap_rounds="both",
-                           tree_rows_in_kernels=rows_in_kernels)
-        assert plan.live_rounds() == [1, 3] and plan.overlap_rounds("forward")
-        assert plan.later_rounds_span().first == plan.spans[1].stop == plan.spans[3].first
-        assert plan.earlier_rounds_span().stop == plan.spans[3].first
-        assert all(torch.equal(a, b) for a, b in zip(got, base)), f"overlap differs (row maps: {rows_in_kernels})"
 
 
 def test_bad_plans_are_named():

@@ -6,14 +6,12 @@ or go through a small per-program scratch buffer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows
-from .index import ChunkSpan, row_tables, whole_span
+from .index import row_tables
 
 
 @triton.jit
@@ -200,73 +198,6 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
         tl.store(side_dg + slot * HV + i_h, b_dg, mask=m_side)
 
 
-@dataclass(frozen=True)
-class ChunkBwdBuffers:
-    """Outputs and intermediates of chunk_bwd, allocated once per call and filled span by span."""
-    dq: torch.Tensor
-    out: tuple            # dk, dv, dbeta, dg on the output rows
-    side: tuple           # the same on the replay slots (is `out` without row maps)
-    dk_part: torch.Tensor
-    dw: torch.Tensor
-    dgc: torch.Tensor
-    dgc_parts: torch.Tensor  # [R, HV, K / BK] with K blocks, else dgc itself
-    block_k: int
-
-    def grads(self, rows):
-        grads = (self.dq, *self.out)  # dq, dk, dv, dbeta, dg
-        return grads if rows is None else (*grads, self.side)
-
-
-def chunk_bwd_buffers(q, k, v, gc, index, rows=None) -> ChunkBwdBuffers:
-    """Buffers for chunk_bwd over the packed rows of `index` (see `chunk_bwd` for the dtypes)."""
-    _, hk, kd = q.shape
-    hv, vd = v.shape[1], v.shape[2]
-    n_rows, dev = gc.shape[0], q.device
-    dk_dtype = torch.float32 if hv != hk else k.dtype
-
-    def dk_dv_dbeta_dg(n):
-        per_head = [torch.empty(n, hv, device=dev, dtype=torch.float32) for _ in range(2)]
-        return (torch.empty(n, hv, kd, device=dev, dtype=dk_dtype), torch.empty(n, hv, vd, device=dev, dtype=v.dtype),
-                *per_head)
-    n_out = n_rows if rows is None else rows.num_tokens
-    dq = torch.empty(n_out, hv, kd, device=dev, dtype=torch.float32)  # bf16 here made the qk kernel spill more
-    out = dk_dv_dbeta_dg(n_out)
-    side = out if rows is None else dk_dv_dbeta_dg(rows.num_replays)
-    dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32)
-    dgc = out[3] if rows is None else torch.empty(n_rows, hv, device=dev, dtype=torch.float32)
-    bk = kd if index.config.bwd_qk_block_k <= 0 else min(index.config.bwd_qk_block_k, kd)
-    dgc_parts = dgc if bk == kd else torch.empty(n_rows, hv, kd // bk, device=dev, dtype=torch.float32)
-    return ChunkBwdBuffers(dq=dq, out=out, side=side, dk_part=dk_part, dw=torch.empty_like(dk_part), dgc=dgc,
-                           dgc_parts=dgc_parts, block_k=bk)
-
-
-def chunk_bwd_span(buf: ChunkBwdBuffers, q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None,
-                   span: ChunkSpan | None = None):
-    """chunk_bwd's two kernels over the chunks of `span` (default: all), into `buf`."""
-    _, hk, kd = q.shape
-    hv, vd = v.shape[1], v.shape[2]
-    cfg = index.config
-    bv = min(cfg.bwd_block_v, vd)
-    BT = index.chunk_size
-    span = span or whole_span(index, gc.shape[0])
-    if not span.num_chunks:
-        return
-    tables = (*span.tables(index), *row_tables(index, rows))
-    n_k = kd // buf.block_k
-    _chunk_bwd_qk_kernel[(span.num_chunks * hv, n_k)](
-        q, k, v_new, gc, span.of(h), span.of(dh), do, dvn, buf.dq, buf.dk_part, buf.dw, buf.dgc_parts, *tables,
-        scale, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=buf.block_k, GATHER=rows is not None,
-        num_warps=cfg.bwd_qk_warps)
-    if n_k > 1:
-        rows_of_span = slice(span.row_first, span.row_stop)
-        torch.sum(buf.dgc_parts[rows_of_span], dim=-1, out=buf.dgc[rows_of_span])
-    scratch = torch.empty(span.num_chunks * hv, BT, BT, device=q.device, dtype=torch.float32)
-    _wy_bwd_kernel[(span.num_chunks * hv,)](
-        k, v, beta, gc, T, buf.dw, dvn, buf.dk_part, buf.dgc, *buf.out, *buf.side, scratch, *tables,
-        HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None,
-        num_warps=cfg.wy_bwd_warps)
-
-
 def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None):
     """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head) on the R packed rows.
     Launch configuration from `index.config` (`bwd_qk_block_k`: K columns per dq/dk/dw program, 0 or >= K:
@@ -279,6 +210,39 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     dk and dv come out in the input dtypes when every value head has its own key head (nothing left to
     reduce), else dk in fp32 for the grouped-head sum; dq is always fp32.
     """
-    buf = chunk_bwd_buffers(q, k, v, gc, index, rows)
-    chunk_bwd_span(buf, q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows)
-    return buf.grads(rows)
+    _, hk, kd = q.shape
+    hv, vd = v.shape[1], v.shape[2]
+    n_rows, dev = gc.shape[0], q.device
+    cfg = index.config
+    bv = min(cfg.bwd_block_v, vd)
+    BT = index.chunk_size
+    dk_dtype = torch.float32 if hv != hk else k.dtype
+
+    def dk_dv_dbeta_dg(n):
+        per_head = [torch.empty(n, hv, device=dev, dtype=torch.float32) for _ in range(2)]
+        return (torch.empty(n, hv, kd, device=dev, dtype=dk_dtype), torch.empty(n, hv, vd, device=dev, dtype=v.dtype),
+                *per_head)
+    n_out = n_rows if rows is None else rows.num_tokens
+    dq = torch.empty(n_out, hv, kd, device=dev, dtype=torch.float32)  # bf16 here made the qk kernel spill more
+    out = dk_dv_dbeta_dg(n_out)
+    side = out if rows is None else dk_dv_dbeta_dg(rows.num_replays)
+    dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32)
+    dw = torch.empty_like(dk_part)
+    dgc = out[3] if rows is None else torch.empty(n_rows, hv, device=dev, dtype=torch.float32)
+    if index.num_chunks:
+        tables = (index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows))
+        bk = kd if cfg.bwd_qk_block_k <= 0 else min(cfg.bwd_qk_block_k, kd)
+        n_k = kd // bk
+        dgc_parts = dgc if n_k == 1 else torch.empty(n_rows, hv, n_k, device=dev, dtype=torch.float32)
+        _chunk_bwd_qk_kernel[(index.num_chunks * hv, n_k)](
+            q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc_parts, *tables, scale,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, GATHER=rows is not None, num_warps=cfg.bwd_qk_warps)
+        if n_k > 1:
+            torch.sum(dgc_parts, dim=-1, out=dgc)
+        scratch = torch.empty(index.num_chunks * hv, BT, BT, device=dev, dtype=torch.float32)
+        _wy_bwd_kernel[(index.num_chunks * hv,)](
+            k, v, beta, gc, T, dw, dvn, dk_part, dgc, *out, *side, scratch, *tables,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None,
+            num_warps=cfg.wy_bwd_warps)
+    grads = (dq, *out)  # dq, dk, dv, dbeta, dg
+    return grads if rows is None else (*grads, side)

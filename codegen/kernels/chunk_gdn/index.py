@@ -12,9 +12,6 @@ import numpy as np
 import torch
 
 
-OVERLAP_CHOICES = ("none", "forward", "backward", "both")
-
-
 @dataclass(frozen=True)
 class GDNKernelConfig:
     """Launch configuration: fixed per plan (never autotuned), so equal chunks give equal bits in any call.
@@ -75,29 +72,19 @@ class GDNKernelConfig:
     # tree mode: the scans of independent trees (components of the state hand-offs) run on up to this many
     # CUDA streams, so a tree's branches start when its own root is scanned; 1 = one launch per round
     tree_scan_lanes: int = 8
-    # tree mode, in "forward", "backward" or "both" passes: the chunk-parallel kernels of each round run on
-    # the main stream as soon as that round's scans are done (and the WY forward / dv_local of later rounds
-    # before them), next to the other rounds' latency-bound scans, which run on high-priority streams;
-    # "none" = every chunk in one launch per kernel, before or after all scans
-    tree_overlap_rounds: str = "none"
 
     def __post_init__(self):
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
             raise ValueError(f"GDNKernelConfig.bwd_qk_block_k must be 0 or a power of two >= 16 (tl.dot, "
                              f"tl.arange), got {self.bwd_qk_block_k}")
-        if self.tree_overlap_rounds not in OVERLAP_CHOICES:
-            raise ValueError(f"GDNKernelConfig.tree_overlap_rounds must be one of {OVERLAP_CHOICES}, "
-                             f"got {self.tree_overlap_rounds!r}")
-        for field in ("scan_block_v", "few_seqs_scan_block_v", "many_seqs_scan_block_v"):  # tl.arange, tl.dot
+        # scan columns feed tl.arange / tl.dot; 0 means auto / off where the field's comment says so
+        for field, least, zero_ok in (("scan_block_v", 16, False), ("few_seqs_scan_block_v", 16, True),
+                                      ("many_seqs_scan_block_v", 16, True), ("scan_warps", 1, False),
+                                      ("few_seqs_scan_warps", 1, True), ("many_seqs_scan_warps", 1, False)):
             value = getattr(self, field)
-            if not (value == 0 and field != "scan_block_v") and (value < 16 or value & (value - 1)):
-                raise ValueError(f"GDNKernelConfig.{field} must be a power of two >= 16"
-                                 f"{'' if field == 'scan_block_v' else ' or 0'}, got {value}")
-        for field in ("scan_warps", "few_seqs_scan_warps", "many_seqs_scan_warps"):
-            value = getattr(self, field)
-            if not (value == 0 and field == "few_seqs_scan_warps") and (value < 1 or value & (value - 1)):
-                raise ValueError(f"GDNKernelConfig.{field} must be a power of two"
-                                 f"{' or 0' if field == 'few_seqs_scan_warps' else ''}, got {value}")
+            if not (zero_ok and value == 0) and (value < least or value & (value - 1)):
+                raise ValueError(f"GDNKernelConfig.{field} must be a power of two >= {least}"
+                                 f"{' or 0' if zero_ok else ''}, got {value}")
         if self.few_seqs_wide_programs < 1:
             raise ValueError(f"GDNKernelConfig.few_seqs_wide_programs must be >= 1, got {self.few_seqs_wide_programs}")
         if self.tree_scan_lanes < 1:
@@ -153,35 +140,6 @@ class PackedRows:
     own: torch.Tensor   # [R] int64: compact token, or -1 - (replay slot) on replayed rows
     num_tokens: int
     num_replays: int
-
-
-@dataclass(frozen=True)
-class ChunkSpan:
-    """Chunks [first, stop) of a call and the packed rows [row_first, row_stop) they cover. The chunk-parallel
-    kernels run a span with the chunk tables and per-chunk tensors sliced to it (views: the pointer moves,
-    the kernels do not change), so a chunk computes the same bits in a span as in a whole call. Tree mode
-    (tree.py) runs each round's span as soon as its scans are done, next to the other rounds' scans."""
-    first: int
-    stop: int
-    row_first: int
-    row_stop: int
-
-    @property
-    def num_chunks(self) -> int:
-        return self.stop - self.first
-
-    def tables(self, index: "GDNIndex") -> tuple[torch.Tensor, torch.Tensor]:
-        """(chunk_row_start, chunk_row_end) of the span's chunks."""
-        return index.chunk_row_start[self.first:self.stop], index.chunk_row_end[self.first:self.stop]
-
-    def of(self, per_chunk: torch.Tensor) -> torch.Tensor:
-        """The span's rows of a per-chunk tensor ([NC, ...])."""
-        return per_chunk[self.first:self.stop]
-
-
-def whole_span(index: "GDNIndex", num_rows: int) -> ChunkSpan:
-    """Every chunk of `index` (packed rows [0, num_rows))."""
-    return ChunkSpan(0, index.num_chunks, 0, num_rows)
 
 
 def row_tables(index: "GDNIndex", rows: PackedRows | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,71 +58,42 @@ def lane_runs(values: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
 
 
-# Side streams per (CUDA device, priority), created once and reused by every call (as PyTorch's own stream
-# pool is): the caching allocator keeps freed blocks per stream, so fresh streams per call would scatter the
-# scans' temporaries over many per-stream caches. A cache of handles: no result depends on it.
-_SIDE_STREAMS: dict[tuple[int, int], list[torch.cuda.Stream]] = {}
-
-# Scans that run beside chunk-parallel work (`LaneStreams(scans_aside=True)`) get the highest priority: when an
-# SM frees up, the block scheduler starts a waiting scan program before another chunk-parallel one, so the
-# latency-bound chain of scans is not queued behind a wide launch. CUDA clamps this to its range.
-SCAN_PRIORITY = -8
+# Side streams per CUDA device, created once and reused by every call (as PyTorch's own stream pool is):
+# the caching allocator keeps freed blocks per stream, so fresh streams per call would scatter the scans'
+# temporaries over many per-stream caches. A cache of handles: no result depends on it.
+_SIDE_STREAMS: dict[int, list[torch.cuda.Stream]] = {}
 
 
-def _side_streams(device: torch.device, count: int, priority: int) -> list[torch.cuda.Stream]:
+def _side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    streams = _SIDE_STREAMS.setdefault((index, priority), [])
+    streams = _SIDE_STREAMS.setdefault(index, [])
     while len(streams) < count:
-        streams.append(torch.cuda.Stream(index, priority=priority))
+        streams.append(torch.cuda.Stream(index))
     return streams[:count]
 
 
 class LaneStreams:
-    """One CUDA stream per lane for the scans. Entering makes the lanes wait for the work queued so far;
-    leaving makes the current ("main") stream wait for every lane. Lane 0 is the main stream, unless
-    `scans_aside`: then every lane is a high-priority side stream and the main stream stays free for the
-    chunk-parallel work that tree.py overlaps with the scans (it orders the two with `mark`, `main_waits`
-    and `wait_main`). Tensors allocated inside `on(lane)` belong to that lane's stream in the caching
-    allocator and are used and freed there; the shared outputs are allocated before, on the main stream,
-    which waits for the lanes before anything else touches them. On the CPU (interpreter) everything runs
-    in program order, and the ordering calls do nothing."""
+    """One CUDA stream per lane for the scans (lane 0: the current stream). Entering makes the lanes wait
+    for the work queued so far; leaving makes the current stream wait for every lane. Tensors allocated
+    inside `on(lane)` belong to that lane's stream in the caching allocator and are used and freed there;
+    the shared outputs are allocated before, on the current stream, which waits for the lanes before
+    anything else touches them. On the CPU (interpreter) or with one lane everything runs in order."""
 
-    def __init__(self, num_lanes: int, device: torch.device, *, scans_aside: bool = False):
+    def __init__(self, num_lanes: int, device: torch.device):
         self.streams = None
-        if device.type == "cuda" and (num_lanes > 1 or scans_aside):
+        if num_lanes > 1 and device.type == "cuda":
             self.main = torch.cuda.current_stream(device)
-            if scans_aside:
-                self.streams = _side_streams(device, num_lanes, SCAN_PRIORITY)
-            else:
-                self.streams = [self.main] + _side_streams(device, num_lanes - 1, 0)
-
-    def _side(self):
-        return [s for s in self.streams or [] if s is not self.main]
+            self.streams = [self.main] + _side_streams(device, num_lanes - 1)
 
     def __enter__(self):
-        self.wait_main()
+        for stream in (self.streams or [])[1:]:
+            stream.wait_stream(self.main)
         return self
 
     def on(self, lane: int):
         return torch.cuda.stream(self.streams[lane]) if self.streams else contextlib.nullcontext()
 
-    def wait_main(self):
-        """Later launches on the lanes wait for the work queued on the main stream so far."""
-        for stream in self._side():
-            stream.wait_stream(self.main)
-
-    def mark(self, lanes) -> list:
-        """Events at the current end of each of `lanes` (what was queued on them so far)."""
-        if not self.streams:
-            return []
-        return [self.streams[lane].record_event() for lane in sorted(set(lanes))]
-
-    def main_waits(self, events: list):
-        """Later launches on the main stream wait for `events` (from `mark`)."""
-        for event in events:
-            self.main.wait_event(event)
-
     def __exit__(self, *exc):
-        for stream in self._side():
+        for stream in (self.streams or [])[1:]:
             self.main.wait_stream(stream)
         return False

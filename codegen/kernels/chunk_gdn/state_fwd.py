@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..interpreter_safe import interpreting
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
-from .index import ChunkSpan, row_tables, whole_span
+from .index import row_tables
 
 
 @triton.jit
@@ -128,19 +128,16 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
     return h, v_new, bank
 
 
-def output_fwd(q, k, v_new, gc, h, scale, index, rows=None, *, span: ChunkSpan | None = None, out=None):
+def output_fwd(q, k, v_new, gc, h, scale, index, rows=None):
     """o [R, HV, V] on the packed rows, or with `rows` (index.PackedRows) o [T, HV, V] on the compact tokens:
-    q and k read through `rows.src`, each kept row's output stored at `rows.own`, replayed rows' dropped.
-    `span` (index.ChunkSpan): only those chunks, into `out` (o from an earlier call)."""
+    q and k read through `rows.src`, each kept row's output stored at `rows.own`, replayed rows' dropped."""
     _, hk, kd = q.shape
     hv, vd = v_new.shape[1], v_new.shape[2]
     cfg = index.config
     bv = min(cfg.out_block_v, vd)
-    if out is None:
-        out = torch.empty_like(v_new) if rows is None else v_new.new_empty(rows.num_tokens, hv, vd)
-    span = span or whole_span(index, v_new.shape[0])
-    if span.num_chunks:
-        _output_kernel[(span.num_chunks * hv, vd // bv)](
-            q, k, v_new, gc, span.of(h), out, *span.tables(index), *row_tables(index, rows), scale,
+    o = torch.empty_like(v_new) if rows is None else v_new.new_empty(rows.num_tokens, hv, vd)
+    if index.num_chunks:
+        _output_kernel[(index.num_chunks * hv, vd // bv)](
+            q, k, v_new, gc, h, o, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), scale,
             HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, GATHER=rows is not None, num_warps=cfg.out_warps)
-    return out
+    return o

@@ -24,17 +24,6 @@ A round's sequences of independent trees (no state hand-off between them) scan o
 streams ("lanes", `GDNKernelConfig.tree_scan_lanes`): with round-major launches a tree's branches waited
 for the longest root of the microbatch, not for their own (agentic batch: 10.24 vs 10.50 ms).
 
-The scans are latency-bound (a chain of small dots per chunk on few programs: a lone 16k-token root runs
-256 chunks in a row on 128 programs), so the GPU idles beside them. With
-`GDNKernelConfig.tree_overlap_rounds` (opt-in: gains within the noise on the H200, BENCHMARKS.md session 6;
-presumably the co-running kernels slow the scans, not profiled) the scans run on high-priority streams and the
-chunk-parallel kernels go round by round on the main stream, each as soon as what it reads is there
-(index.ChunkSpan: one launch per round over that round's chunks): the WY forward of rounds 1.. beside
-round 0's scans, round r's output beside the scans of rounds r + 1..; backward: dv_local of every round
-but the last beside the last round's scans, round r's chunk backward beside the scans of rounds r - 1..0.
-What stays on the critical path is round 0's WY forward, the scans, the last round's output, its dv_local
-and round 0's chunk backward.
-
 Each chunk runs the same kernel code with the same entering state as in a trajectory-wise call, so the
 outputs equal trajectory-wise outputs bit for bit (the alignment rule of DESIGN.md section 6).
 Against one chunk_gated_delta_rule call per round with autograd gathers between them, this removes
@@ -50,10 +39,10 @@ import numpy as np
 import torch
 
 from ..interpreter_safe import interpreter_needs_fp32, interpreting
-from .chunk_bwd import chunk_bwd_buffers, chunk_bwd_span
+from .chunk_bwd import chunk_bwd
 from .function import TRITON_CHUNK_SIZE, _group_sum, triton_supports
 from .inputs import check_exports, validate_gdn_tensors
-from .index import ChunkSpan, GDNIndex, GDNKernelConfig, PackedRows, prepare_gdn_index
+from .index import GDNIndex, GDNKernelConfig, PackedRows, prepare_gdn_index
 from .l2norm import l2norm_fused
 from .lanes import LaneStreams, assign_lanes, lane_runs
 from .state_bwd import dv_local_bwd, state_bwd_scan
@@ -99,33 +88,13 @@ class TreeGDNPlan:
     replay_dst: torch.Tensor       # [D] compact tokens that other packed rows replay (distinct)
     replay_rows: torch.Tensor      # [D'] the replaying rows, grouped by token, in row order ...
     replay_counts: torch.Tensor    # [D] ... how many replay each token
-    rounds: tuple[tuple[_RoundLaunch, ...], ...]  # per round (maybe none): one launch per lane run
-    spans: tuple[ChunkSpan, ...]   # per round: its chunks and packed rows (rounds are laid one after another)
+    rounds: tuple[_RoundLaunch, ...]  # in round order; a round of several lanes has one launch per lane run
     num_lanes: int = 1
     # packed rows == compact tokens, in order (no replay: every branch point on a chunk boundary). The
     # gathers into and out of the packed layout are then identities and are skipped: on GPU.md's anchor
     # trees they were 0.9 of the tree step's 4.9 ms (H200, 2026-11-30).
     identity_layout: bool = False
     rows: PackedRows | None = None  # packed <-> compact row maps for the kernels (tree_rows_in_kernels)
-
-    def live_rounds(self) -> list[int]:
-        """The rounds that have chunks (the planner may leave a round empty)."""
-        return [r for r, span in enumerate(self.spans) if span.num_chunks]
-
-    def overlap_rounds(self, direction: str) -> bool:
-        """Whether the chunk-parallel kernels of the "forward" or "backward" pass run round by round beside
-        the scans (GDNKernelConfig.tree_overlap_rounds): with at least two rounds that have chunks."""
-        return self.index.config.tree_overlap_rounds in (direction, "both") and len(self.live_rounds()) > 1
-
-    def later_rounds_span(self) -> ChunkSpan:
-        """The chunks after the first live round's (their WY forward runs beside that round's scans)."""
-        first = self.spans[self.live_rounds()[0]]
-        return ChunkSpan(first.stop, self.spans[-1].stop, first.row_stop, self.spans[-1].row_stop)
-
-    def earlier_rounds_span(self) -> ChunkSpan:
-        """The chunks before the last live round's (their dv_local runs beside that round's reverse scans)."""
-        last = self.spans[self.live_rounds()[-1]]
-        return ChunkSpan(0, last.first, 0, last.row_first)
 
     @property
     def compact_io(self) -> bool:
@@ -217,18 +186,14 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         seq_base += n
     lane, num_lanes = assign_lanes([slots.size for slots in round_slots], np.diff(np.asarray(bounds)),
                                      np.asarray(parent, dtype=np.int64), index.config.tree_scan_lanes)
-    launches, spans, seq_base = [], [], 0
-    chunk_bounds = np.concatenate([[0], np.cumsum(-(-np.diff(np.asarray(bounds)) // chunk_size))])
+    launches, seq_base = [], 0
     for slots in round_slots:
         n = slots.size
-        spans.append(ChunkSpan(int(chunk_bounds[seq_base]), int(chunk_bounds[seq_base + n]), int(bounds[seq_base]),
-                               int(bounds[seq_base + n])))
-        launches.append([])
         for start, stop in lane_runs(lane[seq_base:seq_base + n]):
             run_slots = slots[start:stop]
             starts = np.flatnonzero(run_slots >= 0)
             distinct, children, counts = _groups(run_slots[starts], starts)
-            launches[-1].append(_RoundLaunch(first_seq=seq_base + start, num_seqs=stop - start,
+            launches.append(_RoundLaunch(first_seq=seq_base + start, num_seqs=stop - start,
                                          lane=int(lane[seq_base + start]), round_seqs=n,
                                          init_row=as_long(run_slots + 1), start_slots=as_long(distinct),
                                          start_seqs=as_long(children), start_counts=as_long(counts)))
@@ -247,8 +212,7 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
                           num_replays=int(replay_rows.size))
     return TreeGDNPlan(num_tokens=num_tokens, index=index, row_src=as_long(src_all), own_pick=as_long(own_pick),
                        replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
-                       replay_counts=as_long(replay_counts), rounds=tuple(map(tuple, launches)),
-                       spans=tuple(spans), num_lanes=num_lanes,
+                       replay_counts=as_long(replay_counts), rounds=tuple(launches), num_lanes=num_lanes,
                        identity_layout=identity, rows=rows)
 
 
@@ -269,31 +233,17 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         else:  # the gathers write dense copies
             q, k, v, g, beta = (x.index_select(0, plan.row_src) for x in (q, k, v, g, beta))
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
-        overlap = plan.overlap_rounds("forward")
-        first = plan.live_rounds()[0] if overlap else -1
-        wy = wy_fwd(k, v, g, beta, index, rows, span=plan.spans[first] if overlap else None)
-        gc, T, w, u = wy
+        gc, T, w, u = wy_fwd(k, v, g, beta, index, rows)
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
         v_new = torch.empty_like(u)
         bank = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)  # row 0: zeros
-        o = None
-        with LaneStreams(plan.num_lanes, k.device, scans_aside=overlap) as lanes:
-            for r, launches in enumerate(plan.rounds):
-                for rnd in launches:
-                    with lanes.on(rnd.lane):
-                        state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
-                                  seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
-                                  launch_seqs=rnd.round_seqs)
-                if not overlap:
-                    continue
-                scanned = lanes.mark(rnd.lane for rnd in launches)
-                if r == first:  # the later rounds' WY forward beside this round's scans; their scans wait for it
-                    wy_fwd(k, v, g, beta, index, rows, span=plan.later_rounds_span(), out=wy)
-                    lanes.wait_main()
-                lanes.main_waits(scanned)  # this round's outputs beside the next rounds' scans
-                o = output_fwd(q, k, v_new, gc, h, scale, index, rows, span=plan.spans[r], out=o)
-        if not overlap:
-            o = output_fwd(q, k, v_new, gc, h, scale, index, rows)
+        with LaneStreams(plan.num_lanes, k.device) as lanes:
+            for rnd in plan.rounds:
+                with lanes.on(rnd.lane):
+                    state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
+                              seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
+                              launch_seqs=rnd.round_seqs)
+        o = output_fwd(q, k, v_new, gc, h, scale, index, rows)
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
         ctx.scale, ctx.plan = scale, plan
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
@@ -309,35 +259,18 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             do = d_out.to(v.dtype).contiguous()
         else:  # replayed outputs are dropped
             do = torch.zeros_like(v_new).index_copy_(0, plan.own_pick, d_out.to(v.dtype))
-        overlap = plan.overlap_rounds("backward")
-        last_live = plan.live_rounds()[-1] if overlap else -1
-        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, span=plan.spans[last_live] if overlap else None)
+        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, rows)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
         bank_grad = torch.zeros(index.num_slots, hv, kd, vd, device=q.device, dtype=torch.float32)
-        buf = chunk_bwd_buffers(q, k, v, gc, index, rows)
-        chunk_grads = (q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
-        last = len(plan.rounds) - 1
-        with LaneStreams(plan.num_lanes, q.device, scans_aside=overlap) as lanes:
-            for r in range(last, -1, -1):  # a round's exports are read only by later rounds (same lane)
-                launches = plan.rounds[r]
-                for rnd in launches:
-                    with lanes.on(rnd.lane):
-                        dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
-                                             seqs=(rnd.first_seq, rnd.num_seqs), rows=rows, launch_seqs=rnd.round_seqs)
-                        if rnd.start_slots.numel():  # distinct slots of this lane's own states: a plain indexed add
-                            bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
-                if not overlap:
-                    continue
-                scanned = lanes.mark(rnd.lane for rnd in launches)
-                if r == last_live:  # the earlier rounds' dv_local beside this round's scans; their scans wait for it
-                    dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, span=plan.earlier_rounds_span(), out=dv_local)
-                    lanes.wait_main()
-                lanes.main_waits(scanned)  # this round's chunk-parallel backward beside the earlier rounds' scans
-                chunk_bwd_span(buf, *chunk_grads, span=plan.spans[r])
-        if not overlap:
-            chunk_bwd_span(buf, *chunk_grads)
-        dq, dk, dv, dbeta, dg, *side = buf.grads(rows)
+        with LaneStreams(plan.num_lanes, q.device) as lanes:
+            for rnd in reversed(plan.rounds):  # a round's exports are read only by later rounds (same lane)
+                with lanes.on(rnd.lane):
+                    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
+                                         seqs=(rnd.first_seq, rnd.num_seqs), rows=rows, launch_seqs=rnd.round_seqs)
+                    if rnd.start_slots.numel():  # distinct slots of this lane's own states: a plain indexed add
+                        bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
+        dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
         names = ("q", "k", "v", "g", "beta")  # the order of ctx.dtypes and of the returned gradients
         per_token = dict(zip(names, (dq, dk, dv, dg, dbeta)))  # compact with row maps, else per packed row
         replayed = dict(zip(("k", "v", "beta", "g"), side[0])) if side else per_token  # side: by replay slot
