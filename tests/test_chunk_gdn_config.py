@@ -1,5 +1,7 @@
 """GDNKernelConfig's per-call choices (no kernels run): state columns per scan program, pipeline depth."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
 
@@ -26,6 +28,9 @@ def test_scan_launch_follows_the_program_count():
         64, 4, 2)                                                   # 96 x 2 = 192 programs
     assert auto.scan_launch_for(1, 32, 128, 2) == (32, 4, 2)       # 32 x 4 = 128 programs
     assert auto.scan_launch_for(1, 4, 64, 2) == (16, 4, 2)         # nothing reaches 128: the narrowest
+    assert GDNKernelConfig(few_seqs_scan_stages=3).scan_launch_for(1, 16, 128, 2) == (16, 4, 3)
+    assert GDNKernelConfig(few_seqs_scan_stages=3).scan_launch_for(1, 16, 128, 4)[2] == 1  # fp32: 1 stage
+    assert GDNKernelConfig(few_seqs_scan_stages=3).scan_launch_for(8, 16, 128, 2)[2] == 2  # not few
     deep = GDNKernelConfig(many_seqs_scan_stages=3)
     assert deep.scan_launch_for(64, 16, 128, 2)[2] == 3
     assert deep.scan_launch_for(64, 16, 128, 4)[2] == 1             # fp32 scans fit only at 1 stage
@@ -43,7 +48,8 @@ def test_scan_stages_fit_shared_memory():
 @pytest.mark.parametrize("field, value", [("bwd_qk_block_k", 24), ("wy_kkt_block_k", 8), ("wy_kkt_block_k", 0),
                                          ("few_seqs_scan_block_v", 8), ("few_seqs_scan_block_v", 48),
                                          ("scan_block_v", 0), ("many_seqs_scan_block_v", 24),
-                                         ("few_seqs_scan_warps", -1), ("scan_warps", 3), ("few_seqs_wide_programs", 0)])
+                                         ("few_seqs_scan_warps", -1), ("scan_warps", 3), ("few_seqs_wide_programs", 0),
+                                         ("few_seqs_scan_stages", 9), ("scan_num_stages", -1)])
 def test_bad_key_blocks_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         GDNKernelConfig(**{field: value})
@@ -70,3 +76,24 @@ def test_lanes_are_contiguous_blocks_of_trees():
     assert n == 2 and lane.tolist() == [0, 1, 0, 1] and lane_runs(lane[2:2]) == []
     lane, n = assign_lanes([3], np.array([100, 1, 1]), np.array([-1, -1, -1]), max_lanes=2)  # one big tree first
     assert n == 2 and lane.tolist() == [0, 1, 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=6), st.data())
+def test_export_segments_cut_each_sequence_after_its_exports(lengths, data):
+    """index.GDNIndex's export segments: per sequence, ascending chunk counts ending at its chunk count (a
+    sentinel of slot -1), one entry per distinct export before it, each with the slot that export got."""
+    import numpy as np
+    import torch
+
+    from harts_compiler.codegen.kernels.chunk_gdn import prepare_gdn_index
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    candidates = [(s, off) for s, n in enumerate(lengths) for off in range(64, n + 1, 64)]
+    exports = data.draw(st.lists(st.sampled_from(candidates), max_size=8)) if candidates else []
+    index = prepare_gdn_index(torch.tensor(bounds), [s for s, _ in exports], [o for _, o in exports])
+    start, end, slot = (t.tolist() for t in (index.seq_export_start, index.export_end_chunk, index.export_end_slot))
+    for s, n in enumerate(lengths):
+        entries = list(zip(end[start[s]:start[s + 1]], slot[start[s]:start[s + 1]]))
+        assert entries[-1] == (-(-n // 64), -1)
+        wanted = sorted({off // 64: index.export_slot_host[i] for i, (t, off) in enumerate(exports) if t == s}.items())
+        assert entries[:-1] == wanted

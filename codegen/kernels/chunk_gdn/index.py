@@ -51,6 +51,11 @@ class GDNKernelConfig:
     # scan_min_programs=400 the agentic batch's round of six roots gets 64 columns at 4 warps, which a
     # fixed-width run timed at 9.97 vs 10.11 ms.
     few_seqs_scan_warps: int = 4  # 0 = scan_warps
+    # Pipeline depth of few-sequence scans (0 = scan_stages_for): they are latency-bound, and at 2 stages
+    # Triton issues a chunk's loads only after the previous chunk's dots, so every chunk waits for memory;
+    # at 3 stages the loads run two chunks ahead (sm_90a TTGIR, rows read in place; with row maps the
+    # index loads run two chunks ahead and the data one).
+    few_seqs_scan_stages: int = 0
     few_seqs_wide_programs: int = 128
     # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
     # (fwd) and 1.6x (bwd) faster than ours at 32 columns and 2 warps (H200, 2026-12-01). At or above
@@ -85,6 +90,10 @@ class GDNKernelConfig:
             if not (zero_ok and value == 0) and (value < least or value & (value - 1)):
                 raise ValueError(f"GDNKernelConfig.{field} must be a power of two >= {least}"
                                  f"{' or 0' if zero_ok else ''}, got {value}")
+        for field in ("scan_num_stages", "few_seqs_scan_stages", "many_seqs_scan_stages"):
+            if not 0 <= getattr(self, field) <= 8:
+                raise ValueError(f"GDNKernelConfig.{field} must be 0 (by dtype) or 1-8 pipeline stages, "
+                                 f"got {getattr(self, field)}")
         if self.few_seqs_wide_programs < 1:
             raise ValueError(f"GDNKernelConfig.few_seqs_wide_programs must be >= 1, got {self.few_seqs_wide_programs}")
         if self.tree_scan_lanes < 1:
@@ -99,13 +108,14 @@ class GDNKernelConfig:
         sequences of `element_size`-byte inputs."""
         many = min(self.many_seqs_scan_block_v, value_dim)
         if many and num_seqs * value_heads * (value_dim // many) >= self.scan_many_programs:
-            stages = self.many_seqs_scan_stages if element_size <= 2 else 1  # fp32: see scan_stages_for
+            stages = (self.many_seqs_scan_stages or self.scan_stages_for(2)) if element_size <= 2 else 1  # fp32: see scan_stages_for
             return many, self.many_seqs_scan_warps, stages
         block_v = min(self.scan_block_v, value_dim)
         if num_seqs * value_heads * (value_dim // block_v) < self.scan_min_programs:
             block_v, wide = self._few_seqs_columns(num_seqs * value_heads, value_dim)
             warps = self.few_seqs_scan_warps if wide and self.few_seqs_scan_warps else self.scan_warps
-            return block_v, warps, self.scan_stages_for(element_size)
+            stages = self.few_seqs_scan_stages if self.few_seqs_scan_stages and element_size <= 2 else 0
+            return block_v, warps, stages or self.scan_stages_for(element_size)
         return block_v, self.scan_warps, self.scan_stages_for(element_size)
 
     def _few_seqs_columns(self, seq_heads: int, value_dim: int) -> tuple[int, bool]:
@@ -159,7 +169,14 @@ class GDNIndex:
     seq_chunk_start: torch.Tensor   # [N+1] int64, global index of each sequence's first chunk
     chunk_row_start: torch.Tensor   # [NC] int64, first packed row of each chunk
     chunk_row_end: torch.Tensor     # [NC] int64, end (exclusive) of the chunk's rows (sequence end for a tail)
-    chunk_export: torch.Tensor      # [NC] int32, slot of the state leaving this chunk in the export bank, -1 = none
+    # export segments: each sequence's chunks cut after every exported state, so the scans store / inject
+    # bank states between inner loops instead of loading a slot per chunk (a per-chunk dependent load kept
+    # Triton from prefetching more than one chunk ahead). Sequence n owns entries
+    # [seq_export_start[n], seq_export_start[n + 1]): ascending chunk counts ending a segment, the last
+    # one the sequence's chunk count with slot -1 (a sentinel: every sequence has at least one entry).
+    seq_export_start: torch.Tensor  # [N+1] int64
+    export_end_chunk: torch.Tensor  # [S] int64, chunks of the sequence up to the end of the segment
+    export_end_slot: torch.Tensor   # [S] int64, bank slot of the state leaving the segment, -1 = none
     num_slots: int                  # distinct exported (sequence, offset) states
     export_slot: torch.Tensor       # [E] int64, slot of each requested export (duplicates share a slot)
     export_slot_host: tuple[int, ...]  # the same slots on the host: backward sums duplicates without a sync
@@ -188,15 +205,14 @@ def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_siz
     e_seq = tuple(int(x) for x in (torch.as_tensor(export_seq).reshape(-1).tolist() if export_seq is not None else ()))
     e_off = tuple(int(x) for x in (torch.as_tensor(export_offset).reshape(-1).tolist()
                                    if export_offset is not None else ()))
-    chunk_export = np.full(num_chunks, -1, dtype=np.int32)
     slot_of: dict[tuple[int, int], int] = {}
-    export_slot = []
-    for s, off in zip(e_seq, e_off):
-        key = (s, off)
-        if key not in slot_of:
-            slot_of[key] = len(slot_of)
-            chunk_export[seq_chunk_start[s] + off // chunk_size - 1] = slot_of[key]
-        export_slot.append(slot_of[key])
+    export_slot = [slot_of.setdefault((s, off), len(slot_of)) for s, off in zip(e_seq, e_off)]
+    # segment ends: the distinct exports and one sentinel per sequence, sorted by (sequence, end, sentinel last)
+    seg_seq = np.array([s for s, _ in slot_of] + list(range(len(lengths))), dtype=np.int64)
+    seg_end = np.array([off // chunk_size for _, off in slot_of] + list(chunks_per_seq), dtype=np.int64)
+    seg_slot = np.array(list(slot_of.values()) + [-1] * len(lengths), dtype=np.int64)
+    order = np.lexsort((seg_slot < 0, seg_end, seg_seq))
+    seq_export_start = np.searchsorted(seg_seq[order], np.arange(len(lengths) + 1))
 
     def as_tensor(a, dtype):
         return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
@@ -205,7 +221,8 @@ def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_siz
         chunk_size=chunk_size, num_seqs=len(lengths), num_chunks=num_chunks,
         seq_lengths=tuple(int(x) for x in lengths), cu_seqlens=as_tensor(bounds, torch.int64),
         seq_chunk_start=as_tensor(seq_chunk_start, torch.int64), chunk_row_start=as_tensor(row_start, torch.int64),
-        chunk_row_end=as_tensor(row_end, torch.int64), chunk_export=as_tensor(chunk_export, torch.int32),
+        chunk_row_end=as_tensor(row_end, torch.int64), seq_export_start=as_tensor(seq_export_start, torch.int64),
+        export_end_chunk=as_tensor(seg_end[order], torch.int64), export_end_slot=as_tensor(seg_slot[order], torch.int64),
         num_slots=len(slot_of), export_slot=as_tensor(np.asarray(export_slot, dtype=np.int64), torch.int64),
         export_slot_host=tuple(export_slot),
         export_seq=e_seq, export_offset=e_off, config=config or GDNKernelConfig())

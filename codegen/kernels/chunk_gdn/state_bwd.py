@@ -44,9 +44,9 @@ def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, 
 
 
 @triton.jit
-def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, row_src, row_own, b_ds, i_c, c0,
-                    bos, eos, i_h, i_hk, state_offs, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                    V: tl.constexpr, BT: tl.constexpr, o_v, GATHER: tl.constexpr):
+def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
+                    state_offs, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BT: tl.constexpr, o_v, GATHER: tl.constexpr):
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     ic = (c0 + i_c).to(tl.int64)
@@ -54,9 +54,6 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export,
     m_t = rows < eos
     last = tl.minimum(bos + i_c * BT + BT, eos) - 1
 
-    slot = tl.load(chunk_export + ic)  # masked, not a branch (see state_fwd)
-    b_ds += tl.load(bank_grad + (tl.maximum(slot, 0).to(tl.int64) * HV + i_h) * (K * V) + state_offs,
-                    mask=(state_offs * 0 + slot) >= 0, other=0.0)
     tl.store(dh + (ic * HV + i_h) * (K * V) + state_offs, b_ds.to(dh.dtype.element_ty))
 
     src = _input_rows(row_src, rows, m_t, GATHER)
@@ -80,25 +77,34 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export,
 
 @triton.jit
 def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seqlens, seq_chunk_start,
-                      chunk_export, row_src, row_own, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr,
-                      GATHER: tl.constexpr):
+                      seq_export_start, export_end_chunk, export_end_slot, row_src, row_own, scale,
+                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BV: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
-
+    # export segments in reverse (see state_fwd): a segment's exported end state takes its gradient before
+    # the segment's last chunk, as the per-chunk injection did; the inner loops carry no bank logic
+    e0 = tl.load(seq_export_start + i_n)
+    e1 = tl.load(seq_export_start + i_n + 1)
     b_ds = tl.zeros([K, BV], dtype=tl.float32)
-    if INTERPRET:  # see state_fwd: no loaded loop bounds in the CPU interpreter
-        i_c = n_chunks - 1
-        while i_c >= 0:
-            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, row_src, row_own,
-                                   b_ds, i_c, c0, bos, eos, i_h, i_hk, state_offs, scale, HK, HV, K, V, BT, o_v,
-                                   GATHER)
-            i_c -= 1
-    else:
-        for i_r in range(0, n_chunks):
-            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, bank_grad, chunk_export, row_src, row_own,
-                                   b_ds, n_chunks - 1 - i_r, c0, bos, eos, i_h, i_hk, state_offs, scale,
-                                   HK, HV, K, V, BT, o_v, GATHER)
+    i_e = e1 - 1
+    while i_e >= e0:
+        c_end = tl.load(export_end_chunk + i_e)
+        c_start = tl.where(i_e > e0, tl.load(export_end_chunk + tl.maximum(i_e - 1, 0)), 0)
+        slot = tl.load(export_end_slot + i_e)  # masked, not a branch (see state_fwd)
+        b_ds += tl.load(bank_grad + (tl.maximum(slot, 0) * HV + i_h) * (K * V) + state_offs,
+                        mask=(state_offs * 0 + slot) >= 0, other=0.0)
+        if INTERPRET:  # see state_fwd: no loaded loop bounds in the CPU interpreter
+            i_c = c_end - 1
+            while i_c >= c_start:
+                b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos,
+                                       i_h, i_hk, state_offs, scale, HK, HV, K, V, BT, o_v, GATHER)
+                i_c -= 1
+        else:
+            for i_r in range(0, c_end - c_start):
+                b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, c_end - 1 - i_r,
+                                       c0, bos, eos, i_h, i_hk, state_offs, scale, HK, HV, K, V, BT, o_v, GATHER)
+        i_e -= 1
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
@@ -131,7 +137,8 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     if count:
         _state_bwd_kernel[(count * hv, vd // bv)](
             q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens[first:],
-            index.seq_chunk_start[first:], index.chunk_export, *row_tables(index, rows), scale, HK=hk, HV=hv,
+            index.seq_chunk_start[first:], index.seq_export_start[first:], index.export_end_chunk,
+            index.export_end_slot, *row_tables(index, rows), scale, HK=hk, HV=hv,
             K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
             num_warps=warps, num_stages=stages)
     return dh0

@@ -19,9 +19,9 @@ from .index import row_tables
 
 
 @triton.jit
-def _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk,
-                    state_offs, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BT: tl.constexpr, o_v, GATHER: tl.constexpr):
+def _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
+                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, o_v,
+                    GATHER: tl.constexpr):
     """One chunk of the scan; returns the state leaving the chunk."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
@@ -42,34 +42,41 @@ def _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, row_src, b_s, i_c
     src = _input_rows(row_src, rows, m_t, GATHER)
     b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_vd = tl.where(m_t[:, None], b_vn * tl.exp(b_gl - b_gc)[:, None], 0.0)
-    b_s = b_s * tl.exp(b_gl) + tl.dot(b_kt, b_vd.to(b_kt.dtype))
-
-    # a masked store, not a branch: an scf.if in the loop body can keep Triton from pipelining the loads
-    # (the mask is a tile: the interpreter takes no scalar masks)
-    slot = tl.load(chunk_export + ic)
-    tl.store(bank + (tl.maximum(slot, 0).to(tl.int64) * HV + i_h) * (K * V) + state_offs, b_s,
-             mask=(state_offs * 0 + slot) >= 0)
-    return b_s
+    return b_s * tl.exp(b_gl) + tl.dot(b_kt, b_vd.to(b_kt.dtype))
 
 
 @triton.jit
-def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_start, chunk_export, row_src,
-                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr):
+def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_start, seq_export_start,
+                      export_end_chunk, export_end_slot, row_src, HK: tl.constexpr, HV: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                      INTERPRET: tl.constexpr, GATHER: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
-
+    # the chunks in export segments (index.GDNIndex): the inner loop has no per-chunk bank logic, so Triton
+    # can prefetch its loads `num_stages - 1` chunks ahead
+    e0 = tl.load(seq_export_start + i_n)
+    e1 = tl.load(seq_export_start + i_n + 1)
     b_s = tl.load(h0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs)     # fp32
-    if INTERPRET:  # the CPU interpreter cannot take a loaded bound in range() (numpy >= 2.4)
-        i_c = n_chunks * 0
-        while i_c < n_chunks:
-            b_s = _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, row_src, b_s, i_c, c0, bos, eos, i_h,
-                                  i_hk, state_offs, HK, HV, K, V, BT, o_v, GATHER)
-            i_c += 1
-    else:
-        for i_c in range(0, n_chunks):
-            b_s = _state_fwd_step(k, w, u, gc, h, v_new, bank, chunk_export, row_src, b_s, i_c, c0, bos, eos, i_h,
-                                  i_hk, state_offs, HK, HV, K, V, BT, o_v, GATHER)
+    c_start = e0 * 0
+    i_e = e0
+    while i_e < e1:  # a while loop: the interpreter takes no loaded bound in range() (numpy >= 2.4)
+        c_end = tl.load(export_end_chunk + i_e)
+        if INTERPRET:
+            i_c = c_start
+            while i_c < c_end:
+                b_s = _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
+                                      HK, HV, K, V, BT, o_v, GATHER)
+                i_c += 1
+        else:  # a for loop, which Triton software-pipelines
+            for i_c in range(c_start, c_end):
+                b_s = _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
+                                      HK, HV, K, V, BT, o_v, GATHER)
+        slot = tl.load(export_end_slot + i_e)
+        # masked, not a branch (the mask is a tile: the interpreter takes no scalar masks)
+        tl.store(bank + (tl.maximum(slot, 0) * HV + i_h) * (K * V) + state_offs, b_s,
+                 mask=(state_offs * 0 + slot) >= 0)
+        c_start = c_end
+        i_e += 1
 
 
 @triton.jit
@@ -122,7 +129,8 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
     if count:
         _state_fwd_kernel[(count * hv, vd // bv)](
             k, w, u, gc, initial_state, h, v_new, bank, index.cu_seqlens[first:], index.seq_chunk_start[first:],
-            index.chunk_export, row_tables(index, rows)[0], HK=hk, HV=hv, K=kd, V=vd,
+            index.seq_export_start[first:], index.export_end_chunk, index.export_end_slot, row_tables(index, rows)[0],
+            HK=hk, HV=hv, K=kd, V=vd,
             BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
             num_warps=warps, num_stages=stages)
     return h, v_new, bank
