@@ -156,16 +156,15 @@ def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
 VARIANTS = [("few-seq scans 2 warps", GDNKernelConfig(few_seqs_scan_warps=0)),
             ("few-seq scans 32 columns", GDNKernelConfig(few_seqs_scan_block_v=32)),
             ("few-seq scans auto columns", GDNKernelConfig(few_seqs_scan_block_v=0)),
-            ("few-seq scans auto columns below 400 programs", GDNKernelConfig(few_seqs_scan_block_v=0,
-                                                                             scan_min_programs=400)),
-            ("few-seq scans depth 3", GDNKernelConfig(few_seqs_scan_stages=3)),
-            ("few-seq scans depth 4", GDNKernelConfig(few_seqs_scan_stages=4)),
-            ("all scans depth 3", GDNKernelConfig(scan_num_stages=3, few_seqs_scan_stages=3)),
-            ("few-seq scans auto columns depth 3 below 400 programs", GDNKernelConfig(
-                few_seqs_scan_block_v=0, scan_min_programs=400, few_seqs_scan_stages=3)),
+            ("few-seq scans 1 chunk ahead", GDNKernelConfig(few_seqs_scan_prefetch=1)),
+            ("few-seq below 400 programs, auto columns", GDNKernelConfig(few_seqs_scan_block_v=0, scan_min_programs=400)),
+            ("few-seq below 400 programs, auto columns, 1 chunk ahead", GDNKernelConfig(
+                few_seqs_scan_block_v=0, scan_min_programs=400, few_seqs_scan_prefetch=1)),
+            ("few-seq below 400 programs, 32 columns", GDNKernelConfig(few_seqs_scan_block_v=32, scan_min_programs=400)),
+            ("few-seq below 800 programs, auto columns", GDNKernelConfig(few_seqs_scan_block_v=0, scan_min_programs=800)),
             ("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
-            ("gathers (no row maps) all scans depth 3", GDNKernelConfig(
-                tree_rows_in_kernels=False, scan_num_stages=3, few_seqs_scan_stages=3)),
+            ("gathers (no row maps), few-seq below 400 programs, auto columns", GDNKernelConfig(
+                tree_rows_in_kernels=False, few_seqs_scan_block_v=0, scan_min_programs=400)),
             ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
             ("many-seq scans off", GDNKernelConfig(many_seqs_scan_block_v=0)),
             ("many-seq scans 2 stages", GDNKernelConfig(many_seqs_scan_stages=2)),

@@ -66,8 +66,8 @@ COMPARE = {"gathers": GDNKernelConfig(tree_rows_in_kernels=False),
            "few_seq_w2": GDNKernelConfig(few_seqs_scan_warps=0),
            "few_seq_auto": GDNKernelConfig(few_seqs_scan_block_v=0),
            "few_seq_auto_400": GDNKernelConfig(few_seqs_scan_block_v=0, scan_min_programs=400),
-           "few_seq_depth3": GDNKernelConfig(few_seqs_scan_stages=3),
-           "all_depth3": GDNKernelConfig(scan_num_stages=3, few_seqs_scan_stages=3)}
+           "few_seq_ahead1": GDNKernelConfig(few_seqs_scan_prefetch=1),
+           "few_seq_auto_800": GDNKernelConfig(few_seqs_scan_block_v=0, scan_min_programs=800)}
 
 
 def run_preset(preset: str, args) -> dict:

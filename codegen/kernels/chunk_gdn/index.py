@@ -51,11 +51,13 @@ class GDNKernelConfig:
     # scan_min_programs=400 the agentic batch's round of six roots gets 64 columns at 4 warps, which a
     # fixed-width run timed at 9.97 vs 10.11 ms.
     few_seqs_scan_warps: int = 4  # 0 = scan_warps
-    # Pipeline depth of few-sequence scans (0 = scan_stages_for): they are latency-bound, and at 2 stages
-    # Triton issues a chunk's loads only after the previous chunk's dots, so every chunk waits for memory;
-    # at 3 stages the loads run two chunks ahead (sm_90a TTGIR, rows read in place; with row maps the
-    # index loads run two chunks ahead and the data one).
-    few_seqs_scan_stages: int = 0
+    # Chunks a few-sequence scan loads ahead (0 = the pipeline depth of scan_stages_for). These scans are
+    # latency-bound, and with one chunk ahead Triton issues a chunk's loads after the previous chunk's dots,
+    # so every chunk waits for memory. The depth this takes (sm_90a TTGIR, Triton 3.6): prefetch + 1 stages
+    # when rows are read in place, 2 prefetch + 1 with row maps (the row-index loads take their own stages).
+    # H200, prefetch 2 vs 1 (BENCHMARKS.md session 7): P16384 B8 L2048 tree 3.99 vs 4.22 ms, P4096 B8 L3584
+    # 3.85 vs 3.91, bitwise equal; for many sequences (512 programs) 3 stages were slower (fewer programs fit).
+    few_seqs_scan_prefetch: int = 2
     few_seqs_wide_programs: int = 128
     # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
     # (fwd) and 1.6x (bwd) faster than ours at 32 columns and 2 warps (H200, 2026-12-01). At or above
@@ -90,10 +92,13 @@ class GDNKernelConfig:
             if not (zero_ok and value == 0) and (value < least or value & (value - 1)):
                 raise ValueError(f"GDNKernelConfig.{field} must be a power of two >= {least}"
                                  f"{' or 0' if zero_ok else ''}, got {value}")
-        for field in ("scan_num_stages", "few_seqs_scan_stages", "many_seqs_scan_stages"):
+        for field in ("scan_num_stages", "many_seqs_scan_stages"):
             if not 0 <= getattr(self, field) <= 8:
                 raise ValueError(f"GDNKernelConfig.{field} must be 0 (by dtype) or 1-8 pipeline stages, "
                                  f"got {getattr(self, field)}")
+        # 3 chunks ahead overflows shared memory at 32 columns and 4 warps (241 KiB, bench/gdn_resources.py)
+        if not 0 <= self.few_seqs_scan_prefetch <= 2:
+            raise ValueError(f"GDNKernelConfig.few_seqs_scan_prefetch must be 0-2 chunks, got {self.few_seqs_scan_prefetch}")
         if self.few_seqs_wide_programs < 1:
             raise ValueError(f"GDNKernelConfig.few_seqs_wide_programs must be >= 1, got {self.few_seqs_wide_programs}")
         if self.tree_scan_lanes < 1:
@@ -102,10 +107,10 @@ class GDNKernelConfig:
             raise ValueError(f"GDNKernelConfig.wy_kkt_block_k must be a power of two >= 16 (tl.dot, tl.arange), "
                              f"got {self.wy_kkt_block_k}")
 
-    def scan_launch_for(self, num_seqs: int, value_heads: int, value_dim: int,
-                        element_size: int) -> tuple[int, int, int]:
+    def scan_launch_for(self, num_seqs: int, value_heads: int, value_dim: int, element_size: int,
+                        row_maps: bool = False) -> tuple[int, int, int]:
         """(state columns per program, warps, pipeline stages) of the two scans for a call with `num_seqs`
-        sequences of `element_size`-byte inputs."""
+        sequences of `element_size`-byte inputs; `row_maps`: the scans read rows through index.PackedRows."""
         many = min(self.many_seqs_scan_block_v, value_dim)
         if many and num_seqs * value_heads * (value_dim // many) >= self.scan_many_programs:
             stages = (self.many_seqs_scan_stages or self.scan_stages_for(2)) if element_size <= 2 else 1  # fp32: see scan_stages_for
@@ -114,8 +119,8 @@ class GDNKernelConfig:
         if num_seqs * value_heads * (value_dim // block_v) < self.scan_min_programs:
             block_v, wide = self._few_seqs_columns(num_seqs * value_heads, value_dim)
             warps = self.few_seqs_scan_warps if wide and self.few_seqs_scan_warps else self.scan_warps
-            stages = self.few_seqs_scan_stages if self.few_seqs_scan_stages and element_size <= 2 else 0
-            return block_v, warps, stages or self.scan_stages_for(element_size)
+            ahead = self.few_seqs_scan_prefetch if element_size <= 2 else 0  # fp32: see scan_stages_for
+            return block_v, warps, ahead * (2 if row_maps else 1) + 1 if ahead else self.scan_stages_for(element_size)
         return block_v, self.scan_warps, self.scan_stages_for(element_size)
 
     def _few_seqs_columns(self, seq_heads: int, value_dim: int) -> tuple[int, bool]:
