@@ -1,0 +1,123 @@
+"""The two GDN state scans alone, under every launch (columns, warps, pipeline stages), per round shape.
+
+The scans are the sequential part of a GDN step, and which launch is fastest depends on how many
+(sequence, head) pairs a call has: a lone 16k-token root is latency-bound, 42 trajectories are bound by
+memory. `GDNKernelConfig.scan_launch_for` encodes the choice; this script measures it, one table per
+case (fwd + bwd scan ms, bf16, H = 16, K = V = 128), in one run:
+
+    python bench/gdn_scans.py [--cases root1 roots6 ...] [--quick] 2>&1 | tee $OUT/gdn_scans.log
+
+Cases: the rounds of bench/gdn.py's trees and the trajectory-wise calls (`row maps`: the tree rounds read
+their rows through index.PackedRows, as the runtime's agentic rounds do; the others read rows in place).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import kernel_ms
+from gdn_cases import agentic_trees, make_inputs
+from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, prepare_gdn_index
+from harts_compiler.codegen.kernels.chunk_gdn.index import PackedRows
+from harts_compiler.codegen.kernels.chunk_gdn.state_bwd import state_bwd_scan
+from harts_compiler.codegen.kernels.chunk_gdn.state_fwd import state_fwd
+
+CHUNK = 64
+
+
+def cases() -> dict[str, tuple[list[int], bool]]:
+    """name -> (sequence lengths, whether rows are read through row maps)."""
+    trees = agentic_trees()
+    replay = [p % CHUNK for p, _, _ in trees]  # a branch replays its root's rows after the aligned boundary
+    return {
+        "root1": ([16384], False),                                  # P16384 B8 L2048, round 0
+        "branches8": ([2048] * 8, False),                           # its round 1
+        "traj8": ([7680] * 8, False),                               # P4096 B8 L3584, trajectory-wise
+        "roots6": ([p for p, _, _ in trees], True),                 # agentic, round 0
+        "branches42": ([r + n for (_, b, n), r in zip(trees, replay) for _ in range(b)], True),  # round 1
+        "traj42": ([p + n for p, b, n in trees for _ in range(b)], False),  # agentic, trajectory-wise
+    }
+
+
+LAUNCHES = [(16, 2), (32, 2), (16, 4), (32, 4), (64, 4)]  # (columns, warps); 64 at 2 warps spills
+
+
+def forced(block_v: int, warps: int, stages: int) -> GDNKernelConfig:
+    """A config whose scans always launch with (block_v, warps, stages), whatever the program count."""
+    return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_num_stages=stages, scan_min_programs=0,
+                           many_seqs_scan_block_v=0)
+
+
+def time_case(lengths, row_maps, launches, device):
+    q, k, v = make_inputs(lengths, device=device)[0][:3]
+    rows_total, hv, vd = v.shape
+    kd = k.shape[2]
+    gen = torch.Generator(device).manual_seed(1)
+    w = (torch.randn(rows_total, hv, kd, device=device, generator=gen) * 0.1).to(k.dtype)
+    u = (torch.randn(rows_total, hv, vd, device=device, generator=gen) * 0.1).to(k.dtype)
+    gc = torch.zeros(rows_total, hv, device=device)  # the gates' values do not change the timing
+    do = torch.randn_like(u)
+    dv_local = torch.randn(rows_total, hv, vd, device=device, generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()))
+    h0 = torch.zeros(len(lengths), hv, kd, vd, device=device)
+    rows = None
+    if row_maps:
+        ids = torch.arange(rows_total, device=device)
+        rows = PackedRows(src=ids, own=ids, num_tokens=rows_total, num_replays=0)
+    results = {}
+    for block_v, warps, stages in launches:
+        index = prepare_gdn_index(cu, chunk_size=CHUNK, device=device, config=forced(block_v, warps, stages))
+        dh = torch.empty(index.num_chunks, hv, kd, vd, device=device, dtype=k.dtype)
+        dvn = torch.empty_like(u)
+        bank_grad = torch.zeros(0, hv, kd, vd, device=device)
+
+        def step():
+            state_fwd(k, w, u, gc, h0, index, rows=rows)
+            state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, 0.1, index, dh, dvn, rows=rows)
+        try:
+            results[(block_v, warps, stages)] = kernel_ms(step, device, rep_ms=60, warmup_ms=15)
+        except Exception as err:  # a launch over the shared-memory limit: report it, go on
+            results[(block_v, warps, stages)] = float("nan")
+            print(f"  {block_v} cols {warps} warps {stages} stages: {type(err).__name__}", flush=True)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(cases()), choices=list(cases()))
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="pipeline stages to try "
+                        "(with row maps also 5: two chunks ahead)")
+    parser.add_argument("--launches", nargs="+", default=None, metavar="BV:WARPS",
+                        help="(columns, warps) pairs, default: " + " ".join(f"{b}:{w}" for b, w in LAUNCHES))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shrink", type=int, default=1, help="divide every length (a CPU smoke test under "
+                        "TRITON_INTERPRET=1 with --shrink 64)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    pairs = [tuple(int(x) for x in p.split(":")) for p in args.launches] if args.launches else LAUNCHES
+    print(torch.cuda.get_device_name() if device.type == "cuda" else device, flush=True)
+    summary = []
+    for name in args.cases:
+        lengths, row_maps = cases()[name]
+        lengths = [max(1, n // args.shrink) for n in lengths]
+        stages = sorted(set(args.stages) | ({5} if row_maps else set()))
+        default = GDNKernelConfig().scan_launch_for(len(lengths), 16, 128, 2, row_maps=row_maps)
+        launches = [(b, w, s) for b, w in pairs for s in stages]
+        results = time_case(lengths, row_maps, launches + [default] * (default not in launches), device)
+        print(f"\n== {name}: {len(lengths)} sequences, {sum(lengths)} rows, row maps {row_maps}; "
+              f"fwd+bwd scan ms (default launch {default}) ==")
+        print(f"{'cols':>4s} {'warps':>5s} " + " ".join(f"{f'{s} st':>7s}" for s in stages))
+        for b, w in pairs:
+            print(f"{b:4d} {w:5d} " + " ".join(f"{results[(b, w, s)]:7.3f}" for s in stages))
+        print(f"default {default}: {results[default]:.3f} ms")
+        finite = {key: ms for key, ms in results.items() if ms == ms}
+        best = min(finite, key=finite.get)
+        summary.append((name, best, finite[best], default, results[default]))
+    print("\n== best launch per case (columns, warps, stages) ==")
+    for name, best, ms, default, default_ms in summary:
+        print(f"{name:11s} best {best} {ms:.3f} ms; default {default} {default_ms:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
