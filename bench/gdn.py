@@ -153,21 +153,12 @@ def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
 
 
 # launch configurations timed with --variants, each against the default in the same run
-VARIANTS = [("few-seq scans 2 warps", GDNKernelConfig(few_seqs_scan_warps=0)),
-            ("few-seq scans 32 columns", GDNKernelConfig(few_seqs_scan_block_v=32)),
-            ("few-seq scans auto columns", GDNKernelConfig(few_seqs_scan_block_v=0)),
-            ("few-seq scans 1 chunk ahead", GDNKernelConfig(few_seqs_scan_prefetch=1)),
-            ("few-seq below 400 programs, auto columns", GDNKernelConfig(few_seqs_scan_block_v=0, scan_min_programs=400)),
-            ("few-seq below 400 programs, auto columns, 1 chunk ahead", GDNKernelConfig(
-                few_seqs_scan_block_v=0, scan_min_programs=400, few_seqs_scan_prefetch=1)),
-            ("few-seq below 400 programs, 32 columns", GDNKernelConfig(few_seqs_scan_block_v=32, scan_min_programs=400)),
-            ("few-seq below 800 programs, auto columns", GDNKernelConfig(few_seqs_scan_block_v=0, scan_min_programs=800)),
+VARIANTS = [("scans 2 warps, 32 columns, 2 stages (16 below 264 programs)", GDNKernelConfig(
+                scan_block_v=32, scan_warps=2, scan_num_stages=2, scan_min_programs=264)),
+            ("scans 2 stages", GDNKernelConfig(scan_num_stages=2)),
+            ("scans at least 256 programs", GDNKernelConfig(scan_min_programs=256)),
             ("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
-            ("gathers (no row maps), few-seq below 400 programs, auto columns", GDNKernelConfig(
-                tree_rows_in_kernels=False, few_seqs_scan_block_v=0, scan_min_programs=400)),
             ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
-            ("many-seq scans off", GDNKernelConfig(many_seqs_scan_block_v=0)),
-            ("many-seq scans 2 stages", GDNKernelConfig(many_seqs_scan_stages=2)),
             ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64))]
 
 

@@ -63,11 +63,8 @@ def microbatches_ms(indices, args, segment_chunks=None, config=None) -> float:
 # other configurations, for --compare: tree mode gathering its packed layout (before the kernels read through
 # row maps), other launches for few sequences
 COMPARE = {"gathers": GDNKernelConfig(tree_rows_in_kernels=False),
-           "few_seq_w2": GDNKernelConfig(few_seqs_scan_warps=0),
-           "few_seq_auto": GDNKernelConfig(few_seqs_scan_block_v=0),
-           "few_seq_auto_400": GDNKernelConfig(few_seqs_scan_block_v=0, scan_min_programs=400),
-           "few_seq_ahead1": GDNKernelConfig(few_seqs_scan_prefetch=1),
-           "few_seq_auto_800": GDNKernelConfig(few_seqs_scan_block_v=0, scan_min_programs=800)}
+           "scans_2w": GDNKernelConfig(scan_block_v=32, scan_warps=2, scan_num_stages=2, scan_min_programs=264),
+           "scans_2st": GDNKernelConfig(scan_num_stages=2)}
 
 
 def run_preset(preset: str, args) -> dict:

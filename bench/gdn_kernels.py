@@ -22,12 +22,10 @@ from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gate
 
 # GDNKernelConfig changes timed with --sweep (each against the default in the same run)
 # profiled next to the default and fla, kernel by kernel (the one change whose per-kernel effect matters)
-COMPARED = ("no many-seq scans", dict(many_seqs_scan_block_v=0))
-SWEEP = [dict(scan_warps=4), dict(scan_num_stages=3), dict(scan_num_stages=1), dict(scan_warps=4, scan_num_stages=1),
+COMPARED = ("2-warp scans", dict(scan_block_v=32, scan_warps=2, scan_num_stages=2))
+SWEEP = [dict(scan_warps=8), dict(scan_num_stages=2), dict(scan_num_stages=1), dict(scan_block_v=32),
          dict(wy_kkt_warps=2), dict(bwd_block_v=32), dict(out_warps=8), dict(dv_local_warps=4),
-         dict(bwd_qk_warps=4, bwd_qk_block_k=64), dict(few_seqs_scan_block_v=32),
-         dict(many_seqs_scan_stages=2), dict(many_seqs_scan_stages=3), dict(many_seqs_scan_block_v=32),
-         dict(many_seqs_scan_warps=8), dict(scan_many_programs=512)]
+         dict(bwd_qk_warps=4, bwd_qk_block_k=64)]
 
 
 def main():

@@ -45,8 +45,7 @@ LAUNCHES = [(16, 2), (32, 2), (16, 4), (32, 4), (64, 4)]  # (columns, warps); 64
 
 def forced(block_v: int, warps: int, stages: int) -> GDNKernelConfig:
     """A config whose scans always launch with (block_v, warps, stages), whatever the program count."""
-    return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_num_stages=stages, scan_min_programs=0,
-                           many_seqs_scan_block_v=0)
+    return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_num_stages=stages, scan_min_programs=0)
 
 
 def time_case(lengths, row_maps, launches, device):
@@ -87,7 +86,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(cases()), choices=list(cases()))
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="pipeline stages to try "
-                        "(with row maps also 5: two chunks ahead)")
+                        "(with row maps also 5: the data two chunks ahead)")
     parser.add_argument("--launches", nargs="+", default=None, metavar="BV:WARPS",
                         help="(columns, warps) pairs, default: " + " ".join(f"{b}:{w}" for b, w in LAUNCHES))
     parser.add_argument("--device", default="cuda")
@@ -102,7 +101,7 @@ def main():
         lengths, row_maps = cases()[name]
         lengths = [max(1, n // args.shrink) for n in lengths]
         stages = sorted(set(args.stages) | ({5} if row_maps else set()))
-        default = GDNKernelConfig().scan_launch_for(len(lengths), 16, 128, 2, row_maps=row_maps)
+        default = GDNKernelConfig().scan_launch_for(len(lengths), 16, 128, 2)
         launches = [(b, w, s) for b, w in pairs for s in stages]
         results = time_case(lengths, row_maps, launches + [default] * (default not in launches), device)
         print(f"\n== {name}: {len(lengths)} sequences, {sum(lengths)} rows, row maps {row_maps}; "

@@ -7,36 +7,20 @@ from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
 
 
 def test_scan_launch_follows_the_program_count():
-    """(columns, warps, stages) of the scans for bf16 inputs at HV=16, V=128."""
-    config = GDNKernelConfig(many_seqs_scan_block_v=0)  # 32 columns at 2 warps, 2 stages; 16 below 264
-    assert config.scan_launch_for(8, 16, 128, 2) == (32, 2, 2)      # 512 programs
-    assert config.scan_launch_for(4, 16, 128, 2) == (16, 2, 3)      # 256 < 264: few; 512 programs of 16: 2 warps
-    assert config.scan_launch_for(1, 32, 128, 2) == (16, 2, 3)      # 256 programs: 2 warps
-    assert config.scan_launch_for(1, 16, 128, 2) == (16, 4, 3)      # 128 programs, at most one per SM: 4 warps
-    assert config.scan_launch_for(500, 16, 128, 2) == (32, 2, 2)
+    """(columns, warps, stages) of the scans for bf16 inputs at HV=16, V=128: 64 columns, halved while a call
+    has fewer than 128 programs, 4 warps, 3 stages."""
+    config = GDNKernelConfig()
+    assert config.scan_launch_for(8, 16, 128, 2) == (64, 4, 3)      # 256 programs
+    assert config.scan_launch_for(4, 16, 128, 2) == (64, 4, 3)      # 128
+    assert config.scan_launch_for(3, 16, 128, 2) == (32, 4, 3)      # 96 at 64 columns, 192 at 32
+    assert config.scan_launch_for(1, 32, 128, 2) == (32, 4, 3)      # 128 at 32
+    assert config.scan_launch_for(1, 16, 128, 2) == (16, 4, 3)      # a lone root: 128 at 16
+    assert config.scan_launch_for(1, 4, 128, 2) == (16, 4, 3)       # never below 16
+    assert config.scan_launch_for(500, 16, 128, 2) == (64, 4, 3)
     assert config.scan_launch_for(1, 4, 8, 2)[0] == 8                # never above V
-    many = GDNKernelConfig()  # the default: 64 columns, 4 warps, 1 stage from 1024 such programs
-    assert many.scan_launch_for(32, 16, 128, 2) == (64, 4, 1)       # 1024 programs at 64 columns
-    assert many.scan_launch_for(31, 16, 128, 2) == (32, 2, 2)
-    assert many.scan_launch_for(1, 16, 128, 2) == (16, 4, 3)
-    assert GDNKernelConfig(few_seqs_scan_warps=0).scan_launch_for(1, 16, 128, 2) == (16, 2, 3)  # as scan_warps
-    assert GDNKernelConfig(few_seqs_scan_block_v=64).scan_launch_for(1, 16, 128, 2) == (64, 4, 3)
-    auto = GDNKernelConfig(few_seqs_scan_block_v=0)  # the widest columns with >= 128 programs, 4 warps
-    assert auto.scan_launch_for(1, 16, 128, 2) == (16, 4, 3)       # 16 x 8 = 128 programs
-    assert auto.scan_launch_for(6, 16, 128, 2) == (32, 2, 2)       # 384 programs of 32 columns: not few
-    assert GDNKernelConfig(few_seqs_scan_block_v=0, scan_min_programs=400).scan_launch_for(6, 16, 128, 2) == (
-        64, 4, 3)                                                   # 96 x 2 = 192 programs
-    assert auto.scan_launch_for(1, 32, 128, 2) == (32, 4, 3)       # 32 x 4 = 128 programs
-    assert auto.scan_launch_for(1, 4, 64, 2) == (16, 4, 3)         # nothing reaches 128: the narrowest
-    # few-sequence scans load 2 chunks ahead: 3 stages, 5 with row maps (whose index loads take stages)
-    assert many.scan_launch_for(1, 16, 128, 2, row_maps=True) == (16, 4, 5)
-    assert many.scan_launch_for(1, 16, 128, 4)[2] == 1                        # fp32: 1 stage
-    assert many.scan_launch_for(8, 16, 128, 2, row_maps=True)[2] == 2         # not few
-    assert GDNKernelConfig(few_seqs_scan_prefetch=1).scan_launch_for(1, 16, 128, 2, row_maps=True)[2] == 3
-    assert GDNKernelConfig(few_seqs_scan_prefetch=0).scan_launch_for(1, 16, 128, 2, row_maps=True)[2] == 2
-    deep = GDNKernelConfig(many_seqs_scan_stages=3)
-    assert deep.scan_launch_for(64, 16, 128, 2)[2] == 3
-    assert deep.scan_launch_for(64, 16, 128, 4)[2] == 1             # fp32 scans fit only at 1 stage
+    assert config.scan_launch_for(1, 16, 128, 4) == (16, 4, 1)      # fp32: 1 stage
+    assert GDNKernelConfig(scan_min_programs=0).scan_launch_for(1, 16, 128, 2) == (64, 4, 3)
+    assert GDNKernelConfig(scan_block_v=32, scan_warps=2).scan_launch_for(8, 16, 128, 2) == (32, 2, 3)
 
 
 def test_scan_stages_fit_shared_memory():
@@ -49,10 +33,9 @@ def test_scan_stages_fit_shared_memory():
 
 
 @pytest.mark.parametrize("field, value", [("bwd_qk_block_k", 24), ("wy_kkt_block_k", 8), ("wy_kkt_block_k", 0),
-                                         ("few_seqs_scan_block_v", 8), ("few_seqs_scan_block_v", 48),
-                                         ("scan_block_v", 0), ("many_seqs_scan_block_v", 24),
-                                         ("few_seqs_scan_warps", -1), ("scan_warps", 3), ("few_seqs_wide_programs", 0),
-                                         ("few_seqs_scan_prefetch", 3), ("scan_num_stages", -1)])
+                                         ("scan_block_v", 8), ("scan_block_v", 48), ("scan_block_v", 0),
+                                         ("scan_warps", 3), ("scan_min_programs", -1), ("scan_num_stages", 4),
+                                         ("scan_num_stages", -1)])
 def test_bad_key_blocks_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         GDNKernelConfig(**{field: value})

@@ -50,12 +50,12 @@ def rel(a, b):
 
 @pytest.mark.parametrize("config", [GDNKernelConfig(),
                                     GDNKernelConfig(scan_block_v=64, scan_min_programs=0, wy_bwd_warps=2),
-                                    GDNKernelConfig(wy_bwd_warps=8, scan_warps=4, wy_kkt_warps=2, scan_num_stages=3),
+                                    GDNKernelConfig(wy_bwd_warps=8, scan_warps=2, wy_kkt_warps=2, scan_num_stages=2),
                                     GDNKernelConfig(bwd_qk_block_k=32, wy_kkt_block_k=32),
-                                    GDNKernelConfig(many_seqs_scan_block_v=64, scan_many_programs=0),
-                                    GDNKernelConfig(many_seqs_scan_block_v=32, scan_many_programs=0)],
-                         ids=["default", "scan-bv64-wybwd-2w", "wybwd-8w-scans-4w-3st-kkt-2w", "qk-bk32-kkt-bk32",
-                              "many-seqs-bv64", "many-seqs-bv32"])
+                                    GDNKernelConfig(scan_block_v=32, scan_min_programs=0),
+                                    GDNKernelConfig(scan_block_v=16, scan_num_stages=1)],
+                         ids=["default", "scan-bv64-wybwd-2w", "wybwd-8w-scans-2w-2st-kkt-2w", "qk-bk32-kkt-bk32",
+                              "scan-bv32", "scan-bv16-1st"])
 def test_bf16_matches_fp32_reference(config):
     lengths = [2000, 1, 64, 63, 1300, 2500]
     tensors, cu = make_inputs(lengths, hk=8, hv=16)

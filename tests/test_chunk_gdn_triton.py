@@ -128,7 +128,7 @@ def test_value_blocks_do_not_change_results():
     do = torch.randn(v.shape, generator=torch.Generator().manual_seed(6))
     results = []
     for bv in (16, 32):
-        config = GDNKernelConfig(scan_block_v=bv, few_seqs_scan_block_v=bv, out_block_v=bv, bwd_block_v=bv)
+        config = GDNKernelConfig(scan_block_v=bv, scan_min_programs=0, out_block_v=bv, bwd_block_v=bv)
         index = prepare_gdn_index(cu, torch.tensor([0]), torch.tensor([64]), config=config)
         gc, T, w, u = wy_fwd(k, v, g, beta, index)
         h, v_new, bank = state_fwd(k, w, u, gc, h0, index)

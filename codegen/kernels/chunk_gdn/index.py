@@ -20,8 +20,19 @@ class GDNKernelConfig:
     (`bench/gdn_kernels.py --sweep`, 2026-11-30, each change against the old default in one run: 9.53 ms,
     fla 8.36 ms), after `bench/gdn_resources.py` ruled out configurations that spill on sm_90a.
     """
-    scan_block_v: int = 32      # state columns per scan program (64: 11.37 ms, half the programs)
-    scan_warps: int = 2         # 8.91 ms vs 9.53 at 4 (fla's scans also run at 2-4 warps)
+    # The two state scans (state_fwd / state_bwd): `scan_block_v` state columns per program at `scan_warps`,
+    # halved (down to 16) while a call would have fewer than `scan_min_programs` programs: a lone long root
+    # is latency-bound and gains from more, narrower programs; everything else from wide ones, which read
+    # w, k and q once per 64 columns. Chosen from `bench/gdn_scans.py` (H200, 2026-12-01, BENCHMARKS.md
+    # session 7: fwd + bwd scan ms, this launch vs the old per-count rule): 8 x 7,680 tokens 1.30 vs 1.85,
+    # 42 agentic trajectories 3.95 vs 4.66, their tree rounds 0.66 vs 0.70 (6 roots) and 1.74 vs 1.97 (42
+    # branches), 8 x 2,048 0.37 vs 0.47; a lone 16k root at 16 columns 0.66 (64 columns: 1.21). Column blocks
+    # are independent, so tree == trajectory-wise stays bitwise when a round and a call launch differently.
+    scan_block_v: int = 64
+    scan_warps: int = 4         # wgmma; 2 warps (mma.sync) lost at every shape above
+    scan_min_programs: int = 128  # about one per SM
+    # pipeline depth, 0 = by input dtype (scan_stages_for): 16-bit scans load 2 chunks ahead at 3 stages
+    scan_num_stages: int = 0
     out_block_v: int = 64
     out_warps: int = 4          # with bwd_block_v 64: 7.83 vs 8.21 ms
     dv_local_warps: int = 8
@@ -34,44 +45,6 @@ class GDNKernelConfig:
     bwd_qk_warps: int = 8
     bwd_qk_block_k: int = 0     # K columns per dq/dk/dw program, 0 = all (255 registers at 8 warps)
     wy_bwd_warps: int = 4       # 8.68 vs 9.53 ms at 8 (12.49 at 2); no tl.trans, unlike fla's (GPU.md)
-    # A round of few long sequences (a tree's shared prefix) gives the scans too few programs to fill the
-    # GPU, and the scans are latency-bound per chunk: below `scan_min_programs` programs (0 = never) the
-    # scans use `few_seqs_scan_block_v` columns instead. Column blocks are independent: tree == trajectory
-    # stayed bitwise on the H200.
-    scan_min_programs: int = 264  # 2 per SM on the H200; P16384 B8 L2048 tree 7.86 vs 8.20 ms (bitwise equal)
-    few_seqs_scan_block_v: int = 16  # 0 = auto, see below
-    # Launches of at most `few_seqs_wide_programs` programs (about one per SM: a lone long root) take
-    # `few_seqs_scan_warps` warps, whose dots compile to wgmma and shorten each chunk's chain; the SMs have
-    # room for them. P16384 B8 L2048 tree (128 programs): 4.30 vs 4.47 ms at 2 warps, bitwise equal; with
-    # 256 programs (generated batches, 32 value heads) 4 warps were slower (swe GDN 10.6 vs 9.9 ms), so
-    # larger few-sequence launches keep `scan_warps` (H200, BENCHMARKS.md session 6).
-    # Auto columns (few_seqs_scan_block_v = 0; opt-in, not yet timed): the widest of 64 / 32 columns that
-    # still gives >= few_seqs_wide_programs programs, else 16, always at few_seqs_scan_warps (so also at
-    # 128-255 programs). A lone root of 16 value heads gets 16 columns, of 32 heads 32 columns; with
-    # scan_min_programs=400 the agentic batch's round of six roots gets 64 columns at 4 warps, which a
-    # fixed-width run timed at 9.97 vs 10.11 ms.
-    few_seqs_scan_warps: int = 4  # 0 = scan_warps
-    # Chunks a few-sequence scan loads ahead (0 = the pipeline depth of scan_stages_for). These scans are
-    # latency-bound, and with one chunk ahead Triton issues a chunk's loads after the previous chunk's dots,
-    # so every chunk waits for memory. The depth this takes (sm_90a TTGIR, Triton 3.6): prefetch + 1 stages
-    # when rows are read in place, 2 prefetch + 1 with row maps (the row-index loads take their own stages).
-    # H200, prefetch 2 vs 1 (BENCHMARKS.md session 7): P16384 B8 L2048 tree 3.99 vs 4.22 ms, P4096 B8 L3584
-    # 3.85 vs 3.91, bitwise equal; for many sequences (512 programs) 3 stages were slower (fewer programs fit).
-    few_seqs_scan_prefetch: int = 2
-    few_seqs_wide_programs: int = 128
-    # Many sequences: at 42 sequences x 16 heads (189k tokens) fla's scans, autotuned per shape, ran 2.5x
-    # (fwd) and 1.6x (bwd) faster than ours at 32 columns and 2 warps (H200, 2026-12-01). At or above
-    # `scan_many_programs` programs of `many_seqs_scan_block_v` columns the scans launch with the
-    # many_seqs_* settings (block_v 0 = off). At 4 warps the dots compile to wgmma (offline, sm_90a).
-    # Timed on that batch (`bench/gdn.py --variants`, H200 2026-12-01): trajectory-wise fwd+bwd 23.28 ms
-    # -> 20.72 ms at 64 columns, 4 warps, 1 stage (2 stages 20.49, but its tree step 10.24 vs 10.11 ms;
-    # 8 warps 22.74, 32 columns 23.77); tree == trajectory-wise stayed bitwise (a tree round and a
-    # trajectory call may launch differently).
-    many_seqs_scan_block_v: int = 64
-    many_seqs_scan_warps: int = 4
-    many_seqs_scan_stages: int = 1
-    scan_many_programs: int = 1024
-    scan_num_stages: int = 0      # 0 = by input dtype (scan_stages_for)
     # tree mode (tree.py): kernels read inputs / write outputs through the plan's row maps instead of
     # gathered copies (agentic batch of bench/gdn.py: 11.68 vs 12.37 ms, 82% vs 77% of ideal, H200
     # 2026-12-01, bitwise equal to trajectory-wise); False = the gathered path
@@ -84,63 +57,43 @@ class GDNKernelConfig:
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
             raise ValueError(f"GDNKernelConfig.bwd_qk_block_k must be 0 or a power of two >= 16 (tl.dot, "
                              f"tl.arange), got {self.bwd_qk_block_k}")
-        # scan columns feed tl.arange / tl.dot; 0 means auto / off where the field's comment says so
-        for field, least, zero_ok in (("scan_block_v", 16, False), ("few_seqs_scan_block_v", 16, True),
-                                      ("many_seqs_scan_block_v", 16, True), ("scan_warps", 1, False),
-                                      ("few_seqs_scan_warps", 1, True), ("many_seqs_scan_warps", 1, False)):
+        # scan columns feed tl.arange / tl.dot
+        for field, least in (("scan_block_v", 16), ("scan_warps", 1)):
             value = getattr(self, field)
-            if not (zero_ok and value == 0) and (value < least or value & (value - 1)):
-                raise ValueError(f"GDNKernelConfig.{field} must be a power of two >= {least}"
-                                 f"{' or 0' if zero_ok else ''}, got {value}")
-        for field in ("scan_num_stages", "many_seqs_scan_stages"):
-            if not 0 <= getattr(self, field) <= 8:
-                raise ValueError(f"GDNKernelConfig.{field} must be 0 (by dtype) or 1-8 pipeline stages, "
-                                 f"got {getattr(self, field)}")
-        # 3 chunks ahead overflows shared memory at 32 columns and 4 warps (241 KiB, bench/gdn_resources.py)
-        if not 0 <= self.few_seqs_scan_prefetch <= 2:
-            raise ValueError(f"GDNKernelConfig.few_seqs_scan_prefetch must be 0-2 chunks, got {self.few_seqs_scan_prefetch}")
-        if self.few_seqs_wide_programs < 1:
-            raise ValueError(f"GDNKernelConfig.few_seqs_wide_programs must be >= 1, got {self.few_seqs_wide_programs}")
+            if value < least or value & (value - 1):
+                raise ValueError(f"GDNKernelConfig.{field} must be a power of two >= {least}, got {value}")
+        # 4 stages overflow shared memory at 32 or 64 columns and 4 warps (241 / 289 KiB, gdn_resources.py)
+        if not 0 <= self.scan_num_stages <= 3:
+            raise ValueError(f"GDNKernelConfig.scan_num_stages must be 0 (by dtype) or 1-3, got {self.scan_num_stages}")
+        if self.scan_min_programs < 0:
+            raise ValueError(f"GDNKernelConfig.scan_min_programs must be >= 0, got {self.scan_min_programs}")
         if self.tree_scan_lanes < 1:
             raise ValueError(f"GDNKernelConfig.tree_scan_lanes must be >= 1, got {self.tree_scan_lanes}")
         if self.wy_kkt_block_k < 16 or self.wy_kkt_block_k & (self.wy_kkt_block_k - 1):
             raise ValueError(f"GDNKernelConfig.wy_kkt_block_k must be a power of two >= 16 (tl.dot, tl.arange), "
                              f"got {self.wy_kkt_block_k}")
 
-    def scan_launch_for(self, num_seqs: int, value_heads: int, value_dim: int, element_size: int,
-                        row_maps: bool = False) -> tuple[int, int, int]:
+    def scan_launch_for(self, num_seqs: int, value_heads: int, value_dim: int,
+                        element_size: int) -> tuple[int, int, int]:
         """(state columns per program, warps, pipeline stages) of the two scans for a call with `num_seqs`
-        sequences of `element_size`-byte inputs; `row_maps`: the scans read rows through index.PackedRows."""
-        many = min(self.many_seqs_scan_block_v, value_dim)
-        if many and num_seqs * value_heads * (value_dim // many) >= self.scan_many_programs:
-            stages = (self.many_seqs_scan_stages or self.scan_stages_for(2)) if element_size <= 2 else 1  # fp32: see scan_stages_for
-            return many, self.many_seqs_scan_warps, stages
+        sequences of `element_size`-byte inputs."""
         block_v = min(self.scan_block_v, value_dim)
-        if num_seqs * value_heads * (value_dim // block_v) < self.scan_min_programs:
-            block_v, wide = self._few_seqs_columns(num_seqs * value_heads, value_dim)
-            warps = self.few_seqs_scan_warps if wide and self.few_seqs_scan_warps else self.scan_warps
-            ahead = self.few_seqs_scan_prefetch if element_size <= 2 else 0  # fp32: see scan_stages_for
-            return block_v, warps, ahead * (2 if row_maps else 1) + 1 if ahead else self.scan_stages_for(element_size)
+        while block_v > 16 and num_seqs * value_heads * (value_dim // block_v) < self.scan_min_programs:
+            block_v //= 2
         return block_v, self.scan_warps, self.scan_stages_for(element_size)
 
-    def _few_seqs_columns(self, seq_heads: int, value_dim: int) -> tuple[int, bool]:
-        """(columns per scan program, whether the launch takes few_seqs_scan_warps) for a few-sequence call of
-        `seq_heads` sequences x value heads."""
-        wide = self.few_seqs_wide_programs
-        if self.few_seqs_scan_block_v:
-            block_v = min(self.few_seqs_scan_block_v, value_dim)
-            return block_v, seq_heads * (value_dim // block_v) <= wide
-        fits = [bv for bv in (64, 32) if bv <= value_dim and seq_heads * (value_dim // bv) >= wide]
-        return (fits[0] if fits else min(16, value_dim)), True
-
     def scan_stages_for(self, element_size: int) -> int:
-        """Software-pipeline depth of the two state scans: `scan_num_stages`, or by input size (0). sm_90a
-        shared memory at K=V=128, BV=32, 4 warps (`bench/gdn_resources.py --dtype ... --stages N`): bf16 at
-        3 stages 40/81 KiB (fwd/bwd scan); fp32 at 3 stages 240/353 KiB and at 2 stages 168/240 KiB, over
-        the H200's 227 KiB (the runtime saw `OutOfResources` in fp32), at 1 stage 56/80 KiB."""
+        """Software-pipeline depth of the two state scans: `scan_num_stages`, or by input size (0).
+
+        The scans run a sequence's chunks in one loop (between exports: state_fwd), and at 2 stages Triton
+        issues a chunk's loads after the previous chunk's dots, so each chunk waits for memory; at 3 they run
+        2 chunks ahead (sm_90a TTGIR; with row maps the row-index loads 2 ahead and the data 1). sm_90a shared
+        memory at K=V=128, 64 columns, 4 warps (`bench/gdn_resources.py --stages 3 --set BV=64 --aligned`):
+        bf16 136/217 KiB (fwd/bwd scan), with row maps 96/146. fp32 at 32 columns needs 168/240 KiB at 2
+        stages, over the H200's 227 KiB (the runtime saw `OutOfResources`), 56/80 at 1."""
         if self.scan_num_stages:
             return self.scan_num_stages
-        return 2 if element_size <= 2 else 1  # bf16 at 4 scan warps: 9.20 ms at 2 stages, 9.53 at 3, 9.56 at 4
+        return 3 if element_size <= 2 else 1
 
 
 @dataclass(frozen=True)

@@ -121,8 +121,7 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
     hv, vd = u.shape[1], u.shape[2]
     first, count = seqs if seqs is not None else (0, index.num_seqs)
     cfg = index.config
-    bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size(),
-                                             row_maps=rows is not None)
+    bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size())
     if out is None:
         out = (torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype), torch.empty_like(u),
                torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32))
