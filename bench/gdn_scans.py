@@ -3,7 +3,7 @@
 The scans are the sequential part of a GDN step, and which launch is fastest depends on how many
 (sequence, head) pairs a call has: a lone 16k-token root is latency-bound, 42 trajectories are bound by
 memory. `GDNKernelConfig.scan_launch_for` encodes the choice; this script measures it, one table per
-case (fwd + bwd scan ms, bf16, H = 16, K = V = 128), in one run:
+case (fwd + bwd scan ms, bf16, 16 key heads, 16 value heads unless --value-heads, K = V = 128), in one run:
 
     python bench/gdn_scans.py [--cases root1 roots6 ...] [--quick] 2>&1 | tee $OUT/gdn_scans.log
 
@@ -48,8 +48,8 @@ def forced(block_v: int, warps: int, stages: int) -> GDNKernelConfig:
     return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_num_stages=stages, scan_min_programs=0)
 
 
-def time_case(lengths, row_maps, launches, device):
-    q, k, v = make_inputs(lengths, device=device)[0][:3]
+def time_case(lengths, row_maps, launches, device, value_heads=16):
+    q, k, v = make_inputs(lengths, hk=16, hv=value_heads, device=device)[0][:3]
     rows_total, hv, vd = v.shape
     kd = k.shape[2]
     gen = torch.Generator(device).manual_seed(1)
@@ -90,6 +90,7 @@ def main():
     parser.add_argument("--launches", nargs="+", default=None, metavar="BV:WARPS",
                         help="(columns, warps) pairs, default: " + " ".join(f"{b}:{w}" for b, w in LAUNCHES))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--value-heads", type=int, default=16, help="32: the e2e model's (Qwen3-Next's) GDN")
     parser.add_argument("--shrink", type=int, default=1, help="divide every length (a CPU smoke test under "
                         "TRITON_INTERPRET=1 with --shrink 64)")
     args = parser.parse_args()
@@ -101,9 +102,10 @@ def main():
         lengths, row_maps = cases()[name]
         lengths = [max(1, n // args.shrink) for n in lengths]
         stages = sorted(set(args.stages) | ({5} if row_maps else set()))
-        default = GDNKernelConfig().scan_launch_for(len(lengths), 16, 128, 2)
+        default = GDNKernelConfig().scan_launch_for(len(lengths), args.value_heads, 128, 2)
         launches = [(b, w, s) for b, w in pairs for s in stages]
-        results = time_case(lengths, row_maps, launches + [default] * (default not in launches), device)
+        results = time_case(lengths, row_maps, launches + [default] * (default not in launches), device,
+                            args.value_heads)
         print(f"\n== {name}: {len(lengths)} sequences, {sum(lengths)} rows, row maps {row_maps}; "
               f"fwd+bwd scan ms (default launch {default}) ==")
         print(f"{'cols':>4s} {'warps':>5s} " + " ".join(f"{f'{s} st':>7s}" for s in stages))
