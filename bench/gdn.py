@@ -158,6 +158,7 @@ VARIANTS = [("scans 2 warps, 32 columns, 2 stages (16 below 264 programs)", GDNK
             ("scans 2 stages", GDNKernelConfig(scan_num_stages=2)),
             ("scans at least 256 programs", GDNKernelConfig(scan_min_programs=256)),
             ("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
+            ("affine scan rows", GDNKernelConfig(tree_affine_scan_rows=True)),
             ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
             ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64))]
 

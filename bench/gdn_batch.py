@@ -64,7 +64,8 @@ def microbatches_ms(indices, args, segment_chunks=None, config=None) -> float:
 # row maps), other launches for few sequences
 COMPARE = {"gathers": GDNKernelConfig(tree_rows_in_kernels=False),
            "scans_2w": GDNKernelConfig(scan_block_v=32, scan_warps=2, scan_num_stages=2, scan_min_programs=264),
-           "scans_2st": GDNKernelConfig(scan_num_stages=2)}
+           "scans_2st": GDNKernelConfig(scan_num_stages=2),
+           "affine": GDNKernelConfig(tree_affine_scan_rows=True)}
 
 
 def run_preset(preset: str, args) -> dict:

@@ -48,7 +48,7 @@ def forced(block_v: int, warps: int, stages: int) -> GDNKernelConfig:
     return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_num_stages=stages, scan_min_programs=0)
 
 
-def time_case(lengths, row_maps, launches, device, value_heads=16):
+def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False):
     q, k, v = make_inputs(lengths, hk=16, hv=value_heads, device=device)[0][:3]
     rows_total, hv, vd = v.shape
     kd = k.shape[2]
@@ -63,7 +63,8 @@ def time_case(lengths, row_maps, launches, device, value_heads=16):
     rows = None
     if row_maps:
         ids = torch.arange(rows_total, device=device)
-        rows = PackedRows(src=ids, own=ids, num_tokens=rows_total, num_replays=0)
+        shift = torch.zeros(len(lengths), dtype=torch.int64, device=device) if affine else None
+        rows = PackedRows(src=ids, own=ids, num_tokens=rows_total, num_replays=0, seq_shift=shift)
     results = {}
     for block_v, warps, stages in launches:
         index = prepare_gdn_index(cu, chunk_size=CHUNK, device=device, config=forced(block_v, warps, stages))
@@ -85,12 +86,14 @@ def time_case(lengths, row_maps, launches, device, value_heads=16):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(cases()), choices=list(cases()))
-    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="pipeline stages to try "
-                        "(with row maps also 5: the data two chunks ahead)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="pipeline stages to try (1-3: "
+                        "GDNKernelConfig's range; session 7 found 5 no better than 3 with row maps)")
     parser.add_argument("--launches", nargs="+", default=None, metavar="BV:WARPS",
                         help="(columns, warps) pairs, default: " + " ".join(f"{b}:{w}" for b, w in LAUNCHES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--value-heads", type=int, default=16, help="32: the e2e model's (Qwen3-Next's) GDN")
+    parser.add_argument("--affine", action="store_true", help="row-map cases read rows after each first chunk "
+                        "at row + shift (GDNKernelConfig.tree_affine_scan_rows)")
     parser.add_argument("--shrink", type=int, default=1, help="divide every length (a CPU smoke test under "
                         "TRITON_INTERPRET=1 with --shrink 64)")
     args = parser.parse_args()
@@ -101,12 +104,13 @@ def main():
     for name in args.cases:
         lengths, row_maps = cases()[name]
         lengths = [max(1, n // args.shrink) for n in lengths]
-        stages = sorted(set(args.stages) | ({5} if row_maps else set()))
+        stages = sorted(set(args.stages))
         default = GDNKernelConfig().scan_launch_for(len(lengths), args.value_heads, 128, 2)
         launches = [(b, w, s) for b, w in pairs for s in stages]
         results = time_case(lengths, row_maps, launches + [default] * (default not in launches), device,
-                            args.value_heads)
-        print(f"\n== {name}: {len(lengths)} sequences, {sum(lengths)} rows, row maps {row_maps}; "
+                            args.value_heads, args.affine)
+        print(f"\n== {name}: {len(lengths)} sequences, {sum(lengths)} rows, row maps {row_maps}"
+              f"{' (affine)' if row_maps and args.affine else ''}; "
               f"fwd+bwd scan ms (default launch {default}) ==")
         print(f"{'cols':>4s} {'warps':>5s} " + " ".join(f"{f'{s} st':>7s}" for s in stages))
         for b, w in pairs:

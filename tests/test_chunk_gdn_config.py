@@ -83,3 +83,21 @@ def test_export_segments_cut_each_sequence_after_its_exports(lengths, data):
         assert entries[-1] == (-(-n // 64), -1)
         wanted = sorted({off // 64: index.export_slot_host[i] for i, (t, off) in enumerate(exports) if t == s}.items())
         assert entries[:-1] == wanted
+
+
+def test_affine_row_shifts_cover_the_rows_after_each_first_chunk():
+    """PackedRows.seq_shift: a replay inside a sequence's first chunk is fine; a jump later (or a replayed row
+    there) means no shift, and the scans keep the row maps."""
+    import numpy as np
+
+    from harts_compiler.codegen.kernels.chunk_gdn.index import affine_row_shifts
+    cu = np.array([0, 100, 100, 130])  # a 100-row sequence, an empty one, a 30-row one
+    src = np.r_[np.arange(500, 506), np.arange(10, 104), np.arange(300, 330)]  # 6 replayed rows first
+    own = np.r_[-1 - np.arange(6), np.arange(10, 104), np.arange(300, 330)]
+    assert affine_row_shifts(cu, src, own, 64).tolist() == [103 - 99, 0, 300 - 100]
+    jump = src.copy()
+    jump[80:] += 1000                      # rows 80.. of the first sequence come from elsewhere
+    assert affine_row_shifts(cu, jump, np.where(own >= 0, jump, own), 64) is None
+    late_replay = own.copy()
+    late_replay[70] = -7                   # a replayed row after the first chunk
+    assert affine_row_shifts(cu, src, late_replay, 64) is None

@@ -59,18 +59,22 @@ def batches():
     return cases
 
 
-@pytest.mark.parametrize("rows_in_kernels", [False, True], ids=["gathers", "row-maps"])
+@pytest.mark.parametrize("rows_in_kernels", [False, True, "affine"], ids=["gathers", "row-maps", "affine-scans"])
 @pytest.mark.parametrize("name", list(batches()))
 def test_tree_function_equals_rounds(name, rows_in_kernels):
-    """Both ways of feeding the packed layout: gathered copies, or the kernels reading through row maps."""
+    """The ways of feeding the packed layout: gathered copies, the kernels reading through row maps, and the
+    scans reading rows after each sequence's first chunk at row + shift (tree_affine_scan_rows)."""
     batch = batches()[name]
     index = naive_tree_index(batch, chunk_size=C)
     tensors = inputs(index.num_tokens, seed=len(name))
     weights = torch.randn(index.num_tokens, 2, DIM, generator=torch.Generator().manual_seed(5),
                           dtype=torch.float64).to(DEVICE)
-    config = GDNKernelConfig(tree_rows_in_kernels=rows_in_kernels)
+    config = GDNKernelConfig(tree_rows_in_kernels=bool(rows_in_kernels),
+                             tree_affine_scan_rows=rows_in_kernels == "affine")
     plan = plan_tree_gdn(tree_round_specs(index), index.num_tokens, chunk_size=C, device=DEVICE, config=config)
-    assert (plan.rows is not None) == rows_in_kernels
+    assert (plan.rows is not None) == bool(rows_in_kernels)
+    if rows_in_kernels == "affine":  # the runtime's rounds: replays fill at most a sequence's first chunk
+        assert plan.rows.seq_shift is not None
     index = index.to(DEVICE)
     rounds = plan_linear_rounds(index, use_triton=False)
     kw = dict(scale=0.25, use_qk_l2norm=True)
@@ -94,7 +98,7 @@ def test_tree_function_equals_rounds(name, rows_in_kernels):
     assert len(index.rounds) > 1, "a single round would not test the hand-offs"
 
 
-@pytest.mark.parametrize("rows_in_kernels", [False, True], ids=["gathers", "row-maps"])
+@pytest.mark.parametrize("rows_in_kernels", [False, True, "affine"], ids=["gathers", "row-maps", "affine-scans"])
 def test_replays_and_shared_starts_are_summed(rows_in_kernels):
     """A root whose tail chunk is replayed by three branches that all start from its exported state."""
     root, branch = 70, 20
@@ -112,7 +116,9 @@ def test_replays_and_shared_starts_are_summed(rows_in_kernels):
                             export_seq=np.zeros(0, np.int64), export_offset=np.zeros(0, np.int64),
                             export_bank=np.zeros(0, np.int64))]
     plan = plan_tree_gdn(rounds, T, chunk_size=C, device=DEVICE,
-                         config=GDNKernelConfig(tree_rows_in_kernels=rows_in_kernels))
+                         config=GDNKernelConfig(tree_rows_in_kernels=bool(rows_in_kernels),
+                                                tree_affine_scan_rows=rows_in_kernels == "affine"))
+    assert (rows_in_kernels == "affine") == (plan.rows is not None and plan.rows.seq_shift is not None)
     assert plan.replay_counts.tolist() == [3] * (root - C) and plan.rounds[1].start_counts.tolist() == [3]
     tensors = inputs(T, seed=1)
     weights = torch.randn(T, 2, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEVICE)

@@ -52,6 +52,12 @@ class GDNKernelConfig:
     # tree mode: the scans of independent trees (components of the state hand-offs) run on up to this many
     # CUDA streams, so a tree's branches start when its own root is scanned; 1 = one launch per round
     tree_scan_lanes: int = 8
+    # tree mode with row maps: where every sequence's rows after its first chunk are consecutive compact tokens
+    # (replays fill at most the first chunk: DESIGN.md's alignment rule), the scans read those chunks at
+    # row + a per-sequence shift and only the first chunk through the maps, so no row-index load stays in
+    # their loops and the data is prefetched two chunks ahead, not one (scan_stages_for). Bitwise equal to
+    # the maps under the interpreter; opt-in until timed on the H200 (bench/gdn.py --variants affine).
+    tree_affine_scan_rows: bool = False
 
     def __post_init__(self):
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
@@ -108,6 +114,9 @@ class PackedRows:
     own: torch.Tensor   # [R] int64: compact token, or -1 - (replay slot) on replayed rows
     num_tokens: int
     num_replays: int
+    # [N] int64 per sequence of the index, or None: src[r] == own[r] == r + seq_shift[n] on every row r after
+    # sequence n's first chunk (GDNKernelConfig.tree_affine_scan_rows), which the scans use instead of the maps
+    seq_shift: torch.Tensor | None = None
 
 
 def row_tables(index: "GDNIndex", rows: PackedRows | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +124,31 @@ def row_tables(index: "GDNIndex", rows: PackedRows | None) -> tuple[torch.Tensor
     if rows is None:
         return index.chunk_row_start, index.chunk_row_start
     return rows.src, rows.own
+
+
+def scan_row_shift(index: "GDNIndex", rows: PackedRows | None, first: int) -> tuple[torch.Tensor, bool]:
+    """(per-sequence shifts from sequence `first` on, whether the scans use them: AFFINE) for a scan launch;
+    a placeholder the kernel never reads when `rows` has none."""
+    if rows is None or rows.seq_shift is None:
+        return index.seq_chunk_start, False
+    return rows.seq_shift[first:], True
+
+
+def affine_row_shifts(cu_seqlens: np.ndarray, src: np.ndarray, own: np.ndarray, chunk_size: int) -> np.ndarray | None:
+    """[N] shifts with src[r] == own[r] == r + shift[n] on every row r after sequence n's first chunk, or None
+    where some sequence has no such shift (PackedRows.seq_shift)."""
+    lengths = np.diff(cu_seqlens)
+    seq_of_row = np.repeat(np.arange(lengths.size), lengths)
+    shift = np.zeros(lengths.size, dtype=np.int64)
+    nonempty = lengths > 0
+    last = cu_seqlens[1:][nonempty] - 1
+    shift[nonempty] = src[last] - last
+    rows = np.arange(src.size)
+    later = rows - cu_seqlens[seq_of_row] >= chunk_size
+    expected = rows[later] + shift[seq_of_row[later]]
+    if not (np.array_equal(src[later], expected) and np.array_equal(own[later], expected)):
+        return None
+    return shift
 
 
 @dataclass(frozen=True)

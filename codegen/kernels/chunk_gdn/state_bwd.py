@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..interpreter_safe import interpreting
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
-from .index import row_tables
+from .index import row_tables, scan_row_shift
 
 
 @triton.jit
@@ -45,8 +45,9 @@ def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, 
 
 @triton.jit
 def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
-                    state_offs, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    state_offs, scale, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BT: tl.constexpr, o_v, GATHER: tl.constexpr):
+    """One chunk of the reverse scan; q, k and do are read at the row maps (GATHER) or at packed row + `shift`."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     ic = (c0 + i_c).to(tl.int64)
@@ -56,8 +57,9 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 
 
     tl.store(dh + (ic * HV + i_h) * (K * V) + state_offs, b_ds.to(dh.dtype.element_ty))
 
-    src = _input_rows(row_src, rows, m_t, GATHER)
+    src = _input_rows(row_src, rows, m_t, GATHER) + shift
     do_rows, m_do = _kept_rows(row_own, rows, m_t, GATHER)
+    do_rows += shift
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     b_gl = tl.load(gc + last * HV + i_h)
     b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
@@ -77,9 +79,9 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 
 
 @triton.jit
 def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seqlens, seq_chunk_start,
-                      seq_export_start, export_end_chunk, export_end_slot, row_src, row_own, scale,
+                      seq_export_start, export_end_chunk, export_end_slot, row_src, row_own, seq_shift, scale,
                       HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                      BV: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr):
+                      BV: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
     # export segments in reverse (see state_fwd): a segment's exported end state takes its gradient before
@@ -87,10 +89,15 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seq
     e0 = tl.load(seq_export_start + i_n)
     e1 = tl.load(seq_export_start + i_n + 1)
     b_ds = tl.zeros([K, BV], dtype=tl.float32)
+    shift = e0 * 0
+    c_first = e0 * 0
+    if AFFINE:  # see state_fwd: chunk 0 through the row maps (last, below), the rest at row + shift
+        shift = tl.load(seq_shift + i_n)
+        c_first += 1
     i_e = e1 - 1
     while i_e >= e0:
         c_end = tl.load(export_end_chunk + i_e)
-        c_start = tl.where(i_e > e0, tl.load(export_end_chunk + tl.maximum(i_e - 1, 0)), 0)
+        c_start = tl.maximum(tl.where(i_e > e0, tl.load(export_end_chunk + tl.maximum(i_e - 1, 0)), 0), c_first)
         slot = tl.load(export_end_slot + i_e)  # masked, not a branch (see state_fwd)
         b_ds += tl.load(bank_grad + (tl.maximum(slot, 0) * HV + i_h) * (K * V) + state_offs,
                         mask=(state_offs * 0 + slot) >= 0, other=0.0)
@@ -98,13 +105,19 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seq
             i_c = c_end - 1
             while i_c >= c_start:
                 b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos,
-                                       i_h, i_hk, state_offs, scale, HK, HV, K, V, BT, o_v, GATHER)
+                                       i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v,
+                                       GATHER and not AFFINE)
                 i_c -= 1
         else:
             for i_r in range(0, c_end - c_start):
                 b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, c_end - 1 - i_r,
-                                       c0, bos, eos, i_h, i_hk, state_offs, scale, HK, HV, K, V, BT, o_v, GATHER)
+                                       c0, bos, eos, i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v,
+                                       GATHER and not AFFINE)
         i_e -= 1
+    if AFFINE:
+        if n_chunks > 0:
+            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 0, c0, bos, eos,
+                                   i_h, i_hk, state_offs, scale, e0 * 0, HK, HV, K, V, BT, o_v, True)
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
@@ -134,13 +147,14 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     cfg = index.config
     bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size())
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
+    shifts, affine = scan_row_shift(index, rows, first)
     if count:
         _state_bwd_kernel[(count * hv, vd // bv)](
             q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens[first:],
             index.seq_chunk_start[first:], index.seq_export_start[first:], index.export_end_chunk,
-            index.export_end_slot, *row_tables(index, rows), scale, HK=hk, HV=hv,
+            index.export_end_slot, *row_tables(index, rows), shifts, scale, HK=hk, HV=hv,
             K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
-            num_warps=warps, num_stages=stages)
+            AFFINE=affine, num_warps=warps, num_stages=stages)
     return dh0
 
 

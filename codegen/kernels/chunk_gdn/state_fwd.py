@@ -15,14 +15,15 @@ import triton.language as tl
 
 from ..interpreter_safe import interpreting
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
-from .index import row_tables
+from .index import row_tables, scan_row_shift
 
 
 @triton.jit
-def _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
+def _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs, shift,
                     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, o_v,
                     GATHER: tl.constexpr):
-    """One chunk of the scan; returns the state leaving the chunk."""
+    """One chunk of the scan; returns the state leaving the chunk. k is read at the row maps (GATHER) or at
+    packed row + `shift` (0 outside tree mode)."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     ic = (c0 + i_c).to(tl.int64)
@@ -39,7 +40,7 @@ def _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h,
 
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     b_gl = tl.load(gc + last * HV + i_h)
-    src = _input_rows(row_src, rows, m_t, GATHER)
+    src = _input_rows(row_src, rows, m_t, GATHER) + shift
     b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_vd = tl.where(m_t[:, None], b_vn * tl.exp(b_gl - b_gc)[:, None], 0.0)
     return b_s * tl.exp(b_gl) + tl.dot(b_kt, b_vd.to(b_kt.dtype))
@@ -47,9 +48,9 @@ def _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h,
 
 @triton.jit
 def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_start, seq_export_start,
-                      export_end_chunk, export_end_slot, row_src, HK: tl.constexpr, HV: tl.constexpr,
+                      export_end_chunk, export_end_slot, row_src, seq_shift, HK: tl.constexpr, HV: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      INTERPRET: tl.constexpr, GATHER: tl.constexpr):
+                      INTERPRET: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
     # the chunks in export segments (index.GDNIndex): the inner loop has no per-chunk bank logic, so Triton
@@ -57,20 +58,28 @@ def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_sta
     e0 = tl.load(seq_export_start + i_n)
     e1 = tl.load(seq_export_start + i_n + 1)
     b_s = tl.load(h0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs)     # fp32
+    shift = e0 * 0
+    c_first = e0 * 0
+    if AFFINE:  # chunk 0 (which holds the replayed rows) through the row maps, the rest at row + shift
+        shift = tl.load(seq_shift + i_n)
+        c_first += 1
+        if n_chunks > 0:
+            b_s = _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, 0, c0, bos, eos, i_h, i_hk, state_offs,
+                                  e0 * 0, HK, HV, K, V, BT, o_v, True)
     c_start = e0 * 0
     i_e = e0
     while i_e < e1:  # a while loop: the interpreter takes no loaded bound in range() (numpy >= 2.4)
         c_end = tl.load(export_end_chunk + i_e)
         if INTERPRET:
-            i_c = c_start
+            i_c = tl.maximum(c_start, c_first)
             while i_c < c_end:
                 b_s = _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
-                                      HK, HV, K, V, BT, o_v, GATHER)
+                                      shift, HK, HV, K, V, BT, o_v, GATHER and not AFFINE)
                 i_c += 1
         else:  # a for loop, which Triton software-pipelines
-            for i_c in range(c_start, c_end):
+            for i_c in range(tl.maximum(c_start, c_first), c_end):
                 b_s = _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
-                                      HK, HV, K, V, BT, o_v, GATHER)
+                                      shift, HK, HV, K, V, BT, o_v, GATHER and not AFFINE)
         slot = tl.load(export_end_slot + i_e)
         # masked, not a branch (the mask is a tile: the interpreter takes no scalar masks)
         tl.store(bank + (tl.maximum(slot, 0) * HV + i_h) * (K * V) + state_offs, b_s,
@@ -126,12 +135,13 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
         out = (torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype), torch.empty_like(u),
                torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32))
     h, v_new, bank = out
+    shifts, affine = scan_row_shift(index, rows, first)
     if count:
         _state_fwd_kernel[(count * hv, vd // bv)](
             k, w, u, gc, initial_state, h, v_new, bank, index.cu_seqlens[first:], index.seq_chunk_start[first:],
             index.seq_export_start[first:], index.export_end_chunk, index.export_end_slot, row_tables(index, rows)[0],
-            HK=hk, HV=hv, K=kd, V=vd,
-            BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
+            shifts, HK=hk, HV=hv, K=kd, V=vd,
+            BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None, AFFINE=affine,
             num_warps=warps, num_stages=stages)
     return h, v_new, bank
 

@@ -42,7 +42,7 @@ from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from .chunk_bwd import chunk_bwd
 from .function import TRITON_CHUNK_SIZE, _group_sum, triton_supports
 from .inputs import check_exports, validate_gdn_tensors
-from .index import GDNIndex, GDNKernelConfig, PackedRows, prepare_gdn_index
+from .index import GDNIndex, GDNKernelConfig, PackedRows, affine_row_shifts, prepare_gdn_index
 from .l2norm import l2norm_fused
 from .lanes import LaneStreams, assign_lanes, lane_runs
 from .state_bwd import dv_local_bwd, state_bwd_scan
@@ -208,8 +208,10 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         row_own = np.empty(src_all.size, dtype=np.int64)
         row_own[own_pick] = np.arange(num_tokens)
         row_own[replay_rows] = -1 - np.arange(replay_rows.size)  # side slots grouped by token, as summed
+        shift = (affine_row_shifts(np.asarray(bounds, dtype=np.int64), src_all, row_own, chunk_size)
+                 if index.config.tree_affine_scan_rows else None)
         rows = PackedRows(src=as_long(src_all), own=as_long(row_own), num_tokens=num_tokens,
-                          num_replays=int(replay_rows.size))
+                          num_replays=int(replay_rows.size), seq_shift=None if shift is None else as_long(shift))
     return TreeGDNPlan(num_tokens=num_tokens, index=index, row_src=as_long(src_all), own_pick=as_long(own_pick),
                        replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
                        replay_counts=as_long(replay_counts), rounds=tuple(launches), num_lanes=num_lanes,
