@@ -61,7 +61,7 @@ def microbatches_ms(indices, args, segment_chunks=None, config=None) -> float:
 
 
 # other configurations, for --compare: tree mode gathering its packed layout (before the kernels read through
-# row maps), other launches for few sequences
+# row maps), the scan launch before session 7 (2 warps, 32 columns), 2-stage scans, affine scan rows
 COMPARE = {"gathers": GDNKernelConfig(tree_rows_in_kernels=False),
            "scans_2w": GDNKernelConfig(scan_block_v=32, scan_warps=2, scan_num_stages=2, scan_min_programs=264),
            "scans_2st": GDNKernelConfig(scan_num_stages=2),

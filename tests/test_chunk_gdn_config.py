@@ -101,3 +101,12 @@ def test_affine_row_shifts_cover_the_rows_after_each_first_chunk():
     late_replay = own.copy()
     late_replay[70] = -7                   # a replayed row after the first chunk
     assert affine_row_shifts(cu, src, late_replay, 64) is None
+
+
+@pytest.mark.parametrize("offset", [0, 96, 192])
+def test_prepare_gdn_index_rejects_exports_outside_their_sequence(offset):
+    """The scans write each segment's chunks in place: an export past its sequence (or off the chunk grid)
+    must be an error naming it, not writes into the next sequence."""
+    from harts_compiler.codegen.kernels.chunk_gdn import prepare_gdn_index
+    with pytest.raises(ValueError, match=r"prepare_gdn_index: `export_offset\[1\]`"):
+        prepare_gdn_index([0, 128, 200], [0, 0], [64, offset])

@@ -96,7 +96,8 @@ def test_backward_split_over_key_columns_matches_reference():
 def test_injected_export_gradient_alone():
     """Only the exported states carry gradient: everything upstream of them must still get it."""
     tensors, cu = make_inputs([128, 64], hk=2, hv=2, seed=2)
-    export_seq, export_offset = torch.tensor([0, 1]), torch.tensor([64, 64])
+    # the end of a two-chunk sequence too: an export segment of its own, empty before the sentinel
+    export_seq, export_offset = torch.tensor([0, 1, 0]), torch.tensor([64, 64, 128])
     got = forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, with_do=False)
     want = forward_backward(chunk_gated_delta_rule_reference, tensors, cu, export_seq, export_offset, with_do=False)
     assert got[2].abs().sum() == 0  # q does not feed any state

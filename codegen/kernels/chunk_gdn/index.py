@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .inputs import check_exports
+
 
 @dataclass(frozen=True)
 class GDNKernelConfig:
@@ -181,7 +183,8 @@ def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_siz
                       device=None, config: GDNKernelConfig | None = None) -> GDNIndex:
     """Chunk tables and the export bank layout for `cu_seqlens` (host tensor or list) and the exports.
 
-    Exports must already be valid (see `inputs.validate_gdn_inputs`); this only lays them out.
+    Exports are checked again here (`inputs.check_exports`): an offset past its sequence would let the scans
+    write into the next sequence's chunks.
     """
     bounds = np.asarray(torch.as_tensor(cu_seqlens).cpu().tolist(), dtype=np.int64)
     device = device if device is not None else (cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else "cpu")
@@ -197,6 +200,7 @@ def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_siz
     e_seq = tuple(int(x) for x in (torch.as_tensor(export_seq).reshape(-1).tolist() if export_seq is not None else ()))
     e_off = tuple(int(x) for x in (torch.as_tensor(export_offset).reshape(-1).tolist()
                                    if export_offset is not None else ()))
+    check_exports(e_seq, e_off, lengths.tolist(), chunk_size, who="prepare_gdn_index")  # else scans write past
     slot_of: dict[tuple[int, int], int] = {}
     export_slot = [slot_of.setdefault((s, off), len(slot_of)) for s, off in zip(e_seq, e_off)]
     # segment ends: the distinct exports and one sentinel per sequence, sorted by (sequence, end, sentinel last)
