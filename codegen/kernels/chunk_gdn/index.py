@@ -31,7 +31,7 @@ class GDNKernelConfig:
     # branches), 8 x 2,048 0.37 vs 0.47; a lone 16k root at 16 columns 0.66 (64 columns: 1.21). Column blocks
     # are independent, so tree == trajectory-wise stays bitwise when a round and a call launch differently.
     scan_block_v: int = 64
-    scan_warps: int = 4         # wgmma; 2 warps (mma.sync) lost at every shape above
+    scan_warps: int = 4         # wgmma; 2 warps (mma.sync) lost everywhere but the 6 roots (32 columns: 0.61 ms)
     scan_min_programs: int = 128  # about one per SM
     # pipeline depth, 0 = by input dtype (scan_stages_for): 16-bit scans load 2 chunks ahead at 3 stages
     scan_num_stages: int = 0
