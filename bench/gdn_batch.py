@@ -68,6 +68,12 @@ COMPARE = {"gathers": GDNKernelConfig(tree_rows_in_kernels=False),
            "affine": GDNKernelConfig(tree_affine_scan_rows=True)}
 
 
+def chunk_count(indices, chunk_size: int = 64) -> int:
+    """Chunks the chunk-parallel GDN kernels run over `indices`' rounds (each sequence rounds up)."""
+    return sum(int(((r.cu_seqlens[1:] - r.cu_seqlens[:-1] + chunk_size - 1) // chunk_size).sum())
+               for index in indices for r in index.rounds)
+
+
 def run_preset(preset: str, args) -> dict:
     overrides = dict(TINY_GENERATOR[preset]) if args.tiny else {"scale": LENGTH_SCALE[preset]}
     scale = overrides.pop("scale")
@@ -78,8 +84,14 @@ def run_preset(preset: str, args) -> dict:
     traj_indices = trajectory_microbatches(batch, args.microbatch_tokens, args.device, **shape)
     distinct = prefix_forest(batch).num_tokens
     row = dict(preset=preset, tasks=tasks, trajectory_tokens=plan.stats["trajectory_tokens"], compact=distinct,
-               rounds=plan.stats["rounds"], ideal=plan.stats["trajectory_tokens"] / distinct,
-               traj_ms=microbatches_ms(traj_indices, args), tree_ms=microbatches_ms(tree_indices, args))
+               rounds=plan.stats["rounds"], ideal=plan.stats["trajectory_tokens"] / distinct)
+    # the chunk-parallel kernels cost per chunk: each sequence of a round ends in a partial chunk and a branch
+    # replays up to 63 rows, so the chunk ratio, not the token ratio, bounds tree mode's GDN speedup
+    row["chunk_ratio"] = chunk_count(traj_indices) / chunk_count(tree_indices)
+    if args.chunks_only:
+        print(f"[{preset}] {row}", flush=True)
+        return row
+    row.update(traj_ms=microbatches_ms(traj_indices, args), tree_ms=microbatches_ms(tree_indices, args))
     row["of_ideal"] = row["traj_ms"] / row["tree_ms"] / row["ideal"]
     for name in args.compare:  # tree mode under an earlier default (COMPARE)
         row[f"{name}_ms"] = microbatches_ms(tree_indices, args, config=COMPARE[name])
@@ -111,6 +123,7 @@ def main(argv=None) -> None:
                    help="also time tree mode with these configurations (COMPARE)")
     p.add_argument("--gathers", action="store_true", help="the same as --compare gathers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunks-only", action="store_true", help="only the token and chunk ratios (no timing, any device)")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.compare = list(dict.fromkeys(args.compare + (["gathers"] if args.gathers else [])))
@@ -119,8 +132,11 @@ def main(argv=None) -> None:
     args.dtype = torch.float32 if args.device.type == "cpu" else torch.bfloat16
     rows = [run_preset(preset, args) for preset in args.presets]
     columns = [("preset", "preset"), ("trajectory_tokens", "traj tok"), ("compact", "distinct"),
-               ("rounds", "rounds"), ("ideal", "ideal"), ("traj_ms", "traj ms"), ("tree_ms", "tree ms"),
-               ("of_ideal", "of ideal")]
+               ("rounds", "rounds"), ("ideal", "ideal"), ("chunk_ratio", "chunk ratio")]
+    if args.chunks_only:
+        print(format_table(rows, columns))
+        return
+    columns += [("traj_ms", "traj ms"), ("tree_ms", "tree ms"), ("of_ideal", "of ideal")]
     if args.segment_chunks:
         columns += [("seg_ms", "segmented ms"), ("seg_of_ideal", "of ideal")]
     for name in args.compare:
