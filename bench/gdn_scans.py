@@ -67,19 +67,19 @@ def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False)
         rows = PackedRows(src=ids, own=ids, num_tokens=rows_total, num_replays=0, seq_shift=shift)
     results = {}
     for block_v, warps, stages in launches:
-        index = prepare_gdn_index(cu, chunk_size=CHUNK, device=device, config=forced(block_v, warps, stages))
-        dh = torch.empty(index.num_chunks, hv, kd, vd, device=device, dtype=k.dtype)
-        dvn = torch.empty_like(u)
-        bank_grad = torch.zeros(0, hv, kd, vd, device=device)
+        try:  # a config outside GDNKernelConfig's range or a launch over the shared-memory limit: report, go on
+            index = prepare_gdn_index(cu, chunk_size=CHUNK, device=device, config=forced(block_v, warps, stages))
+            dh = torch.empty(index.num_chunks, hv, kd, vd, device=device, dtype=k.dtype)
+            dvn = torch.empty_like(u)
+            bank_grad = torch.zeros(0, hv, kd, vd, device=device)
 
-        def step():
-            state_fwd(k, w, u, gc, h0, index, rows=rows)
-            state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, 0.1, index, dh, dvn, rows=rows)
-        try:
+            def step():
+                state_fwd(k, w, u, gc, h0, index, rows=rows)
+                state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, 0.1, index, dh, dvn, rows=rows)
             results[(block_v, warps, stages)] = kernel_ms(step, device, rep_ms=60, warmup_ms=15)
-        except Exception as err:  # a launch over the shared-memory limit: report it, go on
+        except Exception as err:  # ValueError from the config, triton OutOfResources (not a RuntimeError)
             results[(block_v, warps, stages)] = float("nan")
-            print(f"  {block_v} cols {warps} warps {stages} stages: {type(err).__name__}", flush=True)
+            print(f"  {block_v} cols {warps} warps {stages} stages: {type(err).__name__}: {err}", flush=True)
     return results
 
 
