@@ -218,7 +218,8 @@ def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_siz
         seq_lengths=tuple(int(x) for x in lengths), cu_seqlens=as_tensor(bounds, torch.int64),
         seq_chunk_start=as_tensor(seq_chunk_start, torch.int64), chunk_row_start=as_tensor(row_start, torch.int64),
         chunk_row_end=as_tensor(row_end, torch.int64), seq_export_start=as_tensor(seq_export_start, torch.int64),
-        export_end_chunk=as_tensor(seg_end[order], torch.int64), export_end_slot=as_tensor(seg_slot[order], torch.int64),
+        export_end_chunk=as_tensor(seg_end[order], torch.int64),
+        export_end_slot=as_tensor(seg_slot[order], torch.int64),
         num_slots=len(slot_of), export_slot=as_tensor(np.asarray(export_slot, dtype=np.int64), torch.int64),
         export_slot_host=tuple(export_slot),
         export_seq=e_seq, export_offset=e_off, config=config or GDNKernelConfig())
