@@ -49,7 +49,7 @@ def forced(block_v: int, warps: int, stages: int) -> GDNKernelConfig:
 
 
 def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False):
-    q, k, v = make_inputs(lengths, hk=16, hv=value_heads, device=device)[0][:3]
+    q, k, v = make_inputs(lengths, hk=min(16, value_heads), hv=value_heads, device=device)[0][:3]
     rows_total, hv, vd = v.shape
     kd = k.shape[2]
     gen = torch.Generator(device).manual_seed(1)

@@ -97,3 +97,25 @@ def test_gdn_batch_tiny_cpu(tmp_path):
         cells = line.split()
         assert cells[0] == preset
         assert all(math.isfinite(float(c)) and float(c) > 0 for c in cells[1:]), line
+
+
+def test_gdn_scans_interpreted(tmp_path):
+    """bench/gdn_scans.py: the scans alone under a launch, on the Triton interpreter at a toy size (one head)."""
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, str(BENCH / "gdn_scans.py"), "--device", "cpu", "--shrink", "512",
+                             "--cases", "root1", "roots6", "--launches", "16:4", "--stages", "3", "--affine",
+                             "--value-heads", "1"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    best = result.stdout.splitlines()[-2:]
+    assert best[0].startswith("root1") and best[1].startswith("roots6"), best
+    assert all("nan" not in line for line in best), best
+
+
+def test_gdn_batch_chunk_ratio_is_below_the_token_ratio(tmp_path):
+    """bench/gdn_batch.py --chunks-only: per-sequence partial chunks and replays cost tree mode chunks."""
+    result = run_bench("gdn_batch.py", tmp_path, "--chunks-only")
+    for line in result.stdout.splitlines()[-2:]:
+        cells = line.split()
+        ideal, chunk_ratio = float(cells[4]), float(cells[5])
+        assert 0 < chunk_ratio <= ideal + 1e-9, line
