@@ -18,7 +18,7 @@ import torch
 import triton
 
 from common import import_fla_gdn, kernel_ms
-from gdn_cases import agentic_trees, make_inputs, tree_case
+from gdn_cases import CONFIG_VARIANTS, agentic_trees, make_inputs, tree_case
 from gdn_profile import profile_section
 from harts_compiler.codegen.kernels.chunk_gdn import (
     GDNKernelConfig,
@@ -153,14 +153,7 @@ def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
 
 
 # launch configurations timed with --variants, each against the default in the same run
-VARIANTS = [("scans 2 warps, 32 columns, 2 stages (16 below 264 programs)", GDNKernelConfig(
-                scan_block_v=32, scan_warps=2, scan_num_stages=2, scan_min_programs=264)),
-            ("scans 2 stages", GDNKernelConfig(scan_num_stages=2)),
-            ("scans at least 256 programs", GDNKernelConfig(scan_min_programs=256)),
-            ("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
-            ("affine scan rows", GDNKernelConfig(tree_affine_scan_rows=True)),
-            ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
-            ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64))]
+VARIANTS = list(CONFIG_VARIANTS.values())
 
 
 def bench_trees(fla, log, config: GDNKernelConfig, label: str, only: list[str] | None = None):

@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (LENGTH_SCALE, TINY_GENERATOR, format_table, kernel_ms, plan_microbatches,  # noqa: E402
                     prefix_forest, sized_batch, trajectory_microbatches)
+from gdn_cases import CONFIG_VARIANTS  # noqa: E402
 
-from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig  # noqa: E402
 from harts_compiler.runtime.ops.linear_attention import gated_delta_rule_rounds, plan_linear_rounds  # noqa: E402
 
 
@@ -60,12 +60,8 @@ def microbatches_ms(indices, args, segment_chunks=None, config=None) -> float:
                for i, index in enumerate(indices))
 
 
-# other configurations, for --compare: tree mode gathering its packed layout (before the kernels read through
-# row maps), the scan launch before session 7 (2 warps, 32 columns), 2-stage scans, affine scan rows
-COMPARE = {"gathers": GDNKernelConfig(tree_rows_in_kernels=False),
-           "scans_2w": GDNKernelConfig(scan_block_v=32, scan_warps=2, scan_num_stages=2, scan_min_programs=264),
-           "scans_2st": GDNKernelConfig(scan_num_stages=2),
-           "affine": GDNKernelConfig(tree_affine_scan_rows=True)}
+# other configurations, for --compare: gdn_cases.CONFIG_VARIANTS by short name
+COMPARE = {name: config for name, (_, config) in CONFIG_VARIANTS.items()}
 
 
 def chunk_count(indices, chunk_size: int = 64) -> int:

@@ -1,4 +1,4 @@
-"""Inputs and tree cases shared by the GDN benchmarks (bench/gdn.py, bench/gdn_profile.py)."""
+"""Inputs, tree cases and config variants shared by the GDN benchmarks (bench/gdn*.py)."""
 from __future__ import annotations
 
 import random
@@ -9,6 +9,20 @@ import torch
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
 from harts_compiler.codegen.kernels.chunk_gdn.tree import plan_tree_gdn, tree_gated_delta_rule
 from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_tree, two_level_plan, two_level_round_specs
+
+
+# launch configurations the GDN benches time against the default (short name -> label, config): bench/gdn.py
+# --variants (by label words), bench/gdn_batch.py --compare (by name), bench/gdn_kernels.py (the old scans)
+CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
+    "scans_2w": ("scans 2 warps, 32 columns, 2 stages (16 below 264 programs)",
+                 GDNKernelConfig(scan_block_v=32, scan_warps=2, scan_num_stages=2, scan_min_programs=264)),
+    "scans_2st": ("scans 2 stages", GDNKernelConfig(scan_num_stages=2)),
+    "scans_256": ("scans at least 256 programs", GDNKernelConfig(scan_min_programs=256)),
+    "gathers": ("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
+    "affine": ("affine scan rows", GDNKernelConfig(tree_affine_scan_rows=True)),
+    "one_lane": ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
+    "bwd_qk_bk64": ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
+}
 
 
 def agentic_trees(count: int = 6, seed: int = 0) -> list[tuple[int, int, int]]:

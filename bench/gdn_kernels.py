@@ -16,13 +16,13 @@ import torch
 
 from common import kernel_ms
 from gdn import load_fla
-from gdn_cases import agentic_trees, make_inputs
+from gdn_cases import CONFIG_VARIANTS, agentic_trees, make_inputs
 from gdn_profile import compare
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
 
 # GDNKernelConfig changes timed with --sweep (each against the default in the same run)
 # profiled next to the default and fla, kernel by kernel (the one change whose per-kernel effect matters)
-COMPARED = ("2-warp scans", dict(scan_block_v=32, scan_warps=2, scan_num_stages=2))
+COMPARED = CONFIG_VARIANTS["scans_2w"]
 SWEEP = [dict(scan_warps=8), dict(scan_num_stages=2), dict(scan_num_stages=1), dict(scan_block_v=32),
          dict(wy_kkt_warps=2), dict(bwd_block_v=32), dict(out_warps=8), dict(dv_local_warps=4),
          dict(bwd_qk_warps=4, bwd_qk_block_k=64)]
@@ -50,7 +50,7 @@ def main():
         return lambda: torch.autograd.grad(chunk_gated_delta_rule(
             *leaves, scale=scale, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True, index=index)[0], leaves, do)
 
-    steps = {"ours": ours_step(GDNKernelConfig()), COMPARED[0]: ours_step(GDNKernelConfig(**COMPARED[1]))}
+    steps = {"ours": ours_step(GDNKernelConfig()), COMPARED[0]: ours_step(COMPARED[1])}
     if fla is not None:
         steps["fla"] = lambda: torch.autograd.grad(fla(*leaves, scale=scale, initial_state=h0, cu_seqlens=cu,
                                                        use_qk_l2norm=True)[0], leaves, do)

@@ -110,8 +110,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens
         return chunk_gated_delta_rule_reference(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, export_seq=export_seq,
             export_offset=export_offset, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm)
-    if index is None:
-        index = prepare_gdn_index(cu_seqlens, export_seq, export_offset, chunk_size, device=q.device)
+    if index is None:  # from the validated host values: cu_seqlens and the exports are not read back again
+        bounds = [*shapes.seq_starts, shapes.rows]
+        index = prepare_gdn_index(bounds, shapes.export_seq, shapes.export_offset, chunk_size, device=q.device)
     elif index.chunk_size != chunk_size:
         raise ValueError(f"chunk_gated_delta_rule: `index` was built for chunk_size {index.chunk_size}, not {chunk_size}")
     return run_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state, index=index,
