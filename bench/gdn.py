@@ -153,7 +153,7 @@ def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
 
 
 # launch configurations timed with --variants, each against the default in the same run
-VARIANTS = list(CONFIG_VARIANTS.values())
+VARIANTS = list(CONFIG_VARIANTS.items())
 
 
 def bench_trees(fla, log, config: GDNKernelConfig, label: str, only: list[str] | None = None):
@@ -264,8 +264,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--variants", nargs="*", metavar="WORD",
-                        help="also time other launch configurations (VARIANTS): all, or those whose labels "
-                             "contain one of these words")
+                        help="also time other launch configurations (gdn_cases.CONFIG_VARIANTS): all, or those "
+                             "named by one of these words or whose labels contain one")
     parser.add_argument("--no-fla", action="store_true", help="skip fla (saves its ~1-2 min of autotuning)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--profile", action="store_true",
@@ -277,8 +277,9 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     fla = None if args.no_fla else load_fla()
     log: list[dict] = []
-    variants = [] if args.variants is None else [
-        (label, cfg) for label, cfg in VARIANTS if not args.variants or any(w in label for w in args.variants)]
+    variants = [] if args.variants is None else [  # a word names a variant (its key) or occurs in its label
+        (label, cfg) for key, (label, cfg) in VARIANTS
+        if not args.variants or any(w == key or w in label for w in args.variants)]
     configs = [("default", GDNKernelConfig())] + variants
     if args.trees_only is not None:
         for label, cfg in configs:

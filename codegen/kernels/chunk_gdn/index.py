@@ -57,9 +57,18 @@ class GDNKernelConfig:
     # tree mode with row maps: where every sequence's rows after its first chunk are consecutive compact tokens
     # (replays fill at most the first chunk: DESIGN.md's alignment rule), the scans read those chunks at
     # row + a per-sequence shift and only the first chunk through the maps, so no row-index load stays in
-    # their loops and the data is prefetched two chunks ahead, not one (scan_stages_for). Bitwise equal to
-    # the maps under the interpreter; opt-in until timed on the H200 (bench/gdn.py --variants affine).
-    tree_affine_scan_rows: bool = False
+    # their loops and the data is prefetched two chunks ahead, not one (scan_stages_for). H200 2026-12-01
+    # (bench/gdn_scans.py --affine, fwd + bwd scan ms): agentic roots 0.574 vs 0.659 through the maps,
+    # branches 1.529 vs 1.739; the agentic tree step 9.36 vs 9.52 ms (bench/gdn.py --variants affine).
+    tree_affine_scan_rows: bool = True
+    # tree mode, two or more rounds: the chunk-parallel kernels run per round on the current stream while the
+    # scans run on side streams, so a round's scans overlap the later rounds' WY forward / the earlier rounds'
+    # output (forward) and the later rounds' chunk_bwd (backward); the scans are then the critical path's
+    # short piece instead of a serial one (a lone long root: P16384 of bench/gdn.py)
+    tree_overlap_rounds: bool = True
+    # the scans' side streams at high priority: the block scheduler dispatches their programs before pending
+    # chunk-parallel blocks, so the serial chain is not queued behind work that could wait
+    tree_scan_high_priority: bool = True
 
     def __post_init__(self):
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
@@ -128,6 +137,15 @@ def row_tables(index: "GDNIndex", rows: PackedRows | None) -> tuple[torch.Tensor
     return rows.src, rows.own
 
 
+def chunk_range(index: "GDNIndex", chunks: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(first rows, row ends, count) of chunks [c0, c1) of `index` (default: all) for a chunk-parallel launch
+    over just them: its program i runs chunk c0 + i, with the same code as in a launch over every chunk."""
+    c0, c1 = chunks if chunks is not None else (0, index.num_chunks)
+    if not 0 <= c0 <= c1 <= index.num_chunks:
+        raise ValueError(f"chunk range [{c0}, {c1}) outside the index's {index.num_chunks} chunks")
+    return index.chunk_row_start[c0:c1], index.chunk_row_end[c0:c1], c1 - c0
+
+
 def scan_row_shift(index: "GDNIndex", rows: PackedRows | None, first: int) -> tuple[torch.Tensor, bool]:
     """(per-sequence shifts from sequence `first` on, whether the scans use them: AFFINE) for a scan launch;
     a placeholder the kernel never reads when `rows` has none."""
@@ -176,6 +194,7 @@ class GDNIndex:
     export_slot_host: tuple[int, ...]  # the same slots on the host: backward sums duplicates without a sync
     export_seq: tuple[int, ...]
     export_offset: tuple[int, ...]
+    chunk_rows_host: np.ndarray     # [NC, 2] int64: chunk_row_start and chunk_row_end on the host
     config: GDNKernelConfig = GDNKernelConfig()
 
 
@@ -222,4 +241,5 @@ def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_siz
         export_end_slot=as_tensor(seg_slot[order], torch.int64),
         num_slots=len(slot_of), export_slot=as_tensor(np.asarray(export_slot, dtype=np.int64), torch.int64),
         export_slot_host=tuple(export_slot),
-        export_seq=e_seq, export_offset=e_off, config=config or GDNKernelConfig())
+        export_seq=e_seq, export_offset=e_off, config=config or GDNKernelConfig(),
+        chunk_rows_host=np.stack([row_start, row_end], axis=1).astype(np.int64))

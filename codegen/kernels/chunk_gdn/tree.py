@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..interpreter_safe import interpreter_needs_fp32, interpreting
-from .chunk_bwd import chunk_bwd
+from .chunk_bwd import chunk_bwd, chunk_bwd_buffers
 from .function import TRITON_CHUNK_SIZE, _group_sum, triton_supports
 from .inputs import check_exports, validate_gdn_tensors
 from .index import GDNIndex, GDNKernelConfig, PackedRows, affine_row_shifts, prepare_gdn_index
@@ -47,7 +47,7 @@ from .l2norm import l2norm_fused
 from .lanes import LaneStreams, assign_lanes, lane_runs
 from .state_bwd import dv_local_bwd, state_bwd_scan
 from .state_fwd import output_fwd, state_fwd
-from .wy_fwd import wy_fwd
+from .wy_fwd import wy_buffers, wy_fwd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +70,7 @@ class _RoundLaunch:
     first_seq: int
     num_seqs: int
     lane: int                      # CUDA stream (of `TreeGDNPlan.num_lanes`) the launch runs on
+    round_id: int                  # the round the sequences belong to
     round_seqs: int                # sequences of the whole round: what the launch configuration is chosen for
     init_row: torch.Tensor        # [N] row of the bank (with the zero state at row 0) each sequence starts from
     start_slots: torch.Tensor      # [U] bank slots this round's sequences start from (distinct)
@@ -95,6 +96,26 @@ class TreeGDNPlan:
     # trees they were 0.9 of the tree step's 4.9 ms (H200, 2026-11-30).
     identity_layout: bool = False
     rows: PackedRows | None = None  # packed <-> compact row maps for the kernels (tree_rows_in_kernels)
+    # chunks [c0, c1) of each round in the index (rounds are laid out one after another)
+    round_chunks: tuple[tuple[int, int], ...] = ()
+
+    def chunk_phases(self) -> tuple[tuple[int, int], ...]:
+        """Chunk ranges the chunk-parallel kernels run one launch each: every round's own with
+        tree_overlap_rounds (on CUDA they overlap other rounds' scans; the interpreter runs them in program
+        order, which tests the per-round launches), else all chunks at once."""
+        overlap = self.index.config.tree_overlap_rounds and len(self.round_chunks) > 1
+        return self.round_chunks if overlap else ((0, self.index.num_chunks),)
+
+    def scan_streams(self, overlap: bool) -> LaneStreams:
+        cfg = self.index.config
+        return LaneStreams(self.num_lanes, self.row_src.device, side_only=overlap,
+                           high_priority=overlap and cfg.tree_scan_high_priority)
+
+    def launches_by_round(self) -> list[list[_RoundLaunch]]:
+        by_round = [[] for _ in self.round_chunks]
+        for launch in self.rounds:
+            by_round[launch.round_id].append(launch)
+        return by_round
 
     @property
     def compact_io(self) -> bool:
@@ -187,17 +208,20 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
     lane, num_lanes = assign_lanes([slots.size for slots in round_slots], np.diff(np.asarray(bounds)),
                                      np.asarray(parent, dtype=np.int64), index.config.tree_scan_lanes)
     launches, seq_base = [], 0
-    for slots in round_slots:
+    for r, slots in enumerate(round_slots):
         n = slots.size
         for start, stop in lane_runs(lane[seq_base:seq_base + n]):
             run_slots = slots[start:stop]
             starts = np.flatnonzero(run_slots >= 0)
             distinct, children, counts = _groups(run_slots[starts], starts)
             launches.append(_RoundLaunch(first_seq=seq_base + start, num_seqs=stop - start,
-                                         lane=int(lane[seq_base + start]), round_seqs=n,
+                                         lane=int(lane[seq_base + start]), round_id=r, round_seqs=n,
                                          init_row=as_long(run_slots + 1), start_slots=as_long(distinct),
                                          start_seqs=as_long(children), start_counts=as_long(counts)))
         seq_base += n
+    seq_chunks = np.r_[0, np.cumsum((np.diff(np.asarray(bounds)) + chunk_size - 1) // chunk_size)]
+    round_seq = np.r_[0, np.cumsum([slots.size for slots in round_slots])].astype(np.int64)
+    round_chunks = tuple((int(seq_chunks[a]), int(seq_chunks[b])) for a, b in zip(round_seq[:-1], round_seq[1:]))
     src_all = np.concatenate(row_src) if row_src else np.zeros(0, np.int64)
     replay = np.setdiff1d(np.arange(src_all.size), own_pick, assume_unique=True)
     replay_dst, replay_rows, replay_counts = _groups(src_all[replay], replay)
@@ -215,7 +239,7 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
     return TreeGDNPlan(num_tokens=num_tokens, index=index, row_src=as_long(src_all), own_pick=as_long(own_pick),
                        replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
                        replay_counts=as_long(replay_counts), rounds=tuple(launches), num_lanes=num_lanes,
-                       identity_layout=identity, rows=rows)
+                       identity_layout=identity, rows=rows, round_chunks=round_chunks)
 
 
 def _group_sums(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -226,6 +250,17 @@ def _group_sums(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> to
 
 
 class TreeGatedDeltaRuleFunction(torch.autograd.Function):
+    """With more than one chunk phase (TreeGDNPlan.chunk_phases: tree_overlap_rounds on CUDA) the chunk-parallel
+    kernels run one launch per round on the main stream and the scans on side streams (lanes):
+
+      forward:  main  wy(round 0) | wy(rounds 1..) | out(round 0) after its scans | out(round 1) ...
+                lanes             | scans round 0  | scans round 1 (after wy(rounds 1..)) ...
+      backward: main  dv_local(last) | dv_local(the rest) | chunk_bwd(last) after its scans | ...
+                lanes                | scans last round   | scans round last-1 (after dv_local) ...
+
+    so a round's scans, a serial chain over its longest sequence, overlap other rounds' chunk-parallel work
+    instead of leaving the GPU mostly idle. Each chunk runs the same kernel code on the same inputs in any
+    order: the results are those of one launch over every chunk, bit for bit."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale: float, plan: TreeGDNPlan):
@@ -235,17 +270,31 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         else:  # the gathers write dense copies
             q, k, v, g, beta = (x.index_select(0, plan.row_src) for x in (q, k, v, g, beta))
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
-        gc, T, w, u = wy_fwd(k, v, g, beta, index, rows)
+        phases = plan.chunk_phases()
+        overlap = len(phases) > 1
+        gc, T, w, u = wy = wy_fwd(k, v, g, beta, index, rows, chunks=phases[0], out=wy_buffers(k, v, index, rows))
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
         v_new = torch.empty_like(u)
+        o = torch.empty_like(v_new) if rows is None else v_new.new_empty(rows.num_tokens, hv, vd)
         bank = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)  # row 0: zeros
-        with LaneStreams(plan.num_lanes, k.device) as lanes:
-            for rnd in plan.rounds:
-                with lanes.on(rnd.lane):
-                    state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
-                              seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
-                              launch_seqs=rnd.round_seqs)
-        o = output_fwd(q, k, v_new, gc, h, scale, index, rows)
+        with plan.scan_streams(overlap) as lanes:
+            wy_done = None
+            if overlap:  # the later rounds' WY while round 0 scans
+                wy_fwd(k, v, g, beta, index, rows, chunks=(phases[1][0], index.num_chunks), out=wy)
+                wy_done = lanes.mark_main()
+            for r, launches in enumerate(plan.launches_by_round()):
+                for rnd in launches:
+                    with lanes.on(rnd.lane):
+                        if r:
+                            lanes.wait(rnd.lane, wy_done)
+                        state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
+                                  seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
+                                  launch_seqs=rnd.round_seqs)
+                if overlap:  # this round's outputs while the next round scans
+                    lanes.main_waits(rnd.lane for rnd in launches)
+                    output_fwd(q, k, v_new, gc, h, scale, index, rows, chunks=phases[r], out=o)
+        if not overlap:
+            output_fwd(q, k, v_new, gc, h, scale, index, rows, out=o)
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
         ctx.scale, ctx.plan = scale, plan
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
@@ -261,18 +310,37 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             do = d_out.to(v.dtype).contiguous()
         else:  # replayed outputs are dropped
             do = torch.zeros_like(v_new).index_copy_(0, plan.own_pick, d_out.to(v.dtype))
-        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, rows)
+        phases = plan.chunk_phases()
+        overlap = len(phases) > 1
+        dv_local = torch.empty(gc.shape[0], hv, vd, device=q.device, dtype=torch.float32)
+        dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, chunks=phases[-1], out=dv_local)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
         bank_grad = torch.zeros(index.num_slots, hv, kd, vd, device=q.device, dtype=torch.float32)
-        with LaneStreams(plan.num_lanes, q.device) as lanes:
-            for rnd in reversed(plan.rounds):  # a round's exports are read only by later rounds (same lane)
-                with lanes.on(rnd.lane):
-                    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
-                                         seqs=(rnd.first_seq, rnd.num_seqs), rows=rows, launch_seqs=rnd.round_seqs)
-                    if rnd.start_slots.numel():  # distinct slots of this lane's own states: a plain indexed add
-                        bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
-        dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
+        buffers = chunk_bwd_buffers(q, k, v, gc, index, rows)
+        by_round = plan.launches_by_round()
+        with plan.scan_streams(overlap) as lanes:
+            local_done = None
+            if overlap:  # the earlier rounds' dv_local while the last round scans
+                dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, chunks=(0, phases[-1][0]), out=dv_local)
+                local_done = lanes.mark_main()
+            for r in reversed(range(len(by_round))):  # a round's exports are read only by later rounds (same lane)
+                for rnd in by_round[r]:
+                    with lanes.on(rnd.lane):
+                        if r < len(by_round) - 1:
+                            lanes.wait(rnd.lane, local_done)
+                        dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
+                                             seqs=(rnd.first_seq, rnd.num_seqs), rows=rows,
+                                             launch_seqs=rnd.round_seqs)
+                        if rnd.start_slots.numel():  # distinct slots of this lane's own states: a plain indexed add
+                            bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
+                if overlap:  # this round's chunk-parallel backward while the earlier rounds scan
+                    lanes.main_waits(rnd.lane for rnd in by_round[r])
+                    chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows, chunks=phases[r],
+                              buffers=buffers)
+        dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows,
+                                                 chunks=(0, 0) if overlap else None,  # overlap: all ran above
+                                                 buffers=buffers)
         names = ("q", "k", "v", "g", "beta")  # the order of ctx.dtypes and of the returned gradients
         per_token = dict(zip(names, (dq, dk, dv, dg, dbeta)))  # compact with row maps, else per packed row
         replayed = dict(zip(("k", "v", "beta", "g"), side[0])) if side else per_token  # side: by replay slot
