@@ -19,7 +19,7 @@ import triton
 
 from common import import_fla_gdn, kernel_ms
 from gdn_cases import CONFIG_VARIANTS, agentic_trees, make_inputs, tree_case
-from gdn_profile import profile_section
+from gdn_profile import profile_section, timeline_section
 from harts_compiler.codegen.kernels.chunk_gdn import (
     GDNKernelConfig,
     chunk_gated_delta_rule,
@@ -268,6 +268,9 @@ def main():
                              "named by one of these words or whose labels contain one")
     parser.add_argument("--no-fla", action="store_true", help="skip fla (saves its ~1-2 min of autotuning)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--timeline", action="store_true",
+                        help="with --trees-only: the tree step's kernels of the first selected case in time order, "
+                             "with their streams, per config")
     parser.add_argument("--profile", action="store_true",
                         help="with --trees-only: device ms per kernel of the first selected case, per config")
     parser.add_argument("--trees-only", nargs="*", metavar="CASE",
@@ -284,6 +287,8 @@ def main():
     if args.trees_only is not None:
         for label, cfg in configs:
             bench_trees(fla if label == "default" else None, log, cfg, label, only=args.trees_only)
+            if args.timeline:
+                timeline_section(log, tree_cases(args.trees_only)[0][1], cfg, label)
             if args.profile:
                 name, trees = tree_cases(args.trees_only)[0]
                 print(f"[{label}] {name}")

@@ -38,6 +38,26 @@ def device_ms_by_kernel(step, repeat: int = 3) -> tuple[dict[str, tuple[float, i
     return {name: (ms, count // repeat) for name, (ms, count) in totals.items()}, wall
 
 
+def timeline(step, label: str) -> list[dict]:
+    """Print every kernel of one step after a warm-up in start order: stream, start and end in microseconds
+    from the first kernel, name. Shows whether launches on different streams (tree.py's scans beside the
+    chunk-parallel kernels) actually overlap on the device."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    t0 = kernels[0].time_range.start if kernels else 0.0
+    rows = [dict(stream=int(getattr(e, "device_resource_id", -1)), start_us=e.time_range.start - t0,
+                 end_us=e.time_range.end - t0, kernel=e.name[:50]) for e in kernels]
+    print(f"\n== timeline of one step [{label}]: stream, start..end us, kernel ==")
+    for row in rows:
+        print(f"{row['stream']:>4d} {row['start_us']:9.1f} {row['end_us']:9.1f}  {row['kernel']}")
+    return rows
+
+
 def compare(steps: dict[str, callable], top: int = 14) -> list[dict]:
     """Print the heaviest kernels of each step side by side; return the rows."""
     results = {label: device_ms_by_kernel(step) for label, step in steps.items()}
@@ -57,6 +77,14 @@ def compare(steps: dict[str, callable], top: int = 14) -> list[dict]:
         print(f"{lbl}: device busy {busy:.2f} ms in {launches} launches, wall {wall:.2f} ms per step")
         rows.append(dict(kernel=f"total[{lbl}]", busy_ms=busy, launches=launches, wall_ms=wall))
     return rows
+
+
+def timeline_section(log: list, trees, config, label: str) -> None:
+    """The tree step's kernels of one case in time order (timeline)."""
+    from gdn_cases import tree_case
+    case = tree_case(trees, config)
+    rows = timeline(lambda: torch.autograd.grad(case.ours_tree(*case.compact), case.compact, case.do_tree), label)
+    log.extend(dict(section="timeline", config=label, **row) for row in rows)
 
 
 def profile_section(log: list, trees=((4096, 8, 3584),), config=None) -> list[dict]:

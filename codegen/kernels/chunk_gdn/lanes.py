@@ -108,12 +108,17 @@ class LaneStreams:
         if self.streams and event is not None:
             self.streams[lane].wait_event(event)
 
-    def main_waits(self, lanes) -> None:
-        """The main stream waits for the work queued so far on each of `lanes`."""
-        if self.streams:
-            for lane in set(lanes):
-                if self.streams[lane] is not self.main:
-                    self.main.wait_stream(self.streams[lane])
+    def mark(self, lanes) -> list:
+        """Events after the work queued so far on each of `lanes` (none without streams), for `main_waits`."""
+        if not self.streams:
+            return []
+        return [self.streams[lane].record_event() for lane in sorted(set(lanes))
+                if self.streams[lane] is not self.main]
+
+    def main_waits(self, events) -> None:
+        """The main stream waits for `events` (mark) before its next work."""
+        for event in events:
+            self.main.wait_event(event)
 
     def _side(self):
         return [s for s in self.streams or () if s is not self.main]

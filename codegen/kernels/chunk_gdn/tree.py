@@ -259,7 +259,9 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
                 lanes                | scans last round   | scans round last-1 (after dv_local) ...
 
     so a round's scans, a serial chain over its longest sequence, overlap other rounds' chunk-parallel work
-    instead of leaving the GPU mostly idle. Each chunk runs the same kernel code on the same inputs in any
+    instead of leaving the GPU mostly idle. The host issues each round's scans before the main-stream work
+    that should run beside them: a kernel starts on the device as soon as it is issued, so work issued
+    first would take the SMs before the scans arrive (the H200 timeline showed just that). Each chunk runs the same kernel code on the same inputs in any
     order: the results are those of one launch over every chunk, bit for bit."""
 
     @staticmethod
@@ -278,10 +280,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         o = torch.empty_like(v_new) if rows is None else v_new.new_empty(rows.num_tokens, hv, vd)
         bank = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)  # row 0: zeros
         with plan.scan_streams(overlap) as lanes:
-            wy_done = None
-            if overlap:  # the later rounds' WY while round 0 scans
-                wy_fwd(k, v, g, beta, index, rows, chunks=(phases[1][0], index.num_chunks), out=wy)
-                wy_done = lanes.mark_main()
+            wy_done, scanned = None, []
             for r, launches in enumerate(plan.launches_by_round()):
                 for rnd in launches:
                     with lanes.on(rnd.lane):
@@ -290,9 +289,17 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
                         state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
                                   seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
                                   launch_seqs=rnd.round_seqs)
-                if overlap:  # this round's outputs while the next round scans
-                    lanes.main_waits(rnd.lane for rnd in launches)
-                    output_fwd(q, k, v_new, gc, h, scale, index, rows, chunks=phases[r], out=o)
+                scanned.append(lanes.mark(rnd.lane for rnd in launches))
+                # main-stream work issued after the scans, so that their programs reach the SMs first
+                if overlap and r == 0:  # the later rounds' WY while round 0 scans
+                    wy_fwd(k, v, g, beta, index, rows, chunks=(phases[1][0], index.num_chunks), out=wy)
+                    wy_done = lanes.mark_main()
+                elif overlap:  # the previous round's outputs while this round scans
+                    lanes.main_waits(scanned[r - 1])
+                    output_fwd(q, k, v_new, gc, h, scale, index, rows, chunks=phases[r - 1], out=o)
+            if overlap:
+                lanes.main_waits(scanned[-1])
+                output_fwd(q, k, v_new, gc, h, scale, index, rows, chunks=phases[-1], out=o)
         if not overlap:
             output_fwd(q, k, v_new, gc, h, scale, index, rows, out=o)
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
@@ -320,24 +327,30 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         buffers = chunk_bwd_buffers(q, k, v, gc, index, rows)
         by_round = plan.launches_by_round()
         with plan.scan_streams(overlap) as lanes:
-            local_done = None
-            if overlap:  # the earlier rounds' dv_local while the last round scans
-                dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, chunks=(0, phases[-1][0]), out=dv_local)
-                local_done = lanes.mark_main()
+            local_done, scanned, last = None, {}, len(by_round) - 1
             for r in reversed(range(len(by_round))):  # a round's exports are read only by later rounds (same lane)
                 for rnd in by_round[r]:
                     with lanes.on(rnd.lane):
-                        if r < len(by_round) - 1:
+                        if r < last:
                             lanes.wait(rnd.lane, local_done)
                         dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
                                              seqs=(rnd.first_seq, rnd.num_seqs), rows=rows,
                                              launch_seqs=rnd.round_seqs)
                         if rnd.start_slots.numel():  # distinct slots of this lane's own states: a plain indexed add
                             bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
-                if overlap:  # this round's chunk-parallel backward while the earlier rounds scan
-                    lanes.main_waits(rnd.lane for rnd in by_round[r])
-                    chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows, chunks=phases[r],
-                              buffers=buffers)
+                scanned[r] = lanes.mark(rnd.lane for rnd in by_round[r])
+                # main-stream work issued after the scans, so that their programs reach the SMs first
+                if overlap and r == last:  # the earlier rounds' dv_local while the last round scans
+                    dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, chunks=(0, phases[-1][0]), out=dv_local)
+                    local_done = lanes.mark_main()
+                elif overlap:  # the next round's chunk-parallel backward while this round scans
+                    lanes.main_waits(scanned[r + 1])
+                    chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows,
+                              chunks=phases[r + 1], buffers=buffers)
+            if overlap:
+                lanes.main_waits(scanned[0])
+                chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows, chunks=phases[0],
+                          buffers=buffers)
         dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows,
                                                  chunks=(0, 0) if overlap else None,  # overlap: all ran above
                                                  buffers=buffers)
