@@ -63,9 +63,11 @@ class GDNKernelConfig:
     tree_affine_scan_rows: bool = True
     # tree mode, two or more rounds: the chunk-parallel kernels run per round on the current stream while the
     # scans run on side streams, so a round's scans overlap the later rounds' WY forward / the earlier rounds'
-    # output (forward) and the later rounds' chunk_bwd (backward); the scans are then the critical path's
-    # short piece instead of a serial one (a lone long root: P16384 of bench/gdn.py)
-    tree_overlap_rounds: bool = True
+    # output (forward) and the later rounds' chunk_bwd (backward). Opt-in: on the H200 (2026-12-01, bench/gdn.py
+    # --variants overlap, two runs) it changed nothing beyond noise: P16384 3.84-3.86 vs 3.87-3.88 ms, agentic
+    # 9.36-9.42 vs 9.30-9.33. The chunk-parallel kernels are throughput-bound and the dq/dk kernel (8 warps, 255
+    # registers) cannot share an SM with a scan program, so the scans' idle issue slots stay unused.
+    tree_overlap_rounds: bool = False
     # the scans' side streams at high priority: the block scheduler dispatches their programs before pending
     # chunk-parallel blocks, so the serial chain is not queued behind work that could wait
     tree_scan_high_priority: bool = True
