@@ -234,6 +234,28 @@ def test_round_overlap_is_bitwise(batch, split_k):
             assert torch.equal(a, b), f"{name}: {grad} differs from one launch over every chunk"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="detects host synchronisation on CUDA")
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-launch", "per-round"])
+def test_tree_step_never_waits_for_the_device(overlap):
+    """No host <-> device synchronisation in the tree Function's forward or backward (after a warm-up that
+    compiles the kernels): a sync would leave the GPU idle while the host issues the next launches."""
+    plan2 = two_level_plan([(150, 3, 40), (70, 2, 90), (100, 4, 20)], device=DEVICE)
+    plan = plan_tree_gdn(two_level_round_specs(plan2), plan2.compact_rows, chunk_size=C, device=DEVICE,
+                         config=GDNKernelConfig(tree_overlap_rounds=overlap))
+    leaves = [t.requires_grad_(True) for t in inputs(plan2.compact_rows, seed=10)]
+
+    def step():
+        o = tree_gated_delta_rule(*leaves, scale=0.3, plan=plan, use_qk_l2norm=True)
+        return torch.autograd.grad(o, leaves, torch.ones_like(o))
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_bad_plans_are_named():
     ok = dict(cu_seqlens=np.array([0, 4]), row_src=np.arange(4), own_rows=np.arange(4), own_dst=np.arange(4),
               init_state=np.array([-1]), export_seq=np.zeros(0, np.int64), export_offset=np.zeros(0, np.int64),
