@@ -119,7 +119,7 @@ def test_replays_and_shared_starts_are_summed(rows_in_kernels):
                          config=GDNKernelConfig(tree_rows_in_kernels=bool(rows_in_kernels),
                                                 tree_affine_scan_rows=rows_in_kernels == "affine"))
     assert (rows_in_kernels == "affine") == (plan.rows is not None and plan.rows.seq_shift is not None)
-    assert plan.replay_counts.tolist() == [3] * (root - C) and plan.rounds[1].start_counts.tolist() == [3]
+    assert plan.replay_bounds.diff().tolist() == [3] * (root - C) and plan.rounds[1].start_counts.tolist() == [3]
     tensors = inputs(T, seed=1)
     weights = torch.randn(T, 2, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEVICE)
     got = run(lambda *x: tree_gated_delta_rule(*x, scale=0.3, plan=plan, use_qk_l2norm=True), tensors, weights)

@@ -5,6 +5,10 @@
 round-trips exactly). Kernels with dots therefore run 16-bit inputs in fp32 there
 (`interpreter_needs_fp32`) and cast the results back; the GPU compiles 16-bit dots correctly.
 
+16-bit stores: the interpreter rounds fp32 -> bf16 by truncation (about half of random values land one ulp
+off round-to-nearest-even, which torch and the compiled kernels use), so kernels whose results are rounded
+to 16 bits once (segment_add) run on an fp32 copy there and torch rounds it (`interpreter_needs_fp32`).
+
 Loops with data-dependent bounds:
 Under ``TRITON_INTERPRET=1`` (triton 3.6) every scalar is a 1-element numpy array, and
 ``range(lo, hi)`` on loaded bounds calls ``int()`` on it, which numpy >= 2.4 rejects ("only

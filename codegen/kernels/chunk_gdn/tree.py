@@ -45,6 +45,7 @@ from .inputs import check_exports, validate_gdn_tensors
 from .index import GDNIndex, GDNKernelConfig, PackedRows, affine_row_shifts, prepare_gdn_index
 from .l2norm import l2norm_fused
 from .lanes import LaneStreams, assign_lanes, lane_runs
+from .segment_add import segment_add
 from .state_bwd import dv_local_bwd, state_bwd_scan
 from .state_fwd import output_fwd, state_fwd
 from .wy_fwd import wy_buffers, wy_fwd
@@ -75,7 +76,11 @@ class _RoundLaunch:
     init_row: torch.Tensor        # [N] row of the bank (with the zero state at row 0) each sequence starts from
     start_slots: torch.Tensor      # [U] bank slots this round's sequences start from (distinct)
     start_seqs: torch.Tensor   # [N'] the sequences that start from a bank state, grouped by slot ...
-    start_counts: torch.Tensor     # [U] ... how many start from each
+    start_bounds: torch.Tensor     # [U+1] ... slot u's are start_seqs[start_bounds[u]:start_bounds[u + 1]]
+
+    @property
+    def start_counts(self) -> torch.Tensor:
+        return self.start_bounds.diff()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +93,7 @@ class TreeGDNPlan:
     own_pick: torch.Tensor         # [T] packed row holding each compact token's kept output
     replay_dst: torch.Tensor       # [D] compact tokens that other packed rows replay (distinct)
     replay_rows: torch.Tensor      # [D'] the replaying rows, grouped by token, in row order ...
-    replay_counts: torch.Tensor    # [D] ... how many replay each token
+    replay_bounds: torch.Tensor    # [D+1] ... token d's are replay_rows[replay_bounds[d]:replay_bounds[d + 1]]
     rounds: tuple[_RoundLaunch, ...]  # in round order; a round of several lanes has one launch per lane run
     num_lanes: int = 1
     # packed rows == compact tokens, in order (no replay: every branch point on a chunk boundary). The
@@ -217,7 +222,7 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
             launches.append(_RoundLaunch(first_seq=seq_base + start, num_seqs=stop - start,
                                          lane=int(lane[seq_base + start]), round_id=r, round_seqs=n,
                                          init_row=as_long(run_slots + 1), start_slots=as_long(distinct),
-                                         start_seqs=as_long(children), start_counts=as_long(counts)))
+                                         start_seqs=as_long(children), start_bounds=as_long(np.r_[0, counts.cumsum()])))
         seq_base += n
     seq_chunks = np.r_[0, np.cumsum((np.diff(np.asarray(bounds)) + chunk_size - 1) // chunk_size)]
     round_seq = np.r_[0, np.cumsum([slots.size for slots in round_slots])].astype(np.int64)
@@ -238,15 +243,9 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
                           num_replays=int(replay_rows.size), seq_shift=None if shift is None else as_long(shift))
     return TreeGDNPlan(num_tokens=num_tokens, index=index, row_src=as_long(src_all), own_pick=as_long(own_pick),
                        replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
-                       replay_counts=as_long(replay_counts), rounds=tuple(launches), num_lanes=num_lanes,
+                       replay_bounds=as_long(np.r_[0, replay_counts.cumsum()]), rounds=tuple(launches),
+                       num_lanes=num_lanes,
                        identity_layout=identity, rows=rows, round_chunks=round_chunks)
-
-
-def _group_sums(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """fp32 sums of x[rows] over consecutive groups of `counts` rows: [U, ...]. segment_reduce adds each
-    group's rows in order in one thread per output element (no atomics): deterministic, and unlike a
-    padded [U, max count] gather it reads each row once."""
-    return torch.segment_reduce(x[rows].float(), "sum", lengths=counts, axis=0, unsafe=True)
 
 
 class TreeGatedDeltaRuleFunction(torch.autograd.Function):
@@ -337,7 +336,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
                                              seqs=(rnd.first_seq, rnd.num_seqs), rows=rows,
                                              launch_seqs=rnd.round_seqs)
                         if rnd.start_slots.numel():  # distinct slots of this lane's own states: a plain indexed add
-                            bank_grad[rnd.start_slots] += _group_sums(dh0, rnd.start_seqs, rnd.start_counts)
+                            segment_add(bank_grad, rnd.start_slots, dh0, rnd.start_bounds, rnd.start_seqs)
                 scanned[r] = lanes.mark(rnd.lane for rnd in by_round[r])
                 # main-stream work issued after the scans, so that their programs reach the SMs first
                 if overlap and r == last:  # the earlier rounds' dv_local while the last round scans
@@ -364,16 +363,12 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             grad = _group_sum(per_token[name], hk) if per_key_head else per_token[name]
             if not plan.compact_io:
                 grad = grad.index_select(0, plan.own_pick)
-            # own row + the replays' sum, in fp32, rounded once; a replayed row's dq is exactly 0 (its do is 0)
+            # own row + the replays' sum, in fp32, rounded once; a replayed row's dq is exactly 0 (its do is 0).
+            # Side slots are the replayed rows grouped by token; without them the replays are packed rows.
             if plan.replay_dst.numel() and name != "q":
-                if side:  # side slots are the replayed rows grouped by token
-                    extra = torch.segment_reduce(replayed[name].float(), "sum", lengths=plan.replay_counts, axis=0,
-                                                 unsafe=True)
-                else:
-                    extra = _group_sums(replayed[name], plan.replay_rows, plan.replay_counts)
-                extra = _group_sum(extra, hk) if per_key_head else extra
-                dst = plan.replay_dst
-                grad[dst] = (grad[dst].float() + extra).to(grad.dtype)
+                groups = replayed[name].shape[1] // hk if per_key_head else 1
+                segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds,
+                            None if side else plan.replay_rows, groups=groups)
             compact.append(grad.to(dtype))
         return (*compact, None, None)
 

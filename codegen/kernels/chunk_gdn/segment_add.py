@@ -1,0 +1,92 @@
+"""dst[rows[d]] += sum of a segment of source rows, in a fixed order, for every d in one launch.
+
+Tree mode sums gradients over duplicates: a compact token that several packed rows replay gets its own
+row's gradient plus the replays' (tree.py), and a bank state that several sequences start from gets their
+initial-state gradients. In torch that took a gather, a cast, a segment_reduce (two cub scans for its
+offsets), a second gather, an add, a cast and an index_put per tensor: about 8 launches each, 92 launches
+for one tau2 microbatch against 19 trajectory-wise (H200 profile, 2026-12-01). One program here sums one
+segment's rows over a block of columns, in source order, in fp32, and rounds once into the destination's
+dtype: deterministic, no atomics. Destination rows must be distinct (a segment per destination row).
+
+With `groups` G > 1 the source rows have G heads per destination head (value heads per key head, as
+function._group_sum): dst[r, h, c] += sum_{g < G} sum_j src[j, h * G + g, c].
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..interpreter_safe import interpreter_needs_fp32
+
+
+def segment_add_reference(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, seg_start: torch.Tensor,
+                          src_rows: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
+    """Plain-torch oracle of `segment_add`, in place on `dst`: the same sums in the same order."""
+    width = dst[0].numel() if dst.shape[0] else 0
+    head = dst.shape[-1]
+    bounds = seg_start.tolist()
+    for d, row in enumerate(dst_rows.tolist()):
+        acc = torch.zeros(width // head, head, dtype=torch.float32, device=dst.device)
+        picks = range(bounds[d], bounds[d + 1])
+        parts = [src[src_rows[j] if src_rows is not None else j].reshape(-1, groups, head).float() for j in picks]
+        for g in range(groups):
+            part = torch.zeros_like(acc)
+            for x in parts:
+                part = part + x[:, g]
+            acc = acc + part
+        dst[row] = (dst[row].float() + acc.reshape(dst[row].shape)).to(dst.dtype)
+    return dst
+
+
+@triton.jit
+def _segment_add_kernel(dst, dst_rows, src, src_rows, seg_start, W, C: tl.constexpr, G: tl.constexpr,
+                        BW: tl.constexpr, INDEXED: tl.constexpr):
+    """Program (d, i_w): columns [i_w * BW, i_w * BW + BW) of destination row dst_rows[d] ([W] elements,
+    W / C heads of C); source row j ([W * G] elements) from src_rows[j] (INDEXED) or j itself."""
+    i_d, i_w = tl.program_id(0), tl.program_id(1)
+    o_w = i_w * BW + tl.arange(0, BW)
+    m_w = o_w < W
+    o_src = (o_w // C) * (G * C) + o_w % C  # column of head group member 0 in a source row
+    j0 = tl.load(seg_start + i_d)
+    j1 = tl.load(seg_start + i_d + 1)
+    b_acc = tl.zeros([BW], dtype=tl.float32)
+    for g in tl.static_range(G):
+        b_part = tl.zeros([BW], dtype=tl.float32)
+        j = j0
+        while j < j1:  # a while loop: its bounds are loaded values (the interpreter runs it too)
+            if INDEXED:
+                row = tl.load(src_rows + j).to(tl.int64)
+            else:
+                row = j.to(tl.int64)
+            b_part += tl.load(src + row * (W * G) + o_src + g * C, mask=m_w, other=0.0).to(tl.float32)
+            j += 1
+        b_acc += b_part
+    p_dst = dst + tl.load(dst_rows + i_d).to(tl.int64) * W + o_w
+    b_dst = tl.load(p_dst, mask=m_w, other=0.0).to(tl.float32) + b_acc
+    tl.store(p_dst, b_dst.to(dst.dtype.element_ty), mask=m_w)
+
+
+def segment_add(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, seg_start: torch.Tensor,
+                src_rows: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
+    """In place: dst[dst_rows[d]] += sum over j in [seg_start[d], seg_start[d + 1]) of src[src_rows[j]] (or
+    src[j]), summed in that order in fp32 and rounded once; `groups` source heads per destination head.
+
+    dst [T, ..., C] and src [R, ..., C] contiguous, src's rows `groups` times wider than dst's; dst_rows [D]
+    distinct int64; seg_start [D + 1] int64 ascending; src_rows [J] int64 or None."""
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError("segment_add: dst and src must be contiguous")
+    width, head = (dst[0].numel() if dst.shape[0] else 0), dst.shape[-1]
+    if src.shape[0] and src[0].numel() != width * groups:
+        raise ValueError(f"segment_add: a source row has {src[0].numel()} elements, expected {width} x {groups}")
+    count = dst_rows.numel()
+    if not count or not width:
+        return dst
+    if interpreter_needs_fp32(dst):  # the interpreter truncates fp32 -> bf16: sum in fp32, round in torch
+        return dst.copy_(segment_add(dst.float(), dst_rows, src, seg_start, src_rows, groups))
+    block = min(1024, triton.next_power_of_2(width))
+    rows = src_rows if src_rows is not None else seg_start  # placeholder pointer when not INDEXED
+    _segment_add_kernel[(count, triton.cdiv(width, block))](
+        dst, dst_rows, src, rows, seg_start, width, C=head, G=groups, BW=block, INDEXED=src_rows is not None,
+        num_warps=4)
+    return dst

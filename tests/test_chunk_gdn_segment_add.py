@@ -1,0 +1,57 @@
+"""segment_add (codegen/kernels/chunk_gdn/segment_add.py): the Triton kernel (CUDA, or the interpreter without
+it) against its plain-torch reference, bit for bit: the same fp32 sums in the same order, rounded once."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harts_compiler.codegen.kernels.chunk_gdn.segment_add import segment_add, segment_add_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def case(seed: int, dtype, heads: int, groups: int, width: int, segments: list[int], indexed: bool):
+    """dst [T, heads, width], src [R, heads * groups, width]; segment d of `segments[d]` source rows."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, rows = len(segments) + 3, sum(segments) + 2
+    dst = torch.randn(tokens, heads, width, generator=gen).to(dtype)
+    src = torch.randn(rows, heads * groups, width, generator=gen).to(dtype)
+    dst_rows = torch.randperm(tokens, generator=gen)[:len(segments)]
+    seg_start = torch.tensor([0] + segments).cumsum(0)
+    src_rows = torch.randint(0, rows, (sum(segments),), generator=gen) if indexed else None
+    return [x.to(DEVICE) if x is not None else None for x in (dst, dst_rows, src, seg_start, src_rows)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       heads=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), width=st.sampled_from([1, 3, 16]),
+       segments=st.lists(st.integers(0, 4), min_size=1, max_size=5), indexed=st.booleans())
+def test_segment_add_equals_reference(seed, dtype, heads, groups, width, segments, indexed):
+    dst, dst_rows, src, seg_start, src_rows = case(seed, dtype, heads, groups, width, segments, indexed)
+    expect = segment_add_reference(dst.clone(), dst_rows, src, seg_start, src_rows, groups=groups)
+    got = segment_add(dst.clone(), dst_rows, src, seg_start, src_rows, groups=groups)
+    assert torch.equal(got, expect)
+    untouched = torch.ones(dst.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[dst_rows] = False
+    assert torch.equal(got[untouched], dst[untouched])
+
+
+def test_wide_rows_take_several_column_blocks():
+    """A bank state row (HV x K x V elements) spans several programs' columns."""
+    dst, dst_rows, src, seg_start, src_rows = case(1, torch.float32, 4, 1, 640, [3, 1], True)
+    expect = segment_add_reference(dst.clone(), dst_rows, src, seg_start, src_rows)
+    assert torch.equal(segment_add(dst.clone(), dst_rows, src, seg_start, src_rows), expect)
+
+
+def test_bad_shapes_are_named():
+    dst, dst_rows, src, seg_start, _ = case(2, torch.float32, 2, 2, 4, [1], False)
+    with pytest.raises(ValueError, match="source row has 16 elements, expected 8 x 1"):
+        segment_add(dst, dst_rows, src, seg_start, groups=1)
+    with pytest.raises(ValueError, match="contiguous"):
+        segment_add(dst.transpose(1, 2), dst_rows, src, seg_start, groups=2)
