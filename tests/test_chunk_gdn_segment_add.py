@@ -55,3 +55,7 @@ def test_bad_shapes_are_named():
         segment_add(dst, dst_rows, src, seg_start, groups=1)
     with pytest.raises(ValueError, match="contiguous"):
         segment_add(dst.transpose(1, 2), dst_rows, src, seg_start, groups=2)
+    with pytest.raises(ValueError, match="seg_start has 3 bounds for 1 rows"):
+        segment_add(dst, dst_rows, src, torch.tensor([0, 1, 1], device=DEVICE), groups=2)
+    with pytest.raises(ValueError, match=r"groups=2 needs dst \[T, heads, C\]"):
+        segment_add(dst.reshape(dst.shape[0], 2, 2, 2), dst_rows, src, seg_start, groups=2)

@@ -208,7 +208,7 @@ class ChunkBwdBuffers:
     side: tuple              # the replayed rows' dk, dv, dbeta, dg by replay slot (row maps), else `out`
     dk_part: torch.Tensor    # [R, HV, K] fp32: the qk kernel's share of dk
     dw: torch.Tensor         # [R, HV, K] fp32
-    dgc: torch.Tensor        # [R, HV] fp32
+    dgc: torch.Tensor        # [R, HV] fp32; without row maps it is out[3] (dg), which the WY kernel overwrites
     dgc_parts: torch.Tensor  # [R, HV, K / BK] fp32 when the qk kernel splits K, else dgc
 
 

@@ -59,7 +59,7 @@ class GDNKernelConfig:
     # row + a per-sequence shift and only the first chunk through the maps, so no row-index load stays in
     # their loops and the data is prefetched two chunks ahead, not one (scan_stages_for). H200 2026-12-01
     # (bench/gdn_scans.py --affine, fwd + bwd scan ms): agentic roots 0.574 vs 0.659 through the maps,
-    # branches 1.529 vs 1.739; the agentic tree step 9.36 vs 9.52 ms (bench/gdn.py --variants affine).
+    # branches 1.529 vs 1.739; the agentic tree step 9.36 vs 9.52 ms (bench/gdn.py --variants maps).
     tree_affine_scan_rows: bool = True
     # tree mode, two or more rounds: the chunk-parallel kernels run per round on the current stream while the
     # scans run on side streams, so a round's scans overlap the later rounds' WY forward / the earlier rounds'
@@ -68,8 +68,8 @@ class GDNKernelConfig:
     # 9.36-9.42 vs 9.30-9.33. The chunk-parallel kernels are throughput-bound and the dq/dk kernel (8 warps, 255
     # registers) cannot share an SM with a scan program, so the scans' idle issue slots stay unused.
     tree_overlap_rounds: bool = False
-    # the scans' side streams at high priority: the block scheduler dispatches their programs before pending
-    # chunk-parallel blocks, so the serial chain is not queued behind work that could wait
+    # with tree_overlap_rounds: the scans' side streams at high priority, so the block scheduler dispatches their
+    # programs before pending chunk-parallel blocks and the serial chain is not queued behind work that could wait
     tree_scan_high_priority: bool = True
 
     def __post_init__(self):

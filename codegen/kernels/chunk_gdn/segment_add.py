@@ -59,7 +59,7 @@ def _segment_add_kernel(dst, dst_rows, src, src_rows, seg_start, W, C: tl.conste
                 row = tl.load(src_rows + j).to(tl.int64)
             else:
                 row = j.to(tl.int64)
-            b_part += tl.load(src + row * (W * G) + o_src + g * C, mask=m_w, other=0.0).to(tl.float32)
+            b_part += tl.load(src + row * W * G + o_src + g * C, mask=m_w, other=0.0).to(tl.float32)
             j += 1
         b_acc += b_part
     p_dst = dst + tl.load(dst_rows + i_d).to(tl.int64) * W + o_w
@@ -76,6 +76,10 @@ def segment_add(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, se
     distinct int64; seg_start [D + 1] int64 ascending; src_rows [J] int64 or None."""
     if not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError("segment_add: dst and src must be contiguous")
+    if groups != 1 and dst.dim() != 3:
+        raise ValueError(f"segment_add: groups={groups} needs dst [T, heads, C], got {tuple(dst.shape)}")
+    if seg_start.numel() != dst_rows.numel() + 1:
+        raise ValueError(f"segment_add: seg_start has {seg_start.numel()} bounds for {dst_rows.numel()} rows")
     width, head = (dst[0].numel() if dst.shape[0] else 0), dst.shape[-1]
     if src.shape[0] and src[0].numel() != width * groups:
         raise ValueError(f"segment_add: a source row has {src[0].numel()} elements, expected {width} x {groups}")

@@ -12,6 +12,8 @@ one after another in a single varlen layout, and
   backward: dv_local over every chunk; per round in reverse: the reverse scan (the exported states'
             gradients injected), then its initial-state gradients summed into the bank slots they
             came from; chunk_bwd over every chunk; packed-row gradients back onto compact tokens.
+  With `GDNKernelConfig.tree_overlap_rounds` the chunk-parallel kernels run one launch per round instead,
+  beside the other rounds' scans (TreeGatedDeltaRuleFunction).
 
 The gathers move whole q/k/v-sized tensors (134 MB each at 32k rows, H=16, K=128, bf16): on the H200
 they were 0.9 of a 4.9 ms step. Two ways around them: a plan whose packed rows are the compact tokens in
@@ -75,7 +77,8 @@ class _RoundLaunch:
     round_seqs: int                # sequences of the whole round: what the launch configuration is chosen for
     init_row: torch.Tensor        # [N] row of the bank (with the zero state at row 0) each sequence starts from
     start_slots: torch.Tensor      # [U] bank slots this round's sequences start from (distinct)
-    start_seqs: torch.Tensor   # [N'] the sequences that start from a bank state, grouped by slot ...
+    start_seqs: torch.Tensor       # [N'] those of the launch's sequences (0 = first_seq) that start from a
+                                   # bank state, grouped by slot ...
     start_bounds: torch.Tensor     # [U+1] ... slot u's are start_seqs[start_bounds[u]:start_bounds[u + 1]]
 
     @property
@@ -117,7 +120,7 @@ class TreeGDNPlan:
                            high_priority=overlap and cfg.tree_scan_high_priority)
 
     def launches_by_round(self) -> list[list[_RoundLaunch]]:
-        by_round = [[] for _ in self.round_chunks]
+        by_round = [[] for _ in range(max((launch.round_id for launch in self.rounds), default=-1) + 1)]
         for launch in self.rounds:
             by_round[launch.round_id].append(launch)
         return by_round
@@ -249,8 +252,8 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
 
 
 class TreeGatedDeltaRuleFunction(torch.autograd.Function):
-    """With more than one chunk phase (TreeGDNPlan.chunk_phases: tree_overlap_rounds on CUDA) the chunk-parallel
-    kernels run one launch per round on the main stream and the scans on side streams (lanes):
+    """With more than one chunk phase (TreeGDNPlan.chunk_phases: tree_overlap_rounds) the chunk-parallel
+    kernels run one launch per round on the main stream and, on CUDA, the scans on side streams (lanes):
 
       forward:  main  wy(round 0) | wy(rounds 1..) | out(round 0) after its scans | out(round 1) ...
                 lanes             | scans round 0  | scans round 1 (after wy(rounds 1..)) ...
@@ -260,8 +263,9 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
     so a round's scans, a serial chain over its longest sequence, overlap other rounds' chunk-parallel work
     instead of leaving the GPU mostly idle. The host issues each round's scans before the main-stream work
     that should run beside them: a kernel starts on the device as soon as it is issued, so work issued
-    first would take the SMs before the scans arrive (the H200 timeline showed just that). Each chunk runs the same kernel code on the same inputs in any
-    order: the results are those of one launch over every chunk, bit for bit."""
+    first would take the SMs before the scans arrive (the H200 timeline showed just that). Each chunk runs
+    the same kernel code on the same inputs in any order: the results are those of one launch over every
+    chunk, bit for bit. (On the H200 this measured no faster: GDNKernelConfig.tree_overlap_rounds.)"""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale: float, plan: TreeGDNPlan):
@@ -288,7 +292,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
                         state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
                                   seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
                                   launch_seqs=rnd.round_seqs)
-                scanned.append(lanes.mark(rnd.lane for rnd in launches))
+                scanned.append(lanes.mark(rnd.lane for rnd in launches) if overlap else [])
                 # main-stream work issued after the scans, so that their programs reach the SMs first
                 if overlap and r == 0:  # the later rounds' WY while round 0 scans
                     wy_fwd(k, v, g, beta, index, rows, chunks=(phases[1][0], index.num_chunks), out=wy)
@@ -335,9 +339,9 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
                         dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
                                              seqs=(rnd.first_seq, rnd.num_seqs), rows=rows,
                                              launch_seqs=rnd.round_seqs)
-                        if rnd.start_slots.numel():  # distinct slots of this lane's own states: a plain indexed add
+                        if rnd.start_slots.numel():  # distinct slots of this lane's own states, summed in order
                             segment_add(bank_grad, rnd.start_slots, dh0, rnd.start_bounds, rnd.start_seqs)
-                scanned[r] = lanes.mark(rnd.lane for rnd in by_round[r])
+                scanned[r] = lanes.mark(rnd.lane for rnd in by_round[r]) if overlap else []
                 # main-stream work issued after the scans, so that their programs reach the SMs first
                 if overlap and r == last:  # the earlier rounds' dv_local while the last round scans
                     dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, chunks=(0, phases[-1][0]), out=dv_local)
