@@ -20,10 +20,6 @@ CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
     "scans_256": ("scans at least 256 programs", GDNKernelConfig(scan_min_programs=256)),
     "gathers": ("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
     "maps": ("scans read every chunk through the row maps", GDNKernelConfig(tree_affine_scan_rows=False)),
-    "overlap": ("chunk-parallel kernels per round beside the scans (high-priority streams)",
-                GDNKernelConfig(tree_overlap_rounds=True)),
-    "same_priority": ("overlap, scans at the default stream priority",
-                      GDNKernelConfig(tree_overlap_rounds=True, tree_scan_high_priority=False)),
     "one_lane": ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
     "bwd_qk_bk64": ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
 }

@@ -40,8 +40,8 @@ def device_ms_by_kernel(step, repeat: int = 3) -> tuple[dict[str, tuple[float, i
 
 def timeline(step, label: str) -> list[dict]:
     """Print every kernel of one step after a warm-up in start order: stream, start and end in microseconds
-    from the first kernel, name. Shows whether launches on different streams (tree.py's scans beside the
-    chunk-parallel kernels) actually overlap on the device."""
+    from the first kernel, name. Shows gaps between launches and whether launches on different streams (the
+    scan lanes of tree.py) overlap on the device, and how long each kernel takes beside the others."""
     step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -203,45 +203,12 @@ def test_independent_trees_scan_on_lanes():
         GDNKernelConfig(tree_scan_lanes=0)
 
 
-@pytest.mark.parametrize("split_k", [False, True], ids=["qk-whole-K", "qk-split-K"])
-@pytest.mark.parametrize("batch", ["three trees", "random forks"])
-def test_round_overlap_is_bitwise(batch, split_k):
-    """The chunk-parallel kernels run one launch per round (tree_overlap_rounds: on the GPU beside the scans,
-    which run on side streams at high or normal priority) and equal one launch over every chunk bit for bit,
-    every gradient included; also with the dq/dk kernel split over K, whose dgc parts are summed per round."""
-    if batch == "three trees":
-        plan2 = two_level_plan([(150, 3, 40), (70, 2, 90), (100, 4, 20)], device=DEVICE)
-        specs, num_tokens = two_level_round_specs(plan2), plan2.compact_rows
-    else:
-        index = naive_tree_index(batches()["random forks"], chunk_size=C)
-        specs, num_tokens = tree_round_specs(index), index.num_tokens
-    kd = 2 * DIM if split_k else DIM
-    split = dict(bwd_qk_block_k=DIM) if split_k else {}
-    plans = {name: plan_tree_gdn(specs, num_tokens, chunk_size=C, device=DEVICE,
-                                 config=GDNKernelConfig(tree_overlap_rounds=on, tree_scan_high_priority=high, **split))
-             for name, on, high in (("one launch", False, False), ("per round", True, False),
-                                    ("per round, high priority", True, True))}
-    assert len(plans["per round"].chunk_phases()) == len(plans["per round"].round_chunks) > 1
-    assert plans["per round"].round_chunks[-1][1] == plans["per round"].index.num_chunks
-    tensors = inputs(num_tokens, seed=8, kd=kd)
-    weights = torch.randn(num_tokens, 2, DIM, generator=torch.Generator().manual_seed(9),
-                          dtype=torch.float64).to(DEVICE)
-    kw = dict(scale=0.3, use_qk_l2norm=True)
-    results = {name: run(lambda *x: tree_gated_delta_rule(*x, plan=plan, **kw), tensors, weights)
-               for name, plan in plans.items()}
-    for name in ("per round", "per round, high priority"):
-        for grad, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], results[name], results["one launch"]):
-            assert torch.equal(a, b), f"{name}: {grad} differs from one launch over every chunk"
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="detects host synchronisation on CUDA")
-@pytest.mark.parametrize("overlap", [False, True], ids=["one-launch", "per-round"])
-def test_tree_step_never_waits_for_the_device(overlap):
+def test_tree_step_never_waits_for_the_device():
     """No host <-> device synchronisation in the tree Function's forward or backward (after a warm-up that
     compiles the kernels): a sync would leave the GPU idle while the host issues the next launches."""
     plan2 = two_level_plan([(150, 3, 40), (70, 2, 90), (100, 4, 20)], device=DEVICE)
-    plan = plan_tree_gdn(two_level_round_specs(plan2), plan2.compact_rows, chunk_size=C, device=DEVICE,
-                         config=GDNKernelConfig(tree_overlap_rounds=overlap))
+    plan = plan_tree_gdn(two_level_round_specs(plan2), plan2.compact_rows, chunk_size=C, device=DEVICE)
     leaves = [t.requires_grad_(True) for t in inputs(plan2.compact_rows, seed=10)]
 
     def step():

@@ -6,14 +6,12 @@ or go through a small per-program scratch buffer.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows
-from .index import chunk_range, row_tables
+from .index import row_tables
 
 
 @triton.jit
@@ -200,46 +198,7 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
         tl.store(side_dg + slot * HV + i_h, b_dg, mask=m_side)
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkBwdBuffers:
-    """chunk_bwd's outputs and temporaries, allocated once when it runs chunk ranges one call at a time."""
-    dq: torch.Tensor         # [T', HV, K] fp32 (T' = compact tokens with row maps, else packed rows)
-    out: tuple               # dk, dv, dbeta, dg on the same rows
-    side: tuple              # the replayed rows' dk, dv, dbeta, dg by replay slot (row maps), else `out`
-    dk_part: torch.Tensor    # [R, HV, K] fp32: the qk kernel's share of dk
-    dw: torch.Tensor         # [R, HV, K] fp32
-    dgc: torch.Tensor        # [R, HV] fp32; without row maps it is out[3] (dg), which the WY kernel overwrites
-    dgc_parts: torch.Tensor  # [R, HV, K / BK] fp32 when the qk kernel splits K, else dgc
-
-
-def chunk_bwd_buffers(q, k, v, gc, index, rows=None) -> ChunkBwdBuffers:
-    _, hk, kd = q.shape
-    hv, vd = v.shape[1], v.shape[2]
-    n_rows, dev = gc.shape[0], q.device
-    dk_dtype = torch.float32 if hv != hk else k.dtype
-
-    def dk_dv_dbeta_dg(n):
-        per_head = [torch.empty(n, hv, device=dev, dtype=torch.float32) for _ in range(2)]
-        return (torch.empty(n, hv, kd, device=dev, dtype=dk_dtype), torch.empty(n, hv, vd, device=dev, dtype=v.dtype),
-                *per_head)
-    n_out = n_rows if rows is None else rows.num_tokens
-    out = dk_dv_dbeta_dg(n_out)
-    dgc = out[3] if rows is None else torch.empty(n_rows, hv, device=dev, dtype=torch.float32)
-    n_k = kd // _qk_block_k(index.config, kd)
-    return ChunkBwdBuffers(
-        dq=torch.empty(n_out, hv, kd, device=dev, dtype=torch.float32),  # bf16 here made the qk kernel spill more
-        out=out, side=out if rows is None else dk_dv_dbeta_dg(rows.num_replays),
-        dk_part=torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32),
-        dw=torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32), dgc=dgc,
-        dgc_parts=dgc if n_k == 1 else torch.empty(n_rows, hv, n_k, device=dev, dtype=torch.float32))
-
-
-def _qk_block_k(cfg, kd: int) -> int:
-    return kd if cfg.bwd_qk_block_k <= 0 else min(cfg.bwd_qk_block_k, kd)
-
-
-def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None, *,
-              chunks: tuple[int, int] | None = None, buffers: ChunkBwdBuffers | None = None):
+def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None):
     """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head) on the R packed rows.
     Launch configuration from `index.config` (`bwd_qk_block_k`: K columns per dq/dk/dw program, 0 or >= K:
     all of K in one program).
@@ -247,33 +206,43 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     With `rows` (index.PackedRows: q, k, v, beta, do compact) the five gradients are on the T compact tokens,
     from the rows that keep them, and a sixth value holds the replayed rows' dk, dv, dbeta, dg
     [rows.num_replays, ...] by replay slot, for the caller to add to the tokens they replay (their dq is 0).
-    `chunks` = (c0, c1): only those chunks' rows, into `buffers` (chunk_bwd_buffers) shared by the calls.
 
     dk and dv come out in the input dtypes when every value head has its own key head (nothing left to
     reduce), else dk in fp32 for the grouped-head sum; dq is always fp32.
     """
     _, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
+    n_rows, dev = gc.shape[0], q.device
     cfg = index.config
     bv = min(cfg.bwd_block_v, vd)
     BT = index.chunk_size
-    buf = buffers if buffers is not None else chunk_bwd_buffers(q, k, v, gc, index, rows)
-    row_start, row_end, count = chunk_range(index, chunks)
-    if count:
-        c0 = chunks[0] if chunks else 0
-        tables = (row_start, row_end, *row_tables(index, rows))
-        bk = _qk_block_k(cfg, kd)
+    dk_dtype = torch.float32 if hv != hk else k.dtype
+
+    def dk_dv_dbeta_dg(n):
+        per_head = [torch.empty(n, hv, device=dev, dtype=torch.float32) for _ in range(2)]
+        return (torch.empty(n, hv, kd, device=dev, dtype=dk_dtype), torch.empty(n, hv, vd, device=dev, dtype=v.dtype),
+                *per_head)
+    n_out = n_rows if rows is None else rows.num_tokens
+    dq = torch.empty(n_out, hv, kd, device=dev, dtype=torch.float32)  # bf16 here made the qk kernel spill more
+    out = dk_dv_dbeta_dg(n_out)
+    side = out if rows is None else dk_dv_dbeta_dg(rows.num_replays)
+    dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32)
+    dw = torch.empty_like(dk_part)
+    dgc = out[3] if rows is None else torch.empty(n_rows, hv, device=dev, dtype=torch.float32)
+    if index.num_chunks:
+        tables = (index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows))
+        bk = kd if cfg.bwd_qk_block_k <= 0 else min(cfg.bwd_qk_block_k, kd)
         n_k = kd // bk
-        _chunk_bwd_qk_kernel[(count * hv, n_k)](
-            q, k, v_new, gc, h[c0:], dh[c0:], do, dvn, buf.dq, buf.dk_part, buf.dw, buf.dgc_parts, *tables, scale,
+        dgc_parts = dgc if n_k == 1 else torch.empty(n_rows, hv, n_k, device=dev, dtype=torch.float32)
+        _chunk_bwd_qk_kernel[(index.num_chunks * hv, n_k)](
+            q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc_parts, *tables, scale,
             HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, GATHER=rows is not None, num_warps=cfg.bwd_qk_warps)
-        if n_k > 1:  # over the rows of these chunks: from the first's start to the last's end (host values)
-            first, last = index.chunk_rows_host[c0][0], index.chunk_rows_host[c0 + count - 1][1]
-            torch.sum(buf.dgc_parts[first:last], dim=-1, out=buf.dgc[first:last])
-        scratch = torch.empty(count * hv, BT, BT, device=q.device, dtype=torch.float32)
-        _wy_bwd_kernel[(count * hv,)](
-            k, v, beta, gc, T, buf.dw, dvn, buf.dk_part, buf.dgc, *buf.out, *buf.side, scratch, *tables,
+        if n_k > 1:
+            torch.sum(dgc_parts, dim=-1, out=dgc)
+        scratch = torch.empty(index.num_chunks * hv, BT, BT, device=dev, dtype=torch.float32)
+        _wy_bwd_kernel[(index.num_chunks * hv,)](
+            k, v, beta, gc, T, dw, dvn, dk_part, dgc, *out, *side, scratch, *tables,
             HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None,
             num_warps=cfg.wy_bwd_warps)
-    grads = (buf.dq, *buf.out)  # dq, dk, dv, dbeta, dg
-    return grads if rows is None else (*grads, buf.side)
+    grads = (dq, *out)  # dq, dk, dv, dbeta, dg
+    return grads if rows is None else (*grads, side)

@@ -61,16 +61,6 @@ class GDNKernelConfig:
     # (bench/gdn_scans.py --affine, fwd + bwd scan ms): agentic roots 0.574 vs 0.659 through the maps,
     # branches 1.529 vs 1.739; the agentic tree step 9.36 vs 9.52 ms (bench/gdn.py --variants maps).
     tree_affine_scan_rows: bool = True
-    # tree mode, two or more rounds: the chunk-parallel kernels run per round on the current stream while the
-    # scans run on side streams, so a round's scans overlap the later rounds' WY forward / the earlier rounds'
-    # output (forward) and the later rounds' chunk_bwd (backward). Opt-in: on the H200 (2026-12-01, bench/gdn.py
-    # --variants overlap, two runs) it changed nothing beyond noise: P16384 3.84-3.86 vs 3.87-3.88 ms, agentic
-    # 9.36-9.42 vs 9.30-9.33. The chunk-parallel kernels are throughput-bound and the dq/dk kernel (8 warps, 255
-    # registers) cannot share an SM with a scan program, so the scans' idle issue slots stay unused.
-    tree_overlap_rounds: bool = False
-    # with tree_overlap_rounds: the scans' side streams at high priority, so the block scheduler dispatches their
-    # programs before pending chunk-parallel blocks and the serial chain is not queued behind work that could wait
-    tree_scan_high_priority: bool = True
 
     def __post_init__(self):
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
@@ -139,15 +129,6 @@ def row_tables(index: "GDNIndex", rows: PackedRows | None) -> tuple[torch.Tensor
     return rows.src, rows.own
 
 
-def chunk_range(index: "GDNIndex", chunks: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(first rows, row ends, count) of chunks [c0, c1) of `index` (default: all) for a chunk-parallel launch
-    over just them: its program i runs chunk c0 + i, with the same code as in a launch over every chunk."""
-    c0, c1 = chunks if chunks is not None else (0, index.num_chunks)
-    if not 0 <= c0 <= c1 <= index.num_chunks:
-        raise ValueError(f"chunk range [{c0}, {c1}) outside the index's {index.num_chunks} chunks")
-    return index.chunk_row_start[c0:c1], index.chunk_row_end[c0:c1], c1 - c0
-
-
 def scan_row_shift(index: "GDNIndex", rows: PackedRows | None, first: int) -> tuple[torch.Tensor, bool]:
     """(per-sequence shifts from sequence `first` on, whether the scans use them: AFFINE) for a scan launch;
     a placeholder the kernel never reads when `rows` has none."""
@@ -196,7 +177,6 @@ class GDNIndex:
     export_slot_host: tuple[int, ...]  # the same slots on the host: backward sums duplicates without a sync
     export_seq: tuple[int, ...]
     export_offset: tuple[int, ...]
-    chunk_rows_host: np.ndarray     # [NC, 2] int64: chunk_row_start and chunk_row_end on the host
     config: GDNKernelConfig = GDNKernelConfig()
 
 
@@ -243,5 +223,4 @@ def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_siz
         export_end_slot=as_tensor(seg_slot[order], torch.int64),
         num_slots=len(slot_of), export_slot=as_tensor(np.asarray(export_slot, dtype=np.int64), torch.int64),
         export_slot_host=tuple(export_slot),
-        export_seq=e_seq, export_offset=e_off, config=config or GDNKernelConfig(),
-        chunk_rows_host=np.stack([row_start, row_end], axis=1).astype(np.int64))
+        export_seq=e_seq, export_offset=e_off, config=config or GDNKernelConfig())

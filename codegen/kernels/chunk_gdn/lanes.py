@@ -58,72 +58,42 @@ def lane_runs(values: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
 
 
-# Side streams per CUDA device and priority, created once and reused by every call (as PyTorch's own stream
-# pool is): the caching allocator keeps freed blocks per stream, so fresh streams per call would scatter the
-# scans' temporaries over many per-stream caches. A cache of handles: no result depends on it.
-_SIDE_STREAMS: dict[tuple[int, int], list[torch.cuda.Stream]] = {}
+# Side streams per CUDA device, created once and reused by every call (as PyTorch's own stream pool is):
+# the caching allocator keeps freed blocks per stream, so fresh streams per call would scatter the scans'
+# temporaries over many per-stream caches. A cache of handles: no result depends on it.
+_SIDE_STREAMS: dict[int, list[torch.cuda.Stream]] = {}
 
 
-def _side_streams(device: torch.device, count: int, priority: int) -> list[torch.cuda.Stream]:
+def _side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    streams = _SIDE_STREAMS.setdefault((index, priority), [])
+    streams = _SIDE_STREAMS.setdefault(index, [])
     while len(streams) < count:
-        streams.append(torch.cuda.Stream(index, priority=priority))
+        streams.append(torch.cuda.Stream(index))
     return streams[:count]
 
 
 class LaneStreams:
-    """One CUDA stream per lane for the scans. Lane 0 is the current ("main") stream unless `side_only`, where
-    every lane is a side stream and the main stream stays free for the chunk-parallel kernels that overlap the
-    scans (tree.py, GDNKernelConfig.tree_overlap_rounds); `high_priority` side streams have their blocks
-    dispatched before pending blocks of the main stream. Entering makes the lanes wait for the work queued so
-    far; leaving makes the main stream wait for every lane. Tensors allocated inside `on(lane)` belong to that
-    lane's stream in the caching allocator and are used and freed there; the shared outputs are allocated
-    before, on the main stream, which waits for the lanes before anything else touches them. On the CPU
-    (interpreter) or with one lane and no `side_only`, everything runs in program order, which the callers
-    keep valid (every launch issued after those it reads from)."""
+    """One CUDA stream per lane for the scans (lane 0: the current stream). Entering makes the lanes wait
+    for the work queued so far; leaving makes the current stream wait for every lane. Tensors allocated
+    inside `on(lane)` belong to that lane's stream in the caching allocator and are used and freed there;
+    the shared outputs are allocated before, on the current stream, which waits for the lanes before
+    anything else touches them. On the CPU (interpreter) or with one lane everything runs in order."""
 
-    def __init__(self, num_lanes: int, device: torch.device, *, side_only: bool = False, high_priority: bool = False):
+    def __init__(self, num_lanes: int, device: torch.device):
         self.streams = None
-        if device.type == "cuda" and (num_lanes > 1 or side_only):
+        if num_lanes > 1 and device.type == "cuda":
             self.main = torch.cuda.current_stream(device)
-            priority = -1 if high_priority else 0  # lower is higher; CUDA clamps to its range (0 = default)
-            side = _side_streams(device, num_lanes if side_only else num_lanes - 1, priority)
-            self.streams = side if side_only else [self.main] + side
+            self.streams = [self.main] + _side_streams(device, num_lanes - 1)
 
     def __enter__(self):
-        for stream in self._side():
+        for stream in (self.streams or [])[1:]:
             stream.wait_stream(self.main)
         return self
 
     def on(self, lane: int):
         return torch.cuda.stream(self.streams[lane]) if self.streams else contextlib.nullcontext()
 
-    def mark_main(self):
-        """An event after the work queued on the main stream so far (None without streams), for `wait`."""
-        return self.main.record_event() if self.streams else None
-
-    def wait(self, lane: int, event) -> None:
-        """Lane `lane` waits for `event` (mark_main) before its next work; nothing for None."""
-        if self.streams and event is not None:
-            self.streams[lane].wait_event(event)
-
-    def mark(self, lanes) -> list:
-        """Events after the work queued so far on each of `lanes` (none without streams), for `main_waits`."""
-        if not self.streams:
-            return []
-        return [self.streams[lane].record_event() for lane in sorted(set(lanes))
-                if self.streams[lane] is not self.main]
-
-    def main_waits(self, events) -> None:
-        """The main stream waits for `events` (mark) before its next work."""
-        for event in events:
-            self.main.wait_event(event)
-
-    def _side(self):
-        return [s for s in self.streams or () if s is not self.main]
-
     def __exit__(self, *exc):
-        for stream in self._side():
+        for stream in (self.streams or [])[1:]:
             self.main.wait_stream(stream)
         return False

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..interpreter_safe import interpreting
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
-from .index import chunk_range, row_tables, scan_row_shift
+from .index import row_tables, scan_row_shift
 
 
 @triton.jit
@@ -121,16 +121,15 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seq
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
-def dv_local_bwd(q, k, gc, do, scale, index, rows=None, *, chunks: tuple[int, int] | None = None, out=None):
-    """The chunk-local part of d(v_new) [R, HV, V] fp32 (every chunk at once, or chunks [c0, c1) into `out`).
-    `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and `rows.own`."""
+def dv_local_bwd(q, k, gc, do, scale, index, rows=None):
+    """The chunk-local part of d(v_new) [R, HV, V] fp32 (every chunk at once). `rows` (index.PackedRows): q, k
+    and do are compact, read through `rows.src` and `rows.own`."""
     _, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
-    dv_local = out if out is not None else torch.empty(gc.shape[0], hv, vd, device=q.device, dtype=torch.float32)
-    row_start, row_end, count = chunk_range(index, chunks)
-    if count:
-        _dv_local_kernel[(count * hv,)](
-            q, k, gc, do, dv_local, row_start, row_end, *row_tables(index, rows), scale,
+    dv_local = torch.empty(gc.shape[0], hv, vd, device=q.device, dtype=torch.float32)
+    if index.num_chunks:
+        _dv_local_kernel[(index.num_chunks * hv,)](
+            q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), scale,
             HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, GATHER=rows is not None,
             num_warps=index.config.dv_local_warps)
     return dv_local

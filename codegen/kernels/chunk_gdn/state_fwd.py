@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..interpreter_safe import interpreting
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
-from .index import chunk_range, row_tables, scan_row_shift
+from .index import row_tables, scan_row_shift
 
 
 @triton.jit
@@ -146,19 +146,16 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
     return h, v_new, bank
 
 
-def output_fwd(q, k, v_new, gc, h, scale, index, rows=None, *, chunks: tuple[int, int] | None = None, out=None):
+def output_fwd(q, k, v_new, gc, h, scale, index, rows=None):
     """o [R, HV, V] on the packed rows, or with `rows` (index.PackedRows) o [T, HV, V] on the compact tokens:
-    q and k read through `rows.src`, each kept row's output stored at `rows.own`, replayed rows' dropped.
-    `chunks` = (c0, c1): only those chunks' outputs, into `out` (tree.py runs one call per round)."""
+    q and k read through `rows.src`, each kept row's output stored at `rows.own`, replayed rows' dropped."""
     _, hk, kd = q.shape
     hv, vd = v_new.shape[1], v_new.shape[2]
     cfg = index.config
     bv = min(cfg.out_block_v, vd)
-    if out is None:
-        out = torch.empty_like(v_new) if rows is None else v_new.new_empty(rows.num_tokens, hv, vd)
-    row_start, row_end, count = chunk_range(index, chunks)
-    if count:  # programs index h from chunk c0 on
-        _output_kernel[(count * hv, vd // bv)](
-            q, k, v_new, gc, h[chunks[0] if chunks else 0:], out, row_start, row_end, *row_tables(index, rows), scale,
+    o = torch.empty_like(v_new) if rows is None else v_new.new_empty(rows.num_tokens, hv, vd)
+    if index.num_chunks:
+        _output_kernel[(index.num_chunks * hv, vd // bv)](
+            q, k, v_new, gc, h, o, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), scale,
             HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, GATHER=rows is not None, num_warps=cfg.out_warps)
-    return out
+    return o

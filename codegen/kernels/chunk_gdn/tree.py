@@ -12,8 +12,6 @@ one after another in a single varlen layout, and
   backward: dv_local over every chunk; per round in reverse: the reverse scan (the exported states'
             gradients injected), then its initial-state gradients summed into the bank slots they
             came from; chunk_bwd over every chunk; packed-row gradients back onto compact tokens.
-  With `GDNKernelConfig.tree_overlap_rounds` the chunk-parallel kernels run one launch per round instead,
-  beside the other rounds' scans (TreeGatedDeltaRuleFunction).
 
 The gathers move whole q/k/v-sized tensors (134 MB each at 32k rows, H=16, K=128, bf16): on the H200
 they were 0.9 of a 4.9 ms step. Two ways around them: a plan whose packed rows are the compact tokens in
@@ -38,34 +36,21 @@ from __future__ import annotations
 import torch
 
 from ..interpreter_safe import interpreter_needs_fp32, interpreting
-from .chunk_bwd import chunk_bwd, chunk_bwd_buffers
+from .chunk_bwd import chunk_bwd
 from .function import _group_sum, triton_supports
 from .inputs import validate_gdn_tensors
 from .l2norm import l2norm_fused
+from .lanes import LaneStreams
 from .segment_add import segment_add
 from .state_bwd import dv_local_bwd, state_bwd_scan
 from .state_fwd import output_fwd, state_fwd
 from .tree_plan import TreeGDNPlan, TreeRoundSpec, plan_tree_gdn
-from .wy_fwd import wy_buffers, wy_fwd
+from .wy_fwd import wy_fwd
 
 __all__ = ["TreeGDNPlan", "TreeRoundSpec", "plan_tree_gdn", "tree_gated_delta_rule", "tree_supported"]
 
 
 class TreeGatedDeltaRuleFunction(torch.autograd.Function):
-    """With more than one chunk phase (TreeGDNPlan.chunk_phases: tree_overlap_rounds) the chunk-parallel
-    kernels run one launch per round on the main stream and, on CUDA, the scans on side streams (lanes):
-
-      forward:  main  wy(round 0) | wy(rounds 1..) | out(round 0) after its scans | out(round 1) ...
-                lanes             | scans round 0  | scans round 1 (after wy(rounds 1..)) ...
-      backward: main  dv_local(last) | dv_local(the rest) | chunk_bwd(last) after its scans | ...
-                lanes                | scans last round   | scans round last-1 (after dv_local) ...
-
-    so a round's scans, a serial chain over its longest sequence, overlap other rounds' chunk-parallel work
-    instead of leaving the GPU mostly idle. The host issues each round's scans before the main-stream work
-    that should run beside them: a kernel starts on the device as soon as it is issued, so work issued
-    first would take the SMs before the scans arrive (the H200 timeline showed just that). Each chunk runs
-    the same kernel code on the same inputs in any order: the results are those of one launch over every
-    chunk, bit for bit. (On the H200 this measured no faster: GDNKernelConfig.tree_overlap_rounds.)"""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale: float, plan: TreeGDNPlan):
@@ -75,36 +60,17 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         else:  # the gathers write dense copies
             q, k, v, g, beta = (x.index_select(0, plan.row_src) for x in (q, k, v, g, beta))
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
-        phases = plan.chunk_phases()
-        overlap = len(phases) > 1
-        gc, T, w, u = wy = wy_fwd(k, v, g, beta, index, rows, chunks=phases[0], out=wy_buffers(k, v, index, rows))
+        gc, T, w, u = wy_fwd(k, v, g, beta, index, rows)
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
         v_new = torch.empty_like(u)
-        o = torch.empty_like(v_new) if rows is None else v_new.new_empty(rows.num_tokens, hv, vd)
         bank = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)  # row 0: zeros
-        with plan.scan_streams(overlap) as lanes:
-            wy_done, scanned = None, []
-            for r, launches in enumerate(plan.launches_by_round()):
-                for rnd in launches:
-                    with lanes.on(rnd.lane):
-                        if r:
-                            lanes.wait(rnd.lane, wy_done)
-                        state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
-                                  seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
-                                  launch_seqs=rnd.round_seqs)
-                scanned.append(lanes.mark(rnd.lane for rnd in launches) if overlap else [])
-                # main-stream work issued after the scans, so that their programs reach the SMs first
-                if overlap and r == 0:  # the later rounds' WY while round 0 scans
-                    wy_fwd(k, v, g, beta, index, rows, chunks=(phases[1][0], index.num_chunks), out=wy)
-                    wy_done = lanes.mark_main()
-                elif overlap:  # the previous round's outputs while this round scans
-                    lanes.main_waits(scanned[r - 1])
-                    output_fwd(q, k, v_new, gc, h, scale, index, rows, chunks=phases[r - 1], out=o)
-            if overlap:
-                lanes.main_waits(scanned[-1])
-                output_fwd(q, k, v_new, gc, h, scale, index, rows, chunks=phases[-1], out=o)
-        if not overlap:
-            output_fwd(q, k, v_new, gc, h, scale, index, rows, out=o)
+        with LaneStreams(plan.num_lanes, k.device) as lanes:
+            for rnd in plan.rounds:
+                with lanes.on(rnd.lane):
+                    state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
+                              seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
+                              launch_seqs=rnd.round_seqs)
+        o = output_fwd(q, k, v_new, gc, h, scale, index, rows)
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
         ctx.scale, ctx.plan = scale, plan
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
@@ -120,43 +86,18 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             do = d_out.to(v.dtype).contiguous()
         else:  # replayed outputs are dropped
             do = torch.zeros_like(v_new).index_copy_(0, plan.own_pick, d_out.to(v.dtype))
-        phases = plan.chunk_phases()
-        overlap = len(phases) > 1
-        dv_local = torch.empty(gc.shape[0], hv, vd, device=q.device, dtype=torch.float32)
-        dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, chunks=phases[-1], out=dv_local)
+        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, rows)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
         bank_grad = torch.zeros(index.num_slots, hv, kd, vd, device=q.device, dtype=torch.float32)
-        buffers = chunk_bwd_buffers(q, k, v, gc, index, rows)
-        by_round = plan.launches_by_round()
-        with plan.scan_streams(overlap) as lanes:
-            local_done, scanned, last = None, {}, len(by_round) - 1
-            for r in reversed(range(len(by_round))):  # a round's exports are read only by later rounds (same lane)
-                for rnd in by_round[r]:
-                    with lanes.on(rnd.lane):
-                        if r < last:
-                            lanes.wait(rnd.lane, local_done)
-                        dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
-                                             seqs=(rnd.first_seq, rnd.num_seqs), rows=rows,
-                                             launch_seqs=rnd.round_seqs)
-                        if rnd.start_slots.numel():  # distinct slots of this lane's own states, summed in order
-                            segment_add(bank_grad, rnd.start_slots, dh0, rnd.start_bounds, rnd.start_seqs)
-                scanned[r] = lanes.mark(rnd.lane for rnd in by_round[r]) if overlap else []
-                # main-stream work issued after the scans, so that their programs reach the SMs first
-                if overlap and r == last:  # the earlier rounds' dv_local while the last round scans
-                    dv_local_bwd(q, k, gc, do, ctx.scale, index, rows, chunks=(0, phases[-1][0]), out=dv_local)
-                    local_done = lanes.mark_main()
-                elif overlap:  # the next round's chunk-parallel backward while this round scans
-                    lanes.main_waits(scanned[r + 1])
-                    chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows,
-                              chunks=phases[r + 1], buffers=buffers)
-            if overlap:
-                lanes.main_waits(scanned[0])
-                chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows, chunks=phases[0],
-                          buffers=buffers)
-        dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows,
-                                                 chunks=(0, 0) if overlap else None,  # overlap: all ran above
-                                                 buffers=buffers)
+        with LaneStreams(plan.num_lanes, q.device) as lanes:
+            for rnd in reversed(plan.rounds):  # a round's exports are read only by later rounds (same lane)
+                with lanes.on(rnd.lane):
+                    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
+                                         seqs=(rnd.first_seq, rnd.num_seqs), rows=rows, launch_seqs=rnd.round_seqs)
+                    if rnd.start_slots.numel():  # distinct slots of this lane's own states, summed in order
+                        segment_add(bank_grad, rnd.start_slots, dh0, rnd.start_bounds, rnd.start_seqs)
+        dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
         names = ("q", "k", "v", "g", "beta")  # the order of ctx.dtypes and of the returned gradients
         per_token = dict(zip(names, (dq, dk, dv, dg, dbeta)))  # compact with row maps, else per packed row
         replayed = dict(zip(("k", "v", "beta", "g"), side[0])) if side else per_token  # side: by replay slot

@@ -12,7 +12,7 @@ import torch
 from .function import TRITON_CHUNK_SIZE
 from .inputs import check_exports
 from .index import GDNIndex, GDNKernelConfig, PackedRows, affine_row_shifts, prepare_gdn_index
-from .lanes import LaneStreams, assign_lanes, lane_runs
+from .lanes import assign_lanes, lane_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,6 @@ class _RoundLaunch:
     first_seq: int
     num_seqs: int
     lane: int                      # CUDA stream (of `TreeGDNPlan.num_lanes`) the launch runs on
-    round_id: int                  # the round the sequences belong to
     round_seqs: int                # sequences of the whole round: what the launch configuration is chosen for
     init_row: torch.Tensor        # [N] row of the bank (with the zero state at row 0) each sequence starts from
     start_slots: torch.Tensor      # [U] bank slots this round's sequences start from (distinct)
@@ -66,27 +65,6 @@ class TreeGDNPlan:
     # trees they were 0.9 of the tree step's 4.9 ms (H200, 2026-11-30).
     identity_layout: bool = False
     rows: PackedRows | None = None  # packed <-> compact row maps for the kernels (tree_rows_in_kernels)
-    # chunks [c0, c1) of each round in the index (rounds are laid out one after another)
-    round_chunks: tuple[tuple[int, int], ...] = ()
-
-    def chunk_phases(self) -> tuple[tuple[int, int], ...]:
-        """Chunk ranges the chunk-parallel kernels run one launch each: every round's own with
-        tree_overlap_rounds (on CUDA they overlap other rounds' scans; the interpreter runs them in program
-        order, which tests the per-round launches), else all chunks at once."""
-        overlap = self.index.config.tree_overlap_rounds and len(self.round_chunks) > 1
-        return self.round_chunks if overlap else ((0, self.index.num_chunks),)
-
-    def scan_streams(self, overlap: bool) -> LaneStreams:
-        cfg = self.index.config
-        return LaneStreams(self.num_lanes, self.row_src.device, side_only=overlap,
-                           high_priority=overlap and cfg.tree_scan_high_priority)
-
-    def launches_by_round(self) -> list[list[_RoundLaunch]]:
-        by_round = [[] for _ in range(max((launch.round_id for launch in self.rounds), default=-1) + 1)]
-        for launch in self.rounds:
-            by_round[launch.round_id].append(launch)
-        return by_round
-
     @property
     def compact_io(self) -> bool:
         """Whether the kernels read inputs and do, and write o, on the compact tokens (no gathers)."""
@@ -178,20 +156,17 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
     lane, num_lanes = assign_lanes([slots.size for slots in round_slots], np.diff(np.asarray(bounds)),
                                      np.asarray(parent, dtype=np.int64), index.config.tree_scan_lanes)
     launches, seq_base = [], 0
-    for r, slots in enumerate(round_slots):
+    for slots in round_slots:
         n = slots.size
         for start, stop in lane_runs(lane[seq_base:seq_base + n]):
             run_slots = slots[start:stop]
             starts = np.flatnonzero(run_slots >= 0)
             distinct, children, counts = _groups(run_slots[starts], starts)
             launches.append(_RoundLaunch(first_seq=seq_base + start, num_seqs=stop - start,
-                                         lane=int(lane[seq_base + start]), round_id=r, round_seqs=n,
+                                         lane=int(lane[seq_base + start]), round_seqs=n,
                                          init_row=as_long(run_slots + 1), start_slots=as_long(distinct),
                                          start_seqs=as_long(children), start_bounds=as_long(np.r_[0, counts.cumsum()])))
         seq_base += n
-    seq_chunks = np.r_[0, np.cumsum((np.diff(np.asarray(bounds)) + chunk_size - 1) // chunk_size)]
-    round_seq = np.r_[0, np.cumsum([slots.size for slots in round_slots])].astype(np.int64)
-    round_chunks = tuple((int(seq_chunks[a]), int(seq_chunks[b])) for a, b in zip(round_seq[:-1], round_seq[1:]))
     src_all = np.concatenate(row_src) if row_src else np.zeros(0, np.int64)
     replay = np.setdiff1d(np.arange(src_all.size), own_pick, assume_unique=True)
     replay_dst, replay_rows, replay_counts = _groups(src_all[replay], replay)
@@ -210,4 +185,4 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
                        replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
                        replay_bounds=as_long(np.r_[0, replay_counts.cumsum()]), rounds=tuple(launches),
                        num_lanes=num_lanes,
-                       identity_layout=identity, rows=rows, round_chunks=round_chunks)
+                       identity_layout=identity, rows=rows)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows
-from .index import chunk_range, row_tables
+from .index import row_tables
 
 
 @triton.jit
@@ -192,33 +192,25 @@ def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_s
         tl.store(u + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None])
 
 
-def wy_buffers(k, v, index, rows=None):
-    """Uninitialised gc [R, HV] fp32, T [R, HV, BT] fp32, w [R, HV, K], u [R, HV, V] for the R packed rows."""
-    hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
-    n_rows = rows.src.numel() if rows is not None else k.shape[0]
-    return (torch.empty(n_rows, hv, device=k.device, dtype=torch.float32),
-            torch.empty(n_rows, hv, index.chunk_size, device=k.device, dtype=torch.float32),
-            torch.empty(n_rows, hv, kd, device=k.device, dtype=k.dtype),
-            torch.empty(n_rows, hv, vd, device=k.device, dtype=v.dtype))
-
-
-def wy_fwd(k, v, g, beta, index, rows=None, *, chunks: tuple[int, int] | None = None, out=None):
+def wy_fwd(k, v, g, beta, index, rows=None):
     """Returns gc [R, HV] fp32, T [R, HV, BT] fp32, w [R, HV, K] (k's dtype), u [R, HV, V] (v's dtype) over the
     R packed rows of `index`, with the launch configuration of `index.config` (wy_kkt_warps, wy_kkt_block_k,
-    wy_wu_warps). `rows` (index.PackedRows): k, v, g, beta are compact and read through `rows.src`.
-    `chunks` = (c0, c1): only those chunks' rows, into `out` (wy_buffers) shared by the calls (tree.py)."""
+    wy_wu_warps). `rows` (index.PackedRows): k, v, g, beta are compact and read through `rows.src`."""
     cfg = index.config
     _, hk, kd = k.shape
     hv, vd = v.shape[1], v.shape[2]
+    n_rows = rows.src.numel() if rows is not None else k.shape[0]
     BT = index.chunk_size
     if BT != 64:
         raise ValueError(f"chunk_gated_delta_rule: the Triton path has chunk_size 64 built in, got {BT}")
-    gc, T, w, u = out if out is not None else wy_buffers(k, v, index, rows)
-    row_start, row_end, count = chunk_range(index, chunks)
-    if not count:
+    gc = torch.empty(n_rows, hv, device=k.device, dtype=torch.float32)
+    T = torch.empty(n_rows, hv, BT, device=k.device, dtype=torch.float32)
+    w = torch.empty(n_rows, hv, kd, device=k.device, dtype=k.dtype)
+    u = torch.empty(n_rows, hv, vd, device=k.device, dtype=v.dtype)
+    if not index.num_chunks:
         return gc, T, w, u
-    grid = (count, hv)
-    tables = (row_start, row_end, row_tables(index, rows)[0])
+    grid = (index.num_chunks, hv)
+    tables = (index.chunk_row_start, index.chunk_row_end, row_tables(index, rows)[0])
     gather = rows is not None
     _wy_kkt_solve_kernel[grid](k, g, beta, gc, T, *tables, HK=hk, HV=hv, K=kd, BT=BT,
                                BK=min(cfg.wy_kkt_block_k, kd), GATHER=gather, num_warps=cfg.wy_kkt_warps)
