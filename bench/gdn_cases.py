@@ -21,6 +21,9 @@ CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
     "gathers": ("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
     "maps": ("scans read every chunk through the row maps", GDNKernelConfig(tree_affine_scan_rows=False)),
     "one_lane": ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
+    "narrow_4_3": ("16-column scans at 4 / 3 stages", GDNKernelConfig(narrow_scan_stages=(4, 3))),
+    "narrow_5_4": ("16-column scans at 5 / 4 stages", GDNKernelConfig(narrow_scan_stages=(5, 4))),
+    "narrow_6_4": ("16-column scans at 6 / 4 stages", GDNKernelConfig(narrow_scan_stages=(6, 4))),
     "bwd_qk_bk64": ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
 }
 

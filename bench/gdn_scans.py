@@ -44,7 +44,11 @@ LAUNCHES = [(16, 2), (32, 2), (16, 4), (32, 4), (64, 4)]  # (columns, warps); 64
 
 
 def forced(block_v: int, warps: int, stages: int) -> GDNKernelConfig:
-    """A config whose scans always launch with (block_v, warps, stages), whatever the program count."""
+    """A config whose scans always launch with (block_v, warps, stages), whatever the program count; past 3
+    stages (16 columns only: GDNKernelConfig.narrow_scan_stages) the backward scan stops at 4."""
+    if stages > 3:
+        return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_min_programs=0,
+                               narrow_scan_stages=(stages, min(stages, 4)))
     return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_num_stages=stages, scan_min_programs=0)
 
 
@@ -65,7 +69,7 @@ def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False)
         ids = torch.arange(rows_total, device=device)
         shift = torch.zeros(len(lengths), dtype=torch.int64, device=device) if affine else None
         rows = PackedRows(src=ids, own=ids, num_tokens=rows_total, num_replays=0, seq_shift=shift)
-    results = {}
+    results, split = {}, {}
     for block_v, warps, stages in launches:
         try:  # a config outside GDNKernelConfig's range or a launch over the shared-memory limit: report, go on
             index = prepare_gdn_index(cu, chunk_size=CHUNK, device=device, config=forced(block_v, warps, stages))
@@ -73,21 +77,28 @@ def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False)
             dvn = torch.empty_like(u)
             bank_grad = torch.zeros(0, hv, kd, vd, device=device)
 
-            def step():
+            def fwd():
                 state_fwd(k, w, u, gc, h0, index, rows=rows)
+
+            def bwd():
                 state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, 0.1, index, dh, dvn, rows=rows)
-            results[(block_v, warps, stages)] = kernel_ms(step, device, rep_ms=60, warmup_ms=15)
+            fwd_ms, bwd_ms = (kernel_ms(fn, device, rep_ms=60, warmup_ms=15) for fn in (fwd, bwd))
+            results[(block_v, warps, stages)] = fwd_ms + bwd_ms
+            split[(block_v, warps, stages)] = (fwd_ms, bwd_ms)
         except Exception as err:  # ValueError from the config, triton OutOfResources (not a RuntimeError)
             results[(block_v, warps, stages)] = float("nan")
             print(f"  {block_v} cols {warps} warps {stages} stages: {type(err).__name__}: {err}", flush=True)
+    for (block_v, warps, stages), (fwd_ms, bwd_ms) in split.items():
+        print(f"  {block_v} cols {warps} warps {stages} stages: fwd {fwd_ms:.3f} + bwd {bwd_ms:.3f} ms", flush=True)
     return results
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(cases()), choices=list(cases()))
-    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="pipeline stages to try (1-3: "
-                        "GDNKernelConfig's range; session 7 found 5 no better than 3 with row maps)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="pipeline stages to try (1-3 "
+                        "for any launch, 4-6 at 16 columns: GDNKernelConfig.narrow_scan_stages; session 7 found 5 no "
+                        "better than 3 with row maps)")
     parser.add_argument("--launches", nargs="+", default=None, metavar="BV:WARPS",
                         help="(columns, warps) pairs, default: " + " ".join(f"{b}:{w}" for b, w in LAUNCHES))
     parser.add_argument("--device", default="cuda")

@@ -35,6 +35,9 @@ class GDNKernelConfig:
     scan_min_programs: int = 128  # about one per SM
     # pipeline depth, 0 = by input dtype (scan_stages_for): 16-bit scans load 2 chunks ahead at 3 stages
     scan_num_stages: int = 0
+    # (forward, backward) pipeline depth of 16-bit scans at 16 columns (a lone long root: latency-bound, one
+    # program per SM, so shared memory is free for deeper prefetch); 0 = scan_stages_for
+    narrow_scan_stages: tuple[int, int] = (0, 0)
     out_block_v: int = 64
     out_warps: int = 4          # with bwd_block_v 64: 7.83 vs 8.21 ms
     dv_local_warps: int = 8
@@ -74,6 +77,11 @@ class GDNKernelConfig:
         # 4 stages overflow shared memory at 32 or 64 columns and 4 warps (241 / 289 KiB, gdn_resources.py)
         if not 0 <= self.scan_num_stages <= 3:
             raise ValueError(f"GDNKernelConfig.scan_num_stages must be 0 (by dtype) or 1-3, got {self.scan_num_stages}")
+        # at 16 columns sm_90a holds 6 forward / 4 backward stages (gdn_resources.py --set BV=16 --stages N)
+        for depth, most, name in zip(self.narrow_scan_stages, (6, 4), ("forward", "backward")):
+            if not 0 <= depth <= most:
+                raise ValueError(f"GDNKernelConfig.narrow_scan_stages: the {name} depth must be 0 (as "
+                                 f"scan_num_stages) or 1-{most}, got {depth}")
         if self.scan_min_programs < 0:
             raise ValueError(f"GDNKernelConfig.scan_min_programs must be >= 0, got {self.scan_min_programs}")
         if self.tree_scan_lanes < 1:
@@ -83,13 +91,17 @@ class GDNKernelConfig:
                              f"got {self.wy_kkt_block_k}")
 
     def scan_launch_for(self, num_seqs: int, value_heads: int, value_dim: int,
-                        element_size: int) -> tuple[int, int, int]:
-        """(state columns per program, warps, pipeline stages) of the two scans for a call with `num_seqs`
-        sequences of `element_size`-byte inputs."""
+                        element_size: int, backward: bool = False) -> tuple[int, int, int]:
+        """(state columns per program, warps, pipeline stages) of the forward (or `backward`) scan for a call
+        with `num_seqs` sequences of `element_size`-byte inputs."""
         block_v = min(self.scan_block_v, value_dim)
         while block_v > 16 and num_seqs * value_heads * (value_dim // block_v) < self.scan_min_programs:
             block_v //= 2
-        return block_v, self.scan_warps, self.scan_stages_for(element_size)
+        stages = self.scan_stages_for(element_size)
+        narrow = self.narrow_scan_stages[int(backward)]
+        if block_v == 16 and narrow and element_size <= 2:
+            stages = narrow
+        return block_v, self.scan_warps, stages
 
     def scan_stages_for(self, element_size: int) -> int:
         """Software-pipeline depth of the two state scans: `scan_num_stages`, or by input size (0).

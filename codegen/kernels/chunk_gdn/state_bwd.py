@@ -145,7 +145,7 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     hv, vd = do.shape[1], do.shape[2]
     first, count = seqs if seqs is not None else (0, index.num_seqs)
     cfg = index.config
-    bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size())
+    bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size(), backward=True)
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
     shifts, affine = scan_row_shift(index, rows, first)
     if count:
