@@ -18,12 +18,13 @@ POINTERS = {
     "fp32": {"g", "gc", "T", "h0", "bank", "dv_local", "dh0", "bank_grad", "dq", "dk", "dw", "dgc", "dbeta", "dg",
              "scratch", "rstd", "dv_f32", "gpre", "dw_part", "side_dbeta", "side_dg"},
     "i64": {"chunk_row_start", "chunk_row_end", "cu_seqlens", "seq_chunk_start", "pred", "succ_ptr", "succ_flat",
-            "row_src", "row_own", "seq_export_start", "export_end_chunk", "export_end_slot", "seq_shift"},
+            "row_src", "row_own", "seq_export_start", "export_end_chunk", "export_end_slot", "seq_shift",
+            "h0_row"},
     "i32": set(),
 }
 SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32"}
 BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64,
-            SILU=True, GATHER=False, AFFINE=False)
+            SILU=True, GATHER=False, AFFINE=False, H0_ROWS=False)
 
 
 def signature_of(fn, constexprs, overrides, data_kind="bf16"):

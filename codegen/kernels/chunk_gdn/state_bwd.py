@@ -62,19 +62,22 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 
     do_rows += shift
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     b_gl = tl.load(gc + last * HV + i_h)
+    # (scale exp(gc) q)^T do first: it does not depend on dS, so its wgmma runs beside the chain's
+    # k dS; the row scaling goes on the [BT, BV] do tile (fewer registers than q^T)
+    b_qt = tl.load(q + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+    b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
+    b_do = (b_do * (tl.exp(b_gc) * scale)[:, None]).to(b_qt.dtype)
+    b_acc = tl.dot(b_qt, b_do, acc=b_ds * tl.exp(b_gl))
+
     b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_dvn = tl.load(dv_local + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
     b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp(b_gl - b_gc)[:, None], 0.0)
     tl.store(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty),
              mask=m_t[:, None])
 
-    # (scale exp(gc) q)^T do, with the row scaling applied to the [BT, BV] do tile (fewer registers than q^T)
-    b_qt = tl.load(q + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
-    b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
-    b_do = (b_do * (tl.exp(b_gc) * scale)[:, None]).to(b_qt.dtype)
+    # - w^T dvn accumulated onto the same registers (bf16 negation is exact): no wait between the two wgmmas
     b_wt = tl.load(w + (rows[None, :] * HV + i_h) * K + o_k[:, None], mask=m_t[None, :], other=0.0)
-    b_ds = b_ds * tl.exp(b_gl) + tl.dot(b_qt, b_do) - tl.dot(b_wt, b_dvn.to(b_wt.dtype))
-    return b_ds
+    return tl.dot(b_wt, (-b_dvn).to(b_wt.dtype), acc=b_acc)
 
 
 @triton.jit

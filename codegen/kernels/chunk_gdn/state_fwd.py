@@ -47,17 +47,20 @@ def _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h,
 
 
 @triton.jit
-def _state_fwd_kernel(k, w, u, gc, h0, h, v_new, bank, cu_seqlens, seq_chunk_start, seq_export_start,
+def _state_fwd_kernel(k, w, u, gc, h0, h0_row, h, v_new, bank, cu_seqlens, seq_chunk_start, seq_export_start,
                       export_end_chunk, export_end_slot, row_src, seq_shift, HK: tl.constexpr, HV: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      INTERPRET: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
+                      INTERPRET: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr, H0_ROWS: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
     # the chunks in export segments (index.GDNIndex): the inner loop has no per-chunk bank logic, so Triton
     # can prefetch its loads `num_stages - 1` chunks ahead
     e0 = tl.load(seq_export_start + i_n)
     e1 = tl.load(seq_export_start + i_n + 1)
-    b_s = tl.load(h0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs)     # fp32
+    i_h0 = i_n
+    if H0_ROWS:  # tree rounds: the initial state is a row of the export bank, read in place
+        i_h0 = tl.load(h0_row + i_n)
+    b_s = tl.load(h0 + (i_h0 * HV + i_h).to(tl.int64) * (K * V) + state_offs)     # fp32
     shift = e0 * 0
     c_first = e0 * 0
     if AFFINE:  # chunk 0 (which holds the replayed rows) through the row maps, the rest at row + shift
@@ -116,8 +119,11 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_sr
 
 
 def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None = None, out=None, rows=None,
-              launch_seqs: int | None = None):
+              launch_seqs: int | None = None, initial_rows: torch.Tensor | None = None):
     """Returns h [NC, HV, K, V] (k's dtype), v_new [R, HV, V] (u's dtype), bank [slots, HV, K, V] fp32.
+
+    `initial_rows` ([count] int64): sequence i starts from `initial_state[initial_rows[i]]` (tree.py passes its
+    export bank, so no copy of the states is made); default: from `initial_state[i]`.
 
     `seqs` = (first, count): scan only those sequences of `index`, whose initial states `initial_state`
     holds, into `out` = (h, v_new, bank) shared by the calls of a multi-round tree (tree.py); the
@@ -138,11 +144,12 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
     shifts, affine = scan_row_shift(index, rows, first)
     if count:
         _state_fwd_kernel[(count * hv, vd // bv)](
-            k, w, u, gc, initial_state, h, v_new, bank, index.cu_seqlens[first:], index.seq_chunk_start[first:],
+            k, w, u, gc, initial_state, initial_state if initial_rows is None else initial_rows, h, v_new, bank,
+            index.cu_seqlens[first:], index.seq_chunk_start[first:],
             index.seq_export_start[first:], index.export_end_chunk, index.export_end_slot, row_tables(index, rows)[0],
             shifts, HK=hk, HV=hv, K=kd, V=vd,
             BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None, AFFINE=affine,
-            num_warps=warps, num_stages=stages)
+            H0_ROWS=initial_rows is not None, num_warps=warps, num_stages=stages)
     return h, v_new, bank
 
 

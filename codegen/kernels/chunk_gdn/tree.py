@@ -6,7 +6,7 @@ one after another in a single varlen layout, and
 
   forward:  gather the packed rows from the compact tokens (one gather per input; but see below)
             wy_fwd over every chunk of every round                      (2 launches)
-            per round: the initial states from the export bank, state_fwd over its sequences
+            per round: state_fwd over its sequences, from states read in the export bank
             output_fwd over every chunk                                 (1 launch)
             keep each compact token's own row                           (1 gather)
   backward: dv_local over every chunk; per round in reverse: the reverse scan (the exported states'
@@ -67,9 +67,9 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         with LaneStreams(plan.num_lanes, k.device) as lanes:
             for rnd in plan.rounds:
                 with lanes.on(rnd.lane):
-                    state_fwd(k, w, u, gc, bank.index_select(0, rnd.init_row), index,
-                              seqs=(rnd.first_seq, rnd.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
-                              launch_seqs=rnd.round_seqs)
+                    state_fwd(k, w, u, gc, bank, index, seqs=(rnd.first_seq, rnd.num_seqs),
+                              out=(h, v_new, bank[1:]), rows=rows, launch_seqs=rnd.round_seqs,
+                              initial_rows=rnd.init_row)
         o = output_fwd(q, k, v_new, gc, h, scale, index, rows)
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
         ctx.scale, ctx.plan = scale, plan
