@@ -25,6 +25,8 @@ CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
     "narrow_5_4": ("16-column scans at 5 / 4 stages", GDNKernelConfig(narrow_scan_stages=(5, 4))),
     "narrow_6_4": ("16-column scans at 6 / 4 stages", GDNKernelConfig(narrow_scan_stages=(6, 4))),
     "bwd_qk_bk64": ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
+    "pointers": ("scans load through pointers only (no TMA)", GDNKernelConfig(scan_tma=False)),
+    "tma_wide": ("TMA scans at 64 columns too", GDNKernelConfig(scan_tma_max_block_v=64)),
 }
 
 

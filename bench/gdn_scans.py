@@ -43,16 +43,18 @@ def cases() -> dict[str, tuple[list[int], bool]]:
 LAUNCHES = [(16, 2), (32, 2), (16, 4), (32, 4), (64, 4)]  # (columns, warps); 64 at 2 warps spills
 
 
-def forced(block_v: int, warps: int, stages: int) -> GDNKernelConfig:
-    """A config whose scans always launch with (block_v, warps, stages), whatever the program count; past 3
-    stages (16 columns only: GDNKernelConfig.narrow_scan_stages) the backward scan stops at 4."""
+def forced(block_v: int, warps: int, stages: int, tma: bool = GDNKernelConfig.scan_tma) -> GDNKernelConfig:
+    """A config whose scans always launch with (block_v, warps, stages), with or without descriptor loads
+    (`tma`: GDNKernelConfig.scan_tma), whatever the program count; past 3 stages (16 columns only:
+    GDNKernelConfig.narrow_scan_stages) the backward scan stops at 4."""
     if stages > 3:
-        return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_min_programs=0,
-                               narrow_scan_stages=(stages, min(stages, 4)))
-    return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_num_stages=stages, scan_min_programs=0)
+        return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_min_programs=0, scan_tma=tma,
+                               scan_tma_max_block_v=128, narrow_scan_stages=(stages, min(stages, 4)))
+    return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_num_stages=stages, scan_min_programs=0,
+                           scan_tma=tma, scan_tma_max_block_v=128)
 
 
-def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False):
+def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False, tma=GDNKernelConfig.scan_tma):
     q, k, v = make_inputs(lengths, hk=min(16, value_heads), hv=value_heads, device=device)[0][:3]
     rows_total, hv, vd = v.shape
     kd = k.shape[2]
@@ -72,7 +74,7 @@ def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False)
     results, split = {}, {}
     for block_v, warps, stages in launches:
         try:  # a config outside GDNKernelConfig's range or a launch over the shared-memory limit: report, go on
-            index = prepare_gdn_index(cu, chunk_size=CHUNK, device=device, config=forced(block_v, warps, stages))
+            index = prepare_gdn_index(cu, chunk_size=CHUNK, device=device, config=forced(block_v, warps, stages, tma))
             dh = torch.empty(index.num_chunks, hv, kd, vd, device=device, dtype=k.dtype)
             dvn = torch.empty_like(u)
             bank_grad = torch.zeros(0, hv, kd, vd, device=device)
@@ -89,7 +91,8 @@ def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False)
             results[(block_v, warps, stages)] = float("nan")
             print(f"  {block_v} cols {warps} warps {stages} stages: {type(err).__name__}: {err}", flush=True)
     for (block_v, warps, stages), (fwd_ms, bwd_ms) in split.items():
-        print(f"  {block_v} cols {warps} warps {stages} stages: fwd {fwd_ms:.3f} + bwd {bwd_ms:.3f} ms", flush=True)
+        print(f"  {block_v} cols {warps} warps {stages} stages tma {tma}: fwd {fwd_ms:.3f} + bwd {bwd_ms:.3f} ms",
+              flush=True)
     return results
 
 
@@ -105,6 +108,9 @@ def main():
     parser.add_argument("--value-heads", type=int, default=16, help="32: the e2e model's (Qwen3-Next's) GDN")
     parser.add_argument("--affine", action="store_true", help="row-map cases read rows after each first chunk "
                         "at row + shift (GDNKernelConfig.tree_affine_scan_rows)")
+    parser.add_argument("--tma", type=int, nargs="+", default=[int(GDNKernelConfig.scan_tma)], choices=[0, 1],
+                        help="time with descriptor loads (1) and / or pointers only (0) (GDNKernelConfig.scan_tma), "
+                             "each a table of its own")
     parser.add_argument("--shrink", type=int, default=1, help="divide every length (a CPU smoke test under "
                         "TRITON_INTERPRET=1 with --shrink 64)")
     args = parser.parse_args()
@@ -113,26 +119,27 @@ def main():
     print(torch.cuda.get_device_name() if device.type == "cuda" else device, flush=True)
     summary = []
     for name in args.cases:
-        lengths, row_maps = cases()[name]
-        lengths = [max(1, n // args.shrink) for n in lengths]
-        stages = sorted(set(args.stages))
-        default = GDNKernelConfig().scan_launch_for(len(lengths), args.value_heads, 128, 2)
-        launches = [(b, w, s) for b, w in pairs for s in stages]
-        results = time_case(lengths, row_maps, launches + [default] * (default not in launches), device,
-                            args.value_heads, args.affine)
-        print(f"\n== {name}: {len(lengths)} sequences, {sum(lengths)} rows, row maps {row_maps}"
-              f"{' (affine)' if row_maps and args.affine else ''}; "
-              f"fwd+bwd scan ms (default launch {default}) ==")
-        print(f"{'cols':>4s} {'warps':>5s} " + " ".join(f"{f'{s} st':>7s}" for s in stages))
-        for b, w in pairs:
-            print(f"{b:4d} {w:5d} " + " ".join(f"{results[(b, w, s)]:7.3f}" for s in stages))
-        print(f"default {default}: {results[default]:.3f} ms")
-        finite = {key: ms for key, ms in results.items() if ms == ms}
-        best = min(finite, key=finite.get)
-        summary.append((name, best, finite[best], default, results[default]))
+        for tma in args.tma:
+            lengths, row_maps = cases()[name]
+            lengths = [max(1, n // args.shrink) for n in lengths]
+            stages = sorted(set(args.stages))
+            default = GDNKernelConfig().scan_launch_for(len(lengths), args.value_heads, 128, 2)
+            launches = [(b, w, s) for b, w in pairs for s in stages]
+            results = time_case(lengths, row_maps, launches + [default] * (default not in launches), device,
+                                args.value_heads, args.affine, bool(tma))
+            print(f"\n== {name}: {len(lengths)} sequences, {sum(lengths)} rows, row maps {row_maps}"
+                  f"{' (affine)' if row_maps and args.affine else ''}, tma {tma}; "
+                  f"fwd+bwd scan ms (default launch {default}) ==")
+            print(f"{'cols':>4s} {'warps':>5s} " + " ".join(f"{f'{s} st':>7s}" for s in stages))
+            for b, w in pairs:
+                print(f"{b:4d} {w:5d} " + " ".join(f"{results[(b, w, s)]:7.3f}" for s in stages))
+            print(f"default {default}: {results[default]:.3f} ms")
+            finite = {key: ms for key, ms in results.items() if ms == ms}
+            best = min(finite, key=finite.get)
+            summary.append((f"{name} tma {tma}", best, finite[best], default, results[default]))
     print("\n== best launch per case (columns, warps, stages) ==")
     for name, best, ms, default, default_ms in summary:
-        print(f"{name:11s} best {best} {ms:.3f} ms; default {default} {default_ms:.3f} ms")
+        print(f"{name:17s} best {best} {ms:.3f} ms; default {default} {default_ms:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -105,3 +105,21 @@ def test_tree_equals_trajectories_bitwise():
     g_tree = torch.autograd.grad((o_tree.float() * d_tree).sum(), leaves)
     for a, b in zip(g_tree, g_traj):
         assert rel(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("block_v", [16, 32, 64])
+def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
+    """Scans whose full chunks load through tensor descriptors (TMA, GDNKernelConfig.scan_tma) give the bits of
+    the pointer loads, forward and every gradient: partial chunks, sub-chunk sequences, exports with injected
+    gradients, grouped heads. (Without the row mask on the k dS term ptxas fused a multiply-add in the
+    descriptor path only, and the backward differed in the last bit.)"""
+    lengths = [3000, 1, 64, 63, 4096, 1300]
+    tensors, cu = make_inputs(lengths, hk=8, hv=16, seed=4)
+    exports = dict(export_seq=torch.tensor([0, 0, 4, 4, 5]), export_offset=torch.tensor([64, 2944, 4096, 1024, 1280]))
+    results = []
+    for tma in (True, False):
+        config = GDNKernelConfig(scan_tma=tma, scan_tma_max_block_v=64, scan_block_v=block_v, scan_min_programs=0)
+        index = prepare_gdn_index(cu, **exports, device="cuda", config=config)
+        results.append(run(chunk_gated_delta_rule, tensors, cu, exports, index=index))
+    for name, a, b in zip(NAMES, *results):
+        assert torch.equal(a, b), name

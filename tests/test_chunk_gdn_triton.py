@@ -162,3 +162,21 @@ def test_strong_decays_as_transformers_init_gives():
     for name, tensor in zip(NAMES, got):
         assert torch.isfinite(tensor).all(), name
     assert_all_close(got, want, rtol=5e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("block_v", [16, 32])
+def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
+    """The scans' full chunks through tensor descriptors (GDNKernelConfig.scan_tma) give the same bits as
+    through pointers: partial last chunks, a one-chunk and a sub-chunk sequence, exports at segment ends and
+    mid-sequence, grouped heads, every output and gradient."""
+    lengths = [200, 64, 5, 130, 192]
+    tensors, cu = make_inputs(lengths, hk=1, hv=2, kd=16, vd=32, seed=9)
+    export_seq, export_offset = torch.tensor([0, 0, 3, 4, 4]), torch.tensor([64, 192, 128, 64, 192])
+    results = []
+    for tma in (True, False):
+        config = GDNKernelConfig(scan_tma=tma, scan_block_v=block_v, scan_min_programs=0)
+        index = prepare_gdn_index(cu, export_seq, export_offset, config=config)
+        results.append(forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, index=index,
+                                        use_qk_l2norm=True))
+    for name, a, b in zip(NAMES, *results):
+        assert torch.equal(a, b), name

@@ -64,6 +64,14 @@ class GDNKernelConfig:
     # (bench/gdn_scans.py --affine, fwd + bwd scan ms): agentic roots 0.574 vs 0.659 through the maps,
     # branches 1.529 vs 1.739; the agentic tree step 9.36 vs 9.52 ms (bench/gdn.py --variants maps).
     tree_affine_scan_rows: bool = True
+    # the scans load full chunks through tensor descriptors (TMA bulk copies on sm_90; tma.py), in launches of
+    # at most `scan_tma_max_block_v` state columns. H200 2026-12-01 (bench/gdn_scans.py --tma 0 1, fwd + bwd):
+    # lone 16k root at 16 columns 0.577 vs 0.639 ms, P16384 tree 3.76 vs 3.81 ms (bench/gdn.py --variants
+    # pointers). At 64 columns (memory-bound scans) descriptors were a wash (agentic roots 0.516 vs 0.556 ms,
+    # P16384's branches 0.384 vs 0.373, trajectory-wise equal; tree steps equal with 64 or 32 here) and spill
+    # on sm_90a (232 B fwd, 504 B bwd), so 32 keeps the wide launches on pointers
+    scan_tma: bool = True
+    scan_tma_max_block_v: int = 32
 
     def __post_init__(self):
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):

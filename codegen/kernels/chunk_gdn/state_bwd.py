@@ -17,6 +17,7 @@ import triton.language as tl
 from ..interpreter_safe import interpreting
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
 from .index import row_tables, scan_row_shift
+from .tma import rows_descriptor, scan_uses_tma
 
 
 @triton.jit
@@ -81,12 +82,57 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 
 
 
 @triton.jit
-def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seqlens, seq_chunk_start,
-                      seq_export_start, export_end_chunk, export_end_slot, row_src, row_own, seq_shift, scale,
-                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                      BV: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
+def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dh, dvn, gc, b_ds, i_c, c0, bos, eos, i_h, i_hk,
+                        i_v, state_offs, scale, shift, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BT: tl.constexpr, BV: tl.constexpr, o_v):
+    """_state_bwd_step on a full chunk, its loads through tensor descriptors (see state_fwd._state_fwd_step_tma):
+    the same arithmetic in the same order. The row mask stays on the k dS term although every row is inside:
+    without the select, ptxas contracts dv_local + (k dS) exp(..) into one FMA, which rounds differently."""
+    ic = (c0 + i_c).to(tl.int64)
+    row0 = (bos + i_c * BT).to(tl.int32)
+    src0 = (row0 + shift).to(tl.int32)
+    col_v = i_h * V + i_v * BV
+    rows = row0 + tl.arange(0, BT)
+    m_t = rows < eos
+    tl.store(dh + (ic * HV + i_h) * (K * V) + state_offs, b_ds.to(dh.dtype.element_ty))
+    b_gc = tl.load(gc + rows * HV + i_h)
+    b_gl = tl.load(gc + (row0 + BT - 1) * HV + i_h)
+    b_q = q_desc.load([src0, i_hk * K])                                 # [BT, K]
+    b_do = do_desc.load([src0, col_v])                                  # [BT, BV]
+    b_do = (b_do * (tl.exp(b_gc) * scale)[:, None]).to(b_q.dtype)
+    b_acc = tl.dot(tl.trans(b_q), b_do, acc=b_ds * tl.exp(b_gl))
+    b_k = k_desc.load([src0, i_hk * K])
+    b_dvn = dvl_desc.load([row0, col_v])                                # fp32
+    b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp(b_gl - b_gc)[:, None], 0.0)
+    tl.store(dvn + (rows[:, None] * HV + i_h).to(tl.int64) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty))
+    b_w = w_desc.load([row0, i_h * K])
+    return tl.dot(tl.trans(b_w), (-b_dvn).to(b_w.dtype), acc=b_acc)
+
+
+@triton.jit
+def _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
+                     i_v, state_offs, scale, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                     V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, o_v, GATHER: tl.constexpr, TMA: tl.constexpr):
+    """A chunk of the main loop: loads through `descs` = (q, k, w, do, dv_local) with TMA (full chunks only),
+    else through pointers."""
+    if TMA:
+        return _state_bwd_step_tma(descs[0], descs[1], descs[2], descs[3], descs[4], dh, dvn, gc, b_ds, i_c, c0, bos,
+                                   eos, i_h, i_hk, i_v, state_offs, scale, shift, HV, K, V, BT, BV, o_v)
+    else:
+        return _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h,
+                               i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v, GATHER)
+
+
+@triton.jit
+def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc, k_desc, w_desc, do_desc, dvl_desc,
+                      cu_seqlens, seq_chunk_start, seq_export_start, export_end_chunk,
+                      export_end_slot, row_src, row_own, seq_shift, scale, HK: tl.constexpr, HV: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr,
+                      GATHER: tl.constexpr, AFFINE: tl.constexpr, TMA: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
+    i_v = tl.program_id(1)
+    descs = (q_desc, k_desc, w_desc, do_desc, dvl_desc)
     # export segments in reverse (see state_fwd): a segment's exported end state takes its gradient before
     # the segment's last chunk, as the per-chunk injection did; the inner loops carry no bank logic
     e0 = tl.load(seq_export_start + i_n)
@@ -97,6 +143,8 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seq
     if AFFINE:  # see state_fwd: chunk 0 through the row maps (last, below), the rest at row + shift
         shift = tl.load(seq_shift + i_n)
         c_first += 1
+    # with TMA the loops take the full chunks; a partial last chunk runs masked before them (see state_fwd)
+    n_loop = (eos - bos) // BT if TMA else n_chunks
     i_e = e1 - 1
     while i_e >= e0:
         c_end = tl.load(export_end_chunk + i_e)
@@ -104,18 +152,24 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seq
         slot = tl.load(export_end_slot + i_e)  # masked, not a branch (see state_fwd)
         b_ds += tl.load(bank_grad + (tl.maximum(slot, 0) * HV + i_h) * (K * V) + state_offs,
                         mask=(state_offs * 0 + slot) >= 0, other=0.0)
-        if INTERPRET:  # see state_fwd: no loaded loop bounds in the CPU interpreter
-            i_c = c_end - 1
-            while i_c >= c_start:
-                b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos,
-                                       i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v,
+        if TMA:
+            if (n_loop >= c_start) & (n_loop < c_end):
+                b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, n_loop, c0, bos,
+                                       eos, i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v,
                                        GATHER and not AFFINE)
+        c_hi = tl.minimum(c_end, n_loop)
+        if INTERPRET:  # see state_fwd: no loaded loop bounds in the CPU interpreter
+            i_c = c_hi - 1
+            while i_c >= c_start:
+                b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0,
+                                        bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV, K, V, BT, BV, o_v,
+                                        GATHER and not AFFINE, TMA)
                 i_c -= 1
         else:
-            for i_r in range(0, c_end - c_start):
-                b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, c_end - 1 - i_r,
-                                       c0, bos, eos, i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v,
-                                       GATHER and not AFFINE)
+            for i_r in range(0, c_hi - c_start):
+                b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds,
+                                        c_hi - 1 - i_r, c0, bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV,
+                                        K, V, BT, BV, o_v, GATHER and not AFFINE, TMA)
         i_e -= 1
     if AFFINE:
         if n_chunks > 0:
@@ -151,13 +205,18 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size(), backward=True)
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
     shifts, affine = scan_row_shift(index, rows, first)
+    dense = (q, k, w, do, dv_local)
+    tma = scan_uses_tma(cfg.scan_tma and bv <= cfg.scan_tma_max_block_v, rows is not None and not affine, *dense)
+    bt = index.chunk_size
+    descs = ((rows_descriptor(q, bt, kd), rows_descriptor(k, bt, kd), rows_descriptor(w, bt, kd),
+              rows_descriptor(do, bt, bv), rows_descriptor(dv_local, bt, bv)) if tma else dense)
     if count:
         _state_bwd_kernel[(count * hv, vd // bv)](
-            q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens[first:],
+            q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, *descs, index.cu_seqlens[first:],
             index.seq_chunk_start[first:], index.seq_export_start[first:], index.export_end_chunk,
             index.export_end_slot, *row_tables(index, rows), shifts, scale, HK=hk, HV=hv,
             K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
-            AFFINE=affine, num_warps=warps, num_stages=stages)
+            AFFINE=affine, TMA=tma, num_warps=warps, num_stages=stages)
     return dh0
 
 

@@ -16,6 +16,7 @@ import triton.language as tl
 from ..interpreter_safe import interpreting
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
 from .index import row_tables, scan_row_shift
+from .tma import rows_descriptor, scan_uses_tma
 
 
 @triton.jit
@@ -47,12 +48,52 @@ def _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h,
 
 
 @triton.jit
-def _state_fwd_kernel(k, w, u, gc, h0, h0_row, h, v_new, bank, cu_seqlens, seq_chunk_start, seq_export_start,
-                      export_end_chunk, export_end_slot, row_src, seq_shift, HK: tl.constexpr, HV: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      INTERPRET: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr, H0_ROWS: tl.constexpr):
+def _state_fwd_step_tma(k_desc, w_desc, u_desc, h, v_new, gc, b_s, i_c, c0, bos, i_h, i_hk, i_v, state_offs, shift,
+                        HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, o_v):
+    """_state_fwd_step on a full chunk (every row inside the sequence, read at packed row + `shift`), its loads
+    through tensor descriptors (tma.py) and its stores unmasked: the same arithmetic in the same order, so the
+    same bits (GPU-checked), without per-element load addresses or masks. (h and v_new stored through
+    descriptors too were slower: the staging buffers add a barrier and a wait per chunk.)"""
+    ic = (c0 + i_c).to(tl.int64)
+    row0 = (bos + i_c * BT).to(tl.int32)
+    col_v = i_h * V + i_v * BV
+    tl.store(h + (ic * HV + i_h) * (K * V) + state_offs, b_s.to(h.dtype.element_ty))
+    b_w = w_desc.load([row0, i_h * K])                                  # [BT, K]
+    b_u = u_desc.load([row0, col_v])                                    # [BT, BV]
+    b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_s.to(b_w.dtype))
+    rows = row0 + tl.arange(0, BT)
+    tl.store(v_new + (rows[:, None] * HV + i_h).to(tl.int64) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty))
+    b_gc = tl.load(gc + rows * HV + i_h)
+    b_gl = tl.load(gc + (row0 + BT - 1) * HV + i_h)
+    b_k = k_desc.load([(row0 + shift).to(tl.int32), i_hk * K])         # [BT, K]
+    b_vd = b_vn * tl.exp(b_gl - b_gc)[:, None]
+    return b_s * tl.exp(b_gl) + tl.dot(tl.trans(b_k), b_vd.to(b_k.dtype))
+
+
+@triton.jit
+def _state_fwd_chunk(k, w, u, gc, h, v_new, descs, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, i_v, state_offs,
+                     shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BV: tl.constexpr, o_v, GATHER: tl.constexpr, TMA: tl.constexpr):
+    """A chunk of the main loop: loads through the descriptors `descs` = (k, w, u) with TMA (the loop then holds
+    full chunks only), else through pointers."""
+    if TMA:
+        return _state_fwd_step_tma(descs[0], descs[1], descs[2], h, v_new, gc, b_s, i_c, c0, bos, i_h, i_hk, i_v,
+                                   state_offs, shift, HV, K, V, BT, BV, o_v)
+    else:
+        return _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
+                               shift, HK, HV, K, V, BT, o_v, GATHER)
+
+
+@triton.jit
+def _state_fwd_kernel(k, w, u, gc, h0, h0_row, h, v_new, bank, k_desc, w_desc, u_desc, cu_seqlens,
+                      seq_chunk_start, seq_export_start, export_end_chunk, export_end_slot, row_src, seq_shift,
+                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BV: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr,
+                      H0_ROWS: tl.constexpr, TMA: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
+    i_v = tl.program_id(1)
+    descs = (k_desc, w_desc, u_desc)
     # the chunks in export segments (index.GDNIndex): the inner loop has no per-chunk bank logic, so Triton
     # can prefetch its loads `num_stages - 1` chunks ahead
     e0 = tl.load(seq_export_start + i_n)
@@ -69,20 +110,27 @@ def _state_fwd_kernel(k, w, u, gc, h0, h0_row, h, v_new, bank, cu_seqlens, seq_c
         if n_chunks > 0:
             b_s = _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, 0, c0, bos, eos, i_h, i_hk, state_offs,
                                   e0 * 0, HK, HV, K, V, BT, o_v, True)
+    # with TMA the loops take the full chunks and a partial last chunk runs masked after them
+    n_loop = (eos - bos) // BT if TMA else n_chunks
     c_start = e0 * 0
     i_e = e0
     while i_e < e1:  # a while loop: the interpreter takes no loaded bound in range() (numpy >= 2.4)
         c_end = tl.load(export_end_chunk + i_e)
+        c_lo = tl.maximum(c_start, c_first)
         if INTERPRET:
-            i_c = tl.maximum(c_start, c_first)
-            while i_c < c_end:
-                b_s = _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
-                                      shift, HK, HV, K, V, BT, o_v, GATHER and not AFFINE)
+            i_c = c_lo
+            while i_c < tl.minimum(c_end, n_loop):
+                b_s = _state_fwd_chunk(k, w, u, gc, h, v_new, descs, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, i_v,
+                                       state_offs, shift, HK, HV, K, V, BT, BV, o_v, GATHER and not AFFINE, TMA)
                 i_c += 1
         else:  # a for loop, which Triton software-pipelines
-            for i_c in range(tl.maximum(c_start, c_first), c_end):
-                b_s = _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, state_offs,
-                                      shift, HK, HV, K, V, BT, o_v, GATHER and not AFFINE)
+            for i_c in range(c_lo, tl.minimum(c_end, n_loop)):
+                b_s = _state_fwd_chunk(k, w, u, gc, h, v_new, descs, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, i_v,
+                                       state_offs, shift, HK, HV, K, V, BT, BV, o_v, GATHER and not AFFINE, TMA)
+        if TMA:
+            if (n_loop >= c_lo) & (n_loop < c_end):
+                b_s = _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, n_loop, c0, bos, eos, i_h, i_hk,
+                                      state_offs, shift, HK, HV, K, V, BT, o_v, GATHER and not AFFINE)
         slot = tl.load(export_end_slot + i_e)
         # masked, not a branch (the mask is a tile: the interpreter takes no scalar masks)
         tl.store(bank + (tl.maximum(slot, 0) * HV + i_h) * (K * V) + state_offs, b_s,
@@ -142,14 +190,18 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
                torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32))
     h, v_new, bank = out
     shifts, affine = scan_row_shift(index, rows, first)
+    tma = scan_uses_tma(cfg.scan_tma and bv <= cfg.scan_tma_max_block_v, rows is not None and not affine, k, w, u)
+    bt = index.chunk_size
+    descs = ((rows_descriptor(k, bt, kd), rows_descriptor(w, bt, kd), rows_descriptor(u, bt, bv)) if tma
+             else (k, w, u))
     if count:
         _state_fwd_kernel[(count * hv, vd // bv)](
             k, w, u, gc, initial_state, initial_state if initial_rows is None else initial_rows, h, v_new, bank,
-            index.cu_seqlens[first:], index.seq_chunk_start[first:],
+            *descs, index.cu_seqlens[first:], index.seq_chunk_start[first:],
             index.seq_export_start[first:], index.export_end_chunk, index.export_end_slot, row_tables(index, rows)[0],
             shifts, HK=hk, HV=hv, K=kd, V=vd,
-            BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None, AFFINE=affine,
-            H0_ROWS=initial_rows is not None, num_warps=warps, num_stages=stages)
+            BT=bt, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None, AFFINE=affine,
+            H0_ROWS=initial_rows is not None, TMA=tma, num_warps=warps, num_stages=stages)
     return h, v_new, bank
 
 
