@@ -273,6 +273,9 @@ def main():
                              "with their streams, per config")
     parser.add_argument("--profile", action="store_true",
                         help="with --trees-only: device ms per kernel of the first selected case, per config")
+    parser.add_argument("--checks-only", action="store_true",
+                        help="only the correctness checks: bf16 vs the fp32 reference (and fla's error) at up to 32k "
+                             "tokens, and tree == trajectory-wise bitwise")
     parser.add_argument("--trees-only", nargs="*", metavar="CASE",
                         help="only the tree timings, of the cases whose names contain one of these words")
     args = parser.parse_args()
@@ -284,6 +287,11 @@ def main():
         (label, cfg) for key, (label, cfg) in VARIANTS
         if not args.variants or any(w == key or w in label for w in args.variants)]
     configs = [("default", GDNKernelConfig())] + variants
+    if args.checks_only:
+        ok, worst = check_against_reference(fla, log)
+        print(f"\n== checks: within bound {ok}, worst ours/fla error ratio {worst:.2f}, "
+              f"tree bitwise {check_tree_bitwise(log)} ==")
+        return
     if args.trees_only is not None:
         for label, cfg in configs:
             bench_trees(fla if label == "default" else None, log, cfg, label, only=args.trees_only)

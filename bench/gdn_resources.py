@@ -24,7 +24,12 @@ POINTERS = {
 }
 SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32"}
 BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64,
-            SILU=True, GATHER=False, AFFINE=False, H0_ROWS=False)
+            SILU=True, GATHER=False, AFFINE=False, H0_ROWS=False, TMA=False)
+
+
+# the scans' tensor descriptors (chunk_gdn/tma.py) with TMA=1: tile rows and columns by constexpr name
+DESCRIPTORS = {"k_desc": ("BT", "K"), "w_desc": ("BT", "K"), "q_desc": ("BT", "K"), "u_desc": ("BT", "BV"),
+               "do_desc": ("BT", "BV"), "dvl_desc": ("BT", "BV")}
 
 
 def signature_of(fn, constexprs, overrides, data_kind="bf16"):
@@ -32,6 +37,9 @@ def signature_of(fn, constexprs, overrides, data_kind="bf16"):
     for name in inspect.signature(fn.fn).parameters:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif constexprs.get("TMA") and name in DESCRIPTORS:
+            rows, cols = (constexprs[c] for c in DESCRIPTORS[name])
+            sig[name] = f"tensordesc<{'fp32' if name == 'dvl_desc' else data_kind}[{rows},{cols}]>"
         elif name in overrides:
             sig[name] = overrides[name]
         elif name in SCALARS:
