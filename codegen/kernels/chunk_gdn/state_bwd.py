@@ -132,6 +132,7 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
     i_v = tl.program_id(1)
+    tl.static_assert(not (TMA and GATHER and not AFFINE), "descriptor loads read rows in place: no row maps")
     descs = (q_desc, k_desc, w_desc, do_desc, dvl_desc)
     # export segments in reverse (see state_fwd): a segment's exported end state takes its gradient before
     # the segment's last chunk, as the per-chunk injection did; the inner loops carry no bank logic

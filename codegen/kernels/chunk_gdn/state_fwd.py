@@ -93,6 +93,7 @@ def _state_fwd_kernel(k, w, u, gc, h0, h0_row, h, v_new, bank, k_desc, w_desc, u
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
     i_v = tl.program_id(1)
+    tl.static_assert(not (TMA and GATHER and not AFFINE), "descriptor loads read rows in place: no row maps")
     descs = (k_desc, w_desc, u_desc)
     # the chunks in export segments (index.GDNIndex): the inner loop has no per-chunk bank logic, so Triton
     # can prefetch its loads `num_stages - 1` chunks ahead
