@@ -45,7 +45,7 @@ LAUNCHES = [(16, 2), (32, 2), (16, 4), (32, 4), (64, 4)]  # (columns, warps); 64
 
 def forced(block_v: int, warps: int, stages: int, tma: bool = GDNKernelConfig.scan_tma) -> GDNKernelConfig:
     """A config whose scans always launch with (block_v, warps, stages), with or without descriptor loads
-    (`tma`: GDNKernelConfig.scan_tma), whatever the program count; past 3 stages (16 columns only:
+    at any width (`tma`: GDNKernelConfig.scan_tma), whatever the program count; past 3 stages (16 columns only:
     GDNKernelConfig.narrow_scan_stages) the backward scan stops at 4."""
     if stages > 3:
         return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_min_programs=0, scan_tma=tma,

@@ -17,7 +17,7 @@ import triton.language as tl
 from ..interpreter_safe import interpreting
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
 from .index import row_tables, scan_row_shift
-from .tma import rows_descriptor, scan_uses_tma
+from .tma import scan_descriptors
 
 
 @triton.jit
@@ -206,11 +206,8 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size(), backward=True)
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
     shifts, affine = scan_row_shift(index, rows, first)
-    dense = (q, k, w, do, dv_local)
-    tma = scan_uses_tma(cfg.scan_tma and bv <= cfg.scan_tma_max_block_v, rows is not None and not affine, *dense)
-    bt = index.chunk_size
-    descs = ((rows_descriptor(q, bt, kd), rows_descriptor(k, bt, kd), rows_descriptor(w, bt, kd),
-              rows_descriptor(do, bt, bv), rows_descriptor(dv_local, bt, bv)) if tma else dense)
+    tma, descs = scan_descriptors(cfg, bv, index.chunk_size, rows is not None and not affine,
+                                  ((q, kd), (k, kd), (w, kd), (do, bv), (dv_local, bv)))
     if count:
         _state_bwd_kernel[(count * hv, vd // bv)](
             q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, *descs, index.cu_seqlens[first:],

@@ -16,7 +16,7 @@ import triton.language as tl
 from ..interpreter_safe import interpreting
 from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
 from .index import row_tables, scan_row_shift
-from .tma import rows_descriptor, scan_uses_tma
+from .tma import scan_descriptors
 
 
 @triton.jit
@@ -191,17 +191,15 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
                torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32))
     h, v_new, bank = out
     shifts, affine = scan_row_shift(index, rows, first)
-    tma = scan_uses_tma(cfg.scan_tma and bv <= cfg.scan_tma_max_block_v, rows is not None and not affine, k, w, u)
-    bt = index.chunk_size
-    descs = ((rows_descriptor(k, bt, kd), rows_descriptor(w, bt, kd), rows_descriptor(u, bt, bv)) if tma
-             else (k, w, u))
+    tma, descs = scan_descriptors(cfg, bv, index.chunk_size, rows is not None and not affine,
+                                  ((k, kd), (w, kd), (u, bv)))
     if count:
         _state_fwd_kernel[(count * hv, vd // bv)](
             k, w, u, gc, initial_state, initial_state if initial_rows is None else initial_rows, h, v_new, bank,
             *descs, index.cu_seqlens[first:], index.seq_chunk_start[first:],
             index.seq_export_start[first:], index.export_end_chunk, index.export_end_slot, row_tables(index, rows)[0],
             shifts, HK=hk, HV=hv, K=kd, V=vd,
-            BT=bt, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None, AFFINE=affine,
+            BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None, AFFINE=affine,
             H0_ROWS=initial_rows is not None, TMA=tma, num_warps=warps, num_stages=stages)
     return h, v_new, bank
 
