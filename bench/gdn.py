@@ -288,9 +288,11 @@ def main():
         if not args.variants or any(w == key or w in label for w in args.variants)]
     configs = [("default", GDNKernelConfig())] + variants
     if args.checks_only:
-        ok, worst = check_against_reference(fla, log)
-        print(f"\n== checks: within bound {ok}, worst ours/fla error ratio {worst:.2f}, "
-              f"tree bitwise {check_tree_bitwise(log)} ==")
+        results = [(label, *check_against_reference(fla, log, cfg, label=label), check_tree_bitwise(log, cfg))
+                   for label, cfg in configs]
+        print("\n== checks ==")
+        for label, ok, worst, bitwise in results:
+            print(f"[{label}] within bound {ok}, worst ours/fla error ratio {worst:.2f}, tree bitwise {bitwise}")
         return
     if args.trees_only is not None:
         for label, cfg in configs:

@@ -24,7 +24,7 @@ POINTERS = {
 }
 SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32"}
 BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64,
-            SILU=True, GATHER=False, AFFINE=False, H0_ROWS=False, TMA=False)
+            SILU=True, GATHER=False, AFFINE=False, H0_ROWS=False, TMA=False, QDO=0)
 
 
 # the scans' tensor descriptors (chunk_gdn/tma.py) with TMA=1: tile rows and columns by constexpr name

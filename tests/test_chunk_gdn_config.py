@@ -35,10 +35,17 @@ def test_scan_stages_fit_shared_memory():
 @pytest.mark.parametrize("field, value", [("bwd_qk_block_k", 24), ("wy_kkt_block_k", 8), ("wy_kkt_block_k", 0),
                                          ("scan_block_v", 8), ("scan_block_v", 48), ("scan_block_v", 0),
                                          ("scan_warps", 3), ("scan_min_programs", -1), ("scan_num_stages", 4),
-                                         ("scan_num_stages", -1)])
+                                         ("scan_num_stages", -1), ("scan_q_do_precision", "tf32")])
 def test_bad_key_blocks_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         GDNKernelConfig(**{field: value})
+
+
+def test_q_do_precision_by_call():
+    """"auto" pays for the hi + lo q^T do only in calls that return d(initial state)."""
+    codes = {p: [GDNKernelConfig(scan_q_do_precision=p).scan_q_do_code(wanted) for wanted in (False, True)]
+             for p in ("auto", "bf16", "bf16x2")}
+    assert codes == {"auto": [0, 1], "bf16": [0, 0], "bf16x2": [1, 1]}
 
 
 def test_lanes_are_contiguous_blocks_of_trees():

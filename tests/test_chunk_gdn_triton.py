@@ -180,3 +180,19 @@ def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
                                         use_qk_l2norm=True))
     for name, a, b in zip(NAMES, *results):
         assert torch.equal(a, b), name
+
+
+def test_precise_q_do_remainder_is_zero_in_fp32():
+    """The backward scan's bf16 hi + lo q^T do (GDNKernelConfig.scan_q_do_precision "bf16x2"): the interpreter
+    runs fp32 operands, whose remainder is exactly 0, so the second dot must add nothing: the same bits as one
+    dot, every gradient (a wrong operand in the second dot would double or drop the term)."""
+    lengths = [200, 5, 130]
+    tensors, cu = make_inputs(lengths, hk=1, hv=2, kd=16, vd=32, seed=10)
+    export_seq, export_offset = torch.tensor([0, 2]), torch.tensor([64, 128])
+    results = []
+    for precision, block_v in (("bf16", 32), ("bf16x2", 32), ("bf16x2", 16)):
+        config = GDNKernelConfig(scan_q_do_precision=precision, scan_block_v=block_v, scan_min_programs=0)
+        index = prepare_gdn_index(cu, export_seq, export_offset, config=config)
+        results.append(forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, index=index))
+    for name, a, b, c in zip(NAMES, *results):
+        assert torch.equal(a, b) and torch.equal(a, c), name

@@ -61,7 +61,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             else:  # duplicates summed in a fixed order (index_add_ may use atomics on CUDA)
                 for e, slot in enumerate(index.export_slot_host):
                     bank_grad[slot] += d_exported[e]
-        dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank_grad, ctx.scale, index)
+        dh, dvn, dh0 = state_bwd(q, k, w, gc, do, bank_grad, ctx.scale, index, ctx.needs_input_grad[5])
         dq, dk, dv, dbeta, dg = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index)
         q_dt, k_dt, v_dt, g_dt, beta_dt, h0_dt = ctx.dtypes
         hk = q.shape[1]

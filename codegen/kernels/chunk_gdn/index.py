@@ -14,6 +14,9 @@ import torch
 from .inputs import check_exports
 
 
+Q_DO_PRECISIONS = ("auto", "bf16", "bf16x2")  # GDNKernelConfig.scan_q_do_precision
+
+
 @dataclass(frozen=True)
 class GDNKernelConfig:
     """Launch configuration: fixed per plan (never autotuned), so equal chunks give equal bits in any call.
@@ -72,6 +75,13 @@ class GDNKernelConfig:
     # on sm_90a (232 B fwd, 504 B bwd), so 32 keeps the wide launches on pointers
     scan_tma: bool = True
     scan_tma_max_block_v: int = 32
+    # the backward scan's (scale exp(gc) q)^T do (state_bwd._decayed_q_do): "bf16" rounds the decayed do to bf16
+    # (one wgmma; d(initial state) at 32k tokens then has 1.2x fla's error, 2.93e-3 vs 2.43e-3), "bf16x2" adds
+    # its bf16 remainder in a second wgmma (2.39e-3: at or below fla's; but tree steps P16384 3.81-3.82 vs 3.76
+    # ms, agentic 9.07-9.09 vs 9.00-9.01; H200 2026-12-01, bench/gdn.py --variants qdo_bf16x2), "auto" =
+    # bf16x2 only in calls that return d(initial state) (an initial state that requires grad), the one
+    # gradient whose error it changes beyond noise. tf32 (as fla): 2.42e-3, and slower than bf16x2.
+    scan_q_do_precision: str = "auto"
 
     def __post_init__(self):
         if self.bwd_qk_block_k and (self.bwd_qk_block_k < 16 or self.bwd_qk_block_k & (self.bwd_qk_block_k - 1)):
@@ -90,6 +100,9 @@ class GDNKernelConfig:
             if not 0 <= depth <= most:
                 raise ValueError(f"GDNKernelConfig.narrow_scan_stages: the {name} depth must be 0 (as "
                                  f"scan_num_stages) or 1-{most}, got {depth}")
+        if self.scan_q_do_precision not in Q_DO_PRECISIONS:
+            raise ValueError(f"GDNKernelConfig.scan_q_do_precision must be one of {Q_DO_PRECISIONS}, "
+                             f"got {self.scan_q_do_precision!r}")
         if self.scan_min_programs < 0:
             raise ValueError(f"GDNKernelConfig.scan_min_programs must be >= 0, got {self.scan_min_programs}")
         if self.tree_scan_lanes < 1:
@@ -97,6 +110,12 @@ class GDNKernelConfig:
         if self.wy_kkt_block_k < 16 or self.wy_kkt_block_k & (self.wy_kkt_block_k - 1):
             raise ValueError(f"GDNKernelConfig.wy_kkt_block_k must be a power of two >= 16 (tl.dot, tl.arange), "
                              f"got {self.wy_kkt_block_k}")
+
+    def scan_q_do_code(self, initial_state_grad: bool) -> int:
+        """The backward scan's QDO constexpr (1: the bf16 hi + lo q^T do) in a call that does (or does not)
+        return the initial-state gradient."""
+        precision = self.scan_q_do_precision
+        return int(precision == "bf16x2" or (precision == "auto" and initial_state_grad))
 
     def scan_launch_for(self, num_seqs: int, value_heads: int, value_dim: int,
                         element_size: int, backward: bool = False) -> tuple[int, int, int]:

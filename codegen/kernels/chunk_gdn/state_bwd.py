@@ -45,9 +45,21 @@ def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, 
 
 
 @triton.jit
+def _decayed_q_do(b_qt, b_dos, b_acc, QDO: tl.constexpr):
+    """b_acc + q^T b_dos, b_qt [K, BT] bf16 and b_dos = scale exp(gc) do [BT, BV] fp32. QDO 0 rounds b_dos to
+    bf16 (one wgmma; 2^-9 relative per element, the largest rounding in d(initial state): 1.2x fla's error,
+    whose q^T do runs in tf32); QDO 1 adds the bf16 remainder in a second wgmma (~2^-17, below fla's)."""
+    b_hi = b_dos.to(b_qt.dtype)
+    b_acc = tl.dot(b_qt, b_hi, acc=b_acc)
+    if QDO:
+        b_acc = tl.dot(b_qt, (b_dos - b_hi.to(tl.float32)).to(b_qt.dtype), acc=b_acc)
+    return b_acc
+
+
+@triton.jit
 def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
                     state_offs, scale, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BT: tl.constexpr, o_v, GATHER: tl.constexpr):
+                    BT: tl.constexpr, o_v, GATHER: tl.constexpr, QDO: tl.constexpr):
     """One chunk of the reverse scan; q, k and do are read at the row maps (GATHER) or at packed row + `shift`."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
@@ -67,8 +79,7 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 
     # k dS; the row scaling goes on the [BT, BV] do tile (fewer registers than q^T)
     b_qt = tl.load(q + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
-    b_do = (b_do * (tl.exp(b_gc) * scale)[:, None]).to(b_qt.dtype)
-    b_acc = tl.dot(b_qt, b_do, acc=b_ds * tl.exp(b_gl))
+    b_acc = _decayed_q_do(b_qt, b_do * (tl.exp(b_gc) * scale)[:, None], b_ds * tl.exp(b_gl), QDO)
 
     b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_dvn = tl.load(dv_local + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
@@ -84,7 +95,7 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 
 @triton.jit
 def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dh, dvn, gc, b_ds, i_c, c0, bos, eos, i_h, i_hk,
                         i_v, state_offs, scale, shift, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BT: tl.constexpr, BV: tl.constexpr, o_v):
+                        BT: tl.constexpr, BV: tl.constexpr, o_v, QDO: tl.constexpr):
     """_state_bwd_step on a full chunk, its loads through tensor descriptors (see state_fwd._state_fwd_step_tma):
     the same arithmetic in the same order. The row mask stays on the k dS term although every row is inside:
     without the select, ptxas contracts dv_local + (k dS) exp(..) into one FMA, which rounds differently."""
@@ -99,8 +110,7 @@ def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dh, dvn, gc, 
     b_gl = tl.load(gc + (row0 + BT - 1) * HV + i_h)
     b_q = q_desc.load([src0, i_hk * K])                                 # [BT, K]
     b_do = do_desc.load([src0, col_v])                                  # [BT, BV]
-    b_do = (b_do * (tl.exp(b_gc) * scale)[:, None]).to(b_q.dtype)
-    b_acc = tl.dot(tl.trans(b_q), b_do, acc=b_ds * tl.exp(b_gl))
+    b_acc = _decayed_q_do(tl.trans(b_q), b_do * (tl.exp(b_gc) * scale)[:, None], b_ds * tl.exp(b_gl), QDO)
     b_k = k_desc.load([src0, i_hk * K])
     b_dvn = dvl_desc.load([row0, col_v])                                # fp32
     b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp(b_gl - b_gc)[:, None], 0.0)
@@ -112,15 +122,16 @@ def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dh, dvn, gc, 
 @triton.jit
 def _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
                      i_v, state_offs, scale, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                     V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, o_v, GATHER: tl.constexpr, TMA: tl.constexpr):
+                     V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, o_v, GATHER: tl.constexpr, TMA: tl.constexpr,
+                     QDO: tl.constexpr):
     """A chunk of the main loop: loads through `descs` = (q, k, w, do, dv_local) with TMA (full chunks only),
     else through pointers."""
     if TMA:
         return _state_bwd_step_tma(descs[0], descs[1], descs[2], descs[3], descs[4], dh, dvn, gc, b_ds, i_c, c0, bos,
-                                   eos, i_h, i_hk, i_v, state_offs, scale, shift, HV, K, V, BT, BV, o_v)
+                                   eos, i_h, i_hk, i_v, state_offs, scale, shift, HV, K, V, BT, BV, o_v, QDO)
     else:
         return _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h,
-                               i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v, GATHER)
+                               i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v, GATHER, QDO)
 
 
 @triton.jit
@@ -128,7 +139,7 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc
                       cu_seqlens, seq_chunk_start, seq_export_start, export_end_chunk,
                       export_end_slot, row_src, row_own, seq_shift, scale, HK: tl.constexpr, HV: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr,
-                      GATHER: tl.constexpr, AFFINE: tl.constexpr, TMA: tl.constexpr):
+                      GATHER: tl.constexpr, AFFINE: tl.constexpr, TMA: tl.constexpr, QDO: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
     i_v = tl.program_id(1)
@@ -157,25 +168,25 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc
             if (n_loop >= c_start) & (n_loop < c_end):
                 b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, n_loop, c0, bos,
                                        eos, i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v,
-                                       GATHER and not AFFINE)
+                                       GATHER and not AFFINE, QDO)
         c_hi = tl.minimum(c_end, n_loop)
         if INTERPRET:  # see state_fwd: no loaded loop bounds in the CPU interpreter
             i_c = c_hi - 1
             while i_c >= c_start:
                 b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0,
                                         bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV, K, V, BT, BV, o_v,
-                                        GATHER and not AFFINE, TMA)
+                                        GATHER and not AFFINE, TMA, QDO)
                 i_c -= 1
         else:
             for i_r in range(0, c_hi - c_start):
                 b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds,
                                         c_hi - 1 - i_r, c0, bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV,
-                                        K, V, BT, BV, o_v, GATHER and not AFFINE, TMA)
+                                        K, V, BT, BV, o_v, GATHER and not AFFINE, TMA, QDO)
         i_e -= 1
     if AFFINE:
         if n_chunks > 0:
             b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 0, c0, bos, eos,
-                                   i_h, i_hk, state_offs, scale, e0 * 0, HK, HV, K, V, BT, o_v, True)
+                                   i_h, i_hk, state_offs, scale, e0 * 0, HK, HV, K, V, BT, o_v, True, QDO)
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
@@ -194,11 +205,13 @@ def dv_local_bwd(q, k, gc, do, scale, index, rows=None):
 
 
 def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, *,
-                   seqs: tuple[int, int] | None = None, rows=None, launch_seqs: int | None = None):
+                   seqs: tuple[int, int] | None = None, rows=None, launch_seqs: int | None = None,
+                   initial_state_grad: bool = False):
     """The reverse scan of sequences `seqs` = (first, count) of `index` (default: all) into the shared dh
     [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32.
     `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and `rows.own`.
-    `launch_seqs`: as in state_fwd."""
+    `launch_seqs`: as in state_fwd. `initial_state_grad`: the caller returns the initial-state gradients
+    (GDNKernelConfig.scan_q_do_precision "auto" then takes the precise q^T do)."""
     _, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
     first, count = seqs if seqs is not None else (0, index.num_seqs)
@@ -214,15 +227,17 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
             index.seq_chunk_start[first:], index.seq_export_start[first:], index.export_end_chunk,
             index.export_end_slot, *row_tables(index, rows), shifts, scale, HK=hk, HV=hv,
             K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
-            AFFINE=affine, TMA=tma, num_warps=warps, num_stages=stages)
+            AFFINE=affine, TMA=tma, QDO=cfg.scan_q_do_code(initial_state_grad), num_warps=warps, num_stages=stages)
     return dh0
 
 
-def state_bwd(q, k, w, gc, do, bank_grad, scale, index):
-    """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32."""
+def state_bwd(q, k, w, gc, do, bank_grad, scale, index, initial_state_grad: bool = True):
+    """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32
+    (`initial_state_grad`: see state_bwd_scan)."""
     hv, kd, vd = do.shape[1], q.shape[2], do.shape[2]
     dv_local = dv_local_bwd(q, k, gc, do, scale, index)
     dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
     dvn = torch.empty_like(do)
-    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn)
+    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn,
+                         initial_state_grad=initial_state_grad)
     return dh, dvn, dh0
