@@ -18,7 +18,7 @@ import torch
 import triton
 
 from common import import_fla_gdn, kernel_ms
-from gdn_cases import CONFIG_VARIANTS, agentic_trees, make_inputs, tree_case
+from gdn_cases import CONFIG_VARIANTS, make_inputs, tree_case, tree_cases
 from gdn_profile import profile_section, timeline_section
 from harts_compiler.codegen.kernels.chunk_gdn import (
     GDNKernelConfig,
@@ -32,7 +32,6 @@ from harts_compiler.codegen.kernels.chunk_gdn.two_level import (run_trajectories
 
 CUDA = torch.device("cuda")
 GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
-ANCHORS = [(4096, 8, 3584), (16384, 8, 2048), (2048, 16, 1920)]
 
 
 def load_fla():
@@ -144,12 +143,6 @@ def timed(fn, leaves, outputs_grad):
         outs = fn(*leaves)
         torch.autograd.grad(outs, leaves, outputs_grad(outs))
     return kernel_ms(step, CUDA, rep_ms=300, warmup_ms=50)
-
-
-def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
-    """(name, trees) of the anchors and the agentic batch, those whose names contain a word of `only`."""
-    cases = [(f"P{p} B{b} L{l}", [(p, b, l)]) for p, b, l in ANCHORS] + [("agentic 6 trees", agentic_trees())]
-    return [case for case in cases if not only or any(word in case[0] for word in only)]
 
 
 # launch configurations timed with --variants, each against the default in the same run

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (LENGTH_SCALE, TINY_GENERATOR, format_table, kernel_ms, plan_microbatches,  # noqa: E402
                     prefix_forest, sized_batch, trajectory_microbatches)
-from gdn_cases import CONFIG_VARIANTS  # noqa: E402
+from gdn_cases import CONFIG_VARIANTS, tree_batch, tree_cases  # noqa: E402
 
 from harts_compiler.runtime.ops.linear_attention import gated_delta_rule_rounds, plan_linear_rounds  # noqa: E402
 
@@ -75,33 +75,45 @@ def run_preset(preset: str, args) -> dict:
     scale = overrides.pop("scale")
     batch, tasks = sized_batch(preset, args.target_tokens, length_scale=scale, vocab_size=1000, seed=args.seed,
                                **overrides)
+    return measure_batch(preset, batch, args.microbatch_tokens, args, tasks=tasks)
+
+
+def run_trees(name: str, trees, args) -> dict:
+    """bench/gdn.py's tree case `name` as the compiler plans it (one microbatch: the budget holds every
+    trajectory), where gdn.py runs its hand-made two-round plan (two_level.py: every branch a new sequence)."""
+    batch = tree_batch(trees, seed=args.seed)
+    return measure_batch(name, batch, int(batch.lengths.sum()), args, tasks=len(trees))
+
+
+def measure_batch(name: str, batch, budget: int, args, **extra) -> dict:
     shape = dict(chunk_size=64, conv_width=4)
-    plan, tree_indices, *_ = plan_microbatches(batch, args.microbatch_tokens, args.device, **shape)
-    traj_indices = trajectory_microbatches(batch, args.microbatch_tokens, args.device, **shape)
+    plan, tree_indices, *_ = plan_microbatches(batch, budget, args.device, **shape)
+    traj_indices = trajectory_microbatches(batch, budget, args.device, **shape)
     distinct = prefix_forest(batch).num_tokens
-    row = dict(preset=preset, tasks=tasks, trajectory_tokens=plan.stats["trajectory_tokens"], compact=distinct,
+    row = dict(preset=name, **extra, trajectory_tokens=plan.stats["trajectory_tokens"], compact=distinct,
                rounds=plan.stats["rounds"], ideal=plan.stats["trajectory_tokens"] / distinct)
     # the chunk-parallel kernels cost per chunk: each sequence of a round ends in a partial chunk and a branch
     # replays up to 63 rows, so the chunk ratio, not the token ratio, bounds tree mode's GDN speedup
     row["chunk_ratio"] = chunk_count(traj_indices) / chunk_count(tree_indices)
+    row["sequences"] = [[r.cu_seqlens.numel() - 1 for r in index.rounds] for index in tree_indices]
     if args.chunks_only:
-        print(f"[{preset}] {row}", flush=True)
+        print(f"[{name}] {row}", flush=True)
         return row
     row.update(traj_ms=microbatches_ms(traj_indices, args), tree_ms=microbatches_ms(tree_indices, args))
     row["of_ideal"] = row["traj_ms"] / row["tree_ms"] / row["ideal"]
-    for name in args.compare:  # tree mode under an earlier default (COMPARE)
-        row[f"{name}_ms"] = microbatches_ms(tree_indices, args, config=COMPARE[name])
-        row[f"{name}_of_ideal"] = row["traj_ms"] / row[f"{name}_ms"] / row["ideal"]
+    for variant in args.compare:  # tree mode under an earlier default (COMPARE)
+        row[f"{variant}_ms"] = microbatches_ms(tree_indices, args, config=COMPARE[variant])
+        row[f"{variant}_of_ideal"] = row["traj_ms"] / row[f"{variant}_ms"] / row["ideal"]
     if args.segment_chunks:
         row["seg_ms"] = microbatches_ms(tree_indices, args, args.segment_chunks)
         row["seg_of_ideal"] = row["traj_ms"] / row["seg_ms"] / row["ideal"]
-    print(f"[{preset}] {row}", flush=True)
+    print(f"[{name}] {row}", flush=True)
     if args.profile and args.device.type == "cuda":  # where a tree microbatch's time goes, kernel by kernel
         from gdn_profile import compare
         largest = [max(indices, key=lambda ix: ix.num_tokens) for indices in (traj_indices, tree_indices)]
-        print(f"[{preset}] device ms per kernel, largest microbatch of each mode "
+        print(f"[{name}] device ms per kernel, largest microbatch of each mode "
               f"({largest[0].num_tokens} / {largest[1].num_tokens} tokens, {len(largest[1].rounds)} rounds; "
-              f"sequences per round {[r.cu_seqlens.numel() - 1 for r in largest[1].rounds]})")
+              f"sequences per round {row['sequences'][tree_indices.index(largest[1])]})")
         compare({"traj": gdn_step(largest[0], args, 0), "tree": gdn_step(largest[1], args, 0)}, top=12)
     return row
 
@@ -110,7 +122,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="toy batches and heads (CPU smoke test)")
-    p.add_argument("--presets", nargs="+", default=["swe", "tau2"], choices=sorted(LENGTH_SCALE))
+    p.add_argument("--presets", nargs="*", default=["swe", "tau2"], choices=sorted(LENGTH_SCALE))
+    p.add_argument("--trees", nargs="*", default=[], metavar="WORD",
+                   help="also bench/gdn.py's tree cases whose names contain a word (agentic, P16384, ...), planned "
+                        "by the compiler as one microbatch")
+    p.add_argument("--heads", type=int, nargs=2, default=None, metavar=("HK", "HV"),
+                   help="GDN key / value heads (default 16 / 32 as BENCH_MODEL; bench/gdn.py runs 16 / 16)")
     p.add_argument("--target-tokens", type=int, default=None, help="trajectory tokens per batch (default 96k)")
     p.add_argument("--microbatch-tokens", type=int, default=16384)
     p.add_argument("--segment-chunks", type=int, default=8, help="0: do not time the segmented tree mode")
@@ -124,9 +141,11 @@ def main(argv=None) -> None:
     args.device = torch.device(args.device)
     args.compare = list(dict.fromkeys(args.compare + (["gathers"] if args.gathers else [])))
     args.target_tokens = args.target_tokens or (300 if args.tiny else 96 * 1024)
-    args.heads, args.dims = ((1, 2), (16, 16)) if args.tiny else ((16, 32), (128, 128))
+    heads, args.dims = ((1, 2), (16, 16)) if args.tiny else ((16, 32), (128, 128))
+    args.heads = tuple(args.heads) if args.heads else heads
     args.dtype = torch.float32 if args.device.type == "cpu" else torch.bfloat16
     rows = [run_preset(preset, args) for preset in args.presets]
+    rows += [run_trees(name, trees, args) for name, trees in tree_cases(args.trees) if args.trees]
     columns = [("preset", "preset"), ("trajectory_tokens", "traj tok"), ("compact", "distinct"),
                ("rounds", "rounds"), ("ideal", "ideal"), ("chunk_ratio", "chunk ratio")]
     if args.chunks_only:

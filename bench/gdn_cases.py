@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
@@ -30,6 +31,33 @@ CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
     "qdo_bf16": ("backward scan q^T do in bf16 always", GDNKernelConfig(scan_q_do_precision="bf16")),
     "qdo_bf16x2": ("backward scan q^T do as bf16 hi + lo always", GDNKernelConfig(scan_q_do_precision="bf16x2")),
 }
+
+
+# GPU.md's anchor trees (P, B, L): a root of P tokens and B branches of L tokens each
+ANCHORS = [(4096, 8, 3584), (16384, 8, 2048), (2048, 16, 1920)]
+
+
+def tree_cases(only: list[str] | None = None) -> list[tuple[str, list]]:
+    """(name, trees) of the anchors and the agentic batch, those whose names contain a word of `only`."""
+    cases = [(f"P{p} B{b} L{l}", [(p, b, l)]) for p, b, l in ANCHORS] + [("agentic 6 trees", agentic_trees())]
+    return [case for case in cases if not only or any(word in case[0] for word in only)]
+
+
+def tree_batch(trees: list[tuple[int, int, int]], seed: int = 0, vocab_size: int = 32000):
+    """The two-level trees (P, B, L) as a rollout batch for the compiler: per tree B trajectories that share P
+    root tokens, then L tokens of their own. First tokens are distinct per tree and per branch, so the prefix
+    forest has exactly these trees, each branching at P."""
+    from harts_compiler import TreeBatch
+    rng = np.random.default_rng(seed)
+    trajectories = []
+    for t, (prefix, branches, length) in enumerate(trees):
+        root = rng.integers(len(trees), vocab_size, prefix)
+        root[0] = t
+        for j in range(branches):
+            own = rng.integers(branches, vocab_size, length)
+            own[0] = j
+            trajectories.append(np.concatenate([root, own]))
+    return TreeBatch.from_trajectories(trajectories)
 
 
 def agentic_trees(count: int = 6, seed: int = 0) -> list[tuple[int, int, int]]:
