@@ -13,6 +13,7 @@ import torch
 
 from harts_compiler.codegen.kernels.chunk_gdn import (GDNKernelConfig, chunk_gated_delta_rule,
                                                       chunk_gated_delta_rule_reference)
+from harts_compiler.codegen.kernels.chunk_gdn.index import NO_SHIFT
 from harts_compiler.codegen.kernels.chunk_gdn.tree import TreeRoundSpec, plan_tree_gdn, tree_gated_delta_rule
 from harts_compiler.codegen.kernels.chunk_gdn.two_level import (run_trajectories, run_tree, two_level_plan,
                                                                 two_level_round_specs)
@@ -52,6 +53,13 @@ def run(fn, tensors, weights):
     return [o, *torch.autograd.grad((o.double() * weights).sum(), leaves)]
 
 
+def feeding_config(rows_in_kernels) -> GDNKernelConfig:
+    """gathers (False), row maps (True), + affine scan rows ("affine"), + affine chunk rows ("chunks")."""
+    return GDNKernelConfig(tree_rows_in_kernels=bool(rows_in_kernels),
+                           tree_affine_scan_rows=rows_in_kernels in ("affine", "chunks"),
+                           tree_affine_chunk_rows=rows_in_kernels == "chunks")
+
+
 def batches():
     cases = {name: batch for name, batch in tricky_batches(C).items()
              if name in ("branch_on_chunk_boundary", "replay_across_short_nodes", "prefix_and_duplicate_trajectories")}
@@ -59,22 +67,24 @@ def batches():
     return cases
 
 
-@pytest.mark.parametrize("rows_in_kernels", [False, True, "affine"], ids=["gathers", "row-maps", "affine-scans"])
+@pytest.mark.parametrize("rows_in_kernels", [False, True, "affine", "chunks"],
+                         ids=["gathers", "row-maps", "affine-scans", "affine-chunks"])
 @pytest.mark.parametrize("name", list(batches()))
 def test_tree_function_equals_rounds(name, rows_in_kernels):
-    """The ways of feeding the packed layout: gathered copies, the kernels reading through row maps, and the
-    scans reading rows after each sequence's first chunk at row + shift (tree_affine_scan_rows)."""
+    """The ways of feeding the packed layout: gathered copies, the kernels reading through row maps, the
+    scans reading rows after each sequence's first chunk at row + shift (tree_affine_scan_rows), and the
+    chunk-parallel kernels reading chunks without replayed rows at row + shift too (tree_affine_chunk_rows)."""
     batch = batches()[name]
     index = naive_tree_index(batch, chunk_size=C)
     tensors = inputs(index.num_tokens, seed=len(name))
     weights = torch.randn(index.num_tokens, 2, DIM, generator=torch.Generator().manual_seed(5),
                           dtype=torch.float64).to(DEVICE)
-    config = GDNKernelConfig(tree_rows_in_kernels=bool(rows_in_kernels),
-                             tree_affine_scan_rows=rows_in_kernels == "affine")
-    plan = plan_tree_gdn(tree_round_specs(index), index.num_tokens, chunk_size=C, device=DEVICE, config=config)
+    plan = plan_tree_gdn(tree_round_specs(index), index.num_tokens, chunk_size=C, device=DEVICE,
+                         config=feeding_config(rows_in_kernels))
     assert (plan.rows is not None) == bool(rows_in_kernels)
-    if rows_in_kernels == "affine":  # the runtime's rounds: replays fill at most a sequence's first chunk
+    if rows_in_kernels in ("affine", "chunks"):  # the runtime's rounds: replays fill at most a first chunk
         assert plan.rows.seq_shift is not None
+    assert (rows_in_kernels == "chunks") == (plan.rows is not None and plan.rows.chunk_shift is not None)
     index = index.to(DEVICE)
     rounds = plan_linear_rounds(index, use_triton=False)
     kw = dict(scale=0.25, use_qk_l2norm=True)
@@ -98,7 +108,8 @@ def test_tree_function_equals_rounds(name, rows_in_kernels):
     assert len(index.rounds) > 1, "a single round would not test the hand-offs"
 
 
-@pytest.mark.parametrize("rows_in_kernels", [False, True, "affine"], ids=["gathers", "row-maps", "affine-scans"])
+@pytest.mark.parametrize("rows_in_kernels", [False, True, "affine", "chunks"],
+                         ids=["gathers", "row-maps", "affine-scans", "affine-chunks"])
 def test_replays_and_shared_starts_are_summed(rows_in_kernels):
     """A root whose tail chunk is replayed by three branches that all start from its exported state."""
     root, branch = 70, 20
@@ -115,10 +126,10 @@ def test_replays_and_shared_starts_are_summed(rows_in_kernels):
                             own_dst=root + np.arange(3 * branch), init_state=np.array([7, 7, 7]),
                             export_seq=np.zeros(0, np.int64), export_offset=np.zeros(0, np.int64),
                             export_bank=np.zeros(0, np.int64))]
-    plan = plan_tree_gdn(rounds, T, chunk_size=C, device=DEVICE,
-                         config=GDNKernelConfig(tree_rows_in_kernels=bool(rows_in_kernels),
-                                                tree_affine_scan_rows=rows_in_kernels == "affine"))
-    assert (rows_in_kernels == "affine") == (plan.rows is not None and plan.rows.seq_shift is not None)
+    plan = plan_tree_gdn(rounds, T, chunk_size=C, device=DEVICE, config=feeding_config(rows_in_kernels))
+    assert (rows_in_kernels in ("affine", "chunks")) == (plan.rows is not None and plan.rows.seq_shift is not None)
+    if rows_in_kernels == "chunks":  # the root's two chunks at row + 0, each branch's (replays first) through maps
+        assert (plan.rows.chunk_shift == NO_SHIFT).tolist() == [False, False, True, True, True]
     assert plan.replay_bounds.diff().tolist() == [3] * (root - C) and plan.rounds[1].start_counts.tolist() == [3]
     tensors = inputs(T, seed=1)
     weights = torch.randn(T, 2, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEVICE)

@@ -10,15 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows
-from .index import row_tables
+from .gates import NO_SHIFT, _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows
+from .index import chunk_shift_table, row_tables
 
 
 @triton.jit
-def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
-                         row_src, row_own, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-                         GATHER: tl.constexpr):
+def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end, row_src,
+                        row_own, shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
     """BK < K: one program per BK columns of K (grid axis 1), a quarter to a half of the fp32 accumulators
     each; every program recomputes the [BT, BT] do.v_new tiles and leaves its share of dgc in
     dgc[row, head, i_k] (summed by the wrapper, no atomics). BK == K: one program per chunk and head.
@@ -28,8 +27,8 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
-    src = _input_rows(row_src, rows, m_t, GATHER)
-    kept, m_keep = _kept_rows(row_own, rows, m_t, GATHER)
+    src = _input_rows(row_src, rows, m_t, shift, GATHER)
+    kept, m_keep = _kept_rows(row_own, rows, m_t, shift, GATHER)
     o_t = tl.arange(0, BT)
     if BK < K:
         i_k = tl.program_id(1)
@@ -94,10 +93,30 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
 
 
 @triton.jit
-def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta, side_dg,
-                   scratch, chunk_row_start, chunk_row_end, row_src, row_own,
-                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
+def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end, row_src,
+                         row_own, chunk_shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr,
+                         AFFINE: tl.constexpr):
+    """With AFFINE, chunks without replayed rows run the plain-row code at row + their shift
+    (index.PackedRows.chunk_shift), the others through the row maps."""
+    if AFFINE:
+        shift = tl.load(chunk_shift + tl.program_id(0) // HV)
+        if shift != NO_SHIFT:
+            _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
+                row_src, row_own, shift, scale, HK, HV, K, V, BT, BV, BK, False)
+        else:
+            _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
+                row_src, row_own, 0, scale, HK, HV, K, V, BT, BV, BK, True)
+    else:
+        _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
+            row_src, row_own, 0, scale, HK, HV, K, V, BT, BV, BK, GATHER)
+
+
+@triton.jit
+def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta, side_dg,
+                  scratch, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK: tl.constexpr,
+                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, GATHER: tl.constexpr):
     """Through w = T (beta exp(gc) k), u = T (beta v), T = (I + A)^-1, A = (beta k k^T exp(gc_i - gc_j))_{i>j}.
 
     dk and dgc arrive holding the chunk_bwd_qk contributions; the total dk leaves in dk_out and dg as the
@@ -109,8 +128,8 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
-    src = _input_rows(row_src, rows, m_t, GATHER)
-    kept, m_keep = _kept_rows(row_own, rows, m_t, GATHER)
+    src = _input_rows(row_src, rows, m_t, shift, GATHER)
+    kept, m_keep = _kept_rows(row_own, rows, m_t, shift, GATHER)
     m_side = m_t & ~m_keep
     slot = -1 - kept  # side-buffer row of a replayed row (garbage, and masked, elsewhere)
     o_t = tl.arange(0, BT)
@@ -198,6 +217,27 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
         tl.store(side_dg + slot * HV + i_h, b_dg, mask=m_side)
 
 
+@triton.jit
+def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta, side_dg,
+                   scratch, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, HK: tl.constexpr,
+                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
+    """With AFFINE, chunks without replayed rows run the plain-row code at row + their shift
+    (index.PackedRows.chunk_shift), the others through the row maps."""
+    if AFFINE:
+        shift = tl.load(chunk_shift + tl.program_id(0) // HV)
+        if shift != NO_SHIFT:
+            _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
+                side_dg, scratch, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, K, V, BT, BK, BV,
+                False)
+        else:
+            _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
+                side_dg, scratch, chunk_row_start, chunk_row_end, row_src, row_own, 0, HK, HV, K, V, BT, BK, BV, True)
+    else:
+        _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
+            side_dg, scratch, chunk_row_start, chunk_row_end, row_src, row_own, 0, HK, HV, K, V, BT, BK, BV, GATHER)
+
+
 def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None):
     """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head) on the R packed rows.
     Launch configuration from `index.config` (`bwd_qk_block_k`: K columns per dq/dk/dw program, 0 or >= K:
@@ -230,19 +270,21 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     dw = torch.empty_like(dk_part)
     dgc = out[3] if rows is None else torch.empty(n_rows, hv, device=dev, dtype=torch.float32)
     if index.num_chunks:
-        tables = (index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows))
+        shifts, affine = chunk_shift_table(index, rows)
+        tables = (index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts)
         bk = kd if cfg.bwd_qk_block_k <= 0 else min(cfg.bwd_qk_block_k, kd)
         n_k = kd // bk
         dgc_parts = dgc if n_k == 1 else torch.empty(n_rows, hv, n_k, device=dev, dtype=torch.float32)
         _chunk_bwd_qk_kernel[(index.num_chunks * hv, n_k)](
             q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc_parts, *tables, scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, GATHER=rows is not None, num_warps=cfg.bwd_qk_warps)
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, GATHER=rows is not None, AFFINE=affine,
+            num_warps=cfg.bwd_qk_warps)
         if n_k > 1:
             torch.sum(dgc_parts, dim=-1, out=dgc)
         scratch = torch.empty(index.num_chunks * hv, BT, BT, device=dev, dtype=torch.float32)
         _wy_bwd_kernel[(index.num_chunks * hv,)](
             k, v, beta, gc, T, dw, dvn, dk_part, dgc, *out, *side, scratch, *tables,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None, AFFINE=affine,
             num_warps=cfg.wy_bwd_warps)
     grads = (dq, *out)  # dq, dk, dv, dbeta, dg
     return grads if rows is None else (*grads, side)

@@ -2,6 +2,10 @@
 import triton
 import triton.language as tl
 
+from .index import NO_SHIFT as _NO_SHIFT
+
+NO_SHIFT = tl.constexpr(_NO_SHIFT)
+
 
 @triton.jit
 def _exp_gate_gap(b_gap):
@@ -24,25 +28,25 @@ def _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT: tl.constexpr):
 
 
 @triton.jit
-def _input_rows(row_src, rows, m_t, GATHER: tl.constexpr):
-    """Rows of q, k, v, g, beta behind packed rows: the rows themselves, or with GATHER the compact tokens
-    they hold (index.PackedRows.src), so that tree mode reads its inputs in place instead of from copies."""
+def _input_rows(row_src, rows, m_t, shift, GATHER: tl.constexpr):
+    """Rows of q, k, v, g, beta behind packed rows: rows + `shift`, or with GATHER the compact tokens they hold
+    (index.PackedRows.src), so that tree mode reads its inputs in place instead of from copies."""
     if GATHER:
         return tl.load(row_src + rows, mask=m_t, other=0)
     else:
-        return rows
+        return rows + shift
 
 
 @triton.jit
-def _kept_rows(row_own, rows, m_t, GATHER: tl.constexpr):
-    """(rows of o, do and the input gradients of kept tokens, their mask): the packed rows, or with GATHER
-    the compact token each row keeps (index.PackedRows.own), masked off on replayed rows (whose value
-    there is -1 - their slot in the side buffers)."""
+def _kept_rows(row_own, rows, m_t, shift, GATHER: tl.constexpr):
+    """(rows of o, do and the input gradients of kept tokens, their mask): rows + `shift`, or with GATHER the
+    compact token each row keeps (index.PackedRows.own), masked off on replayed rows (whose value there is
+    -1 - their slot in the side buffers)."""
     if GATHER:
         b_own = tl.load(row_own + rows, mask=m_t, other=-1)
         return b_own, m_t & (b_own >= 0)
     else:
-        return rows, m_t
+        return rows + shift, m_t
 
 
 @triton.jit

@@ -15,6 +15,7 @@ from .inputs import check_exports
 
 
 Q_DO_PRECISIONS = ("auto", "bf16", "bf16x2")  # GDNKernelConfig.scan_q_do_precision
+NO_SHIFT = -(1 << 62)  # PackedRows.chunk_shift of a chunk that reads its rows through the maps
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,13 @@ class GDNKernelConfig:
     # (bench/gdn_scans.py --affine, fwd + bwd scan ms): agentic roots 0.574 vs 0.659 through the maps,
     # branches 1.529 vs 1.739; the agentic tree step 9.36 vs 9.52 ms (bench/gdn.py --variants maps).
     tree_affine_scan_rows: bool = True
+    # tree mode with row maps: the chunk-parallel kernels (WY forward, output, dv_local, dq/dk, WY backward) read
+    # and write chunks whose rows are all kept, consecutive compact tokens at row + a per-chunk shift, and only
+    # chunks with replayed rows through the maps (PackedRows.chunk_shift; bitwise the same). Why: with maps those
+    # kernels have 3-12% more sm_90a instructions (dq/dk 2768 vs 2544, WY backward 3320 vs 2952 and a spill),
+    # and session 9 measured them 0.39 ms slower than on gathered copies in the agentic tree step. Off until
+    # timed on the H200 (bench/gdn.py --variants affine_chunks).
+    tree_affine_chunk_rows: bool = False
     # the scans load full chunks through tensor descriptors (TMA bulk copies on sm_90; tma.py), in launches of
     # at most `scan_tma_max_block_v` state columns. H200 2026-12-01 (bench/gdn_scans.py --tma 0 1, fwd + bwd):
     # lone 16k root at 16 columns 0.577 vs 0.639 ms, P16384 tree 3.76 vs 3.81 ms (bench/gdn.py --variants
@@ -159,6 +167,10 @@ class PackedRows:
     # [N] int64 per sequence of the index, or None: src[r] == own[r] == r + seq_shift[n] on every row r after
     # sequence n's first chunk (GDNKernelConfig.tree_affine_scan_rows), which the scans use instead of the maps
     seq_shift: torch.Tensor | None = None
+    # [NC] int64 per chunk of the index, or None: src[r] == own[r] == r + chunk_shift[c] on every row r of chunk
+    # c, or NO_SHIFT (GDNKernelConfig.tree_affine_chunk_rows): the chunk-parallel kernels read those chunks at
+    # row + shift, so only chunks with replayed rows or a gap in their tokens go through the maps
+    chunk_shift: torch.Tensor | None = None
 
 
 def row_tables(index: "GDNIndex", rows: PackedRows | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +186,30 @@ def scan_row_shift(index: "GDNIndex", rows: PackedRows | None, first: int) -> tu
     if rows is None or rows.seq_shift is None:
         return index.seq_chunk_start, False
     return rows.seq_shift[first:], True
+
+
+def chunk_shift_table(index: "GDNIndex", rows: PackedRows | None) -> tuple[torch.Tensor, bool]:
+    """(the per-chunk shifts, whether a chunk-parallel launch uses them: AFFINE); a placeholder the kernel never
+    reads when `rows` has none."""
+    if rows is None or rows.chunk_shift is None:
+        return index.chunk_row_start, False
+    return rows.chunk_shift, True
+
+
+def affine_chunk_shifts(cu_seqlens: np.ndarray, src: np.ndarray, own: np.ndarray, chunk_size: int) -> np.ndarray:
+    """[NC] per chunk of the packed sequences `cu_seqlens` (chunk_size rows from each sequence's start, as
+    prepare_gdn_index lays them out): the shift with src[r] == own[r] == r + shift on all its rows, else
+    NO_SHIFT (PackedRows.chunk_shift)."""
+    lengths = np.diff(cu_seqlens)
+    per_seq = -(-lengths // chunk_size)
+    starts = np.repeat(cu_seqlens[:-1], per_seq) + chunk_size * (
+        np.arange(per_seq.sum()) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq))
+    if starts.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    offset = src - np.arange(src.size)
+    same = np.minimum.reduceat(offset, starts) == np.maximum.reduceat(offset, starts)
+    kept = np.minimum.reduceat((src == own).astype(np.int8), starts) == 1
+    return np.where(same & kept, offset[starts], NO_SHIFT).astype(np.int64)
 
 
 def affine_row_shifts(cu_seqlens: np.ndarray, src: np.ndarray, own: np.ndarray, chunk_size: int) -> np.ndarray | None:

@@ -15,15 +15,15 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
-from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
-from .index import row_tables, scan_row_shift
+from .gates import NO_SHIFT, _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
+from .index import chunk_shift_table, row_tables, scan_row_shift
 from .tma import scan_descriptors
 
 
 @triton.jit
-def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, scale,
-                     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                     GATHER: tl.constexpr):
+def _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale,
+                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    GATHER: tl.constexpr):
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
@@ -31,8 +31,8 @@ def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, 
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
-    src = _input_rows(row_src, rows, m_t, GATHER)
-    do_rows, m_do = _kept_rows(row_own, rows, m_t, GATHER)  # replayed rows have no output gradient
+    src = _input_rows(row_src, rows, m_t, shift, GATHER)
+    do_rows, m_do = _kept_rows(row_own, rows, m_t, shift, GATHER)  # replayed rows have no output gradient
     b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_qt = tl.load(q + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
@@ -42,6 +42,25 @@ def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, 
     b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
     b_dv = tl.dot(b_at.to(b_do.dtype), b_do)
     tl.store(dv + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dv, mask=m_t[:, None])
+
+
+@triton.jit
+def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, scale,
+                     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     GATHER: tl.constexpr, AFFINE: tl.constexpr):
+    """With AFFINE, chunks without replayed rows run the plain-row code at row + their shift
+    (index.PackedRows.chunk_shift), the others through the row maps."""
+    if AFFINE:
+        shift = tl.load(chunk_shift + tl.program_id(0) // HV)
+        if shift != NO_SHIFT:
+            _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale, HK, HV,
+                K, V, BT, False)
+        else:
+            _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, 0, scale, HK, HV, K,
+                V, BT, True)
+    else:
+        _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, 0, scale, HK, HV, K, V,
+            BT, GATHER)
 
 
 @triton.jit
@@ -70,9 +89,8 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 
 
     tl.store(dh + (ic * HV + i_h) * (K * V) + state_offs, b_ds.to(dh.dtype.element_ty))
 
-    src = _input_rows(row_src, rows, m_t, GATHER) + shift
-    do_rows, m_do = _kept_rows(row_own, rows, m_t, GATHER)
-    do_rows += shift
+    src = _input_rows(row_src, rows, m_t, shift, GATHER)
+    do_rows, m_do = _kept_rows(row_own, rows, m_t, shift, GATHER)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     b_gl = tl.load(gc + last * HV + i_h)
     # (scale exp(gc) q)^T do first: it does not depend on dS, so its wgmma runs beside the chain's
@@ -196,10 +214,11 @@ def dv_local_bwd(q, k, gc, do, scale, index, rows=None):
     _, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
     dv_local = torch.empty(gc.shape[0], hv, vd, device=q.device, dtype=torch.float32)
+    shifts, affine = chunk_shift_table(index, rows)
     if index.num_chunks:
         _dv_local_kernel[(index.num_chunks * hv,)](
-            q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, GATHER=rows is not None,
+            q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts,
+            scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, GATHER=rows is not None, AFFINE=affine,
             num_warps=index.config.dv_local_warps)
     return dv_local
 

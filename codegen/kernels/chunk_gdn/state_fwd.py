@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
-from .gates import _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
-from .index import row_tables, scan_row_shift
+from .gates import NO_SHIFT, _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
+from .index import chunk_shift_table, row_tables, scan_row_shift
 from .tma import scan_descriptors
 
 
@@ -41,7 +41,7 @@ def _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h,
 
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     b_gl = tl.load(gc + last * HV + i_h)
-    src = _input_rows(row_src, rows, m_t, GATHER) + shift
+    src = _input_rows(row_src, rows, m_t, shift, GATHER)
     b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_vd = tl.where(m_t[:, None], b_vn * tl.exp(b_gl - b_gc)[:, None], 0.0)
     return b_s * tl.exp(b_gl) + tl.dot(b_kt, b_vd.to(b_kt.dtype))
@@ -141,9 +141,9 @@ def _state_fwd_kernel(k, w, u, gc, h0, h0_row, h, v_new, bank, k_desc, w_desc, u
 
 
 @triton.jit
-def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, scale,
-                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
+def _output_chunk(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale,
+                  HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BV: tl.constexpr, GATHER: tl.constexpr):
     i_ch, i_v = tl.program_id(0), tl.program_id(1)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
@@ -151,7 +151,7 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_sr
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    src = _input_rows(row_src, rows, m_t, GATHER)
+    src = _input_rows(row_src, rows, m_t, shift, GATHER)
 
     b_q = tl.load(q + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
@@ -163,8 +163,27 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_sr
     b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a * _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
     b_vn = tl.load(v_new + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
     b_o = (b_o + tl.dot(b_a.to(b_vn.dtype), b_vn)) * scale
-    out_rows, m_out = _kept_rows(row_own, rows, m_t, GATHER)  # replayed rows' outputs are dropped
+    out_rows, m_out = _kept_rows(row_own, rows, m_t, shift, GATHER)  # replayed rows' outputs are dropped
     tl.store(o + (out_rows[:, None] * HV + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_out[:, None])
+
+
+@triton.jit
+def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, scale,
+                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                   BV: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
+    """With AFFINE, chunks without replayed rows run the plain-row code at row + their shift
+    (index.PackedRows.chunk_shift), the others through the row maps."""
+    if AFFINE:
+        shift = tl.load(chunk_shift + tl.program_id(0) // HV)
+        if shift != NO_SHIFT:
+            _output_chunk(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale, HK,
+                HV, K, V, BT, BV, False)
+        else:
+            _output_chunk(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, 0, scale, HK, HV,
+                K, V, BT, BV, True)
+    else:
+        _output_chunk(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, 0, scale, HK, HV, K,
+            V, BT, BV, GATHER)
 
 
 def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None = None, out=None, rows=None,
@@ -212,8 +231,10 @@ def output_fwd(q, k, v_new, gc, h, scale, index, rows=None):
     cfg = index.config
     bv = min(cfg.out_block_v, vd)
     o = torch.empty_like(v_new) if rows is None else v_new.new_empty(rows.num_tokens, hv, vd)
+    shifts, affine = chunk_shift_table(index, rows)
     if index.num_chunks:
         _output_kernel[(index.num_chunks * hv, vd // bv)](
-            q, k, v_new, gc, h, o, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, GATHER=rows is not None, num_warps=cfg.out_warps)
+            q, k, v_new, gc, h, o, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts,
+            scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, GATHER=rows is not None, AFFINE=affine,
+            num_warps=cfg.out_warps)
     return o

@@ -11,7 +11,7 @@ import torch
 
 from .function import TRITON_CHUNK_SIZE
 from .inputs import check_exports
-from .index import GDNIndex, GDNKernelConfig, PackedRows, affine_row_shifts, prepare_gdn_index
+from .index import GDNIndex, GDNKernelConfig, PackedRows, affine_chunk_shifts, affine_row_shifts, prepare_gdn_index
 from .lanes import assign_lanes, lane_runs
 
 
@@ -179,8 +179,11 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         row_own[replay_rows] = -1 - np.arange(replay_rows.size)  # side slots grouped by token, as summed
         shift = (affine_row_shifts(np.asarray(bounds, dtype=np.int64), src_all, row_own, chunk_size)
                  if index.config.tree_affine_scan_rows else None)
+        chunk_shift = (affine_chunk_shifts(np.asarray(bounds, dtype=np.int64), src_all, row_own, chunk_size)
+                       if index.config.tree_affine_chunk_rows else None)
         rows = PackedRows(src=as_long(src_all), own=as_long(row_own), num_tokens=num_tokens,
-                          num_replays=int(replay_rows.size), seq_shift=None if shift is None else as_long(shift))
+                          num_replays=int(replay_rows.size), seq_shift=None if shift is None else as_long(shift),
+                          chunk_shift=None if chunk_shift is None else as_long(chunk_shift))
     return TreeGDNPlan(num_tokens=num_tokens, index=index, row_src=as_long(src_all), own_pick=as_long(own_pick),
                        replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
                        replay_bounds=as_long(np.r_[0, replay_counts.cumsum()]), rounds=tuple(launches),

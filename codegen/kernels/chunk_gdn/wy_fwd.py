@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gates import _chunk_rows, _exp_gate_gap, _input_rows
-from .index import row_tables
+from .gates import NO_SHIFT, _chunk_rows, _exp_gate_gap, _input_rows
+from .index import chunk_shift_table, row_tables
 
 
 @triton.jit
@@ -71,13 +71,14 @@ def _store_inverse(T, row0, row_end, i_h, b_t00, b_t10, b_t11, b_t20, b_t21, b_t
 
 
 @triton.jit
-def _sub_block(g, beta, gc, row_src, row0, row_end, sub, b_carry, i_h, HV: tl.constexpr, GATHER: tl.constexpr):
+def _sub_block(g, beta, gc, row_src, shift, row0, row_end, sub, b_carry, i_h, HV: tl.constexpr,
+               GATHER: tl.constexpr):
     """Rows sub*16 .. sub*16+15 of a chunk: their gate cumsum continuing from `b_carry` (the sum of the rows
     before them), stored. Returns (gc [16] fp32, beta [16] fp32, mask of valid rows, their input rows, carry
     after these rows)."""
     rows = row0 + sub * 16 + tl.arange(0, 16)
     m = rows < row_end
-    src = _input_rows(row_src, rows, m, GATHER)
+    src = _input_rows(row_src, rows, m, shift, GATHER)
     b_g = tl.load(g + src * HV + i_h, mask=m, other=0.0).to(tl.float32)
     b_gc = b_carry + tl.cumsum(b_g, 0)
     tl.store(gc + rows * HV + i_h, b_gc, mask=m)
@@ -109,19 +110,18 @@ def _decay_block(b_a, b_gci, b_gcj, b_bi, DIAG: tl.constexpr):
 
 
 @triton.jit
-def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src,
-                         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         GATHER: tl.constexpr):
+def _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, shift, HK: tl.constexpr,
+                        HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
     """gc = in-chunk cumsum of g; T = (I + A)^-1, A = strictly_lower((beta k) k^T exp(gc_i - gc_j)), with A's
     ten lower [16, 16] blocks accumulated over BK columns of k at a time and inverted in registers."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
     row0 = tl.load(chunk_row_start + i_c)
     row_end = tl.load(chunk_row_end + i_c)
-    b_gc0, b_b0, m0, s0, b_carry = _sub_block(g, beta, gc, row_src, row0, row_end, 0, 0.0, i_h, HV, GATHER)
-    b_gc1, b_b1, m1, s1, b_carry = _sub_block(g, beta, gc, row_src, row0, row_end, 1, b_carry, i_h, HV, GATHER)
-    b_gc2, b_b2, m2, s2, b_carry = _sub_block(g, beta, gc, row_src, row0, row_end, 2, b_carry, i_h, HV, GATHER)
-    b_gc3, b_b3, m3, s3, b_carry = _sub_block(g, beta, gc, row_src, row0, row_end, 3, b_carry, i_h, HV, GATHER)
+    b_gc0, b_b0, m0, s0, b_carry = _sub_block(g, beta, gc, row_src, shift, row0, row_end, 0, 0.0, i_h, HV, GATHER)
+    b_gc1, b_b1, m1, s1, b_carry = _sub_block(g, beta, gc, row_src, shift, row0, row_end, 1, b_carry, i_h, HV, GATHER)
+    b_gc2, b_b2, m2, s2, b_carry = _sub_block(g, beta, gc, row_src, shift, row0, row_end, 2, b_carry, i_h, HV, GATHER)
+    b_gc3, b_b3, m3, s3, b_carry = _sub_block(g, beta, gc, row_src, shift, row0, row_end, 3, b_carry, i_h, HV, GATHER)
 
     b_a00 = tl.zeros([16, 16], dtype=tl.float32)
     b_a10 = tl.zeros([16, 16], dtype=tl.float32)
@@ -166,14 +166,32 @@ def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_
 
 
 @triton.jit
-def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src,
-                  HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
+def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, chunk_shift, HK: tl.constexpr,
+                         HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr,
+                         AFFINE: tl.constexpr):
+    """With AFFINE, chunks without replayed rows run the plain-row code at row + their shift
+    (index.PackedRows.chunk_shift), the others through the row maps."""
+    if AFFINE:
+        shift = tl.load(chunk_shift + tl.program_id(0))
+        if shift != NO_SHIFT:
+            _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, BT, BK,
+                False)
+        else:
+            _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, BT, BK,
+                True)
+    else:
+        _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, BT, BK, GATHER)
+
+
+@triton.jit
+def _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, shift, HK: tl.constexpr,
+                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, GATHER: tl.constexpr):
     """w = T (beta exp(gc) k) [BT, K], u = T (beta v) [BT, V], BK / BV columns at a time."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
-    src = _input_rows(row_src, rows, m_t, GATHER)
+    src = _input_rows(row_src, rows, m_t, shift, GATHER)
     o_t = tl.arange(0, BT)
     dt = k.dtype.element_ty
     # T rounds to the inputs' dtype once, for both dots
@@ -190,6 +208,25 @@ def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_s
         b_v = tl.load(v + (src[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
         b_u = tl.dot(b_t.to(b_v.dtype), (b_v * b_b[:, None]).to(b_v.dtype))
         tl.store(u + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, chunk_shift, HK: tl.constexpr,
+                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
+    """With AFFINE, chunks without replayed rows run the plain-row code at row + their shift
+    (index.PackedRows.chunk_shift), the others through the row maps."""
+    if AFFINE:
+        shift = tl.load(chunk_shift + tl.program_id(0))
+        if shift != NO_SHIFT:
+            _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, V, BT,
+                BK, BV, False)
+        else:
+            _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, V, BT, BK,
+                BV, True)
+    else:
+        _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, V, BT, BK, BV,
+            GATHER)
 
 
 def wy_fwd(k, v, g, beta, index, rows=None):
@@ -210,10 +247,12 @@ def wy_fwd(k, v, g, beta, index, rows=None):
     if not index.num_chunks:
         return gc, T, w, u
     grid = (index.num_chunks, hv)
-    tables = (index.chunk_row_start, index.chunk_row_end, row_tables(index, rows)[0])
+    shifts, affine = chunk_shift_table(index, rows)
+    tables = (index.chunk_row_start, index.chunk_row_end, row_tables(index, rows)[0], shifts)
     gather = rows is not None
     _wy_kkt_solve_kernel[grid](k, g, beta, gc, T, *tables, HK=hk, HV=hv, K=kd, BT=BT,
-                               BK=min(cfg.wy_kkt_block_k, kd), GATHER=gather, num_warps=cfg.wy_kkt_warps)
+                               BK=min(cfg.wy_kkt_block_k, kd), GATHER=gather, AFFINE=affine,
+                               num_warps=cfg.wy_kkt_warps)
     _wy_wu_kernel[grid](k, v, beta, gc, T, w, u, *tables, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd),
-                        BV=min(64, vd), GATHER=gather, num_warps=cfg.wy_wu_warps)
+                        BV=min(64, vd), GATHER=gather, AFFINE=affine, num_warps=cfg.wy_wu_warps)
     return gc, T, w, u
