@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gates import NO_SHIFT, _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows
+from .gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows
 from .index import chunk_shift_table, row_tables
 
 
@@ -97,16 +97,12 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk
                          row_own, chunk_shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr,
                          AFFINE: tl.constexpr):
-    """With AFFINE, chunks without replayed rows run the plain-row code at row + their shift
-    (index.PackedRows.chunk_shift), the others through the row maps."""
-    if AFFINE:
-        shift = tl.load(chunk_shift + tl.program_id(0) // HV)
-        if shift != NO_SHIFT:
-            _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
-                row_src, row_own, shift, scale, HK, HV, K, V, BT, BV, BK, False)
-        else:
-            _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
-                row_src, row_own, 0, scale, HK, HV, K, V, BT, BV, BK, True)
+    """Chunks without replayed rows run the plain-row code at row + their shift (AFFINE), the others
+    through the row maps (GATHER) or on plain rows."""
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER, AFFINE)
+    if affine:
+        _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
+            row_src, row_own, shift, scale, HK, HV, K, V, BT, BV, BK, False)
     else:
         _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
             row_src, row_own, 0, scale, HK, HV, K, V, BT, BV, BK, GATHER)
@@ -222,17 +218,13 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
                    scratch, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, HK: tl.constexpr,
                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
-    """With AFFINE, chunks without replayed rows run the plain-row code at row + their shift
-    (index.PackedRows.chunk_shift), the others through the row maps."""
-    if AFFINE:
-        shift = tl.load(chunk_shift + tl.program_id(0) // HV)
-        if shift != NO_SHIFT:
-            _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
-                side_dg, scratch, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, K, V, BT, BK, BV,
-                False)
-        else:
-            _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
-                side_dg, scratch, chunk_row_start, chunk_row_end, row_src, row_own, 0, HK, HV, K, V, BT, BK, BV, True)
+    """Chunks without replayed rows run the plain-row code at row + their shift (AFFINE), the others
+    through the row maps (GATHER) or on plain rows."""
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER, AFFINE)
+    if affine:
+        _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
+            side_dg, scratch, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, K, V, BT, BK, BV,
+            False)
     else:
         _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
             side_dg, scratch, chunk_row_start, chunk_row_end, row_src, row_own, 0, HK, HV, K, V, BT, BK, BV, GATHER)

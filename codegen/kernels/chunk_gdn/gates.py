@@ -50,6 +50,19 @@ def _kept_rows(row_own, rows, m_t, shift, GATHER: tl.constexpr):
 
 
 @triton.jit
+def _chunk_shift(chunk_shift, i_c, GATHER: tl.constexpr, AFFINE: tl.constexpr):
+    """(shift, whether chunk i_c of a chunk-parallel launch reads and writes its rows at row + shift rather than
+    through the row maps). AFFINE (tree mode with PackedRows.chunk_shift): per chunk, NO_SHIFT where it has a
+    replayed row; otherwise never (False at compile time, so the kernel holds one path)."""
+    tl.static_assert(GATHER or not AFFINE, "per-chunk shifts replace row maps: AFFINE needs GATHER")
+    if AFFINE:
+        shift = tl.load(chunk_shift + i_c)
+        return shift, shift != NO_SHIFT
+    else:
+        return 0, False
+
+
+@triton.jit
 def _scan_program(cu_seqlens, seq_chunk_start, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
     """The (sequence, value head, BV state columns) of a scan program: (i_n, i_h, i_hk, bos, eos, first chunk

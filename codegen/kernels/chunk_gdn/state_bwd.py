@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
-from .gates import NO_SHIFT, _chunk_rows, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
+from .gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
 from .index import chunk_shift_table, row_tables, scan_row_shift
 from .tma import scan_descriptors
 
@@ -48,16 +48,12 @@ def _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, r
 def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, scale,
                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      GATHER: tl.constexpr, AFFINE: tl.constexpr):
-    """With AFFINE, chunks without replayed rows run the plain-row code at row + their shift
-    (index.PackedRows.chunk_shift), the others through the row maps."""
-    if AFFINE:
-        shift = tl.load(chunk_shift + tl.program_id(0) // HV)
-        if shift != NO_SHIFT:
-            _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale, HK, HV,
-                K, V, BT, False)
-        else:
-            _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, 0, scale, HK, HV, K,
-                V, BT, True)
+    """Chunks without replayed rows run the plain-row code at row + their shift (AFFINE), the others
+    through the row maps (GATHER) or on plain rows."""
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER, AFFINE)
+    if affine:
+        _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale, HK, HV,
+            K, V, BT, False)
     else:
         _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, 0, scale, HK, HV, K, V,
             BT, GATHER)

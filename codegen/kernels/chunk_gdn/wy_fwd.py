@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gates import NO_SHIFT, _chunk_rows, _exp_gate_gap, _input_rows
+from .gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows
 from .index import chunk_shift_table, row_tables
 
 
@@ -169,16 +169,12 @@ def _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_s
 def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, chunk_shift, HK: tl.constexpr,
                          HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr,
                          AFFINE: tl.constexpr):
-    """With AFFINE, chunks without replayed rows run the plain-row code at row + their shift
-    (index.PackedRows.chunk_shift), the others through the row maps."""
-    if AFFINE:
-        shift = tl.load(chunk_shift + tl.program_id(0))
-        if shift != NO_SHIFT:
-            _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, BT, BK,
-                False)
-        else:
-            _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, BT, BK,
-                True)
+    """Chunks without replayed rows run the plain-row code at row + their shift (AFFINE), the others
+    through the row maps (GATHER) or on plain rows."""
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0), GATHER, AFFINE)
+    if affine:
+        _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, BT, BK,
+            False)
     else:
         _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, BT, BK, GATHER)
 
@@ -214,16 +210,12 @@ def _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_sr
 def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, chunk_shift, HK: tl.constexpr,
                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
-    """With AFFINE, chunks without replayed rows run the plain-row code at row + their shift
-    (index.PackedRows.chunk_shift), the others through the row maps."""
-    if AFFINE:
-        shift = tl.load(chunk_shift + tl.program_id(0))
-        if shift != NO_SHIFT:
-            _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, V, BT,
-                BK, BV, False)
-        else:
-            _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, V, BT, BK,
-                BV, True)
+    """Chunks without replayed rows run the plain-row code at row + their shift (AFFINE), the others
+    through the row maps (GATHER) or on plain rows."""
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0), GATHER, AFFINE)
+    if affine:
+        _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, V, BT,
+            BK, BV, False)
     else:
         _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, V, BT, BK, BV,
             GATHER)
