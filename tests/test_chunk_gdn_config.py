@@ -110,6 +110,24 @@ def test_affine_row_shifts_cover_the_rows_after_each_first_chunk():
     assert affine_row_shifts(cu, src, late_replay, 64) is None
 
 
+def test_affine_chunk_shifts_keep_the_maps_only_where_a_chunk_needs_them():
+    """PackedRows.chunk_shift: per chunk of the same layout, the shift where every row is an own token at row +
+    shift, NO_SHIFT for a chunk with a replayed row or a jump; chunks as prepare_gdn_index lays them out."""
+    import numpy as np
+
+    from harts_compiler.codegen.kernels.chunk_gdn.index import NO_SHIFT, affine_chunk_shifts, prepare_gdn_index
+    cu = np.array([0, 100, 100, 130])
+    src = np.r_[np.arange(500, 506), np.arange(10, 104), np.arange(300, 330)]  # 6 replayed rows first
+    own = np.r_[-1 - np.arange(6), np.arange(10, 104), np.arange(300, 330)]
+    shifts = affine_chunk_shifts(cu, src, own, 64)
+    assert shifts.size == prepare_gdn_index(cu.tolist()).num_chunks == 3
+    assert shifts.tolist() == [NO_SHIFT, 103 - 99, 300 - 100]
+    jump = src.copy()
+    jump[80:90] += 1000                    # a gap inside the second chunk
+    assert affine_chunk_shifts(cu, jump, np.where(own >= 0, jump, own), 64).tolist() == [NO_SHIFT, NO_SHIFT, 200]
+    assert affine_chunk_shifts(np.array([0, 0]), src[:0], own[:0], 64).size == 0
+
+
 @pytest.mark.parametrize("offset", [0, 96, 192])
 def test_prepare_gdn_index_rejects_exports_outside_their_sequence(offset):
     """The scans write each segment's chunks in place: an export past its sequence (or off the chunk grid)

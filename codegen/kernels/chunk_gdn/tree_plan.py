@@ -181,6 +181,8 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
                  if index.config.tree_affine_scan_rows else None)
         chunk_shift = (affine_chunk_shifts(np.asarray(bounds, dtype=np.int64), src_all, row_own, chunk_size)
                        if index.config.tree_affine_chunk_rows else None)
+        if chunk_shift is not None and chunk_shift.size != index.num_chunks:
+            raise AssertionError(f"plan_tree_gdn: {chunk_shift.size} chunk shifts for {index.num_chunks} chunks")
         rows = PackedRows(src=as_long(src_all), own=as_long(row_own), num_tokens=num_tokens,
                           num_replays=int(replay_rows.size), seq_shift=None if shift is None else as_long(shift),
                           chunk_shift=None if chunk_shift is None else as_long(chunk_shift))
