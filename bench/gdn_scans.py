@@ -47,11 +47,10 @@ def forced(block_v: int, warps: int, stages: int, tma: bool = GDNKernelConfig.sc
     """A config whose scans always launch with (block_v, warps, stages), with or without descriptor loads
     at any width (`tma`: GDNKernelConfig.scan_tma), whatever the program count; past 3 stages (16 columns only:
     GDNKernelConfig.narrow_scan_stages) the backward scan stops at 4."""
+    launch = dict(scan_block_v=block_v, scan_warps=warps, scan_min_programs=0, scan_tma=tma, scan_tma_max_block_v=128)
     if stages > 3:
-        return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_min_programs=0, scan_tma=tma,
-                               scan_tma_max_block_v=128, narrow_scan_stages=(stages, min(stages, 4)))
-    return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_num_stages=stages, scan_min_programs=0,
-                           scan_tma=tma, scan_tma_max_block_v=128)
+        return GDNKernelConfig(**launch, narrow_scan_stages=(stages, min(stages, 4)))
+    return GDNKernelConfig(**launch, scan_num_stages=stages)
 
 
 def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False, tma=GDNKernelConfig.scan_tma):
@@ -118,13 +117,13 @@ def main():
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.launches] if args.launches else LAUNCHES
     print(torch.cuda.get_device_name() if device.type == "cuda" else device, flush=True)
     summary = []
+    stages = sorted(set(args.stages))
+    launches = [(b, w, s) for b, w in pairs for s in stages]
     for name in args.cases:
+        lengths, row_maps = cases()[name]
+        lengths = [max(1, n // args.shrink) for n in lengths]
+        default = GDNKernelConfig().scan_launch_for(len(lengths), args.value_heads, 128, 2)
         for tma in args.tma:
-            lengths, row_maps = cases()[name]
-            lengths = [max(1, n // args.shrink) for n in lengths]
-            stages = sorted(set(args.stages))
-            default = GDNKernelConfig().scan_launch_for(len(lengths), args.value_heads, 128, 2)
-            launches = [(b, w, s) for b, w in pairs for s in stages]
             results = time_case(lengths, row_maps, launches + [default] * (default not in launches), device,
                                 args.value_heads, args.affine, bool(tma))
             print(f"\n== {name}: {len(lengths)} sequences, {sum(lengths)} rows, row maps {row_maps}"

@@ -97,17 +97,20 @@ def test_affine_row_shifts_cover_the_rows_after_each_first_chunk():
     there) means no shift, and the scans keep the row maps."""
     import numpy as np
 
-    from harts_compiler.codegen.kernels.chunk_gdn.index import affine_row_shifts
+    from harts_compiler.codegen.kernels.chunk_gdn.index import affine_chunk_shifts, affine_row_shifts
+
+    def row_shifts(cu, src, own, chunk_size):  # as plan_tree_gdn derives them, from the per-chunk shifts
+        return affine_row_shifts(cu, affine_chunk_shifts(cu, src, own, chunk_size), chunk_size)
     cu = np.array([0, 100, 100, 130])  # a 100-row sequence, an empty one, a 30-row one
     src = np.r_[np.arange(500, 506), np.arange(10, 104), np.arange(300, 330)]  # 6 replayed rows first
     own = np.r_[-1 - np.arange(6), np.arange(10, 104), np.arange(300, 330)]
-    assert affine_row_shifts(cu, src, own, 64).tolist() == [103 - 99, 0, 300 - 100]
+    assert row_shifts(cu, src, own, 64).tolist() == [103 - 99, 0, 300 - 100]
     jump = src.copy()
     jump[80:] += 1000                      # rows 80.. of the first sequence come from elsewhere
-    assert affine_row_shifts(cu, jump, np.where(own >= 0, jump, own), 64) is None
+    assert row_shifts(cu, jump, np.where(own >= 0, jump, own), 64) is None
     late_replay = own.copy()
     late_replay[70] = -7                   # a replayed row after the first chunk
-    assert affine_row_shifts(cu, src, late_replay, 64) is None
+    assert row_shifts(cu, src, late_replay, 64) is None
 
 
 def test_affine_chunk_shifts_keep_the_maps_only_where_a_chunk_needs_them():

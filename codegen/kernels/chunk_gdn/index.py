@@ -196,14 +196,21 @@ def chunk_shift_table(index: "GDNIndex", rows: PackedRows | None) -> tuple[torch
     return rows.chunk_shift, True
 
 
-def affine_chunk_shifts(cu_seqlens: np.ndarray, src: np.ndarray, own: np.ndarray, chunk_size: int) -> np.ndarray:
-    """[NC] per chunk of the packed sequences `cu_seqlens` (chunk_size rows from each sequence's start, as
-    prepare_gdn_index lays them out): the shift with src[r] == own[r] == r + shift on all its rows, else
-    NO_SHIFT (PackedRows.chunk_shift)."""
+def chunk_layout(cu_seqlens: np.ndarray, chunk_size: int):
+    """The chunks of packed sequences `cu_seqlens`, chunk_size rows from each sequence's start: (first chunk of
+    each sequence [N + 1], sequence of each chunk [NC], first row [NC], end row [NC])."""
     lengths = np.diff(cu_seqlens)
-    per_seq = -(-lengths // chunk_size)
-    starts = np.repeat(cu_seqlens[:-1], per_seq) + chunk_size * (
-        np.arange(per_seq.sum()) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq))
+    chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
+    seq_chunk_start = np.concatenate([[0], np.cumsum(chunks_per_seq)]).astype(np.int64)
+    chunk_seq = np.repeat(np.arange(len(lengths)), chunks_per_seq)
+    row_start = cu_seqlens[chunk_seq] + (np.arange(seq_chunk_start[-1]) - seq_chunk_start[chunk_seq]) * chunk_size
+    return seq_chunk_start, chunk_seq, row_start, np.minimum(row_start + chunk_size, cu_seqlens[chunk_seq + 1])
+
+
+def affine_chunk_shifts(cu_seqlens: np.ndarray, src: np.ndarray, own: np.ndarray, chunk_size: int) -> np.ndarray:
+    """[NC] per chunk (chunk_layout): the shift with src[r] == own[r] == r + shift on all its rows, else
+    NO_SHIFT (PackedRows.chunk_shift)."""
+    starts = chunk_layout(cu_seqlens, chunk_size)[2]
     if starts.size == 0:
         return np.zeros(0, dtype=np.int64)
     offset = src - np.arange(src.size)
@@ -212,21 +219,18 @@ def affine_chunk_shifts(cu_seqlens: np.ndarray, src: np.ndarray, own: np.ndarray
     return np.where(same & kept, offset[starts], NO_SHIFT).astype(np.int64)
 
 
-def affine_row_shifts(cu_seqlens: np.ndarray, src: np.ndarray, own: np.ndarray, chunk_size: int) -> np.ndarray | None:
-    """[N] shifts with src[r] == own[r] == r + shift[n] on every row r after sequence n's first chunk, or None
-    where some sequence has no such shift (PackedRows.seq_shift)."""
-    lengths = np.diff(cu_seqlens)
-    seq_of_row = np.repeat(np.arange(lengths.size), lengths)
-    shift = np.zeros(lengths.size, dtype=np.int64)
-    nonempty = lengths > 0
-    last = cu_seqlens[1:][nonempty] - 1
-    shift[nonempty] = src[last] - last
-    rows = np.arange(src.size)
-    later = rows - cu_seqlens[seq_of_row] >= chunk_size
-    expected = rows[later] + shift[seq_of_row[later]]
-    if not (np.array_equal(src[later], expected) and np.array_equal(own[later], expected)):
+def affine_row_shifts(cu_seqlens: np.ndarray, chunk_shifts: np.ndarray, chunk_size: int) -> np.ndarray | None:
+    """[N] shifts with src[r] == own[r] == r + shift[n] on every row r after sequence n's first chunk, from the
+    per-chunk shifts (affine_chunk_shifts), or None where some sequence has no such shift (PackedRows.seq_shift).
+    A sequence of at most one chunk takes its chunk's shift, or 0 (the scans read its only chunk through the maps)."""
+    seq_chunk_start, chunk_seq, _, _ = chunk_layout(cu_seqlens, chunk_size)
+    shift = np.zeros(seq_chunk_start.size - 1, dtype=np.int64)
+    nonempty = np.diff(seq_chunk_start) > 0
+    shift[nonempty] = chunk_shifts[seq_chunk_start[1:][nonempty] - 1]  # the last chunk's
+    later = np.arange(chunk_seq.size) > seq_chunk_start[chunk_seq]
+    if not np.array_equal(chunk_shifts[later], shift[chunk_seq[later]]) or (shift[chunk_seq[later]] == NO_SHIFT).any():
         return None
-    return shift
+    return np.where(shift == NO_SHIFT, 0, shift)
 
 
 @dataclass(frozen=True)
@@ -265,13 +269,9 @@ def prepare_gdn_index(cu_seqlens, export_seq=None, export_offset=None, chunk_siz
     bounds = np.asarray(torch.as_tensor(cu_seqlens).cpu().tolist(), dtype=np.int64)
     device = device if device is not None else (cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else "cpu")
     lengths = np.diff(bounds)
-    chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
-    seq_chunk_start = np.concatenate([[0], np.cumsum(chunks_per_seq)]).astype(np.int64)
+    seq_chunk_start, _, row_start, row_end = chunk_layout(bounds, chunk_size)
+    chunks_per_seq = np.diff(seq_chunk_start)
     num_chunks = int(seq_chunk_start[-1])
-    chunk_seq = np.repeat(np.arange(len(lengths)), chunks_per_seq)
-    chunk_in_seq = np.arange(num_chunks) - seq_chunk_start[chunk_seq]
-    row_start = bounds[chunk_seq] + chunk_in_seq * chunk_size
-    row_end = np.minimum(row_start + chunk_size, bounds[chunk_seq + 1])
 
     e_seq = tuple(int(x) for x in (torch.as_tensor(export_seq).reshape(-1).tolist() if export_seq is not None else ()))
     e_off = tuple(int(x) for x in (torch.as_tensor(export_offset).reshape(-1).tolist()

@@ -246,7 +246,7 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     return dh0
 
 
-def state_bwd(q, k, w, gc, do, bank_grad, scale, index, initial_state_grad: bool = True):
+def state_bwd(q, k, w, gc, do, bank_grad, scale, index, initial_state_grad: bool = False):
     """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32
     (`initial_state_grad`: see state_bwd_scan)."""
     hv, kd, vd = do.shape[1], q.shape[2], do.shape[2]

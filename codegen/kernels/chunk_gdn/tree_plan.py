@@ -177,12 +177,10 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         row_own = np.empty(src_all.size, dtype=np.int64)
         row_own[own_pick] = np.arange(num_tokens)
         row_own[replay_rows] = -1 - np.arange(replay_rows.size)  # side slots grouped by token, as summed
-        shift = (affine_row_shifts(np.asarray(bounds, dtype=np.int64), src_all, row_own, chunk_size)
-                 if index.config.tree_affine_scan_rows else None)
-        chunk_shift = (affine_chunk_shifts(np.asarray(bounds, dtype=np.int64), src_all, row_own, chunk_size)
-                       if index.config.tree_affine_chunk_rows else None)
-        if chunk_shift is not None and chunk_shift.size != index.num_chunks:
-            raise AssertionError(f"plan_tree_gdn: {chunk_shift.size} chunk shifts for {index.num_chunks} chunks")
+        cu = np.asarray(bounds, dtype=np.int64)
+        chunk_shift = affine_chunk_shifts(cu, src_all, row_own, chunk_size)
+        shift = affine_row_shifts(cu, chunk_shift, chunk_size) if index.config.tree_affine_scan_rows else None
+        chunk_shift = chunk_shift if index.config.tree_affine_chunk_rows else None
         rows = PackedRows(src=as_long(src_all), own=as_long(row_own), num_tokens=num_tokens,
                           num_replays=int(replay_rows.size), seq_shift=None if shift is None else as_long(shift),
                           chunk_shift=None if chunk_shift is None else as_long(chunk_shift))
