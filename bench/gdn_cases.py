@@ -28,8 +28,8 @@ CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
     "bwd_qk_bk64": ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
     "pointers": ("scans load through pointers only (no TMA)", GDNKernelConfig(scan_tma=False)),
     "tma_wide": ("TMA scans at 64 columns too", GDNKernelConfig(scan_tma_max_block_v=64)),
-    "affine_chunks": ("chunk-parallel kernels read chunks without replays at row + shift",
-                      GDNKernelConfig(tree_affine_chunk_rows=True)),
+    "chunk_maps": ("chunk-parallel kernels read every chunk through the row maps",
+                   GDNKernelConfig(tree_affine_chunk_rows=False)),
     "qdo_bf16": ("backward scan q^T do in bf16 always", GDNKernelConfig(scan_q_do_precision="bf16")),
     "qdo_bf16x2": ("backward scan q^T do as bf16 hi + lo always", GDNKernelConfig(scan_q_do_precision="bf16x2")),
 }

@@ -40,7 +40,7 @@ def inputs(T, seed, hk=1, hv=2, kd=DIM, vd=DIM):
 
 def assert_close(got, expect, name=""):
     """fp32 under the interpreter: to 2e-4; bf16 on the GPU: 1e-2 of the norm (fla's own error is 1e-3..5e-3)."""
-    got, expect = got.double().cpu(), expect.cpu()
+    got, expect = got.detach().double().cpu(), expect.detach().cpu()
     if DEVICE == "cpu":
         torch.testing.assert_close(got, expect, rtol=2e-4, atol=2e-5, msg=name)
     else:

@@ -71,10 +71,10 @@ class GDNKernelConfig:
     # tree mode with row maps: the chunk-parallel kernels (WY forward, output, dv_local, dq/dk, WY backward) read
     # and write chunks whose rows are all kept, consecutive compact tokens at row + a per-chunk shift, and only
     # chunks with replayed rows through the maps (PackedRows.chunk_shift; bitwise the same). Why: with maps those
-    # kernels have 3-12% more sm_90a instructions (dq/dk 2768 vs 2544, WY backward 3320 vs 2952 and a spill),
-    # and session 9 measured them 0.39 ms slower than on gathered copies in the agentic tree step. Off until
-    # timed on the H200 (bench/gdn.py --variants affine_chunks).
-    tree_affine_chunk_rows: bool = False
+    # kernels have 3-12% more sm_90a instructions (dq/dk 2768 vs 2544, WY backward 3320 vs 2952 and a spill).
+    # H200 2026-12-01 (bench/gdn.py --variants chunk_maps): agentic tree step 8.77-8.81 vs 9.02-9.05 ms (92% vs
+    # 89-90% of ideal), P16384 3.75-3.76 either way; False = every chunk through the maps
+    tree_affine_chunk_rows: bool = True
     # the scans load full chunks through tensor descriptors (TMA bulk copies on sm_90; tma.py), in launches of
     # at most `scan_tma_max_block_v` state columns. H200 2026-12-01 (bench/gdn_scans.py --tma 0 1, fwd + bwd):
     # lone 16k root at 16 columns 0.577 vs 0.639 ms, P16384 tree 3.76 vs 3.81 ms (bench/gdn.py --variants
