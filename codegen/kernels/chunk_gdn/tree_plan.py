@@ -177,10 +177,12 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
         row_own = np.empty(src_all.size, dtype=np.int64)
         row_own[own_pick] = np.arange(num_tokens)
         row_own[replay_rows] = -1 - np.arange(replay_rows.size)  # side slots grouped by token, as summed
-        cu = np.asarray(bounds, dtype=np.int64)
-        chunk_shift = affine_chunk_shifts(cu, src_all, row_own, chunk_size)
-        shift = affine_row_shifts(cu, chunk_shift, chunk_size) if index.config.tree_affine_scan_rows else None
-        chunk_shift = chunk_shift if index.config.tree_affine_chunk_rows else None
+        cfg, cu = index.config, np.asarray(bounds, dtype=np.int64)
+        # per-chunk shifts (one pass over the rows), from which the scans' per-sequence shifts derive
+        chunk_shift = (affine_chunk_shifts(cu, src_all, row_own, chunk_size)
+                       if cfg.tree_affine_scan_rows or cfg.tree_affine_chunk_rows else None)
+        shift = affine_row_shifts(cu, chunk_shift, chunk_size) if cfg.tree_affine_scan_rows else None
+        chunk_shift = chunk_shift if cfg.tree_affine_chunk_rows else None
         rows = PackedRows(src=as_long(src_all), own=as_long(row_own), num_tokens=num_tokens,
                           num_replays=int(replay_rows.size), seq_shift=None if shift is None else as_long(shift),
                           chunk_shift=None if chunk_shift is None else as_long(chunk_shift))
