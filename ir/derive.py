@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# The Forest fields `layout` sets (None before it): the tables below derive all but node_cont_child.
+LAYOUT_FIELDS = ("node_subtree_end", "node_cont_child", "token_pred", "traj_run_ptr",
+                 "run_start", "run_length", "tree_start", "tree_end")
+
 
 def exclusive_cumsum(values: np.ndarray) -> np.ndarray:
     out = np.zeros(values.size, np.int64)

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-LAYOUT_FIELDS = ("node_subtree_end", "node_cont_child", "token_pred", "traj_run_ptr",
-                 "run_start", "run_length", "tree_start", "tree_end")
+from .derive import LAYOUT_FIELDS  # noqa: F401  (re-exported: the fields `layout` sets)
+from .derive import concat_ranges, conv_predecessors, log_prob_targets
+from .verify_forest import verify_forest
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,22 +90,18 @@ class Forest:
 
     def trajectory_compact_indices(self, j: int) -> np.ndarray:
         """Compact indices of trajectory j's tokens, in position order (needs the layout)."""
-        from .derive import concat_ranges
         lo, hi = self.traj_run_ptr[j], self.traj_run_ptr[j + 1]
         return concat_ranges(self.run_start[lo:hi], self.run_length[lo:hi])
 
     def conv_pred(self) -> np.ndarray:
         """[T, conv_width-1] path predecessors, oldest first, -1 before position 0."""
-        from .derive import conv_predecessors
         return conv_predecessors(self.token_pred, self.node_start, self.node_length,
                                  self.conv_width)
 
     def targets(self):
         """(target_src [P], target_token [P], token_target [T]): one target per token with a
         predecessor (P = T - trees); pairs (src, token) are distinct in a canonical forest."""
-        from .derive import log_prob_targets
         return log_prob_targets(self.token_pred, self.token_ids)
 
     def verify(self) -> None:
-        from .verify_forest import verify_forest
         verify_forest(self)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import derive
+from .derive import LAYOUT_FIELDS
 from .errors import IRError
-from .forest import LAYOUT_FIELDS
 
 
 def _check(condition, message: str) -> None:

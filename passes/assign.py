@@ -1,7 +1,9 @@
 """Assignment of planner items (trees or tree parts) to data-parallel (rank, slot) pairs.
 
-This file: the public API (`assign`, `Assignment`), the greedy warm start and the lower bounds;
-`assign_local.py`: the local searches; `assign_cpsat.py`: the CP-SAT models (whole problem, LNS).
+This file: the public API (`assign`, `Assignment`) and the greedy warm start; `assign_objective.py`:
+the plan objectives, per-cell loads and lower bounds; `assign_local.py`: the local searches;
+`assign_cpsat.py`: the CP-SAT models (whole problem, LNS). Imports run one way: assign ->
+assign_cpsat -> assign_local -> assign_objective (OR-Tools only inside the functions that solve).
 
 A pure function over two arrays, independent of the IR: item `i` has `item_tokens[i]` compact
 tokens and an estimated cost `item_cost[i]` (time, any unit). Every rank runs its slots in
@@ -61,6 +63,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from .assign_cpsat import improve
+from .assign_objective import item_order, lower_bound, plan_objective, slot_totals
 
 OBJECTIVES = ("sum_of_slot_max", "max_rank_total")
 
@@ -122,7 +127,6 @@ def assign(item_tokens, item_cost, *, token_budget: int | None, dp_size: int,
         before_import = time.perf_counter()
         from ortools.sat.python import cp_model  # noqa: F401
         deadline = start + time_limit_s + (time.perf_counter() - before_import)
-        from .assign_cpsat import improve
         result = improve(tokens, cost, budget, dp_size, n_slots, objective, greedy_rank,
                           greedy_slot, deadline=deadline, time_limit_s=time_limit_s,
                           seed=seed, workers=workers)
@@ -184,11 +188,6 @@ def _check_inputs(item_tokens, item_cost, token_budget, dp_size, num_slots, obje
     return tokens.astype(np.int64), cost
 
 
-def item_order(tokens: np.ndarray, cost: np.ndarray) -> np.ndarray:
-    """Largest cost first; ties: more tokens, then lower index (deterministic)."""
-    return np.lexsort((np.arange(len(cost)), -tokens, -cost))
-
-
 def greedy_assign(tokens, cost, budget: int, dp_size: int, num_slots: int | None,
                   objective: str) -> tuple[np.ndarray, np.ndarray]:
     """Largest first into the least-loaded (rank, slot) with room, opening slots as needed.
@@ -239,74 +238,3 @@ def _first_fit_by_tokens(tokens, budget: int, dp_size: int, num_slots: int):
         cell[i] = fits[0]
         used[fits[0]] += tokens[i]
     return cell % dp_size, cell // dp_size
-
-
-def slot_totals(tokens, cost, rank, slot, dp_size, n_slots):
-    """([dp_size, n_slots] tokens, [dp_size, n_slots] cost) of a plan: the per-cell loads that
-    the objectives, the local searches and the LNS all start from."""
-    cell = rank * n_slots + slot
-    size = dp_size * n_slots
-    slot_tokens = np.bincount(cell, weights=tokens, minlength=size).astype(np.int64)
-    slot_cost = np.bincount(cell, weights=cost, minlength=size)
-    return slot_tokens.reshape(dp_size, n_slots), slot_cost.reshape(dp_size, n_slots)
-
-
-def plan_objective(cost, rank, slot, dp_size: int, n_slots: int, objective: str) -> float:
-    _, slot_cost = slot_totals(np.zeros(len(cost)), cost, rank, slot, dp_size, n_slots)
-    if objective == "sum_of_slot_max":
-        return float(slot_cost.max(axis=0).sum())
-    return float(slot_cost.sum(axis=1).max())
-
-
-def lower_bound(tokens, cost, budget: int, dp_size: int, objective: str) -> float:
-    """The best of the averaging bound, the largest item and (sum_of_slot_max) the staircase
-    bound; see the module docstring."""
-    if len(cost) == 0:
-        return 0.0
-    bound = max(float(cost.sum()) / dp_size, float(cost.max()))
-    if objective != "sum_of_slot_max":
-        return bound
-    order = item_order(tokens, cost)
-    c, t = cost[order], tokens[order]
-    k = np.arange(1, len(c) + 1)
-    smallest = np.maximum(np.minimum.accumulate(t), 1)  # min tokens among the top k
-    per_cell = np.minimum(budget // smallest, k)        # most of them in one cell
-    cells = np.maximum(np.ceil(k / np.maximum(per_cell, 1)), _bin_packing_bounds(t, budget))
-    slots_needed = np.ceil(cells / dp_size)
-    steps = c - np.append(c[1:], 0.0)
-    return max(bound, float((steps * slots_needed).sum()))
-
-
-L2_CHECKPOINTS = 256  # prefixes at which the Martello-Toth bound is evaluated (cost O(n log n))
-
-
-def _bin_packing_bounds(tokens: np.ndarray, budget: int) -> np.ndarray:
-    """[n] lower bound on the (rank, slot) cells that items 0..k-1 need by their tokens: the
-    Martello-Toth L2 bound (which includes ceil(tokens / budget)) at up to L2_CHECKPOINTS
-    prefixes, carried forward to the prefixes in between (a prefix needs at least the cells of
-    a shorter one)."""
-    n = len(tokens)
-    stride = max(1, -(-n // L2_CHECKPOINTS))
-    checkpoints = np.unique(np.append(np.arange(stride, n + 1, stride), n))
-    cells = np.zeros(n + 1)
-    cells[checkpoints] = [_martello_toth_l2(tokens[:m], budget) for m in checkpoints]
-    return np.maximum.accumulate(cells)[1:]
-
-
-def _martello_toth_l2(tokens: np.ndarray, budget: int) -> int:
-    """L2 of Martello and Toth (1990): for a threshold a <= budget / 2, items > budget - a each
-    need a bin no item >= a can share, items in (budget / 2, budget - a] each need their own
-    bin, and items in [a, budget / 2] fill the room those leave before opening new bins.
-    Maximised over a in {0} and every item size <= budget / 2, vectorised."""
-    size = np.sort(tokens)                               # ascending
-    total = np.concatenate([[0], np.cumsum(size)])       # total[j] = sum of the j smallest
-    n = len(size)
-    alpha = np.concatenate([[0], np.unique(size[2 * size <= budget])])
-    n_half = n - np.searchsorted(size, budget // 2, side="right")   # items > budget / 2
-    n_big = n - np.searchsorted(size, budget - alpha, side="right")  # items > budget - a
-    n_mid = n_half - n_big                                           # (budget / 2, budget - a]
-    sum_mid = total[n - n_big] - total[n - n_half]
-    first_small = np.searchsorted(size, alpha, side="left")          # items >= a start here
-    sum_small = total[n - n_half] - total[first_small]
-    spill = np.ceil((sum_small - (n_mid * budget - sum_mid)) / budget)
-    return int(np.max(n_big + n_mid + np.maximum(spill, 0)))

@@ -1,6 +1,6 @@
 """CP-SAT stages of `assign.assign` (OR-Tools is imported only here, and only when called).
 
-`improve` runs the local search of `assign.py`, then a large neighbourhood search whose steps
+`improve` runs the local search of `assign_local.py`, then a large neighbourhood search whose steps
 re-solve a few cells exactly, then (small problems) the whole problem as one CP-SAT model hinted
 with the best plan so far. Every
 stage keeps the best plan found so far, so the result is never worse than its input plan. Work is
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .assign import slot_totals, lower_bound, plan_objective
-from .assign_local import MOVES_PER_SECOND, _local_search, _local_search_total, _regroup_slots
+from .assign_local import MOVES_PER_SECOND, local_search, local_search_total, regroup_slots
+from .assign_objective import lower_bound, plan_objective, slot_totals
 
 FULL_MODEL_MAX_VARS = 3000     # items x ranks x slots up to which the whole problem is one model
 # Work granted per second of time_limit_s, sized to use about a third of it on the 2-core dev
@@ -76,9 +76,9 @@ def improve(tokens, cost, budget, dp_size, n_slots, objective, rank, slot, *, de
     # like the local search it is skipped when the limit grants no search work at all.
     tries = int(MOVES_PER_SECOND * time_limit_s)
     lockstep = objective == "sum_of_slot_max"
-    regrouped = lockstep and tries > 0 and _regroup_slots(cost, out.rank, out.slot, dp_size,
+    regrouped = lockstep and tries > 0 and regroup_slots(cost, out.rank, out.slot, dp_size,
                                                           n_slots)
-    search = _local_search if lockstep else _local_search_total
+    search = local_search if lockstep else local_search_total
     moved, cut = search(tokens, cost, budget, out.rank, out.slot, dp_size, n_slots, deadline,
                         tries)
     moved |= regrouped
@@ -106,7 +106,7 @@ def improve(tokens, cost, budget, dp_size, n_slots, objective, rank, slot, *, de
             if plan_objective(cost, new_rank, new_slot, dp_size, n_slots, objective) < \
                     plan_objective(cost, out.rank, out.slot, dp_size, n_slots, objective):
                 out.rank, out.slot, out.method = new_rank, new_slot, "cp-sat"
-    if lockstep and tries > 0 and _regroup_slots(cost, out.rank, out.slot, dp_size, n_slots) \
+    if lockstep and tries > 0 and regroup_slots(cost, out.rank, out.slot, dp_size, n_slots) \
             and out.method == "greedy":
         out.method = "greedy+local"
     out.deterministic = not clock.wall_stopped

@@ -11,12 +11,12 @@ import time
 
 import numpy as np
 
-from .assign import slot_totals
+from .assign_objective import slot_totals
 
 MOVES_PER_SECOND = 1_000       # local-search item tries granted per second of time_limit_s
 
 
-def _local_search(tokens, cost, budget, rank, slot, dp_size, n_slots, deadline,
+def local_search(tokens, cost, budget, rank, slot, dp_size, n_slots, deadline,
                   max_tries: int) -> tuple[bool, bool]:
     """Local search for sum_of_slot_max, in place. For each item on a slot's slowest rank (slots
     by excess first) take the best of: moving it into any (rank, slot) with room -- typically
@@ -55,7 +55,7 @@ def _local_search(tokens, cost, budget, rank, slot, dp_size, n_slots, deadline,
     return changed, False
 
 
-def _regroup_slots(cost, rank, slot, dp_size: int, n_slots: int) -> bool:
+def regroup_slots(cost, rank, slot, dp_size: int, n_slots: int) -> bool:
     """sum_of_slot_max, in place: keep every (rank, slot) cell's items together but regroup the
     cells into slots by decreasing cost (cells 1..dp_size form slot 0, and so on). For fixed
     cells this is optimal: the k-th slot max is at least the (k dp_size + 1)-th largest cell
@@ -75,11 +75,11 @@ def _regroup_slots(cost, rank, slot, dp_size: int, n_slots: int) -> bool:
     return True
 
 
-def _local_search_total(tokens, cost, budget, rank, slot, dp_size, n_slots, deadline,
+def local_search_total(tokens, cost, budget, rank, slot, dp_size, n_slots, deadline,
                         max_tries: int) -> tuple[bool, bool]:
     """Local search for max_rank_total, in place: move an item off the busiest rank into any
     cell with room, or swap it with a cheaper item, when the two ranks' larger total drops
-    below the busiest rank's. Budgets and return values as `_local_search`."""
+    below the busiest rank's. Budgets and return values as `local_search`."""
     used, load = slot_totals(tokens, cost, rank, slot, dp_size, n_slots)
     changed, tries = False, 0
     while tries < max_tries:

@@ -111,7 +111,7 @@ def test_small_problems_get_the_lns_before_the_whole_model():
     # Parts that nearly fill a (rank, slot) each (like split-oversize's): the whole model alone
     # (one worker, a fraction of a second) rarely improves the local search, so small problems
     # run regrouping, the local search and LNS steps first, then the whole model (>= 2 solves).
-    from harts_compiler.passes.assign_local import _local_search
+    from harts_compiler.passes.assign_local import local_search
     rng = np.random.default_rng(5)
     tokens = np.minimum(rng.integers(5000, 66000, 44), 65000)
     cost = tokens * (0.09 + 0.07 * rng.random(44))
@@ -119,7 +119,7 @@ def test_small_problems_get_the_lns_before_the_whole_model():
     assert len(tokens) * 8 * a.num_slots <= 3000  # the whole-model size class
     rank, slot = greedy_assign(tokens, cost, 65536, 8, None, "sum_of_slot_max")
     n_slots = int(slot.max()) + 1
-    _local_search(tokens, cost, 65536, rank, slot, 8, n_slots, float("inf"), 10_000)
+    local_search(tokens, cost, 65536, rank, slot, 8, n_slots, float("inf"), 10_000)
     local = plan_objective(cost, rank, slot, 8, n_slots, "sum_of_slot_max")
     assert a.objective < local * (1 - 1e-3) and a.solver_steps >= 2
 
@@ -148,7 +148,7 @@ def test_staircase_counts_cells_with_the_bin_packing_bound():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 20), min_size=1, max_size=6), st.integers(20, 30))
 def test_martello_toth_bound_is_valid_and_at_least_the_simple_ones(sizes, budget):
-    from harts_compiler.passes.assign import _martello_toth_l2
+    from harts_compiler.passes.assign_objective import _martello_toth_l2
     sizes = np.asarray(sizes)
     bins = _martello_toth_l2(sizes, budget)
     assert bins >= max(-(-int(sizes.sum()) // budget), int((2 * sizes > budget).sum()))
@@ -181,13 +181,13 @@ def test_bad_input_names_the_offending_field():
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000), st.integers(2, 60), st.integers(1, 4))
 def test_local_search_never_worsens_and_keeps_budgets(seed, n, dp_size):
-    from harts_compiler.passes.assign_local import _local_search
+    from harts_compiler.passes.assign_local import local_search
     tokens, cost = _instance(seed, n, 1, 50)
     budget = 120
     rank, slot = greedy_assign(tokens, cost, budget, dp_size, None, "sum_of_slot_max")
     n_slots = int(slot.max()) + 1
     before = plan_objective(cost, rank, slot, dp_size, n_slots, "sum_of_slot_max")
-    _local_search(tokens, cost, budget, rank, slot, dp_size, n_slots, float("inf"), 10_000)
+    local_search(tokens, cost, budget, rank, slot, dp_size, n_slots, float("inf"), 10_000)
     used = np.zeros((dp_size, n_slots), dtype=np.int64)
     np.add.at(used, (rank, slot), tokens)
     assert (used <= budget).all() and ((0 <= slot) & (slot < n_slots)).all()
@@ -199,7 +199,7 @@ def test_local_search_never_worsens_and_keeps_budgets(seed, n, dp_size):
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000), st.integers(1, 5), st.integers(1, 6))
 def test_regrouping_cells_by_cost_is_optimal_for_fixed_cells(seed, dp_size, n_slots):
-    from harts_compiler.passes.assign_local import _regroup_slots
+    from harts_compiler.passes.assign_local import regroup_slots
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 3 * dp_size * n_slots + 1))
     cost = rng.random(n) * 10
@@ -207,7 +207,7 @@ def test_regrouping_cells_by_cost_is_optimal_for_fixed_cells(seed, dp_size, n_sl
     before = plan_objective(cost, rank, slot, dp_size, n_slots, "sum_of_slot_max")
     cells_before = {frozenset(np.flatnonzero((rank == r) & (slot == s)).tolist())
                     for r in range(dp_size) for s in range(n_slots)} - {frozenset()}
-    _regroup_slots(cost, rank, slot, dp_size, n_slots)
+    regroup_slots(cost, rank, slot, dp_size, n_slots)
     cells_after = {frozenset(np.flatnonzero((rank == r) & (slot == s)).tolist())
                    for r in range(dp_size) for s in range(n_slots)} - {frozenset()}
     assert cells_after == cells_before  # items stay together, so budgets still hold
