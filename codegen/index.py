@@ -1,8 +1,8 @@
-"""Per-microbatch index tensors: the one thing the runtime reads from a compiled plan.
+"""Per-microbatch index tables: what codegen derives from a compiled plan, on the host.
 
-Codegen turns a scheduled microbatch of the IR into a `MicrobatchIndex` once; every layer of the
-forward and backward then only gathers and scatters with these tensors. The field contract is
-docs/INTERFACES.md section 3; all compact indices are local to the microbatch.
+Codegen turns a scheduled microbatch of the IR into a `MicrobatchIndex` (numpy arrays, local compact
+indices); `codegen.lower` then builds the launch plan the runtime reads from it. The field contract is
+docs/INTERFACES.md section 3.
 
 `trajectory_index()` builds the same structure for trajectory-wise execution (every trajectory its
 own packed sequence, nothing shared), so the baseline runs through exactly the same runtime code.
@@ -13,78 +13,81 @@ import dataclasses
 from typing import Sequence
 
 import numpy as np
-import torch
+
+
+def host_array(value, dtype=np.int64) -> np.ndarray:
+    """An index field as a host numpy array (tensors are copied off their device: host-side input only)."""
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(value), dtype=dtype)
 
 
 @dataclasses.dataclass
 class LinearRound:
     """One packed varlen linear-attention call (see docs/INTERFACES.md section 3)."""
 
-    cu_seqlens: torch.Tensor  # [N+1] int32, packed rows per sequence
-    row_src: torch.Tensor  # [R] int64, compact token of each packed row (replay rows included)
-    own_rows: torch.Tensor  # [R_own] int64, packed rows whose outputs are kept
-    own_dst: torch.Tensor  # [R_own] int64, compact tokens those rows are
-    init_state: torch.Tensor  # [N] int64, bank id of each sequence's initial state, -1 = zeros
-    export_seq: torch.Tensor  # [E] int64, sequence (in this round) of each exported state
-    export_offset: torch.Tensor  # [E] int64, local row offset (positive multiple of C, <= length)
-    export_bank: torch.Tensor  # [E] int64, bank id the exported state is stored under
+    cu_seqlens: np.ndarray  # [N+1], packed rows per sequence
+    row_src: np.ndarray  # [R], compact token of each packed row (replay rows included)
+    own_rows: np.ndarray  # [R_own], packed rows whose outputs are kept
+    own_dst: np.ndarray  # [R_own], compact tokens those rows are
+    init_state: np.ndarray  # [N], bank id of each sequence's initial state, -1 = zeros
+    export_seq: np.ndarray  # [E], sequence (in this round) of each exported state
+    export_offset: np.ndarray  # [E], local row offset (positive multiple of C, <= length)
+    export_bank: np.ndarray  # [E], bank id the exported state is stored under
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, host_array(getattr(self, field.name)).reshape(-1))
 
     @property
     def num_sequences(self) -> int:
-        return self.cu_seqlens.numel() - 1
+        return self.cu_seqlens.size - 1
 
     @property
     def num_rows(self) -> int:
-        return self.row_src.numel()
+        return self.row_src.size
+
+
+_TABLES = ("token_ids", "positions", "multiplicity", "conv_pred", "subtree_end", "target_src", "target_token",
+           "row_target", "row_pred", "lengths")
 
 
 @dataclasses.dataclass
 class MicrobatchIndex:
-    """Index tensors of one microbatch (docs/INTERFACES.md section 3)."""
+    """Index tables of one microbatch (docs/INTERFACES.md section 3), int64 numpy arrays on the host."""
 
     trajectory_ids: list[str]
-    token_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64, RoPE positions
-    multiplicity: torch.Tensor  # [T] int64, trajectories containing the token (0 = context only)
-    conv_pred: torch.Tensor  # [T, W-1] int64, path predecessors oldest first, -1 before position 0
-    subtree_end: torch.Tensor  # [T] int32, tree mask: q attends k iff k <= q < subtree_end[k]
+    token_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T], RoPE positions
+    multiplicity: np.ndarray  # [T], trajectories containing the token (0 = context only)
+    conv_pred: np.ndarray  # [T, W-1], path predecessors oldest first, -1 before position 0
+    subtree_end: np.ndarray  # [T], tree mask: q attends k iff k <= q < subtree_end[k]
     rounds: list[LinearRound]
     num_states: int  # exported-state bank size over all rounds
-    target_src: torch.Tensor  # [P] int64, compact token whose logits predict target p
-    target_token: torch.Tensor  # [P] int64
-    row_target: torch.Tensor  # [rows, max_len] int64, index into P, -1 at p=0 and padding
-    row_pred: torch.Tensor  # [rows, max_len] int64, compact token predicting (row, p), -1 likewise
-    lengths: torch.Tensor  # [rows] int64
+    target_src: np.ndarray  # [P], compact token whose logits predict target p
+    target_token: np.ndarray  # [P]
+    row_target: np.ndarray  # [rows, max_len], index into P, -1 at p=0 and padding
+    row_pred: np.ndarray  # [rows, max_len], compact token predicting (row, p), -1 likewise
+    lengths: np.ndarray  # [rows]
     chunk_size: int
     conv_width: int
 
+    def __post_init__(self):
+        for name in _TABLES:
+            setattr(self, name, host_array(getattr(self, name)))
+        self.trajectory_ids = [str(i) for i in self.trajectory_ids]
+
     @property
     def num_tokens(self) -> int:
-        return self.token_ids.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.token_ids.device
-
-    def to(self, device) -> "MicrobatchIndex":
-        def move(value):
-            if isinstance(value, torch.Tensor):
-                return value.to(device)
-            if isinstance(value, LinearRound):
-                return LinearRound(**{f.name: move(getattr(value, f.name)) for f in dataclasses.fields(value)})
-            if isinstance(value, list) and value and isinstance(value[0], LinearRound):
-                return [move(r) for r in value]
-            return value
-
-        return MicrobatchIndex(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        return self.token_ids.size
 
     def check(self) -> None:
-        """Cheap shape/range checks (host-side); raises ValueError naming the field."""
+        """Shape and coverage checks; raises ValueError naming the field. O(T log T)."""
         T, W = self.num_tokens, self.conv_width
         expect = {
-            "positions": (T,), "multiplicity": (T,), "conv_pred": (T, W - 1), "subtree_end": (T,),
-            "lengths": (len(self.trajectory_ids),), "target_src": (self.target_src.numel(),),
-            "target_token": (self.target_src.numel(),),
+            "token_ids": (T,), "positions": (T,), "multiplicity": (T,), "conv_pred": (T, W - 1),
+            "subtree_end": (T,), "lengths": (len(self.trajectory_ids),), "target_src": (self.target_src.size,),
+            "target_token": (self.target_src.size,),
         }
         for name, shape in expect.items():
             got = tuple(getattr(self, name).shape)
@@ -92,14 +95,9 @@ class MicrobatchIndex:
                 raise ValueError(f"MicrobatchIndex.{name}: shape {got}, expected {shape}")
         if self.row_target.shape != self.row_pred.shape or self.row_target.shape[0] != len(self.trajectory_ids):
             raise ValueError("MicrobatchIndex.row_target/row_pred: shapes disagree with trajectory_ids")
-        own = torch.cat([r.own_dst for r in self.rounds]) if self.rounds else torch.empty(0, dtype=torch.long)
-        # compared on the index's device: one host sync, no copy of a T-long tensor to the host
-        if own.numel() != T or not torch.equal(torch.sort(own).values, torch.arange(T, device=own.device)):
+        own = np.concatenate([r.own_dst for r in self.rounds]) if self.rounds else np.zeros(0, np.int64)
+        if own.size != T or not np.array_equal(np.sort(own), np.arange(T)):
             raise ValueError("MicrobatchIndex.rounds: own_dst must cover every compact token exactly once")
-
-
-def _as_i64(values) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(values, dtype=np.int64))
 
 
 def trajectory_index(
@@ -108,7 +106,6 @@ def trajectory_index(
     *,
     chunk_size: int = 64,
     conv_width: int = 4,
-    device: torch.device | str = "cpu",
 ) -> MicrobatchIndex:
     """Index tensors for trajectory-wise execution: each trajectory is its own sequence.
 
@@ -142,30 +139,27 @@ def trajectory_index(
     target_src = row_pred[valid]
     target_token = np.concatenate(arrays)[target_src + 1]
 
-    rows = torch.arange(T, dtype=torch.long)
-    one_round = LinearRound(
-        cu_seqlens=torch.as_tensor(np.concatenate([[0], ends]), dtype=torch.int32),
-        row_src=rows, own_rows=rows, own_dst=rows.clone(),
-        init_state=torch.full((len(arrays),), -1, dtype=torch.long),
-        export_seq=torch.empty(0, dtype=torch.long), export_offset=torch.empty(0, dtype=torch.long),
-        export_bank=torch.empty(0, dtype=torch.long),
-    )
+    rows = np.arange(T, dtype=np.int64)
+    none = np.zeros(0, np.int64)
+    one_round = LinearRound(cu_seqlens=np.concatenate([[0], ends]), row_src=rows, own_rows=rows, own_dst=rows,
+                            init_state=np.full(len(arrays), -1), export_seq=none, export_offset=none,
+                            export_bank=none)
     index = MicrobatchIndex(
         trajectory_ids=ids,
-        token_ids=_as_i64(np.concatenate(arrays)),
-        positions=_as_i64(positions),
-        multiplicity=torch.ones(T, dtype=torch.long),
-        conv_pred=_as_i64(conv_pred).reshape(T, conv_width - 1),
-        subtree_end=torch.as_tensor(ends[owner], dtype=torch.int32),
+        token_ids=np.concatenate(arrays),
+        positions=positions,
+        multiplicity=np.ones(T, dtype=np.int64),
+        conv_pred=conv_pred.reshape(T, conv_width - 1),
+        subtree_end=ends[owner],
         rounds=[one_round],
         num_states=0,
-        target_src=_as_i64(target_src),
-        target_token=_as_i64(target_token),
-        row_target=_as_i64(row_target),
-        row_pred=_as_i64(row_pred),
-        lengths=_as_i64(lengths),
+        target_src=target_src,
+        target_token=target_token,
+        row_target=row_target,
+        row_pred=row_pred,
+        lengths=lengths,
         chunk_size=chunk_size,
         conv_width=conv_width,
     )
     index.check()
-    return index.to(device)
+    return index

@@ -8,19 +8,15 @@ Python for the round tables.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from harts_compiler.ir import derive
 
 from .index import LinearRound, MicrobatchIndex
 
 
-def _tensor(array, dtype=torch.int64, device="cpu") -> torch.Tensor:
-    return torch.as_tensor(np.ascontiguousarray(array)).to(dtype=dtype, device=device)
-
-
-def build_microbatch_index(program, microbatch, device="cpu") -> MicrobatchIndex:
-    """`program`: a Program or Plan (scheduled); `microbatch`: its index or a PlannedMicrobatch."""
+def build_microbatch_index(program, microbatch) -> MicrobatchIndex:
+    """Host index tables of one microbatch. `program`: a Program or Plan (scheduled); `microbatch`: its index
+    or a PlannedMicrobatch."""
     program = getattr(program, "program", program)
     m = microbatch if isinstance(microbatch, (int, np.integer)) else microbatch.index
     forest, seqs, mbs = program.forest, program.sequences, program.microbatches
@@ -69,25 +65,25 @@ def build_microbatch_index(program, microbatch, device="cpu") -> MicrobatchIndex
     row_target.ravel()[flat] = token_target[compact]
     row_pred.ravel()[flat] = previous
 
-    rounds, num_states = _rounds(seqs, trees, shift, device)
+    rounds, num_states = _rounds(seqs, trees, shift)
     index = MicrobatchIndex(
         trajectory_ids=[forest.traj_ids[j] for j in trajs.tolist()],
-        token_ids=_tensor(forest.token_ids[glob], device=device),
-        positions=_tensor(forest.token_position[glob], device=device),
-        multiplicity=_tensor(forest.node_multiplicity[token_node], device=device),
-        conv_pred=_tensor(conv_pred, device=device),
-        subtree_end=_tensor(subtree_end, torch.int32, device),
+        token_ids=forest.token_ids[glob],
+        positions=forest.token_position[glob],
+        multiplicity=forest.node_multiplicity[token_node],
+        conv_pred=conv_pred,
+        subtree_end=subtree_end,
         rounds=rounds, num_states=num_states,
-        target_src=_tensor(target_src, device=device),
-        target_token=_tensor(target_token, device=device),
-        row_target=_tensor(row_target, device=device),
-        row_pred=_tensor(row_pred, device=device),
-        lengths=_tensor(lengths, device=device),
+        target_src=target_src,
+        target_token=target_token,
+        row_target=row_target,
+        row_pred=row_pred,
+        lengths=lengths,
         chunk_size=seqs.chunk_size, conv_width=forest.conv_width)
     return index
 
 
-def _rounds(seqs, trees: np.ndarray, shift: np.ndarray, device) -> tuple[list[LinearRound], int]:
+def _rounds(seqs, trees: np.ndarray, shift: np.ndarray) -> tuple[list[LinearRound], int]:
     """One LinearRound per round index; a tree's round k runs in the microbatch's round k.
     Exported states get bank ids in execution order (round, then sequence, then offset)."""
     chosen = np.flatnonzero(np.isin(seqs.seq_tree, trees))
@@ -119,10 +115,10 @@ def _rounds(seqs, trees: np.ndarray, shift: np.ndarray, device) -> tuple[list[Li
                 export_offset.append(offset)
                 export_bank.append(bank[(s, offset)])
         out.append(LinearRound(
-            cu_seqlens=_tensor(cu, torch.int32, device), row_src=_tensor(row_src, device=device),
-            own_rows=_tensor(own_rows, device=device), own_dst=_tensor(own_dst, device=device),
-            init_state=_tensor(init_state, device=device),
-            export_seq=_tensor(np.asarray(export_seq, np.int64), device=device),
-            export_offset=_tensor(np.asarray(export_offset, np.int64), device=device),
-            export_bank=_tensor(np.asarray(export_bank, np.int64), device=device)))
+            cu_seqlens=cu, row_src=row_src,
+            own_rows=own_rows, own_dst=own_dst,
+            init_state=init_state,
+            export_seq=np.asarray(export_seq, np.int64),
+            export_offset=np.asarray(export_offset, np.int64),
+            export_bank=np.asarray(export_bank, np.int64)))
     return out, len(bank)

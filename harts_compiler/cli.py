@@ -12,9 +12,11 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "compile": ("harts_compiler.commands:compile_main", "compile a JSONL batch into a plan"),
     "ir": ("harts_compiler.commands:ir_main", "pretty-print and validate a .hir dump"),
+    "lower": ("harts_compiler.lower_cmd:lower_main", "show the launch plan a model runs for each microbatch"),
     "demo": ("harts_compiler.demo:demo_main", "built-in batch: compile, run tree vs trajectory-wise, verify"),
     "verify": ("harts_compiler.verify:verify_main", "check a batch's tree execution against trajectory-wise"),
-    "bench": ("harts_compiler.commands:bench_main", "run a benchmark of bench/ (default e2e: tree vs trajectory-wise step)"),
+    "bench": ("harts_compiler.commands:bench_main",
+              "run a benchmark of bench/ (default e2e: tree vs trajectory-wise step)"),
     "gen": ("harts_compiler.generator:gen_main", "generate a seeded rollout batch (JSONL)"),
 }
 

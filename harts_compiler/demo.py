@@ -71,15 +71,13 @@ def demo_main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     model = load_model(args.model, DTYPES[args.dtype], seed=args.seed)
     batch = agentic_batch(args.seed, vocab_size=model.config.vocab_size)
-    options = CompileOptions.checked(chunk_size=args.chunk_size, conv_width=model.conv_width,
-                                     dp_size=args.dp_size, microbatch_tokens=args.microbatch_tokens,
-                                     vocab_size=model.config.vocab_size)
+    options = CompileOptions.for_model(model, chunk_size=args.chunk_size, dp_size=args.dp_size,
+                                       microbatch_tokens=args.microbatch_tokens)
     plan = compile(batch, options, dump_ir=args.dump_ir)
     print(f"built-in agentic batch (seed {args.seed}): {len(batch)} trajectories\n")
     print(format_summary(plan))
     print(f"\nmodel: {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters, random weights), "
           f"forward + backward in tree mode and trajectory-wise:")
-    report = verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing,
-                         gdn_segment_chunks=args.gdn_segment_chunks)
+    report = verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing)
     print(report.format())
     return 0 if report.passed else 1

@@ -15,9 +15,11 @@ from .options import CompileOptions
 
 @dataclass(frozen=True)
 class PlannedMicrobatch:
-    """One scheduled microbatch: `build_index(device)` gives its MicrobatchIndex tensors."""
+    """One scheduled microbatch: `build_index()` gives its host MicrobatchIndex tables (a TreeModel lowers and
+    uploads them); `check_model(model)` refuses a model the plan was not compiled for."""
 
     program: Program = field(repr=False)
+    options: CompileOptions = field(repr=False)
     index: int
     rank: int
     slot: int
@@ -26,9 +28,12 @@ class PlannedMicrobatch:
     trajectories: int
     rounds: int
 
-    def build_index(self, device="cpu"):
+    def build_index(self):
         from harts_compiler.codegen.microbatch import build_microbatch_index
-        return build_microbatch_index(self.program, self.index, device)
+        return build_microbatch_index(self.program, self.index)
+
+    def check_model(self, model) -> None:
+        self.options.check_model(model)
 
     def summary(self) -> dict:
         return {"rank": self.rank, "slot": self.slot, "compact_tokens": self.compact_tokens,
@@ -56,7 +61,7 @@ class Plan:
                 continue
             trees = mbs.trees_of(m)
             out.append(PlannedMicrobatch(
-                program=program, index=m, rank=int(mbs.mb_rank[m]), slot=int(mbs.mb_slot[m]),
+                program=program, options=self.options, index=m, rank=int(mbs.mb_rank[m]), slot=int(mbs.mb_slot[m]),
                 trees=tuple(trees.tolist()), compact_tokens=int(tree_tokens[trees].sum()),
                 trajectories=int(np.isin(traj_tree, trees).sum()),
                 rounds=int(seqs.tree_rounds[trees].max()) if seqs is not None else 0))

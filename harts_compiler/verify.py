@@ -1,6 +1,6 @@
 """`harts verify`: run a compiled plan in tree mode and every trajectory on its own, and compare.
 
-This is the project's correctness contract made executable (DESIGN.md section 11): the same
+This is the project's correctness contract made executable (docs/design.md section 11): the same
 per-trajectory log-probs, entropies, MoE statistics and parameter gradients, up to floating-point
 reordering. The gradient check uses a fixed random weighting of log-probs and entropies (plus the
 aux loss), i.e. an arbitrary token-level objective, so every parameter gets a non-trivial gradient.
@@ -8,13 +8,12 @@ aux loss), i.e. an arbitrary token-level objective, so every parameter gets a no
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import time
 
 import torch
 
-# Bars of DESIGN.md section 11 per dtype: (log-prob/entropy max abs diff, gradient max rel diff).
+# Bars of docs/design.md section 11 per dtype: (log-prob/entropy max abs diff, gradient max rel diff).
 # fp32 gradients carry ~1e-5 relative reordering noise on wide trees (measured up to 2.1e-5).
 BARS = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 5e-5)}
 
@@ -55,11 +54,14 @@ class VerifyReport:
             f"trajectories {self.trajectories}, trajectory tokens {self.trajectory_tokens}, "
             f"compact tokens {self.compact_tokens} (compression {self.trajectory_tokens / self.compact_tokens:.2f}x), "
             f"{self.microbatches} microbatch(es), up to {self.rounds} linear-attention round(s), {self.dtype}",
-            f"  max |log-prob diff|       {self.logprob_diff:.3e}  (bar {value_bar:.0e}) {ok(self.logprob_diff, value_bar)}",
-            f"  max |entropy diff|        {self.entropy_diff:.3e}  (bar {value_bar:.0e}) {ok(self.entropy_diff, value_bar)}",
+            f"  max |log-prob diff|       {self.logprob_diff:.3e}  (bar {value_bar:.0e}) "
+            f"{ok(self.logprob_diff, value_bar)}",
+            f"  max |entropy diff|        {self.entropy_diff:.3e}  (bar {value_bar:.0e}) "
+            f"{ok(self.entropy_diff, value_bar)}",
         ]
         if self.aux_diff is not None:
-            lines.append(f"  |aux-loss diff|           {self.aux_diff:.3e}  (bar {value_bar:.0e}) {ok(self.aux_diff, value_bar)}")
+            lines.append(f"  |aux-loss diff|           {self.aux_diff:.3e}  (bar {value_bar:.0e}) "
+                         f"{ok(self.aux_diff, value_bar)}")
         if self.expert_load_diff is not None:
             lines.append(f"  max |expert-load diff|    {self.expert_load_diff:.3e}  (bar {value_bar:.0e}) "
                          f"{ok(self.expert_load_diff, value_bar)}")
@@ -117,11 +119,8 @@ def worst_gradient_difference(got: dict[str, torch.Tensor | None],
     return diff, worst
 
 
-def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: bool = False,
-                gdn_segment_chunks: int | None = None) -> VerifyReport:
-    """Execute `plan` (compiled from `batch`) in tree mode and `batch` trajectory-wise; compare.
-    `gdn_segment_chunks`: tree mode with that opt-in (TreeModel.gdn_segment_chunks), against plain
-    trajectory-wise execution."""
+def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: bool = False) -> VerifyReport:
+    """Execute `plan` (compiled from `batch`) in tree mode and `batch` trajectory-wise; compare."""
     from harts_compiler.runtime import trajectory_wise
     from harts_compiler.runtime.distributed import assemble_rows
     from harts_compiler.runtime.trajectory import trajectory_token_lists
@@ -137,16 +136,11 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
     first = dict(zip(ids[:2], token_lists[:2]))
     trajectory_wise(model, first, chunk_size=plan.options.chunk_size).logprobs.sum().backward()
 
-    tree_model = model
-    if gdn_segment_chunks is not None:  # a shallow copy shares the parameters (and their gradients)
-        from harts_compiler.runtime.model import checked_segment_chunks
-        tree_model = copy.copy(model)
-        tree_model.gdn_segment_chunks = checked_segment_chunks(gdn_segment_chunks)
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     outputs, expert_load, aux = [], None, None
     for mb in microbatches:  # backward per microbatch, as a trainer does
-        out = tree_model(mb, activation_checkpointing=activation_checkpointing)
+        out = model(mb, activation_checkpointing=activation_checkpointing)
         loss = _row_loss(out, weights, max_len)
         if out.aux_loss is not None and len(microbatches) == 1:
             aux = out.aux_loss.detach()
@@ -213,13 +207,6 @@ def load_model(spec: str, dtype: torch.dtype, seed: int = 0):
                      "nor a checkpoint directory")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_execution_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny-qwen3-next") -> None:
     parser.add_argument("--model", default=default_model, help="preset name or HF checkpoint directory")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
@@ -228,8 +215,6 @@ def add_execution_arguments(parser: argparse.ArgumentParser, default_model: str 
     parser.add_argument("--checkpointing", action="store_true", help="activation recomputation per layer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--gdn-segment-chunks", type=_positive_int, default=None, metavar="N",
-                        help="tree mode with long prefixes cut into N-chunk segments (opt-in; equal to rounding)")
 
 
 def run_verification(batch, args) -> VerifyReport:
@@ -238,12 +223,9 @@ def run_verification(batch, args) -> VerifyReport:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_model(args.model, DTYPES[args.dtype], seed=args.seed)
-    options = CompileOptions.checked(chunk_size=args.chunk_size, conv_width=model.conv_width,
-                                     microbatch_tokens=args.microbatch_tokens,
-                                     vocab_size=model.config.vocab_size)
+    options = CompileOptions.for_model(model, chunk_size=args.chunk_size, microbatch_tokens=args.microbatch_tokens)
     plan = compile(batch, options)
-    return verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing,
-                       gdn_segment_chunks=args.gdn_segment_chunks)
+    return verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing)
 
 
 def verify_main(argv: list[str]) -> int:

@@ -1,4 +1,4 @@
-"""Cost model of one microbatch's forward + backward on the GPU (DESIGN.md section 9).
+"""Cost model of one microbatch's forward + backward on the GPU (docs/design.md section 9).
 
 A small linear model over what the plan already knows about a microbatch, so the planner can
 balance microbatches and ranks without running anything:
@@ -13,7 +13,7 @@ Microbatch features (`MicrobatchFeatures`, from a Program + trees, a Plan's micr
 * `replay_tokens`: extra packed rows (ancestor tokens re-read after a mid-chunk branch);
 * `sequences`, `rounds`: varlen sequences and packed linear-attention calls per GDN layer;
 * `chunk_depth`: sum over rounds of the longest sequence's chunks, the serial length of the state
-  scan (with few long sequences the scan, not the FLOPs, sets a round's time: GPU.md);
+  scan (with few long sequences the scan, not the FLOPs, sets a round's time);
 * `attention_pairs`: (query, key) pairs the tree mask allows = sum over tokens of position + 1;
 * `trajectories`, `trajectory_tokens`: the log-prob output rows (informational, not a term).
 
@@ -115,6 +115,11 @@ class LayerCounts:
     full: int
 
     @classmethod
+    def stated(cls, linear: int | None, full: int | None) -> "LayerCounts":
+        """The counts of CompileOptions (None: those of the reference model, Qwen3-Next-80B: 36 / 12)."""
+        return cls(36 if linear is None else linear, 12 if full is None else full)
+
+    @classmethod
     def of(cls, model_or_config) -> "LayerCounts":
         """From a ModelConfig, a TreeModel (its `.config`) or a sequence of layer types."""
         config = getattr(model_or_config, "config", model_or_config)
@@ -178,20 +183,20 @@ def tree_features(program) -> MicrobatchFeatures:
 
 
 def index_features(index) -> MicrobatchFeatures:
-    """Features of a built `MicrobatchIndex` (tree mode or `trajectory_index`)."""
+    """Features of a built `MicrobatchIndex` (host tables; tree mode or `trajectory_index`)."""
     rows = own = depth = sequences = 0
     for rnd in index.rounds:
-        lengths = np.diff(rnd.cu_seqlens.detach().cpu().numpy().astype(np.int64))
+        lengths = np.diff(np.asarray(rnd.cu_seqlens, dtype=np.int64))
         rows += int(lengths.sum())
-        own += int(rnd.own_rows.numel())
+        own += int(np.asarray(rnd.own_rows).size)
         sequences += int(lengths.size)
         depth += int(_chunks(lengths, index.chunk_size).max(initial=0))
-    positions = index.positions.detach().cpu().numpy().astype(np.int64)
+    positions = np.asarray(index.positions, dtype=np.int64)
     return MicrobatchFeatures(
         compact_tokens=int(index.num_tokens), replay_tokens=rows - own, sequences=sequences,
         rounds=len(index.rounds), chunk_depth=depth, attention_pairs=int((positions + 1).sum()),
         trajectories=len(index.trajectory_ids),
-        trajectory_tokens=int(index.lengths.detach().cpu().sum()))
+        trajectory_tokens=int(np.asarray(index.lengths).sum()))
 
 
 def features(source, microbatch=None) -> MicrobatchFeatures:

@@ -1,4 +1,4 @@
-"""Minimum rounds in linear time (DESIGN.md section 6) and the sequences it implies.
+"""Minimum rounds in linear time (docs/design.md section 6) and the sequences it implies.
 
 Values per node v, when v's sequence started at v's own aligned boundary α_v (state A) or
 earlier (state O); leaves have 0; β_v = floor(end(v)/C)*C is the boundary all children start at:

@@ -47,7 +47,7 @@ class Schedule(Pass):
     seed: int = 0
     workers: int = 1
     cost_model: str | None = None
-    linear_layers: int | None = None  # None: the reference model's 36 linear / 12 full-attention layers
+    linear_layers: int | None = None  # None: LayerCounts.stated's reference model
     full_layers: int | None = None
 
     def run(self, program: Program) -> Program:
@@ -70,9 +70,7 @@ class Schedule(Pass):
             raise InputError(f"option cost_model: {error}") from None
         # A tree alone would pay the per-microbatch constant; packed trees share it, so it is
         # not an item's cost (it is about the same for every non-empty (rank, slot)).
-        layers = LayerCounts(36 if self.linear_layers is None else self.linear_layers,
-                             12 if self.full_layers is None else self.full_layers)
-        cost = tree_costs(program, layers, model)
+        cost = tree_costs(program, LayerCounts.stated(self.linear_layers, self.full_layers), model)
         cost = np.maximum(cost - model.coefficients.get("microbatch", 0.0), 0.0)
         result = assign(sizes, cost, token_budget=budget or None, dp_size=self.dp_size,
                         num_slots=None if budget else 1, objective=self.objective,

@@ -32,7 +32,7 @@ class SplitOversize(Pass):
     nothing new. Nodes that no trajectory of a part ends below are not in that part at all.
 
     Why not context-only tokens (no targets, multiplicity 0, a trajectory's row spread over the
-    parts holding its tokens, as DESIGN.md's first version put it): that is exact too, but a
+    parts holding its tokens): that is exact too, but a
     trajectory's log-probs would be split across microbatches (per-sequence losses such as
     seq-mean or sequence-level ratios would see partial rows; the runtime's index check would
     have to accept gaps inside a row) and a cut's first target would live in another part than

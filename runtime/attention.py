@@ -2,7 +2,7 @@
 
 q/gate interleaved per head in q_proj, zero-centred q/k norms over the head dim, partial RoPE at
 trajectory positions (`index.positions`), GQA, sigmoid output gate, o_proj. The attention itself is
-`tree_attention(q, k, v, subtree_end)` (DESIGN.md section 7): the Triton kernel on CUDA for bf16/fp16,
+`tree_attention(q, k, v, subtree_end)` (docs/design.md section 7): the Triton kernel on CUDA for bf16/fp16,
 the plain torch path elsewhere.
 """
 from __future__ import annotations
@@ -11,67 +11,33 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harts_compiler.codegen.kernels.tree_attention import (build_block_index, check_tree_attention_inputs,
-                                                           config_for, tree_mask)
+from harts_compiler.codegen import LaunchPlan
+from harts_compiler.codegen.kernels.tree_attention import check_tree_attention_inputs, tree_mask
 from harts_compiler.codegen.kernels.tree_attention import tree_attention as tree_attention_kernel
-from harts_compiler.codegen.kernels.tree_attention.configs import SUPPORTED_HEAD_DIMS
 
 from .config import ModelConfig
 from .layers import ZeroCentredRMSNorm, apply_partial_rope
 
-_QUERY_BLOCK = 256  # CPU path: queries per block
 
-
-def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
-                   scale: float, block_cache: dict | None = None) -> torch.Tensor:
-    """CUDA, bf16/fp16: the Triton kernel, its block index built once per microbatch (cached in
-    `block_cache`). CPU, fp32/fp64 and head dims the kernel lacks: plain torch (not Triton's
-    interpreter, which is for kernel tests). fp32 stays off the kernel because its dots would round
-    fp32 operands through TF32 (~1e-3 relative), which is not what an fp32 model asks for."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] in SUPPORTED_HEAD_DIMS:
-        block_index = None
-        if block_cache is not None:
-            key = q.shape[2]
-            if key not in block_cache:
-                config = config_for(q.shape[2])
-                block_cache[key] = build_block_index(subtree_end, config.block_m, config.block_n)
-            block_index = block_cache[key]
-        return tree_attention_kernel(q, k, v, subtree_end, scale=scale, block_index=block_index)
-    windows = None
-    if block_cache is not None:  # the same for every attention layer of the microbatch
-        if "windows" not in block_cache:
-            block_cache["windows"] = query_windows(subtree_end, _QUERY_BLOCK)
-        windows = block_cache["windows"]
-    return windowed_tree_attention(q, k, v, subtree_end, scale=scale, windows=windows)
-
-
-def query_windows(subtree_end: torch.Tensor, query_block: int = _QUERY_BLOCK) -> list[tuple[int, int, int]]:
-    """(start, end, lo) per query block [start, end): lo = the first key still open at `start`
-    (subtree_end[k] > start, k < start), else start. Keys before lo are masked for the whole block.
-
-    The first k with subtree_end[k] > s is the first k whose running maximum of subtree_end
-    exceeds s, so all blocks take one cummax + searchsorted and one host transfer.
-    """
-    T = subtree_end.numel()
-    starts = torch.arange(0, T, query_block, device=subtree_end.device)
-    if not T:
-        return []
-    running_max = torch.cummax(subtree_end.long(), dim=0).values
-    first_open = torch.searchsorted(running_max, starts, right=True)
-    lows = torch.minimum(first_open, starts).tolist()
-    return [(start, min(start + query_block, T), lo) for start, lo in zip(range(0, T, query_block), lows)]
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: LaunchPlan, *,
+                   scale: float) -> torch.Tensor:
+    """The Triton kernel with the plan's block lists where the plan's target runs it (16-bit on CUDA), else
+    plain torch over the plan's query windows (not Triton's interpreter, which is for kernel tests). fp32 stays
+    off the kernel because its dots would round fp32 operands through TF32 (~1e-3 relative)."""
+    if plan.target.attention_tiles:
+        return tree_attention_kernel(q, k, v, plan.subtree_end, scale=scale, block_index=plan.attention)
+    return windowed_tree_attention(q, k, v, plan.subtree_end, scale=scale, windows=plan.windows)
 
 
 def windowed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
-                            scale: float, query_block: int = _QUERY_BLOCK,
-                            windows: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+                            scale: float, windows) -> torch.Tensor:
     """Plain torch tree attention that only touches keys a query block can see.
 
     Same masked softmax as the kernels' dense reference, but query block [s, e) only reads keys
     [lo, e), lo = the first key still open at s (subtree_end > s). Many trees or trajectories in
     one microbatch (the trajectory-wise baseline) then cost O(T * tree length), not O(T^2).
     Masked keys contribute exact zeros, so the result is the reference's up to summation order.
-    `windows`: `query_windows(subtree_end, query_block)`, passed when already computed for the microbatch.
+    `windows`: `tree_attention.query_windows(subtree_end, query_block)` (host), computed with the plan.
     """
     check_tree_attention_inputs(q, k, v, subtree_end)
     T, HQ, _ = q.shape
@@ -89,7 +55,7 @@ def windowed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         return torch.matmul(probs, v_heads).transpose(0, 1)  # [M, HQ, D]
 
     outputs = []
-    for start, end, lo in query_windows(subtree_end, query_block) if windows is None else windows:
+    for start, end, lo in windows:
         args = (q[start:end], k[lo:end], v[lo:end], positions[start:end], positions[lo:end])
         outputs.append(checkpoint(block, *args, use_reentrant=False) if needs_grad else block(*args))
     return torch.cat(outputs) if outputs else q.new_empty(q.shape)
@@ -120,6 +86,6 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         cos, sin = ctx.rope(x.dtype)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
-        out = tree_attention(q, k, v, ctx.index.subtree_end, scale=self.scaling, block_cache=ctx.attention_blocks)
+        out = tree_attention(q, k, v, ctx.plan, scale=self.scaling)
         out = out.reshape(T, -1) * torch.sigmoid(gate)
         return self.o_proj(out)

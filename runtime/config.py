@@ -117,7 +117,8 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise UnsupportedModelError(f"config.rope_parameters.rope_type={rope_type!r}: only 'default' RoPE is supported")
+            raise UnsupportedModelError(f"config.rope_parameters.rope_type={rope_type!r}: only 'default' RoPE "
+                                        "is supported")
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
         hidden_act = cfg.get("hidden_act", "silu")
@@ -191,7 +192,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-# Tiny random configs for tests, `harts demo` and `harts verify --model PRESET` (MODELS.md).
+# Tiny random configs for tests, `harts demo` and `harts verify --model PRESET`.
 _TINY_COMMON = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,

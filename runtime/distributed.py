@@ -216,11 +216,11 @@ def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | 
 def _run_microbatch(model, microbatch, inputs, normalisers, loss_fn, metrics, device,
                     sync_device, forward_kwargs) -> tuple[torch.Tensor, dict]:
     start = time.perf_counter()
-    index = microbatch.build_index(device)
+    plan = model.launch_plan(microbatch)  # lowered on the host, uploaded in one copy
     metrics.index_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    output = model(index, **forward_kwargs)
+    output = model(plan, **forward_kwargs)
     rows = inputs.rows_for(output.trajectory_ids, output.logprobs.shape[1],
                            dtype=output.logprobs.dtype, device=device)
     # both token counts in one host transfer per microbatch
@@ -240,7 +240,7 @@ def _run_microbatch(model, microbatch, inputs, normalisers, loss_fn, metrics, de
     metrics.backward_s = time.perf_counter() - start
 
     metrics.trees = len(microbatch.trees)
-    metrics.compact_tokens = index.num_tokens
+    metrics.compact_tokens = plan.num_tokens
     metrics.trajectories = len(output.trajectory_ids)
     metrics.trajectory_tokens = int(trajectory_tokens)
     metrics.loss_tokens = int(loss_tokens)
@@ -250,8 +250,7 @@ def _run_microbatch(model, microbatch, inputs, normalisers, loss_fn, metrics, de
 def run_plan(model, plan, *, rank: int | None = None, **forward_kwargs) -> list:
     """Forward every microbatch of `plan` (or of one rank) in (rank, slot) order, in this
     process: the outputs `assemble_rows` puts together (for `harts verify`, tests, debugging)."""
-    device = next(model.parameters()).device
-    return [model(mb.build_index(device), **forward_kwargs) for mb in plan.microbatches(rank)]
+    return [model(mb, **forward_kwargs) for mb in plan.microbatches(rank)]
 
 
 def assemble_rows(plan, outputs, field: str = "logprobs") -> tuple[torch.Tensor, torch.Tensor]:

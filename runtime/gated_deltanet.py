@@ -2,7 +2,7 @@
 
 Parameters carry transformers' names and shapes, so `from_hf` can share them and checkpoints load
 by name. Token-local parts (projections, gates, gated norm, out_proj) run once per compact token;
-the short conv reads each token's path predecessors (`index.conv_pred`) and the recurrence runs over
+the short conv reads each token's path predecessors (`plan.conv_pred`) and the recurrence runs over
 the plan's rounds (`ops.linear_attention`).
 """
 from __future__ import annotations
@@ -64,11 +64,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x [T, hidden] (normed) -> [T, hidden]. ctx: the per-forward `ExecutionContext`."""
-        index = ctx.index
         T = x.shape[0]
         mixed, z, b, a = self._project(x)
-        mixed = tree_causal_conv(mixed, self.conv1d.weight.squeeze(1), index.conv_pred, activation="silu",
-                                 conv_cache=ctx.conv_cache, use_triton=ctx.triton_linear_attention)
+        mixed = tree_causal_conv(mixed, self.conv1d.weight.squeeze(1), ctx.plan, activation="silu")
         mixed = mixed.to(x.dtype)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
@@ -78,7 +76,7 @@ class GatedDeltaNet(nn.Module):
         wide = compute_dtype(x.dtype)
         # as transformers: g in fp32 (wider for fp64 runs), A_log never in low precision
         g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias)
-        o = gated_delta_rule_rounds(q, k, v, g, beta, index, ctx.linear_plan, scale=self.head_k_dim ** -0.5,
-                                    state_dtype=wide, use_qk_l2norm=True, kernel=ctx.gdn_kernel)
+        o = gated_delta_rule_rounds(q, k, v, g, beta, ctx.plan, scale=self.head_k_dim ** -0.5, state_dtype=wide,
+                                    use_qk_l2norm=True, kernel=ctx.gdn_kernel)
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(T, self.value_dim))

@@ -5,10 +5,11 @@ The module tree mirrors transformers' `...ForCausalLM` parameter names (`model.e
 the Hugging Face parameters and checkpoints load by name (`weights.py`). One forward:
 
     embed compact tokens -> decoder layers (each optionally checkpointed) -> final norm
-    -> chunked lm_head + log-softmax + gather into per-trajectory rows (DESIGN.md section 5)
+    -> chunked lm_head + log-softmax + gather into per-trajectory rows (docs/design.md section 5)
 
-Everything a layer needs from the plan (index tensors, round gathers, RoPE tables) sits in one
-`ExecutionContext` built once per forward and passed explicitly.
+Everything a layer needs from the plan sits in one `ExecutionContext` built once per forward and passed
+explicitly: the microbatch's launch plan (lowered on the host for this model's kernels and uploaded once,
+`codegen.lower`), and the RoPE tables computed from it.
 """
 from __future__ import annotations
 
@@ -19,17 +20,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harts_compiler.codegen.index import MicrobatchIndex
+from harts_compiler.codegen import LaunchPlan, LaunchTarget, MicrobatchIndex, PlanMismatchError, lower
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
-from harts_compiler.codegen.kernels.chunk_gdn.function import triton_supports
+from harts_compiler.codegen.kernels.logprobs import token_logprobs
 
 from .attention import GatedAttention
+from .backend import select_backend
 from .config import ModelConfig
 from .gated_deltanet import GatedDeltaNet
 from .layers import DenseMLP, ZeroCentredRMSNorm, rope_tables
 from .moe import RouterStats, SparseMoeBlock, load_balancing_loss
-from .ops.linear_attention import LinearRoundsPlan, plan_linear_rounds
-from .ops.logprobs import check_target_index, token_logprobs
+from .ops.embedding import embed_tokens
 
 
 class InvalidBatchError(ValueError):
@@ -50,20 +51,15 @@ class TreeOutput:
 class ExecutionContext:
     """Per-forward state shared by all layers (built once, read-only)."""
 
-    index: MicrobatchIndex
-    linear_plan: LinearRoundsPlan
+    plan: LaunchPlan  # on the model's device
     config: ModelConfig
-    gdn_kernel: Callable | None = None  # override of chunk_gated_delta_rule (tests: recurrent oracle)
-    triton_linear_attention: bool = False  # Triton GDN + causal-conv kernels for this forward (see TreeModel)
-    # tree attention, per microbatch: CUDA block index per head dim, "windows" of the torch path
-    attention_blocks: dict = dataclasses.field(default_factory=dict)
-    conv_cache: dict = dataclasses.field(default_factory=dict)  # CUDA causal-conv launch index
+    gdn_kernel: Callable | None = None  # a reference GDN kernel for the torch path (tests: the token-loop oracle)
     _rope: dict = dataclasses.field(default_factory=dict)
 
     def rope(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._rope:
             c = self.config
-            self._rope[dtype] = rope_tables(self.index.positions, c.head_dim, c.partial_rotary_factor,
+            self._rope[dtype] = rope_tables(self.plan.positions, c.head_dim, c.partial_rotary_factor,
                                             c.rope_theta, dtype)
         return self._rope[dtype]
 
@@ -88,7 +84,7 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         stats = None
         if self.is_moe:
-            h, stats = self.mlp(h, ctx.index.multiplicity)
+            h, stats = self.mlp(h, ctx.plan.multiplicity)
         else:
             h = self.mlp(h)
         return x + h, stats
@@ -102,19 +98,11 @@ class TextModel(nn.Module):
         self.norm = ZeroCentredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-def checked_segment_chunks(value):
-    """`TreeModel.gdn_segment_chunks`: None (off) or an int >= 1."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"gdn_segment_chunks must be an int >= 1 or None, got {value!r}")
-    return value
-
-
 class TreeModel(nn.Module):
     """Exact tree-mode execution of a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM."""
 
     def __init__(self, config: ModelConfig, *, activation_checkpointing: bool = False,
-                 triton_linear_attention: bool = True, gdn_segment_chunks: int | None = None,
-                 gdn_config: GDNKernelConfig | None = None):
+                 triton_linear_attention: bool = True, gdn_config: GDNKernelConfig | None = None):
         super().__init__()
         self.config = config
         self.activation_checkpointing = activation_checkpointing
@@ -123,10 +111,6 @@ class TreeModel(nn.Module):
         # and `triton_linear_attention=False` run the exact plain-torch path: the kernels' dots
         # would take fp32 operands through TF32 (measured ~8e-4 relative gradient differences).
         self.triton_linear_attention = triton_linear_attention
-        # opt-in: in rounds of few sequences, cut sequences longer than this many chunks into segments whose
-        # state maps compose (codegen/kernels/chunk_gdn/segmented.py): shorter sequential scans for a long
-        # shared prefix, at ~3x its token work; equal to the uncut rounds to rounding, not bit for bit
-        self.gdn_segment_chunks = checked_segment_chunks(gdn_segment_chunks)
         # launch configuration of the Triton GDN kernels (None: the defaults, tuned on the H200)
         if gdn_config is not None and not isinstance(gdn_config, GDNKernelConfig):
             raise TypeError(f"TreeModel: gdn_config must be a GDNKernelConfig or None, got {type(gdn_config).__name__}")
@@ -156,52 +140,50 @@ class TreeModel(nn.Module):
     def conv_width(self) -> int:
         return self.config.linear_conv_kernel_dim
 
-    def check_index(self, index: MicrobatchIndex) -> None:
-        """Every reason this model cannot run `index`, raised before any compute."""
-        if not isinstance(index, MicrobatchIndex):
-            raise InvalidBatchError(f"TreeModel expects a MicrobatchIndex, got {type(index).__name__}")
-        if index.conv_width != self.conv_width:
-            raise InvalidBatchError(
-                f"MicrobatchIndex.conv_width={index.conv_width} but the model's linear_conv_kernel_dim is "
-                f"{self.conv_width}: compile the plan with conv_width={self.conv_width}")
-        if index.chunk_size <= 0:
-            raise InvalidBatchError(f"MicrobatchIndex.chunk_size={index.chunk_size} must be positive")
-        if index.num_tokens:
-            low, high = torch.stack([index.token_ids.min(), index.token_ids.max()]).tolist()  # one host transfer
-            if low < 0 or high >= self.config.vocab_size:
-                bad = low if low < 0 else high
-                raise InvalidBatchError(f"MicrobatchIndex.token_ids: token id {bad} is outside the model's "
-                                        f"vocabulary [0, {self.config.vocab_size})")
-        index.check()
-        try:  # targets (vocabulary range included) checked here, before compute, not by token_logprobs after it
-            check_target_index(index, index.num_tokens, self.config.vocab_size)
-        except ValueError as error:
-            raise InvalidBatchError(f"MicrobatchIndex: {error}") from None
+    def launch_target(self, *, reference_gdn: bool = False) -> LaunchTarget:
+        """What a plan must be lowered for to run on this model as its parameters are now (dtype, device)."""
+        weight = self.lm_head.weight
+        return select_backend(self.config, weight.dtype, weight.device,
+                              triton_linear_attention=self.triton_linear_attention, reference_gdn=reference_gdn,
+                              gdn_config=self.gdn_config)
 
-    def forward(self, index, *, activation_checkpointing: bool | None = None,
-                gdn_kernel: Callable | None = None) -> TreeOutput:
-        """Run one microbatch: a MicrobatchIndex, or a Plan microbatch (anything with
-        `build_index(device)`, e.g. `harts_compiler.PlannedMicrobatch`)."""
+    def launch_plan(self, batch, *, reference_gdn: bool = False) -> LaunchPlan:
+        """The device launch plan of `batch`: a LaunchPlan lowered for this model, a MicrobatchIndex, or a plan's
+        microbatch (anything with `build_index()`, e.g. `harts_compiler.PlannedMicrobatch`). Lowering and its
+        checks run on the host, before any compute; the upload is one copy."""
+        target = self.launch_target(reference_gdn=reference_gdn)
         device = self.lm_head.weight.device
-        if not isinstance(index, MicrobatchIndex) and hasattr(index, "build_index"):
-            index = index.build_index(device)
-        self.check_index(index)
-        if index.device != device:
-            index = index.to(device)
-        dtype, cfg = self.lm_head.weight.dtype, self.config
-        # conv kernel: 16-bit on CUDA; GDN kernels: only the shapes validated there (triton_supports)
-        use_triton = (self.triton_linear_attention and device.type == "cuda"
-                      and dtype in (torch.bfloat16, torch.float16))
-        gdn_triton = (use_triton and gdn_kernel is None
-                      and triton_supports(dtype, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
-        linear_plan = plan_linear_rounds(index, use_triton=gdn_triton, gdn_config=self.gdn_config,
-                                         segment_chunks=None if gdn_kernel is not None else self.gdn_segment_chunks)
-        ctx = ExecutionContext(index=index, linear_plan=linear_plan,
-                               config=self.config, gdn_kernel=gdn_kernel, triton_linear_attention=use_triton)
+        try:
+            if isinstance(batch, LaunchPlan):
+                if batch.target != target:
+                    raise PlanMismatchError(f"the LaunchPlan was lowered for {batch.target}, this model needs "
+                                            f"{target}: lower it with model.launch_target()")
+                plan = batch
+            else:
+                check = getattr(batch, "check_model", None)
+                if check is not None:  # a plan's microbatch: its compile options against this model
+                    check(self)
+                index = batch.build_index() if hasattr(batch, "build_index") else batch
+                if not isinstance(index, MicrobatchIndex):
+                    raise InvalidBatchError(f"TreeModel expects a MicrobatchIndex, a LaunchPlan or a plan's "
+                                            f"microbatch, got {type(batch).__name__}")
+                plan = lower(index, target)
+        except InvalidBatchError:
+            raise
+        except ValueError as error:  # PlanMismatchError and every bad-index error name the field
+            raise InvalidBatchError(str(error)) from None
+        return plan if plan.device == device else plan.to(device)
+
+    def forward(self, batch, *, activation_checkpointing: bool | None = None,
+                gdn_kernel: Callable | None = None) -> TreeOutput:
+        """Run one microbatch (see `launch_plan` for what `batch` may be). `gdn_kernel`: a reference GDN kernel
+        (same signature as `chunk_gated_delta_rule_reference`) for the linear-attention layers."""
+        plan = self.launch_plan(batch, reference_gdn=gdn_kernel is not None)
+        ctx = ExecutionContext(plan=plan, config=self.config, gdn_kernel=gdn_kernel)
         use_checkpoint = self.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         use_checkpoint = use_checkpoint and torch.is_grad_enabled()
 
-        x = self.model.embed_tokens(index.token_ids)
+        x = embed_tokens(self.model.embed_tokens.weight, plan)
         router_stats: list[RouterStats] = []
         for layer in self.model.layers:
             if use_checkpoint:
@@ -212,9 +194,9 @@ class TreeModel(nn.Module):
             if stats is not None:
                 router_stats.append(stats)
         x = self.model.norm(x)
-        logprobs, entropy = token_logprobs(x, self.lm_head.weight, index, check_values=False)  # check_index did
+        logprobs, entropy = token_logprobs(x, self.lm_head.weight, plan.targets, use_triton=plan.target.logprobs_triton)
 
         aux_loss = load_balancing_loss(router_stats, self.config.num_experts)
         expert_load = torch.stack([s.assigned for s in router_stats]).detach() if router_stats else None
-        return TreeOutput(trajectory_ids=list(index.trajectory_ids), logprobs=logprobs, entropy=entropy,
-                          lengths=index.lengths, aux_loss=aux_loss, expert_load=expert_load)
+        return TreeOutput(trajectory_ids=list(plan.trajectory_ids), logprobs=logprobs, entropy=entropy,
+                          lengths=plan.lengths, aux_loss=aux_loss, expert_load=expert_load)

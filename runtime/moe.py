@@ -3,7 +3,7 @@
 Routing is per token, deterministic and dropless, so a shared compact token routes exactly as it
 would in every trajectory containing it. The load-balancing statistics of trajectory-wise training
 count every token once per trajectory; here each compact token is weighted by its multiplicity
-(DESIGN.md section 8), which makes them equal to transformers' `load_balancing_loss_func` on the
+(docs/design.md section 8), which makes them equal to transformers' `load_balancing_loss_func` on the
 right-padded batch of all trajectories with its 2-D attention mask.
 """
 from __future__ import annotations
@@ -63,7 +63,9 @@ class Experts(nn.Module):
         # assignments sorted by expert (stable: tokens in order within an expert)
         order = torch.argsort(flat_expert, stable=True)
         token_of = order // top_k
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        # scatter_add, not bincount: bincount sizes its output from the data, a device read on CUDA
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat_expert, torch.ones_like(flat_expert))
         xs = x[token_of]
         if x.is_cuda and _grouped_mm is not None and x.dtype == torch.bfloat16:
             offsets = torch.cumsum(counts, 0).to(torch.int32)

@@ -33,6 +33,5 @@ def trajectory_token_lists(batch) -> tuple[list[np.ndarray], list[str]]:
 def trajectory_wise(model: TreeModel, batch, *, chunk_size: int = 64, **forward_kwargs) -> TreeOutput:
     """Run every trajectory of `batch` as its own sequence; same TreeOutput as tree mode."""
     token_lists, ids = trajectory_token_lists(batch)
-    index = trajectory_index(token_lists, ids, chunk_size=chunk_size, conv_width=model.conv_width,
-                             device=model.lm_head.weight.device)
+    index = trajectory_index(token_lists, ids, chunk_size=chunk_size, conv_width=model.conv_width)
     return model(index, **forward_kwargs)

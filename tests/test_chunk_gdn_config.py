@@ -24,7 +24,7 @@ def test_scan_launch_follows_the_program_count():
 
 
 def test_scan_stages_fit_shared_memory():
-    """fp32 scans at K=V=128 fit the H200's 227 KiB of shared memory only at 1 stage (NOTES_gdn.md), whatever
+    """fp32 scans at K=V=128 fit the H200's 227 KiB of shared memory only at 1 stage (docs/gdn_kernels.md), whatever
     the 16-bit default; an explicit depth overrides both."""
     for config in (GDNKernelConfig(), GDNKernelConfig(scan_warps=4), GDNKernelConfig(scan_num_stages=0)):
         assert config.scan_stages_for(4) == 1
@@ -35,7 +35,8 @@ def test_scan_stages_fit_shared_memory():
 @pytest.mark.parametrize("field, value", [("bwd_qk_block_k", 24), ("wy_kkt_block_k", 8), ("wy_kkt_block_k", 0),
                                          ("scan_block_v", 8), ("scan_block_v", 48), ("scan_block_v", 0),
                                          ("scan_warps", 3), ("scan_min_programs", -1), ("scan_num_stages", 4),
-                                         ("scan_num_stages", -1), ("scan_q_do_precision", "tf32")])
+                                         ("scan_num_stages", -1), ("scan_q_do_precision", "tf32"),
+                                         ("scan_tma_max_block_v", -1)])
 def test_bad_key_blocks_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         GDNKernelConfig(**{field: value})
@@ -50,7 +51,8 @@ def test_q_do_precision_by_call():
 
 def test_lanes_are_contiguous_blocks_of_trees():
     """tree.py's lanes: independent trees (components of the state hand-offs) in contiguous blocks, one
-    launch per lane and round; a round that interleaves trees falls back to one lane; empty rounds pass."""
+    launch per lane and round; a round that interleaves trees falls back to one lane, and so does a plan of one
+    round (trajectory-wise: nothing waits); empty rounds pass."""
     import numpy as np
 
     from harts_compiler.codegen.kernels.chunk_gdn.lanes import assign_lanes, lane_runs
@@ -67,8 +69,10 @@ def test_lanes_are_contiguous_blocks_of_trees():
     assert n == 1 and not lane.any()
     lane, n = assign_lanes([2, 0, 2], rows[:4], np.array([-1, -1, 0, 1]), max_lanes=8)  # an empty round
     assert n == 2 and lane.tolist() == [0, 1, 0, 1] and lane_runs(lane[2:2]) == []
-    lane, n = assign_lanes([3], np.array([100, 1, 1]), np.array([-1, -1, -1]), max_lanes=2)  # one big tree first
+    lane, n = assign_lanes([3, 0], np.array([100, 1, 1]), np.array([-1, -1, -1]), max_lanes=2)  # a big tree first
     assert n == 2 and lane.tolist() == [0, 1, 1]
+    lane, n = assign_lanes([3], np.array([100, 1, 1]), np.array([-1, -1, -1]), max_lanes=2)  # one round: no waits
+    assert n == 1 and not lane.any()
 
 
 @settings(max_examples=60, deadline=None)
@@ -94,7 +98,7 @@ def test_export_segments_cut_each_sequence_after_its_exports(lengths, data):
 
 def test_affine_row_shifts_cover_the_rows_after_each_first_chunk():
     """PackedRows.seq_shift: a replay inside a sequence's first chunk is fine; a jump later (or a replayed row
-    there) means no shift, and the scans keep the row maps."""
+    there) breaks the alignment rule the scans rely on: an error naming the sequence."""
     import numpy as np
 
     from harts_compiler.codegen.kernels.chunk_gdn.index import affine_chunk_shifts, affine_row_shifts
@@ -107,10 +111,12 @@ def test_affine_row_shifts_cover_the_rows_after_each_first_chunk():
     assert row_shifts(cu, src, own, 64).tolist() == [103 - 99, 0, 300 - 100]
     jump = src.copy()
     jump[80:] += 1000                      # rows 80.. of the first sequence come from elsewhere
-    assert row_shifts(cu, jump, np.where(own >= 0, jump, own), 64) is None
+    with pytest.raises(ValueError, match="sequence 0 holds replayed or non-consecutive rows after its first chunk"):
+        row_shifts(cu, jump, np.where(own >= 0, jump, own), 64)
     late_replay = own.copy()
     late_replay[70] = -7                   # a replayed row after the first chunk
-    assert row_shifts(cu, src, late_replay, 64) is None
+    with pytest.raises(ValueError, match="sequence 0"):
+        row_shifts(cu, src, late_replay, 64)
 
 
 def test_affine_chunk_shifts_keep_the_maps_only_where_a_chunk_needs_them():
@@ -136,5 +142,5 @@ def test_prepare_gdn_index_rejects_exports_outside_their_sequence(offset):
     """The scans write each segment's chunks in place: an export past its sequence (or off the chunk grid)
     must be an error naming it, not writes into the next sequence."""
     from harts_compiler.codegen.kernels.chunk_gdn import prepare_gdn_index
-    with pytest.raises(ValueError, match=r"prepare_gdn_index: `export_offset\[1\]`"):
+    with pytest.raises(ValueError, match=r"GDN plan: `export_offset\[1\]`"):
         prepare_gdn_index([0, 128, 200], [0, 0], [64, offset])

@@ -9,9 +9,8 @@ from harts_compiler.codegen.kernels.chunk_gdn import (
     GDNKernelConfig,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_reference,
-    prepare_gdn_index,
 )
-from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_trajectories, run_tree, two_level_plan
+from two_level import run_trajectories, run_tree, two_level_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -60,8 +59,7 @@ def test_bf16_matches_fp32_reference(config):
     lengths = [2000, 1, 64, 63, 1300, 2500]
     tensors, cu = make_inputs(lengths, hk=8, hv=16)
     exports = dict(export_seq=torch.tensor([0, 0, 4, 5, 2]), export_offset=torch.tensor([64, 1984, 1280, 2496, 64]))
-    index = prepare_gdn_index(cu, exports["export_seq"], exports["export_offset"], device="cuda", config=config)
-    ours = run(chunk_gated_delta_rule, tensors, cu, exports, index=index)
+    ours = run(chunk_gated_delta_rule, tensors, cu, exports, config=config)
     ref = run(chunk_gated_delta_rule_reference, tensors, cu, exports, upcast=True)
     for name, a, b in zip(NAMES, ours, ref):
         assert torch.isfinite(a).all(), name
@@ -109,7 +107,8 @@ def test_tree_equals_trajectories_bitwise():
 
 @pytest.mark.parametrize("block_v", [16, 32, 64])
 def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
-    """Scans whose full chunks load through tensor descriptors (TMA, GDNKernelConfig.scan_tma) give the bits of
+    """Scans whose full chunks load through tensor descriptors (TMA, GDNKernelConfig.scan_tma_max_block_v) give
+    the bits of
     the pointer loads, forward and every gradient: partial chunks, sub-chunk sequences, exports with injected
     gradients, grouped heads. (Without the row mask on the k dS term ptxas fused a multiply-add in the
     descriptor path only, and the backward differed in the last bit.)"""
@@ -118,9 +117,8 @@ def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
     exports = dict(export_seq=torch.tensor([0, 0, 4, 4, 5]), export_offset=torch.tensor([64, 2944, 4096, 1024, 1280]))
     results = []
     for tma in (True, False):
-        config = GDNKernelConfig(scan_tma=tma, scan_tma_max_block_v=64, scan_block_v=block_v, scan_min_programs=0)
-        index = prepare_gdn_index(cu, **exports, device="cuda", config=config)
-        results.append(run(chunk_gated_delta_rule, tensors, cu, exports, index=index))
+        config = GDNKernelConfig(scan_tma_max_block_v=64 if tma else 0, scan_block_v=block_v, scan_min_programs=0)
+        results.append(run(chunk_gated_delta_rule, tensors, cu, exports, config=config))
     for name, a, b in zip(NAMES, *results):
         assert torch.equal(a, b), name
 
@@ -134,12 +132,12 @@ def test_precise_q_do_when_the_initial_state_gradient_is_returned():
     ref = run(chunk_gated_delta_rule_reference, tensors, cu, {}, upcast=True)
     by_precision = {}
     for precision in ("auto", "bf16", "bf16x2"):
-        index = prepare_gdn_index(cu, device="cuda", config=GDNKernelConfig(scan_q_do_precision=precision))
-        by_precision[precision] = run(chunk_gated_delta_rule, tensors, cu, {}, index=index)
+        config = GDNKernelConfig(scan_q_do_precision=precision)
+        by_precision[precision] = run(chunk_gated_delta_rule, tensors, cu, {}, config=config)
         # the same call without d(initial state): h0 is a constant
         q, k, v, g, beta, h0 = (t.detach().requires_grad_(i < 5) for i, t in enumerate(tensors))
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0, cu_seqlens=cu,
-                                      use_qk_l2norm=True, index=index)
+                                      use_qk_l2norm=True, config=config)
         do = torch.randn(o.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
         by_precision[precision + " no dh0"] = torch.autograd.grad((o.float() * do).sum(), (q, k))
     for name, a, b in zip(NAMES, by_precision["auto"], by_precision["bf16x2"]):

@@ -40,7 +40,7 @@ def test_plan_and_index_features_agree(seed, chunk_size, budget):
         from_plan, from_index = cm.features(mb), cm.features(index)
         assert from_plan == from_index
         assert from_plan == cm.features(plan, mb.index) == cm.features(plan.program, list(mb.trees))
-        assert from_index.attention_pairs == brute_force_pairs(index.subtree_end.numpy())
+        assert from_index.attention_pairs == brute_force_pairs(index.subtree_end)
         rows = sum(r.num_rows for r in index.rounds)
         assert from_index.replay_tokens == rows - index.num_tokens
         assert from_index.sequences == sum(r.num_sequences for r in index.rounds)

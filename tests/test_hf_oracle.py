@@ -1,4 +1,4 @@
-"""Oracle: the runtime against transformers itself (DESIGN.md section 11, MODELS.md).
+"""Oracle: the runtime against transformers itself (docs/design.md section 11; the model map is docs/models.md).
 
 Tiny random Qwen3-Next / Qwen3.5 / Qwen3.5-MoE models with eager attention; flash-linear-attention
 is not installed, so transformers runs its torch fallbacks. `TreeModel.from_hf(m)` shares m's

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from harts_compiler.codegen import trajectory_index
 from harts_compiler.objectives import (
     aggregate, global_counts, grpo_advantages, grpo_loss, kl_penalty, loss_mask, ppo_clip_loss)
-from harts_compiler.runtime.ops.logprobs import token_logprobs
+from harts_compiler.codegen.kernels.logprobs import token_logprobs
 from test_logprobs import branching_token_lists, prefix_tree_index
 
 F64 = torch.float64
@@ -256,7 +256,7 @@ class TokenModel(torch.nn.Module):
         self.lm_head = torch.nn.Parameter(torch.randn(vocab, dim, generator=gen, dtype=F64) * 0.6)
 
     def forward(self, index, chunk_tokens):
-        hidden = torch.tanh(self.embed[index.token_ids] + self.pos[index.positions])
+        hidden = torch.tanh(self.embed[torch.as_tensor(index.token_ids)] + self.pos[torch.as_tensor(index.positions)])
         return token_logprobs(hidden, self.lm_head, index, chunk_tokens=chunk_tokens)
 
 
@@ -275,7 +275,7 @@ def test_same_loss_on_tree_and_trajectory_wise_tensors(token_lists, mode):
     results = []
     for index, chunk in ((trajectory_index(token_lists), 4096), (prefix_tree_index(token_lists), 3)):
         logprobs, entropy = model(index, chunk)
-        out = grpo_loss(logprobs, logprobs.detach() + perturb, rewards, groups, index.lengths,
+        out = grpo_loss(logprobs, logprobs.detach() + perturb, rewards, groups, torch.as_tensor(index.lengths),
                         response_mask=response, aggregation=mode, dual_clip=3.0,
                         ref_logprobs=logprobs.detach() - perturb, kl_coef=0.1,
                         entropy=entropy, entropy_coef=0.01)

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from harts_compiler.codegen.index import LinearRound, MicrobatchIndex
+from harts_compiler.codegen import LaunchPlan, LaunchTarget, LinearRound, MicrobatchIndex, lower
 
 
 def _trie(token_lists):
@@ -158,6 +158,11 @@ def naive_tree_index(token_lists: Sequence[Sequence[int]], ids=None, *, chunk_si
     return index
 
 
+def cpu_plan(index: MicrobatchIndex, vocab_size: int = 1 << 20, **target) -> LaunchPlan:
+    """`index` lowered for the torch path (or `target`'s kernels) and put on the CPU: what a model's forward reads."""
+    return lower(index, LaunchTarget(vocab_size=vocab_size, conv_width=index.conv_width, **target)).to("cpu")
+
+
 def random_rollout_batch(rng: random.Random, *, vocab: int, n_traj: int, max_len: int) -> list[list[int]]:
     """Agentic-looking trajectories: each new one forks an earlier one at a random point (or is a
     prefix / duplicate of it), so trees with shared prefixes, prefixes and duplicates all appear."""
@@ -201,4 +206,4 @@ def test_naive_index_sequences_are_aligned_and_replay_is_short():
         for n in range(rnd.num_sequences):
             rows = rnd.row_src[int(rnd.cu_seqlens[n]):int(rnd.cu_seqlens[n + 1])]
             assert int(index.positions[rows[0]]) % 4 == 0
-            assert (index.positions[rows] == index.positions[rows[0]] + torch.arange(rows.numel())).all()
+            assert (index.positions[rows] == index.positions[rows[0]] + np.arange(rows.size)).all()

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from harts_compiler.codegen.index import trajectory_index
+from harts_compiler.codegen.kernels.causal_conv import tree_causal_conv_reference
 from harts_compiler.codegen.kernels.chunk_gdn import (chunk_gated_delta_rule_reference,
                                                       recurrent_gated_delta_rule_reference)
-from harts_compiler.codegen.kernels.tree_attention import tree_attention_reference
+from harts_compiler.codegen.kernels.tree_attention import query_windows, tree_attention_reference
 from harts_compiler.runtime import (InvalidBatchError, ModelConfig, TreeModel, UnsupportedModelError,
                                     trajectory_wise)
-from harts_compiler.runtime.attention import query_windows, windowed_tree_attention
-from harts_compiler.runtime.ops.conv import tree_causal_conv
-from harts_compiler.runtime.ops.linear_attention import gated_delta_rule_rounds, plan_linear_rounds
-from test_runtime_helpers import naive_tree_index, random_rollout_batch
+from harts_compiler.runtime.attention import windowed_tree_attention
+from harts_compiler.runtime.ops.linear_attention import gated_delta_rule_rounds
+from test_runtime_helpers import cpu_plan, naive_tree_index, random_rollout_batch
 
 
 def _batch(seed=0, n=7, max_len=19, vocab=3):
@@ -31,7 +32,7 @@ def test_tree_conv_equals_trajectory_conv1d(width):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(index.num_tokens, 6, generator=gen, dtype=torch.float64)
     weight = torch.randn(6, width, generator=gen, dtype=torch.float64)
-    y = tree_causal_conv(x, weight, index.conv_pred)
+    y = tree_causal_conv_reference(x, weight, torch.as_tensor(index.conv_pred))
     for r, traj in enumerate(batch):
         n = len(traj)
         if n < 2:
@@ -67,10 +68,10 @@ def test_rounds_with_chunked_and_recurrent_kernels_match_trajectory_wise(chunk_s
     for kernel in (None, recurrent_gated_delta_rule_reference):
         for x in inputs + flat_inputs:
             x.grad = None
-        o_tree = gated_delta_rule_rounds(*inputs, tree, plan_linear_rounds(tree), scale=0.35,
-                                         state_dtype=torch.float64, kernel=kernel)
-        o_flat = gated_delta_rule_rounds(*flat_inputs, flat, plan_linear_rounds(flat), scale=0.35,
-                                         state_dtype=torch.float64, kernel=kernel)
+        o_tree = gated_delta_rule_rounds(*inputs, cpu_plan(tree), scale=0.35, state_dtype=torch.float64,
+                                         kernel=kernel)
+        o_flat = gated_delta_rule_rounds(*flat_inputs, cpu_plan(flat), scale=0.35, state_dtype=torch.float64,
+                                         kernel=kernel)
         torch.testing.assert_close(o_tree[flat_of_tree], o_flat, rtol=1e-10, atol=1e-11)
         (o_tree[flat_of_tree] * weights).sum().backward()
         (o_flat * weights).sum().backward()
@@ -100,10 +101,11 @@ def test_windowed_attention_equals_dense_reference():
     T = tree.num_tokens
     q, k, v = (torch.randn(T, h, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     weight = torch.randn(T, 4, 8, generator=gen, dtype=torch.float64)
-    expect = tree_attention_reference(q, k, v, tree.subtree_end, scale=0.3)
+    subtree_end = torch.as_tensor(tree.subtree_end)
+    expect = tree_attention_reference(q, k, v, subtree_end, scale=0.3)
     expect_grads = torch.autograd.grad((expect * weight).sum(), (q, k, v))
     for block in (1, 7, 256):
-        out = windowed_tree_attention(q, k, v, tree.subtree_end, scale=0.3, query_block=block)
+        out = windowed_tree_attention(q, k, v, subtree_end, scale=0.3, windows=query_windows(tree.subtree_end, block))
         torch.testing.assert_close(out, expect, rtol=1e-12, atol=1e-12)
         for got, want in zip(torch.autograd.grad((out * weight).sum(), (q, k, v)), expect_grads):
             torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
@@ -112,13 +114,13 @@ def test_windowed_attention_equals_dense_reference():
 @pytest.mark.parametrize("seed", range(4))
 def test_query_windows_start_at_the_first_key_open_at_the_block_start(seed):
     subtree_end = naive_tree_index(_batch(seed=seed, n=9, max_len=21)).subtree_end
-    T = subtree_end.numel()
+    T = subtree_end.size
     for block in (1, 5, 256):
         expect = []
         for start in range(0, T, block):
             open_keys = [k for k in range(start) if int(subtree_end[k]) > start]
             expect.append((start, min(start + block, T), open_keys[0] if open_keys else start))
-        assert query_windows(subtree_end, block) == expect
+        assert query_windows(subtree_end, block) == tuple(expect)
 
 
 def test_activation_checkpointing_recomputes_rounds_and_gives_same_gradients():
@@ -185,11 +187,12 @@ def test_bad_index_is_rejected_before_compute():
     with pytest.raises(InvalidBatchError, match="token id -1"):
         model(trajectory_index([[1, -1, 3]]), gdn_kernel=exploding_kernel)
     bad_target = trajectory_index([[1, 2, 3]])
-    bad_target.target_token = torch.tensor([2, 128])
+    bad_target.target_token = np.array([2, 128])
     with pytest.raises(InvalidBatchError, match="target_token"):
         model(bad_target, gdn_kernel=exploding_kernel)
     uncovered = trajectory_index([[1, 2, 3]])
-    uncovered.rounds[0].own_dst = torch.tensor([0, 1, 1])
+    uncovered.rounds[0].own_rows = np.array([0, 1, 1])
+    uncovered.rounds[0].own_dst = np.array([0, 1, 1])
     with pytest.raises(ValueError, match="own_dst must cover every compact token"):
         model(uncovered, gdn_kernel=exploding_kernel)
     with pytest.raises(TypeError, match="trajectory_wise"):
@@ -207,8 +210,8 @@ def test_round_reading_a_state_not_yet_exported_is_rejected():
     later = next(r for r, rnd in enumerate(index.rounds) if (rnd.init_state >= 0).any())
     # make the first round that reads the bank read a state exported by itself or later
     bad = index.rounds[later]
-    own_exports = torch.cat([r.export_bank for r in index.rounds[later:]])
-    assert own_exports.numel()
-    bad.init_state = torch.where(bad.init_state >= 0, own_exports.max(), bad.init_state)
+    own_exports = np.concatenate([r.export_bank for r in index.rounds[later:]])
+    assert own_exports.size
+    bad.init_state = np.where(bad.init_state >= 0, own_exports.max(), bad.init_state)
     with pytest.raises(ValueError, match=rf"rounds\[{later}\].init_state"):
-        plan_linear_rounds(index)
+        cpu_plan(index)

@@ -1,4 +1,4 @@
-"""Tree mode == trajectory-wise mode (DESIGN.md section 11): log-probs, entropy, aux loss, every gradient.
+"""Tree mode == trajectory-wise mode (docs/design.md section 11): log-probs, entropy, aux loss, every gradient.
 
 Each case runs the same weights twice: over a tree-shaped MicrobatchIndex (shared prefixes computed
 once, replay, several rounds) and trajectory-wise (every trajectory its own sequence), and compares
@@ -98,14 +98,15 @@ def _tokens(rng, n, vocab=128):
 
 
 def tricky_batches(chunk_size: int) -> dict[str, list[list[int]]]:
-    """The DESIGN.md section 11 cases, sized relative to the chunk size."""
+    """The docs/design.md section 11 cases, sized relative to the chunk size."""
     rng = random.Random(chunk_size)
     C = chunk_size
     p = _tokens(rng, C + min(C, 8))  # one chunk boundary inside, kept short at C=64 (CPU time)
     short = _tokens(rng, C + 3)
     return {
         "branch_on_chunk_boundary": [p + _tokens(rng, 5), p + _tokens(rng, C + 2), p[:C] + _tokens(rng, 3)],
-        "branch_in_first_chunk": [p[:2] + _tokens(rng, C + 5), p[:2] + _tokens(rng, 2 * C + 1), p[:3] + _tokens(rng, 4)],
+        "branch_in_first_chunk": [p[:2] + _tokens(rng, C + 5), p[:2] + _tokens(rng, 2 * C + 1),
+                                  p[:3] + _tokens(rng, 4)],
         # nodes of 1-2 tokens under a prefix: replay from the aligned boundary crosses several nodes,
         # nodes are shorter than the conv width, and single-token nodes appear
         "replay_across_short_nodes": [short + [1] + [2] + [3, 4] + _tokens(rng, C), short + [1] + [5] + _tokens(rng, 3),

@@ -1,6 +1,6 @@
 """GPU checks of the shipped tree-attention configs (every head dim) against an fp32 reference.
 
-Compiled Triton can differ from the interpreter (GPU.md lists Hopper miscompiles), so every
+Compiled Triton can differ from the interpreter (Triton 3.6 has Hopper miscompiles), so every
 shipped configuration runs here on fresh random inputs at odd sizes, forward and all three
 gradients, and its error must not exceed a small factor times the error of torch SDPA's flash
 backend on the same attention computed trajectory-wise (factor 1.25). Also: determinism
@@ -15,7 +15,7 @@ import torch
 from harts_compiler.codegen.kernels.tree_attention import (
     build_block_index, config_for, tree_attention, tree_attention_fp32_oracle)
 from harts_compiler.codegen.kernels.tree_attention.configs import CANDIDATES_256
-from harts_compiler.codegen.kernels.tree_attention.trees import layout_from_parents, random_forest
+from tree_layouts import layout_from_parents, random_forest
 
 pytestmark = pytest.mark.gpu
 

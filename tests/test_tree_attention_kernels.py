@@ -11,8 +11,7 @@ from harts_compiler.codegen.kernels.tree_attention.block_index import build_bloc
 from harts_compiler.codegen.kernels.tree_attention.configs import uniform_config
 from harts_compiler.codegen.kernels.tree_attention.function import tree_attention, uses_triton
 from harts_compiler.codegen.kernels.tree_attention.reference import tree_attention_reference
-from harts_compiler.codegen.kernels.tree_attention.trees import (
-    anchor_tree, layout_from_parents, random_forest)
+from tree_layouts import anchor_tree, layout_from_parents, random_forest
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

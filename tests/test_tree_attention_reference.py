@@ -5,8 +5,7 @@ import torch
 
 from harts_compiler.codegen.kernels.tree_attention.reference import (
     tree_attention_fp32_oracle, tree_attention_reference, tree_attention_reference_chunked)
-from harts_compiler.codegen.kernels.tree_attention.trees import (
-    anchor_tree, layout_from_parents, random_forest)
+from tree_layouts import anchor_tree, layout_from_parents, random_forest
 
 
 def causal_attention_per_path(q, k, v, path, scale):

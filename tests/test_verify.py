@@ -12,7 +12,8 @@ def _batch(tmp_path):
     torch.manual_seed(0)
     root = torch.randint(0, 128, (70,)).tolist()
     token_lists = [root + torch.randint(0, 128, (n,)).tolist() for n in (5, 30, 61)]
-    token_lists += [root[:64] + [1, 2, 3], root[:3], root + token_lists[0][70:]]  # chunk-boundary branch, prefix, duplicate
+    # a chunk-boundary branch, a prefix, a duplicate
+    token_lists += [root[:64] + [1, 2, 3], root[:3], root + token_lists[0][70:]]
     path = tmp_path / "batch.jsonl"
     TreeBatch.from_trajectories(token_lists).save(path)
     return path
@@ -31,21 +32,6 @@ def test_verify_fp32_with_checkpointing_and_microbatches(tmp_path, capsys):
             "--threads", "1"]
     assert main(args) == 0
     assert "(bar 1e-05) ok" in capsys.readouterr().out
-
-
-def test_verify_segmented_tree_mode(tmp_path, capsys):
-    """--gdn-segment-chunks: tree mode with the long root cut into 2-chunk segments vs plain trajectory-wise."""
-    path = _batch(tmp_path)
-    assert main(["verify", str(path), "--chunk-size", "4", "--gdn-segment-chunks", "2", "--threads", "1"]) == 0
-    assert "verified" in capsys.readouterr().out
-
-
-def test_segment_chunks_must_be_positive(tmp_path, capsys):
-    """0 would silently verify the plain path (the opt-in is off when falsy): refused instead."""
-    import pytest
-    with pytest.raises(SystemExit):
-        main(["verify", str(_batch(tmp_path)), "--gdn-segment-chunks", "0"])
-    assert "must be >= 1" in capsys.readouterr().err
 
 
 def test_report_fails_when_a_bar_is_missed():

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
+from ..upload import to_device
 from .reference import check_conv_inputs, tree_causal_conv_reference
 
 BLOCK_T, BLOCK_C = 32, 64
@@ -23,37 +25,36 @@ BLOCK_T, BLOCK_C = 32, 64
 
 @dataclass(frozen=True)
 class ConvIndex:
-    """Who reads whom: successors of every token, sorted by (token, reading row, tap)."""
-    succ_ptr: torch.Tensor   # [T+1] int64
-    succ_flat: torch.Tensor  # [S] int64, i * (W-1) + j: row i reads token m at tap j
+    """Who reads whom: successors of every token, sorted by (token, reading row, tap). Host numpy arrays
+    until uploaded with the launch plan (`upload.to_device`)."""
+    succ_ptr: np.ndarray     # [T+1] int64
+    succ_flat: np.ndarray    # [S] int64, i * (W-1) + j: row i reads token m at tap j
     rows: int
     taps: int                # W - 1
     max_degree: int          # most successors of one token (loop bound of the dx kernel)
 
     @property
-    def succ_row(self) -> torch.Tensor:
+    def succ_row(self):
         return self.succ_flat // self.taps
 
     @property
-    def succ_tap(self) -> torch.Tensor:
+    def succ_tap(self):
         return self.succ_flat % self.taps
 
 
-def prepare_conv_index(conv_pred: torch.Tensor) -> ConvIndex:
-    """Successor lists of `conv_pred` [T, W-1] (built once per microbatch, reused by every layer)."""
-    rows, taps = conv_pred.shape
-    pred = conv_pred.long().reshape(-1)
-    flat = torch.arange(pred.numel(), device=pred.device)
+def prepare_conv_index(conv_pred) -> ConvIndex:
+    """Successor lists of `conv_pred` [T, W-1] (host array; built once per microbatch). O(T W log T)."""
+    pred_table = np.asarray(conv_pred.cpu() if hasattr(conv_pred, "cpu") else conv_pred, dtype=np.int64)
+    rows, taps = pred_table.shape
+    pred = pred_table.reshape(-1)
+    flat = np.arange(pred.size, dtype=np.int64)
     valid = pred >= 0
     src, flat = pred[valid], flat[valid]
-    # sort by (source token, flat position); flat = i * taps + j is already (i, j)-ordered
-    order = torch.argsort(src * (rows * taps + 1) + flat)
-    src, flat = src[order], flat[order]
-    counts = torch.bincount(src, minlength=rows)
-    ptr = torch.zeros(rows + 1, dtype=torch.long, device=pred.device)
-    ptr[1:] = counts.cumsum(0)
-    max_degree = int(counts.max()) if rows else 0
-    return ConvIndex(succ_ptr=ptr, succ_flat=flat, rows=rows, taps=taps, max_degree=max_degree)
+    order = np.argsort(src * (rows * taps + 1) + flat, kind="stable")  # by (token, flat = i * taps + j)
+    counts = np.bincount(src, minlength=rows)
+    ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return ConvIndex(succ_ptr=ptr, succ_flat=flat[order], rows=rows, taps=taps,
+                     max_degree=int(counts.max()) if rows else 0)
 
 
 @triton.jit
@@ -162,7 +163,7 @@ class TreeCausalConvFunction(torch.autograd.Function):
         x, weight, conv_pred = ctx.saved_tensors
         rows, ch = x.shape
         width = weight.shape[1]
-        index = ctx.index if ctx.index is not None else prepare_conv_index(conv_pred)
+        index = ctx.index
         grid = (triton.cdiv(rows, BLOCK_T), triton.cdiv(ch, BLOCK_C))
         gpre = torch.empty(rows, ch, device=x.device, dtype=torch.float32)
         dw_part = torch.empty(grid[0], ch, width, device=x.device, dtype=torch.float32)
@@ -180,8 +181,11 @@ class TreeCausalConvFunction(torch.autograd.Function):
 def tree_causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_pred: torch.Tensor, activation: str | None = "silu",
                      *, index: ConvIndex | None = None) -> torch.Tensor:
     """Tree-aware short causal conv (docs/INTERFACES.md section 4): Triton on CUDA or under TRITON_INTERPRET=1,
-    the plain-torch reference otherwise. `index` (from `prepare_conv_index`) may be shared by all layers."""
+    the plain-torch reference otherwise. `index`: `prepare_conv_index(conv_pred)` uploaded to x's device (a
+    model's launch plan carries it); built here from a host copy of `conv_pred` when not given."""
     check_conv_inputs(x, weight, conv_pred, activation)
     if not (x.is_cuda or interpreting()) or weight.dtype == torch.float64:
         return tree_causal_conv_reference(x, weight, conv_pred, activation)
+    if index is None:
+        index = to_device(prepare_conv_index(conv_pred), x.device)
     return TreeCausalConvFunction.apply(x, weight, conv_pred, activation == "silu", index)

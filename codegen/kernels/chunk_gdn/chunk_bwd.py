@@ -1,7 +1,7 @@
 """Backward, chunk-parallel part: dq, dk, dw, dgc of each chunk, then back through the WY representation.
 
 No kernel here transposes a dot accumulator with tl.trans before another dot (Triton 3.6 on Hopper
-miscompiles that, GPU.md): transposed products are computed as their own dots from transposed loads,
+miscompiles that, docs/gdn_kernels.md): transposed products are computed as their own dots from transposed loads,
 or go through a small per-program scratch buffer.
 """
 from __future__ import annotations
@@ -95,11 +95,10 @@ def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_
 @triton.jit
 def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end, row_src,
                          row_own, chunk_shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr,
-                         AFFINE: tl.constexpr):
-    """Chunks without replayed rows run the plain-row code at row + their shift (AFFINE), the others
+                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
+    """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER, AFFINE)
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
     if affine:
         _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
             row_src, row_own, shift, scale, HK, HV, K, V, BT, BV, BK, False)
@@ -217,10 +216,10 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
 def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta, side_dg,
                    scratch, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, HK: tl.constexpr,
                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
-    """Chunks without replayed rows run the plain-row code at row + their shift (AFFINE), the others
+                   BV: tl.constexpr, GATHER: tl.constexpr):
+    """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER, AFFINE)
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
     if affine:
         _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
             side_dg, scratch, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, K, V, BT, BK, BV,
@@ -262,21 +261,21 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     dw = torch.empty_like(dk_part)
     dgc = out[3] if rows is None else torch.empty(n_rows, hv, device=dev, dtype=torch.float32)
     if index.num_chunks:
-        shifts, affine = chunk_shift_table(index, rows)
+        shifts = chunk_shift_table(index, rows)
         tables = (index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts)
         bk = kd if cfg.bwd_qk_block_k <= 0 else min(cfg.bwd_qk_block_k, kd)
         n_k = kd // bk
         dgc_parts = dgc if n_k == 1 else torch.empty(n_rows, hv, n_k, device=dev, dtype=torch.float32)
         _chunk_bwd_qk_kernel[(index.num_chunks * hv, n_k)](
             q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc_parts, *tables, scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, GATHER=rows is not None, AFFINE=affine,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, GATHER=rows is not None,
             num_warps=cfg.bwd_qk_warps)
         if n_k > 1:
             torch.sum(dgc_parts, dim=-1, out=dgc)
         scratch = torch.empty(index.num_chunks * hv, BT, BT, device=dev, dtype=torch.float32)
         _wy_bwd_kernel[(index.num_chunks * hv,)](
             k, v, beta, gc, T, dw, dvn, dk_part, dgc, *out, *side, scratch, *tables,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None, AFFINE=affine,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None,
             num_warps=cfg.wy_bwd_warps)
     grads = (dq, *out)  # dq, dk, dv, dbeta, dg
     return grads if rows is None else (*grads, side)

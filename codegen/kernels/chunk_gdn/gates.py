@@ -50,12 +50,11 @@ def _kept_rows(row_own, rows, m_t, shift, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _chunk_shift(chunk_shift, i_c, GATHER: tl.constexpr, AFFINE: tl.constexpr):
+def _chunk_shift(chunk_shift, i_c, GATHER: tl.constexpr):
     """(shift, whether chunk i_c of a chunk-parallel launch reads and writes its rows at row + shift rather than
-    through the row maps). AFFINE (tree mode with PackedRows.chunk_shift): per chunk, NO_SHIFT where it has a
-    replayed row; otherwise never (False at compile time, so the kernel holds one path)."""
-    tl.static_assert(GATHER or not AFFINE, "per-chunk shifts replace row maps: AFFINE needs GATHER")
-    if AFFINE:
+    through the row maps). With GATHER (tree mode) the plan's per-chunk shift, NO_SHIFT where the chunk has a
+    replayed row; without, never (False at compile time, so the kernel holds one path)."""
+    if GATHER:
         shift = tl.load(chunk_shift + i_c)
         return shift, shift != NO_SHIFT
     else:

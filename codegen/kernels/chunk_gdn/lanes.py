@@ -25,6 +25,8 @@ def assign_lanes(round_sizes: list[int], seq_rows: np.ndarray, parent: np.ndarra
     the initial-state gradients of one bank slot are summed in one call, as with a single lane; a plan
     whose rounds interleave trees gets one lane (the planner orders a round's sequences by tree). O(N log N)."""
     num_seqs = int(sum(round_sizes))
+    if len(round_sizes) <= 1:  # one round: no sequence waits for another, one launch serves them all
+        return np.zeros(num_seqs, dtype=np.int64), 1
     root = np.arange(num_seqs)
     for s in range(num_seqs):  # parents precede children (earlier rounds): one pass resolves the roots
         if parent[s] >= 0:

@@ -167,3 +167,52 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, *, scale, initial_sta
 
 # docs/INTERFACES.md names the token loop `recurrent_gated_delta_rule`.
 recurrent_gated_delta_rule = recurrent_gated_delta_rule_reference
+
+
+def plan_gated_delta_rule_reference(q, k, v, g, beta, *, scale, plan, initial_states=None, use_qk_l2norm=False,
+                                    state_dtype=None, kernel=chunk_gated_delta_rule_reference):
+    """`tree.gated_delta_rule` in plain torch: the same plan (tree_plan.TreeGDNPlan on q's device), run launch
+    by launch with `kernel` (this file's chunked or token-loop reference) on the gathered packed rows. Every step
+    is an ordinary differentiable op, so autograd sums the replayed rows' gradients onto their tokens and routes
+    the exported states' gradients into the launches that made them. `state_dtype`: of the bank (fp32, or fp64
+    for fp64 inputs). Host control flow reads only the plan's host fields: no device read."""
+    index = plan.index
+    dtype = state_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
+    if not plan.identity_layout:
+        q, k, v, g, beta = (x[plan.row_src] for x in (q, k, v, g, beta))
+    zero = torch.zeros((hv, kd, vd), dtype=dtype, device=v.device)
+    slots: list = [None] * index.num_slots
+    caller = [] if initial_states is None else list(initial_states.to(dtype).unbind(0))
+
+    def bank_row(row: int):
+        if row == 0:
+            return zero
+        return slots[row - 1] if row - 1 < index.num_slots else caller[row - 1 - index.num_slots]
+
+    exports_of: dict[int, list[tuple[int, int]]] = {}
+    for seq, offset, slot in zip(index.export_seq, index.export_offset, index.export_slot_host):
+        exports_of.setdefault(seq, []).append((offset, slot))
+    bounds = [0]
+    for length in index.seq_lengths:
+        bounds.append(bounds[-1] + length)
+    outputs = []
+    for launch in plan.launches:
+        first, stop = launch.first_seq, launch.first_seq + launch.num_seqs
+        lo, hi = bounds[first], bounds[stop]
+        mine = [(seq - first, offset, slot) for seq in range(first, stop)
+                for offset, slot in dict.fromkeys(exports_of.get(seq, []))]
+        as_host = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731 (host: no device read)
+        out, exported = kernel(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], scale=scale,
+                               initial_state=torch.stack([bank_row(r) for r in launch.init_host]),
+                               cu_seqlens=as_host([b - lo for b in bounds[first:stop + 1]]),
+                               export_seq=as_host([e[0] for e in mine]), export_offset=as_host([e[1] for e in mine]),
+                               chunk_size=index.chunk_size, use_qk_l2norm=use_qk_l2norm)
+        for state, (_, _, slot) in zip(exported.unbind(0), mine):
+            slots[slot] = state.to(dtype)
+        outputs.append(out)
+    o = torch.cat(outputs) if outputs else v.new_zeros((0, hv, vd))
+    if not plan.identity_layout:
+        o = o[plan.own_pick]
+    exported = [slots[s] for s in plan.output_slots_host]
+    return o, torch.stack(exported) if exported else zero.new_zeros((0, hv, kd, vd))

@@ -47,10 +47,10 @@ def _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, r
 @triton.jit
 def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, scale,
                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                     GATHER: tl.constexpr, AFFINE: tl.constexpr):
-    """Chunks without replayed rows run the plain-row code at row + their shift (AFFINE), the others
+                     GATHER: tl.constexpr):
+    """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER, AFFINE)
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
     if affine:
         _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale, HK, HV,
             K, V, BT, False)
@@ -153,11 +153,10 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc
                       cu_seqlens, seq_chunk_start, seq_export_start, export_end_chunk,
                       export_end_slot, row_src, row_own, seq_shift, scale, HK: tl.constexpr, HV: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr,
-                      GATHER: tl.constexpr, AFFINE: tl.constexpr, TMA: tl.constexpr, QDO: tl.constexpr):
+                      GATHER: tl.constexpr, TMA: tl.constexpr, QDO: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
     i_v = tl.program_id(1)
-    tl.static_assert(not (TMA and GATHER and not AFFINE), "descriptor loads read rows in place: no row maps")
     descs = (q_desc, k_desc, w_desc, do_desc, dvl_desc)
     # export segments in reverse (see state_fwd): a segment's exported end state takes its gradient before
     # the segment's last chunk, as the per-chunk injection did; the inner loops carry no bank logic
@@ -166,7 +165,7 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc
     b_ds = tl.zeros([K, BV], dtype=tl.float32)
     shift = e0 * 0
     c_first = e0 * 0
-    if AFFINE:  # see state_fwd: chunk 0 through the row maps (last, below), the rest at row + shift
+    if GATHER:  # see state_fwd: chunk 0 through the row maps (last, below), the rest at row + shift
         shift = tl.load(seq_shift + i_n)
         c_first += 1
     # with TMA the loops take the full chunks; a partial last chunk runs masked before them (see state_fwd)
@@ -182,22 +181,22 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc
             if (n_loop >= c_start) & (n_loop < c_end):
                 b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, n_loop, c0, bos,
                                        eos, i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v,
-                                       GATHER and not AFFINE, QDO)
+                                       False, QDO)
         c_hi = tl.minimum(c_end, n_loop)
         if INTERPRET:  # see state_fwd: no loaded loop bounds in the CPU interpreter
             i_c = c_hi - 1
             while i_c >= c_start:
                 b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0,
                                         bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV, K, V, BT, BV, o_v,
-                                        GATHER and not AFFINE, TMA, QDO)
+                                        False, TMA, QDO)
                 i_c -= 1
         else:
             for i_r in range(0, c_hi - c_start):
                 b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds,
                                         c_hi - 1 - i_r, c0, bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV,
-                                        K, V, BT, BV, o_v, GATHER and not AFFINE, TMA, QDO)
+                                        K, V, BT, BV, o_v, False, TMA, QDO)
         i_e -= 1
-    if AFFINE:
+    if GATHER:
         if n_chunks > 0:
             b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 0, c0, bos, eos,
                                    i_h, i_hk, state_offs, scale, e0 * 0, HK, HV, K, V, BT, o_v, True, QDO)
@@ -210,11 +209,11 @@ def dv_local_bwd(q, k, gc, do, scale, index, rows=None):
     _, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
     dv_local = torch.empty(gc.shape[0], hv, vd, device=q.device, dtype=torch.float32)
-    shifts, affine = chunk_shift_table(index, rows)
+    shifts = chunk_shift_table(index, rows)
     if index.num_chunks:
         _dv_local_kernel[(index.num_chunks * hv,)](
             q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts,
-            scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, GATHER=rows is not None, AFFINE=affine,
+            scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, GATHER=rows is not None,
             num_warps=index.config.dv_local_warps)
     return dv_local
 
@@ -231,18 +230,17 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     hv, vd = do.shape[1], do.shape[2]
     first, count = seqs if seqs is not None else (0, index.num_seqs)
     cfg = index.config
-    bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size(), backward=True)
+    bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size())
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
-    shifts, affine = scan_row_shift(index, rows, first)
-    tma, descs = scan_descriptors(cfg, bv, index.chunk_size, rows is not None and not affine,
-                                  ((q, kd), (k, kd), (w, kd), (do, bv), (dv_local, bv)))
+    shifts = scan_row_shift(index, rows, first)
+    tma, descs = scan_descriptors(cfg, bv, index.chunk_size, ((q, kd), (k, kd), (w, kd), (do, bv), (dv_local, bv)))
     if count:
         _state_bwd_kernel[(count * hv, vd // bv)](
             q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, *descs, index.cu_seqlens[first:],
             index.seq_chunk_start[first:], index.seq_export_start[first:], index.export_end_chunk,
             index.export_end_slot, *row_tables(index, rows), shifts, scale, HK=hk, HV=hv,
             K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
-            AFFINE=affine, TMA=tma, QDO=cfg.scan_q_do_code(initial_state_grad), num_warps=warps, num_stages=stages)
+            TMA=tma, QDO=cfg.scan_q_do_code(initial_state_grad), num_warps=warps, num_stages=stages)
     return dh0
 
 

@@ -88,24 +88,20 @@ def _state_fwd_chunk(k, w, u, gc, h, v_new, descs, row_src, b_s, i_c, c0, bos, e
 def _state_fwd_kernel(k, w, u, gc, h0, h0_row, h, v_new, bank, k_desc, w_desc, u_desc, cu_seqlens,
                       seq_chunk_start, seq_export_start, export_end_chunk, export_end_slot, row_src, seq_shift,
                       HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                      BV: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr,
-                      H0_ROWS: tl.constexpr, TMA: tl.constexpr):
+                      BV: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr, TMA: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
                                                                             K, V, BT, BV)
     i_v = tl.program_id(1)
-    tl.static_assert(not (TMA and GATHER and not AFFINE), "descriptor loads read rows in place: no row maps")
     descs = (k_desc, w_desc, u_desc)
     # the chunks in export segments (index.GDNIndex): the inner loop has no per-chunk bank logic, so Triton
     # can prefetch its loads `num_stages - 1` chunks ahead
     e0 = tl.load(seq_export_start + i_n)
     e1 = tl.load(seq_export_start + i_n + 1)
-    i_h0 = i_n
-    if H0_ROWS:  # tree rounds: the initial state is a row of the export bank, read in place
-        i_h0 = tl.load(h0_row + i_n)
+    i_h0 = tl.load(h0_row + i_n)  # the initial state is a row of the bank (tree.py), read in place
     b_s = tl.load(h0 + (i_h0 * HV + i_h).to(tl.int64) * (K * V) + state_offs)     # fp32
     shift = e0 * 0
     c_first = e0 * 0
-    if AFFINE:  # chunk 0 (which holds the replayed rows) through the row maps, the rest at row + shift
+    if GATHER:  # chunk 0 (which holds the replayed rows) through the row maps, the rest at row + shift
         shift = tl.load(seq_shift + i_n)
         c_first += 1
         if n_chunks > 0:
@@ -122,16 +118,16 @@ def _state_fwd_kernel(k, w, u, gc, h0, h0_row, h, v_new, bank, k_desc, w_desc, u
             i_c = c_lo
             while i_c < tl.minimum(c_end, n_loop):
                 b_s = _state_fwd_chunk(k, w, u, gc, h, v_new, descs, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, i_v,
-                                       state_offs, shift, HK, HV, K, V, BT, BV, o_v, GATHER and not AFFINE, TMA)
+                                       state_offs, shift, HK, HV, K, V, BT, BV, o_v, False, TMA)
                 i_c += 1
         else:  # a for loop, which Triton software-pipelines
             for i_c in range(c_lo, tl.minimum(c_end, n_loop)):
                 b_s = _state_fwd_chunk(k, w, u, gc, h, v_new, descs, row_src, b_s, i_c, c0, bos, eos, i_h, i_hk, i_v,
-                                       state_offs, shift, HK, HV, K, V, BT, BV, o_v, GATHER and not AFFINE, TMA)
+                                       state_offs, shift, HK, HV, K, V, BT, BV, o_v, False, TMA)
         if TMA:
             if (n_loop >= c_lo) & (n_loop < c_end):
                 b_s = _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, n_loop, c0, bos, eos, i_h, i_hk,
-                                      state_offs, shift, HK, HV, K, V, BT, o_v, GATHER and not AFFINE)
+                                      state_offs, shift, HK, HV, K, V, BT, o_v, False)
         slot = tl.load(export_end_slot + i_e)
         # masked, not a branch (the mask is a tile: the interpreter takes no scalar masks)
         tl.store(bank + (tl.maximum(slot, 0) * HV + i_h) * (K * V) + state_offs, b_s,
@@ -170,10 +166,10 @@ def _output_chunk(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src
 @triton.jit
 def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, scale,
                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                   BV: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
-    """Chunks without replayed rows run the plain-row code at row + their shift (AFFINE), the others
+                   BV: tl.constexpr, GATHER: tl.constexpr):
+    """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER, AFFINE)
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
     if affine:
         _output_chunk(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale, HK,
             HV, K, V, BT, BV, False)
@@ -205,17 +201,18 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
         out = (torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype), torch.empty_like(u),
                torch.empty(index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32))
     h, v_new, bank = out
-    shifts, affine = scan_row_shift(index, rows, first)
-    tma, descs = scan_descriptors(cfg, bv, index.chunk_size, rows is not None and not affine,
-                                  ((k, kd), (w, kd), (u, bv)))
+    if initial_rows is None:
+        initial_rows = torch.arange(count, device=k.device)
+    shifts = scan_row_shift(index, rows, first)
+    tma, descs = scan_descriptors(cfg, bv, index.chunk_size, ((k, kd), (w, kd), (u, bv)))
     if count:
         _state_fwd_kernel[(count * hv, vd // bv)](
-            k, w, u, gc, initial_state, initial_state if initial_rows is None else initial_rows, h, v_new, bank,
+            k, w, u, gc, initial_state, initial_rows, h, v_new, bank,
             *descs, index.cu_seqlens[first:], index.seq_chunk_start[first:],
             index.seq_export_start[first:], index.export_end_chunk, index.export_end_slot, row_tables(index, rows)[0],
             shifts, HK=hk, HV=hv, K=kd, V=vd,
-            BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None, AFFINE=affine,
-            H0_ROWS=initial_rows is not None, TMA=tma, num_warps=warps, num_stages=stages)
+            BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
+            TMA=tma, num_warps=warps, num_stages=stages)
     return h, v_new, bank
 
 
@@ -227,10 +224,10 @@ def output_fwd(q, k, v_new, gc, h, scale, index, rows=None):
     cfg = index.config
     bv = min(cfg.out_block_v, vd)
     o = torch.empty_like(v_new) if rows is None else v_new.new_empty(rows.num_tokens, hv, vd)
-    shifts, affine = chunk_shift_table(index, rows)
+    shifts = chunk_shift_table(index, rows)
     if index.num_chunks:
         _output_kernel[(index.num_chunks * hv, vd // bv)](
             q, k, v_new, gc, h, o, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts,
-            scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, GATHER=rows is not None, AFFINE=affine,
+            scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv, GATHER=rows is not None,
             num_warps=cfg.out_warps)
     return o

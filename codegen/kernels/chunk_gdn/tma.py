@@ -20,22 +20,20 @@ def rows_descriptor(x: torch.Tensor, block_rows: int, block_cols: int) -> Tensor
     return TensorDescriptor(x, [x.shape[0], cols], [cols, 1], [block_rows, block_cols])
 
 
-def scan_descriptors(config, block_v: int, chunk_size: int, row_maps_only: bool,
+def scan_descriptors(config, block_v: int, chunk_size: int,
                      tiles: tuple[tuple[torch.Tensor, int], ...]) -> tuple[bool, tuple]:
     """(TMA, the launch's descriptor arguments) of a scan launch of `block_v` state columns: `tiles` holds each
-    tensor [R, H, D] with the columns of its [chunk_size, columns] tiles. TMA when `config` (GDNKernelConfig)
-    enables it at this width (`scan_tma`, `scan_tma_max_block_v`), the launch does not read every chunk through
-    row maps, every tensor is dense, 16-byte aligned and non-empty (TMA's rules), on sm_90+ or under the
-    interpreter; otherwise the tensors themselves stand in for the descriptors (the kernel never reads them)."""
+    tensor [R, H, D] with the columns of its [chunk_size, columns] tiles. TMA when the launch is at most
+    `config.scan_tma_max_block_v` columns wide, every tensor is dense, 16-byte aligned and non-empty (TMA's
+    rules), on sm_90+ or under the interpreter; otherwise the tensors themselves stand in for the descriptors
+    (the kernel never reads them)."""
     tensors = tuple(t for t, _ in tiles)
-    if not (config.scan_tma and block_v <= config.scan_tma_max_block_v and _tma_ok(row_maps_only, tensors)):
+    if not (block_v <= config.scan_tma_max_block_v and _tma_ok(tensors)):
         return False, tensors
     return True, tuple(rows_descriptor(t, chunk_size, cols) for t, cols in tiles)
 
 
-def _tma_ok(row_maps_only: bool, tensors: tuple[torch.Tensor, ...]) -> bool:
-    if row_maps_only:
-        return False
+def _tma_ok(tensors: tuple[torch.Tensor, ...]) -> bool:
     if any(t.numel() == 0 or not t.is_contiguous() or t.data_ptr() % 16 for t in tensors):
         return False
     if interpreting():

@@ -1,35 +1,24 @@
-"""Every round of a tree microbatch in one autograd Function (DESIGN.md section 6).
+"""Every round of a microbatch's GDN plan in one autograd Function (docs/design.md section 6).
 
 The rounds of a plan differ only in their sequential part: a sequence of round r starts from a state
 that an earlier round exported. Everything else is chunk-local. So the rounds' packed rows are laid
-one after another in a single varlen layout, and
+one after another in a single varlen layout (tree_plan.py), and
 
-  forward:  gather the packed rows from the compact tokens (one gather per input; but see below)
-            wy_fwd over every chunk of every round                      (2 launches)
-            per round: state_fwd over its sequences, from states read in the export bank
+  forward:  wy_fwd over every chunk of every round                      (2 launches)
+            per round (and lane): state_fwd over its sequences, from states read in the bank
             output_fwd over every chunk                                 (1 launch)
-            keep each compact token's own row                           (1 gather)
   backward: dv_local over every chunk; per round in reverse: the reverse scan (the exported states'
-            gradients injected), then its initial-state gradients summed into the bank slots they
-            came from; chunk_bwd over every chunk; packed-row gradients back onto compact tokens.
+            gradients injected), then its initial-state gradients summed into the bank rows they
+            came from; chunk_bwd over every chunk; the replayed rows' gradients summed onto their tokens.
 
-The gathers move whole q/k/v-sized tensors (134 MB each at 32k rows, H=16, K=128, bf16): on the H200
-they were 0.9 of a 4.9 ms step. Two ways around them: a plan whose packed rows are the compact tokens in
-order skips them (identity_layout); and with `GDNKernelConfig.tree_rows_in_kernels` (the default) the
-kernels read inputs and do, and write o and the kept gradients, through the plan's row maps
-(index.PackedRows), so only the replayed rows' gradients are summed afterwards (agentic batch of
-bench/gdn.py: 11.64 vs 12.31 ms on the H200).
-
-A round's sequences of independent trees (no state hand-off between them) scan on their own CUDA
-streams ("lanes", `GDNKernelConfig.tree_scan_lanes`): with round-major launches a tree's branches waited
-for the longest root of the microbatch, not for their own (agentic batch: 10.24 vs 10.50 ms).
+The kernels read q, k, v, g, beta and do on the compact tokens and write o and the kept gradients there,
+through the plan's row maps (index.PackedRows); a plan whose packed rows are the compact tokens in order
+(trajectory-wise) needs no maps. A round's sequences of independent trees scan on their own CUDA streams
+("lanes"), so a tree's branches start when its own root is scanned.
 
 Each chunk runs the same kernel code with the same entering state as in a trajectory-wise call, so the
-outputs equal trajectory-wise outputs bit for bit (the alignment rule of DESIGN.md section 6).
-Against one chunk_gated_delta_rule call per round with autograd gathers between them, this removes
-per layer and round 5 gathers, their sort-based scatter-add backward, and 6 launches of the
-chunk-parallel kernels. Sums over duplicates (a bank state that several sequences start from, a
-row that several sequences replay) are taken in a fixed order: results are deterministic.
+outputs equal trajectory-wise outputs bit for bit (the alignment rule). Sums over duplicates (a bank state
+that several sequences start from, a row that several sequences replay) are taken in a fixed order.
 """
 from __future__ import annotations
 
@@ -37,108 +26,129 @@ import torch
 
 from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from .chunk_bwd import chunk_bwd
-from .function import _group_sum, triton_supports
+from .config import triton_supports
 from .inputs import validate_gdn_tensors
 from .l2norm import l2norm_fused
 from .lanes import LaneStreams
-from .segment_add import segment_add
+from ..segment_add import segment_add
 from .state_bwd import dv_local_bwd, state_bwd_scan
 from .state_fwd import output_fwd, state_fwd
-from .tree_plan import TreeGDNPlan, TreeRoundSpec, plan_tree_gdn
+from .tree_plan import CHUNK_SIZE, TreeGDNPlan
 from .wy_fwd import wy_fwd
 
-__all__ = ["TreeGDNPlan", "TreeRoundSpec", "plan_tree_gdn", "tree_gated_delta_rule", "tree_supported"]
+
+def _group_sum(x: torch.Tensor, key_heads: int) -> torch.Tensor:
+    """[R, HV, K] per value head -> [R, HK, K]: value head h reads key head h // (HV // HK)."""
+    rows, hv, kd = x.shape
+    if hv == key_heads:
+        return x
+    return x.view(rows, key_heads, hv // key_heads, kd).sum(2)
 
 
 class TreeGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale: float, plan: TreeGDNPlan):
+    def forward(ctx, q, k, v, g, beta, initial_states, scale: float, plan: TreeGDNPlan):
         index, rows = plan.index, plan.rows
-        if plan.compact_io:  # the kernels assume dense rows; the runtime's v is a split view of one projection
-            q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        else:  # the gathers write dense copies
-            q, k, v, g, beta = (x.index_select(0, plan.row_src) for x in (q, k, v, g, beta))
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # the runtime's v is a split view
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
         gc, T, w, u = wy_fwd(k, v, g, beta, index, rows)
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
         v_new = torch.empty_like(u)
-        bank = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)  # row 0: zeros
+        zero_and_slots = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)
+        # rows [1 + num_slots, ...) of the bank are the caller's initial states
+        bank = torch.cat([zero_and_slots, initial_states.to(torch.float32)]) if plan.num_initial else zero_and_slots
         with LaneStreams(plan.num_lanes, k.device) as lanes:
-            for rnd in plan.rounds:
-                with lanes.on(rnd.lane):
-                    state_fwd(k, w, u, gc, bank, index, seqs=(rnd.first_seq, rnd.num_seqs),
-                              out=(h, v_new, bank[1:]), rows=rows, launch_seqs=rnd.round_seqs,
-                              initial_rows=rnd.init_row)
+            for launch in plan.launches:
+                with lanes.on(launch.lane):
+                    state_fwd(k, w, u, gc, bank, index, seqs=(launch.first_seq, launch.num_seqs),
+                              out=(h, v_new, bank[1:]), rows=rows, launch_seqs=launch.round_seqs,
+                              initial_rows=launch.init_row)
         o = output_fwd(q, k, v_new, gc, h, scale, index, rows)
+        exported = bank[1:][plan.output_slots]
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
         ctx.scale, ctx.plan = scale, plan
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
-        return o if plan.compact_io else o.index_select(0, plan.own_pick)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, initial_states.dtype)
+        return o, exported
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx, d_out, d_exported):
         q, k, v, beta, gc, T, w, v_new, h = ctx.saved_tensors
         plan: TreeGDNPlan = ctx.plan
         index, rows = plan.index, plan.rows
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
-        if plan.compact_io:
-            do = d_out.to(v.dtype).contiguous()
-        else:  # replayed outputs are dropped
-            do = torch.zeros_like(v_new).index_copy_(0, plan.own_pick, d_out.to(v.dtype))
+        do = torch.zeros_like(v) if d_out is None else d_out.to(v.dtype).contiguous()
         dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, rows)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
-        bank_grad = torch.zeros(index.num_slots, hv, kd, vd, device=q.device, dtype=torch.float32)
+        bank_grad = torch.zeros(index.num_slots + plan.num_initial, hv, kd, vd, device=q.device, dtype=torch.float32)
+        if d_exported is not None and plan.output_slots_host:
+            d_exported = d_exported.to(torch.float32)
+            if len(set(plan.output_slots_host)) == len(plan.output_slots_host):  # each state returned once
+                bank_grad[plan.output_slots] = d_exported
+            else:  # duplicates summed in a fixed order (index_add_ may use atomics on CUDA)
+                for e, slot in enumerate(plan.output_slots_host):
+                    bank_grad[slot] += d_exported[e]
+        initial_grad = ctx.needs_input_grad[5]
         with LaneStreams(plan.num_lanes, q.device) as lanes:
-            for rnd in reversed(plan.rounds):  # a round's exports are read only by later rounds (same lane)
-                with lanes.on(rnd.lane):
+            for launch in reversed(plan.launches):  # a round's exports are read only by later rounds (same lane)
+                with lanes.on(launch.lane):
                     dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
-                                         seqs=(rnd.first_seq, rnd.num_seqs), rows=rows, launch_seqs=rnd.round_seqs)
-                    if rnd.start_slots.numel():  # distinct slots of this lane's own states, summed in order
-                        segment_add(bank_grad, rnd.start_slots, dh0, rnd.start_bounds, rnd.start_seqs)
+                                         seqs=(launch.first_seq, launch.num_seqs), rows=rows,
+                                         launch_seqs=launch.round_seqs, initial_state_grad=initial_grad)
+                    if launch.start_slots.numel():  # distinct grad-bank rows of this launch, summed in order
+                        segment_add(bank_grad, launch.start_slots, dh0, launch.start_bounds, launch.start_seqs)
         dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
         names = ("q", "k", "v", "g", "beta")  # the order of ctx.dtypes and of the returned gradients
-        per_token = dict(zip(names, (dq, dk, dv, dg, dbeta)))  # compact with row maps, else per packed row
-        replayed = dict(zip(("k", "v", "beta", "g"), side[0])) if side else per_token  # side: by replay slot
+        per_token = dict(zip(names, (dq, dk, dv, dg, dbeta)))
+        replayed = dict(zip(("k", "v", "beta", "g"), side[0])) if side else {}  # by replay slot
         hk = q.shape[1]
-        compact = []
+        grads = []
         for name, dtype in zip(names, ctx.dtypes):
             per_key_head = name in ("q", "k")
             grad = _group_sum(per_token[name], hk) if per_key_head else per_token[name]
-            if not plan.compact_io:
-                grad = grad.index_select(0, plan.own_pick)
             # own row + the replays' sum, in fp32, rounded once; a replayed row's dq is exactly 0 (its do is 0).
-            # Side slots are the replayed rows grouped by token; without them the replays are packed rows.
             if plan.replay_dst.numel() and name != "q":
                 groups = replayed[name].shape[1] // hk if per_key_head else 1
-                segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds,
-                            None if side else plan.replay_rows, groups=groups)
-            compact.append(grad.to(dtype))
-        return (*compact, None, None)
+                segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds, groups=groups)
+            grads.append(grad.to(dtype))
+        d_initial = bank_grad[index.num_slots:].to(ctx.dtypes[5]) if initial_grad else None
+        return (*grads, d_initial, None, None)
 
 
-def tree_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `tree_gated_delta_rule` runs these inputs (else: one call per round, which falls back)."""
-    return (q.is_cuda or interpreting()) and all(
-        triton_supports(x.dtype, k.shape[2], v.shape[2], cuda=x.is_cuda) for x in (q, k, v))
-
-
-def tree_gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, use_qk_l2norm: bool = False):
-    """Compact q, k [T, HK, K], v [T, HV, V], g, beta [T, HV] -> o [T, HV, V]: every round of `plan` run
-    with the Triton kernels (CUDA, or the CPU interpreter) in one autograd Function."""
-    rows = validate_gdn_tensors(q, k, v, g, beta, who="tree_gated_delta_rule")[0]
-    if rows != plan.num_tokens:
-        raise ValueError(f"tree_gated_delta_rule: `q` has {rows} rows, the plan was built for {plan.num_tokens} tokens")
-    if not tree_supported(q, k, v):
-        raise ValueError(f"tree_gated_delta_rule: the Triton kernels do not run {q.dtype} with K={k.shape[2]}, "
-                         f"V={v.shape[2]} on {q.device.type} (they need CUDA or TRITON_INTERPRET=1, and "
-                         "function.triton_supports); use one call per round with the reference")
-    if plan.row_src.device != q.device:
-        raise ValueError(f"tree_gated_delta_rule: the plan lives on {plan.row_src.device}, the inputs on {q.device}")
+def gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, initial_states=None,
+                     use_qk_l2norm: bool = False):
+    """Compact q, k [T, HK, K], v [T, HV, V], g, beta [T, HV] -> (o [T, HV, V], exported [E, HV, K, V] fp32):
+    every round of `plan` (a device plan: `upload.to_device`) with the Triton kernels (CUDA, or the CPU
+    interpreter) in one autograd Function. `initial_states` [plan.num_initial, HV, K, V] (fp32/fp64, may take
+    gradients) are the states the plan's caller-started sequences begin from."""
+    tokens, _, hv, kd, vd = validate_gdn_tensors(q, k, v, g, beta, who="gated_delta_rule")
+    if not (q.is_cuda or interpreting()) or not all(triton_supports(x.dtype, kd, vd, cuda=q.is_cuda)
+                                                    for x in (q, k, v)):
+        raise ValueError(f"gated_delta_rule: the Triton kernels do not run {q.dtype} with K={kd}, V={vd} on "
+                         f"{q.device.type} (they need CUDA or TRITON_INTERPRET=1, and config.triton_supports); "
+                         "use plan_gated_delta_rule_reference")
+    if plan.index.chunk_size != CHUNK_SIZE:
+        raise ValueError(f"gated_delta_rule: the plan has chunk_size {plan.index.chunk_size}, the Triton kernels "
+                         f"run {CHUNK_SIZE}")
+    if tokens != plan.num_tokens:
+        raise ValueError(f"gated_delta_rule: `q` has {tokens} rows, the plan was built for {plan.num_tokens} tokens")
+    if not isinstance(plan.own_pick, torch.Tensor) or plan.own_pick.device != q.device:
+        where = plan.own_pick.device if isinstance(plan.own_pick, torch.Tensor) else "the host"
+        raise ValueError(f"gated_delta_rule: the plan lives on {where}, the inputs on {q.device} "
+                         "(upload it with to_device)")
+    if initial_states is None:
+        if plan.num_initial:
+            raise ValueError(f"gated_delta_rule: the plan starts {plan.num_initial} sequences from given states, "
+                             "but no `initial_states` were passed")
+        initial_states = q.new_zeros((0, hv, kd, vd), dtype=torch.float32)
+    elif tuple(initial_states.shape) != (plan.num_initial, hv, kd, vd):
+        raise ValueError(f"gated_delta_rule: `initial_states` has shape {tuple(initial_states.shape)}, expected "
+                         f"{(plan.num_initial, hv, kd, vd)}")
     if any(map(interpreter_needs_fp32, (q, k, v, beta))):  # the interpreter's 16-bit dots are wrong: fp32
-        return tree_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), scale=scale, plan=plan,
-                                     use_qk_l2norm=use_qk_l2norm).to(v.dtype)
-    if use_qk_l2norm:  # on compact tokens: each once, and the replays gather the normalised rows
+        o, exported = gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), scale=scale, plan=plan,
+                                       initial_states=initial_states, use_qk_l2norm=use_qk_l2norm)
+        return o.to(v.dtype), exported
+    if use_qk_l2norm:  # on compact tokens (each once; replays read the normalised rows), in fp32 as fla does
         q, k = l2norm_fused(q), l2norm_fused(k)
-    return TreeGatedDeltaRuleFunction.apply(q, k, v, g, beta, float(scale), plan)
+    return TreeGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_states, float(scale), plan)

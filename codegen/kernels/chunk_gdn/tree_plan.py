@@ -1,74 +1,66 @@
-"""The launch plan of a tree microbatch's GDN rounds (tree.py runs it): every round's packed rows laid out as
-one varlen index, the export bank, the scans' lanes and launches per round, the replay and bank-start groups
-that the backward sums, and the row maps the kernels read through. Built once per microbatch on the host,
-shared by every GDN layer; errors name the round and the field."""
+"""The launch plan of a microbatch's GDN rounds (tree.py runs it), built once on the host.
+
+Every round's packed rows are laid out as one varlen index; per round, the scans' launches (one per lane
+run), the bank rows their sequences start from and the bank-start groups the backward sums; the replay
+groups; the row maps the kernels read through. A trajectory-wise batch is the same plan with one round
+whose packed rows are the compact tokens in order (`identity_layout`: no maps).
+
+State bank: the forward keeps one fp32 bank [1 + num_slots + num_initial, HV, K, V]: row 0 the zero state,
+then the states exported by the rounds (slots), then the caller's initial states (`num_initial`, the
+single-call API's `initial_state`). In the backward, grad-bank row g is bank row 1 + g.
+
+Rounds are any objects with the fields of `codegen.index.LinearRound` (numpy arrays); the plan checks
+every invariant the kernels rely on once, here, with errors naming the round and the field.
+"""
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
-import torch
 
-from .function import TRITON_CHUNK_SIZE
+from .config import GDNKernelConfig
+from .index import GDNIndex, PackedRows, affine_chunk_shifts, affine_row_shifts, prepare_gdn_index
 from .inputs import check_exports
-from .index import GDNIndex, GDNKernelConfig, PackedRows, affine_chunk_shifts, affine_row_shifts, prepare_gdn_index
 from .lanes import assign_lanes, lane_runs
 
-
-@dataclasses.dataclass(frozen=True)
-class TreeRoundSpec:
-    """One round as the planner describes it (host arrays; the fields of `codegen.index.LinearRound`)."""
-
-    cu_seqlens: np.ndarray     # [N+1] packed rows per sequence, local to the round
-    row_src: np.ndarray        # [R] compact token of each packed row (replay rows included)
-    own_rows: np.ndarray       # [R_own] packed rows whose outputs are kept ...
-    own_dst: np.ndarray        # ... and the compact tokens they are
-    init_state: np.ndarray     # [N] bank id each sequence starts from, -1 = zeros
-    export_seq: np.ndarray     # [E] sequence (in the round) of each exported state
-    export_offset: np.ndarray  # [E] row offset (multiple of the chunk size) in that sequence
-    export_bank: np.ndarray    # [E] bank id the state is stored under
+CHUNK_SIZE = 64  # the chunk the Triton kernels are written for (BT = 64 rows: four 16-row wgmma blocks)
+ROUND_FIELDS = ("cu_seqlens", "row_src", "own_rows", "own_dst", "init_state", "export_seq", "export_offset",
+                "export_bank")
 
 
 @dataclasses.dataclass(frozen=True)
-class _RoundLaunch:
+class RoundLaunch:
     """The scans of one round's sequences [first_seq, first_seq + num_seqs) that belong to one lane."""
     first_seq: int
     num_seqs: int
     lane: int                      # CUDA stream (of `TreeGDNPlan.num_lanes`) the launch runs on
     round_seqs: int                # sequences of the whole round: what the launch configuration is chosen for
-    init_row: torch.Tensor        # [N] row of the bank (with the zero state at row 0) each sequence starts from
-    start_slots: torch.Tensor      # [U] bank slots this round's sequences start from (distinct)
-    start_seqs: torch.Tensor       # [N'] those of the launch's sequences (0 = first_seq) that start from a
+    init_row: np.ndarray           # [num_seqs] bank row each sequence starts from (0 = the zero state)
+    start_slots: np.ndarray        # [U] distinct grad-bank rows this launch's sequences start from
+    start_seqs: np.ndarray         # [N'] those of the launch's sequences (0 = first_seq) that start from a
                                    # bank state, grouped by slot ...
-    start_bounds: torch.Tensor     # [U+1] ... slot u's are start_seqs[start_bounds[u]:start_bounds[u + 1]]
-
-    @property
-    def start_counts(self) -> torch.Tensor:
-        return self.start_bounds.diff()
+    start_bounds: np.ndarray       # [U+1] ... slot u's are start_seqs[start_bounds[u]:start_bounds[u + 1]]
+    init_host: tuple[int, ...]     # init_row as ints (the reference path's control flow)
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeGDNPlan:
-    """Launch tables of one microbatch, built once on the host and shared by every GDN layer."""
+    """Launch tables of one microbatch, shared by every GDN layer."""
 
     num_tokens: int
     index: GDNIndex                # all rounds' sequences, one after another
-    row_src: torch.Tensor          # [R] compact token of each packed row
-    own_pick: torch.Tensor         # [T] packed row holding each compact token's kept output
-    replay_dst: torch.Tensor       # [D] compact tokens that other packed rows replay (distinct)
-    replay_rows: torch.Tensor      # [D'] the replaying rows, grouped by token, in row order ...
-    replay_bounds: torch.Tensor    # [D+1] ... token d's are replay_rows[replay_bounds[d]:replay_bounds[d + 1]]
-    rounds: tuple[_RoundLaunch, ...]  # in round order; a round of several lanes has one launch per lane run
-    num_lanes: int = 1
-    # packed rows == compact tokens, in order (no replay: every branch point on a chunk boundary). The
-    # gathers into and out of the packed layout are then identities and are skipped: on GPU.md's anchor
-    # trees they were 0.9 of the tree step's 4.9 ms (H200, 2026-11-30).
-    identity_layout: bool = False
-    rows: PackedRows | None = None  # packed <-> compact row maps for the kernels (tree_rows_in_kernels)
-    @property
-    def compact_io(self) -> bool:
-        """Whether the kernels read inputs and do, and write o, on the compact tokens (no gathers)."""
-        return self.identity_layout or self.rows is not None
+    own_pick: np.ndarray           # [T] packed row holding each compact token's kept output
+    replay_dst: np.ndarray         # [D] compact tokens that other packed rows replay (distinct)
+    replay_bounds: np.ndarray      # [D+1] token d's replays are side slots replay_bounds[d]:replay_bounds[d + 1]
+    launches: tuple[RoundLaunch, ...]  # in round order; a round of several lanes has one launch per lane run
+    num_lanes: int
+    num_initial: int               # caller-given initial states (bank rows 1 + num_slots + j)
+    output_slots: np.ndarray       # [E_out] slot of each exported state returned to the caller
+    output_slots_host: tuple[int, ...]
+    row_src: np.ndarray            # [R] compact token of each packed row (the reference path's gathers)
+    # packed rows == compact tokens in order (trajectory-wise, or no replay anywhere): no maps, no gathers
+    identity_layout: bool
+    rows: PackedRows | None        # the row maps, None with identity_layout
 
 
 def _groups(keys: np.ndarray, values: np.ndarray):
@@ -78,83 +70,99 @@ def _groups(keys: np.ndarray, values: np.ndarray):
     return distinct, values[order], counts
 
 
-def _checked_round(r: int, rnd: TreeRoundSpec, num_tokens: int, chunk_size: int):
-    """One round's arrays as int64, checked on their own: (cu, row_src, own_rows, own_dst, export_seq,
-    export_offset)."""
-    fields = [f.name for f in dataclasses.fields(TreeRoundSpec)]
-    for field in fields:
-        if np.ndim(getattr(rnd, field)) != 1:
-            raise ValueError(f"tree GDN plan: rounds[{r}].{field} must be 1-D")
-    a = {field: np.asarray(getattr(rnd, field), dtype=np.int64) for field in fields}
+def _checked_round(r: int, rnd, num_tokens: int, chunk_size: int) -> dict:
+    """One round's arrays as int64, checked on their own."""
+    a = {}
+    for field in ROUND_FIELDS:
+        value = np.asarray(getattr(rnd, field))
+        if value.ndim != 1:
+            raise ValueError(f"GDN plan: rounds[{r}].{field} must be 1-D")
+        a[field] = value.astype(np.int64, copy=False)
     cu, src, own_rows, own_dst = a["cu_seqlens"], a["row_src"], a["own_rows"], a["own_dst"]
     if cu.size < 1 or cu[0] != 0 or cu[-1] != src.size or np.any(np.diff(cu) < 0):
-        raise ValueError(f"tree GDN plan: rounds[{r}].cu_seqlens must rise from 0 to len(row_src)={src.size}")
+        raise ValueError(f"GDN plan: rounds[{r}].cu_seqlens must rise from 0 to len(row_src)={src.size}")
     if src.size and (src.min() < 0 or src.max() >= num_tokens):
-        raise ValueError(f"tree GDN plan: rounds[{r}].row_src holds a token outside [0, {num_tokens})")
+        raise ValueError(f"GDN plan: rounds[{r}].row_src holds a token outside [0, {num_tokens})")
     if own_rows.size and (own_rows.min() < 0 or own_rows.max() >= src.size):
-        raise ValueError(f"tree GDN plan: rounds[{r}].own_rows holds a row outside the round")
+        raise ValueError(f"GDN plan: rounds[{r}].own_rows holds a row outside the round")
     if own_rows.size != own_dst.size or not np.array_equal(src[own_rows], own_dst):
-        raise ValueError(f"tree GDN plan: rounds[{r}].own_dst is not row_src[own_rows]")
-    if np.unique(own_dst).size != own_dst.size:
-        raise ValueError(f"tree GDN plan: rounds[{r}].own_dst keeps a token twice")
+        raise ValueError(f"GDN plan: rounds[{r}].own_dst is not row_src[own_rows]")
+    if np.unique(own_rows).size != own_rows.size:
+        raise ValueError(f"GDN plan: rounds[{r}].own_rows keeps a row twice")
     if a["export_seq"].size != a["export_bank"].size:
-        raise ValueError(f"tree GDN plan: rounds[{r}].export_seq and export_bank differ in length")
+        raise ValueError(f"GDN plan: rounds[{r}].export_seq and export_bank differ in length")
+    if a["init_state"].size != cu.size - 1 or np.any(a["init_state"] < -1):
+        raise ValueError(f"GDN plan: rounds[{r}].init_state must hold a bank id or -1 for each of its "
+                         f"{cu.size - 1} sequences")
     check_exports(a["export_seq"], a["export_offset"], np.diff(cu).tolist(), chunk_size,
-                  who=f"tree GDN plan: rounds[{r}]")
-    return cu, src, own_rows, own_dst, a["export_seq"], a["export_offset"]
+                  who=f"GDN plan: rounds[{r}]")
+    return a
 
 
-def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: int = 64, device=None,
+def plan_tree_gdn(rounds, num_tokens: int, *, chunk_size: int = CHUNK_SIZE,
                   config: GDNKernelConfig | None = None) -> TreeGDNPlan:
-    """Lay `rounds` out as one varlen call and check the plan's invariants (errors name round and field)."""
-    if chunk_size != TRITON_CHUNK_SIZE:
-        raise ValueError(f"tree GDN plan: the Triton kernels have chunk_size {TRITON_CHUNK_SIZE} built in, "
-                         f"got {chunk_size}")
+    """Lay `rounds` out as one varlen index and check the plan's invariants (errors name round and field).
+    Any chunk size (the plain-torch reference runs them all; the Triton kernels need CHUNK_SIZE).
+    O(rows + chunks + sequences log sequences)."""
+    checked = [_checked_round(r, rnd, num_tokens, chunk_size) for r, rnd in enumerate(rounds)]
     bounds, export_seq, export_offset, export_bank, row_src = [0], [], [], [], []
     own_pick = np.full(num_tokens, -1, dtype=np.int64)
     seq_base, row_base = 0, 0
-    for r, rnd in enumerate(rounds):
-        cu, src, own_rows, own_dst, e_seq, e_off = _checked_round(r, rnd, num_tokens, chunk_size)
-        if np.any(own_pick[own_dst] >= 0):
-            raise ValueError(f"tree GDN plan: rounds[{r}].own_dst keeps a token an earlier round keeps")
-        own_pick[own_dst] = row_base + own_rows
-        bounds.extend((row_base + cu[1:]).tolist())
-        export_seq.extend((seq_base + e_seq).tolist())
-        export_offset.extend(e_off.tolist())
-        export_bank.extend(np.asarray(rnd.export_bank, dtype=np.int64).tolist())
-        row_src.append(src)
-        seq_base += cu.size - 1
-        row_base += src.size
+    for r, a in enumerate(checked):
+        if np.any(own_pick[a["own_dst"]] >= 0):
+            raise ValueError(f"GDN plan: rounds[{r}].own_dst keeps a token that this or an earlier round keeps")
+        own_pick[a["own_dst"]] = row_base + a["own_rows"]
+        bounds.extend((row_base + a["cu_seqlens"][1:]).tolist())
+        export_seq.extend((seq_base + a["export_seq"]).tolist())
+        export_offset.extend(a["export_offset"].tolist())
+        export_bank.extend(a["export_bank"].tolist())
+        row_src.append(a["row_src"])
+        seq_base += a["cu_seqlens"].size - 1
+        row_base += a["row_src"].size
     if np.any(own_pick < 0):
-        raise ValueError(f"tree GDN plan: token {int(np.argmax(own_pick < 0))} is kept by no round (own_dst)")
-    index = prepare_gdn_index(bounds, export_seq, export_offset, chunk_size, device=device, config=config)
+        raise ValueError(f"GDN plan: token {int(np.argmax(own_pick < 0))} is kept by no round (own_dst)")
+    index = prepare_gdn_index(bounds, export_seq, export_offset, chunk_size, config=config)
     slot_of_bank = {}
     for e, (bank, slot) in enumerate(zip(export_bank, index.export_slot_host)):
         if bank < 0 or slot_of_bank.setdefault(bank, slot) != slot:  # one bank id, one state
-            raise ValueError(f"tree GDN plan: export_bank id {bank} (export {e} over all rounds) is negative or "
+            raise ValueError(f"GDN plan: export_bank id {bank} (export {e} over all rounds) is negative or "
                              "already names another exported state")
-
-    def as_long(a):
-        return torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64), device=device)
-
     exporter = dict(zip(export_bank, export_seq))  # bank id -> the sequence that exported it
-    round_slots, parent, seq_base, exported = [], [], 0, set()
-    for r, rnd in enumerate(rounds):
-        n = len(rnd.cu_seqlens) - 1
-        init = np.asarray(rnd.init_state, dtype=np.int64)
-        if init.size != n or np.any(init < -1):
-            raise ValueError(f"tree GDN plan: rounds[{r}].init_state must hold a bank id or -1 for each of its "
-                             f"{n} sequences")
-        late = [int(b) for b in init if b >= 0 and int(b) not in exported]
+    round_slots, parent, exported = [], [], set()
+    for r, (rnd, a) in enumerate(zip(rounds, checked)):
+        late = [int(b) for b in a["init_state"] if b >= 0 and int(b) not in exported]
         if late:
-            raise ValueError(f"tree GDN plan: rounds[{r}].init_state: bank id {late[0]} is exported by no "
-                             "earlier round")
-        round_slots.append(np.array([slot_of_bank[int(b)] if b >= 0 else -1 for b in init], dtype=np.int64))
-        parent.extend(exporter[int(b)] if b >= 0 else -1 for b in init)
-        exported.update(int(b) for b in rnd.export_bank)
-        seq_base += n
-    lane, num_lanes = assign_lanes([slots.size for slots in round_slots], np.diff(np.asarray(bounds)),
-                                     np.asarray(parent, dtype=np.int64), index.config.tree_scan_lanes)
+            raise ValueError(f"GDN plan: rounds[{r}].init_state: bank id {late[0]} is exported by no earlier round")
+        round_slots.append(np.array([slot_of_bank[int(b)] if b >= 0 else -1 for b in a["init_state"]], np.int64))
+        parent.extend(exporter[int(b)] if b >= 0 else -1 for b in a["init_state"])
+        exported.update(int(b) for b in a["export_bank"])
+    src_all = np.concatenate(row_src) if row_src else np.zeros(0, np.int64)
+    return _assemble(num_tokens, index, own_pick, src_all, round_slots, np.asarray(parent, np.int64),
+                     num_initial=0, output_slots=np.zeros(0, np.int64))
+
+
+def plan_single_call(seq_lengths, export_seq=(), export_offset=(), *, chunk_size: int = CHUNK_SIZE,
+                     config: GDNKernelConfig | None = None) -> TreeGDNPlan:
+    """The plan of one packed varlen call (the fla-style signature of `chunk_gated_delta_rule`): one round,
+    packed rows = tokens, sequence i starting from the caller's initial state i, the requested states
+    returned to the caller."""
+    lengths = np.asarray(seq_lengths, dtype=np.int64)
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    index = prepare_gdn_index(bounds, export_seq, export_offset, chunk_size, config=config)
+    rows = int(bounds[-1])
+    n = lengths.size
+    initial_slots = index.num_slots + np.arange(n, dtype=np.int64)  # grad-bank rows of the caller's states
+    return _assemble(rows, index, np.arange(rows, dtype=np.int64), np.arange(rows, dtype=np.int64),
+                     [initial_slots], np.full(n, -1, np.int64), num_initial=n,
+                     output_slots=np.asarray(index.export_slot_host, np.int64))
+
+
+def _assemble(num_tokens, index: GDNIndex, own_pick, src_all, round_slots, parent, *, num_initial,
+              output_slots) -> TreeGDNPlan:
+    """Lanes, launches, replay groups and row maps of a laid-out plan. `round_slots`: per round, the grad-bank
+    row each sequence starts from (-1 = the zero state)."""
+    lane, num_lanes = assign_lanes([slots.size for slots in round_slots], np.diff(index.cu_seqlens), parent,
+                                   index.config.tree_scan_lanes)
     launches, seq_base = [], 0
     for slots in round_slots:
         n = slots.size
@@ -162,32 +170,26 @@ def plan_tree_gdn(rounds: list[TreeRoundSpec], num_tokens: int, *, chunk_size: i
             run_slots = slots[start:stop]
             starts = np.flatnonzero(run_slots >= 0)
             distinct, children, counts = _groups(run_slots[starts], starts)
-            launches.append(_RoundLaunch(first_seq=seq_base + start, num_seqs=stop - start,
-                                         lane=int(lane[seq_base + start]), round_seqs=n,
-                                         init_row=as_long(run_slots + 1), start_slots=as_long(distinct),
-                                         start_seqs=as_long(children), start_bounds=as_long(np.r_[0, counts.cumsum()])))
+            launches.append(RoundLaunch(
+                first_seq=seq_base + start, num_seqs=stop - start, lane=int(lane[seq_base + start]), round_seqs=n,
+                init_row=run_slots + 1, start_slots=distinct.astype(np.int64), start_seqs=children.astype(np.int64),
+                start_bounds=np.r_[0, counts.cumsum()].astype(np.int64), init_host=tuple((run_slots + 1).tolist())))
         seq_base += n
-    src_all = np.concatenate(row_src) if row_src else np.zeros(0, np.int64)
     replay = np.setdiff1d(np.arange(src_all.size), own_pick, assume_unique=True)
     replay_dst, replay_rows, replay_counts = _groups(src_all[replay], replay)
     identity = src_all.size == num_tokens and np.array_equal(src_all, np.arange(num_tokens)) and np.array_equal(
         own_pick, np.arange(num_tokens))
     rows = None
-    if index.config.tree_rows_in_kernels and not identity:
+    if not identity:
         row_own = np.empty(src_all.size, dtype=np.int64)
         row_own[own_pick] = np.arange(num_tokens)
         row_own[replay_rows] = -1 - np.arange(replay_rows.size)  # side slots grouped by token, as summed
-        cfg, cu = index.config, np.asarray(bounds, dtype=np.int64)
-        # per-chunk shifts (one pass over the rows), from which the scans' per-sequence shifts derive
-        chunk_shift = (affine_chunk_shifts(cu, src_all, row_own, chunk_size)
-                       if cfg.tree_affine_scan_rows or cfg.tree_affine_chunk_rows else None)
-        shift = affine_row_shifts(cu, chunk_shift, chunk_size) if cfg.tree_affine_scan_rows else None
-        chunk_shift = chunk_shift if cfg.tree_affine_chunk_rows else None
-        rows = PackedRows(src=as_long(src_all), own=as_long(row_own), num_tokens=num_tokens,
-                          num_replays=int(replay_rows.size), seq_shift=None if shift is None else as_long(shift),
-                          chunk_shift=None if chunk_shift is None else as_long(chunk_shift))
-    return TreeGDNPlan(num_tokens=num_tokens, index=index, row_src=as_long(src_all), own_pick=as_long(own_pick),
-                       replay_dst=as_long(replay_dst), replay_rows=as_long(replay_rows),
-                       replay_bounds=as_long(np.r_[0, replay_counts.cumsum()]), rounds=tuple(launches),
-                       num_lanes=num_lanes,
-                       identity_layout=identity, rows=rows)
+        chunk_shift = affine_chunk_shifts(index.cu_seqlens, src_all, row_own, index.chunk_size)
+        rows = PackedRows(src=src_all, own=row_own, num_tokens=num_tokens, num_replays=int(replay_rows.size),
+                          seq_shift=affine_row_shifts(index.cu_seqlens, chunk_shift, index.chunk_size),
+                          chunk_shift=chunk_shift)
+    return TreeGDNPlan(num_tokens=num_tokens, index=index, own_pick=own_pick, replay_dst=replay_dst.astype(np.int64),
+                       replay_bounds=np.r_[0, replay_counts.cumsum()].astype(np.int64), launches=tuple(launches),
+                       num_lanes=num_lanes, num_initial=num_initial, output_slots=output_slots,
+                       output_slots_host=tuple(int(s) for s in output_slots), row_src=src_all,
+                       identity_layout=bool(identity), rows=rows)

@@ -167,11 +167,10 @@ def _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_s
 
 @triton.jit
 def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, chunk_shift, HK: tl.constexpr,
-                         HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr,
-                         AFFINE: tl.constexpr):
-    """Chunks without replayed rows run the plain-row code at row + their shift (AFFINE), the others
+                         HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
+    """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0), GATHER, AFFINE)
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0), GATHER)
     if affine:
         _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, BT, BK,
             False)
@@ -209,10 +208,10 @@ def _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_sr
 @triton.jit
 def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, chunk_shift, HK: tl.constexpr,
                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, GATHER: tl.constexpr, AFFINE: tl.constexpr):
-    """Chunks without replayed rows run the plain-row code at row + their shift (AFFINE), the others
+                  BV: tl.constexpr, GATHER: tl.constexpr):
+    """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0), GATHER, AFFINE)
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0), GATHER)
     if affine:
         _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, V, BT,
             BK, BV, False)
@@ -239,12 +238,12 @@ def wy_fwd(k, v, g, beta, index, rows=None):
     if not index.num_chunks:
         return gc, T, w, u
     grid = (index.num_chunks, hv)
-    shifts, affine = chunk_shift_table(index, rows)
+    shifts = chunk_shift_table(index, rows)
     tables = (index.chunk_row_start, index.chunk_row_end, row_tables(index, rows)[0], shifts)
     gather = rows is not None
     _wy_kkt_solve_kernel[grid](k, g, beta, gc, T, *tables, HK=hk, HV=hv, K=kd, BT=BT,
-                               BK=min(cfg.wy_kkt_block_k, kd), GATHER=gather, AFFINE=affine,
+                               BK=min(cfg.wy_kkt_block_k, kd), GATHER=gather,
                                num_warps=cfg.wy_kkt_warps)
     _wy_wu_kernel[grid](k, v, beta, gc, T, w, u, *tables, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd),
-                        BV=min(64, vd), GATHER=gather, AFFINE=affine, num_warps=cfg.wy_wu_warps)
+                        BV=min(64, vd), GATHER=gather, num_warps=cfg.wy_wu_warps)
     return gc, T, w, u

@@ -3,12 +3,12 @@
 ``tree_attention`` (Triton on CUDA, reference on CPU) and ``build_block_index`` (visit lists,
 built once per microbatch and passed to every layer's call) are the public entry points.
 """
-from .block_index import BlockIndex, build_block_index
+from .block_index import BlockIndex, build_block_index, query_windows
 from .configs import KernelConfig, config_for
 from .function import tree_attention, uses_triton
 from .reference import (check_tree_attention_inputs, tree_attention_fp32_oracle, tree_attention_reference,
                         tree_attention_reference_chunked, tree_mask)
 
-__all__ = ["BlockIndex", "build_block_index", "KernelConfig", "config_for", "tree_attention",
+__all__ = ["BlockIndex", "build_block_index", "query_windows", "KernelConfig", "config_for", "tree_attention",
            "uses_triton", "check_tree_attention_inputs", "tree_attention_fp32_oracle", "tree_attention_reference",
            "tree_attention_reference_chunked", "tree_mask"]

@@ -12,7 +12,7 @@ order (no atomics).
   ``do^T p`` and ``q^T ds``: k and v then only ever serve as shared-memory B operands, which
   leaves the registers to the two accumulators (with ``k q^T`` as A operand, k and v would sit
   in registers too and spill at D = 256).
-No ``tl.trans`` of a dot accumulator feeds another dot (Triton 3.6 Hopper miscompile, GPU.md):
+No ``tl.trans`` of a dot accumulator feeds another dot (Triton 3.6 Hopper miscompile, docs/gdn_kernels.md):
 only loaded tiles are transposed; p and ds enter the next dots untransposed.
 """
 from __future__ import annotations

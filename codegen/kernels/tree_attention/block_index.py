@@ -1,4 +1,4 @@
-"""Block-sparse visit lists of the tree mask, built once per microbatch, on the device.
+"""Block-sparse visit lists of the tree mask, built once per microbatch on the host (numpy).
 
 Query block ``m`` covers compact rows ``[m*BM, min((m+1)*BM, T))``, key block ``n`` covers
 ``[n*BN, min((n+1)*BN, T))``. With the mask ``j <= i < subtree_end[j]`` (and ``subtree_end[j] > j``):
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -28,27 +28,33 @@ class BlockIndex:
     block_n: int
     num_tokens: int
     # per query block m: key blocks q_cols[q_ptr[m]:q_ptr[m+1]], the first q_full[m] of them full
-    q_ptr: torch.Tensor      # [NM+1] int32
-    q_cols: torch.Tensor     # [nnz] int32
-    q_full: torch.Tensor     # [NM] int32
-    q_order: torch.Tensor    # [NM] int32, query blocks by decreasing visit count
+    q_ptr: np.ndarray      # [NM+1] int32
+    q_cols: np.ndarray     # [nnz] int32
+    q_full: np.ndarray     # [NM] int32
+    q_order: np.ndarray    # [NM] int32, query blocks by decreasing visit count
     # per key block n: query blocks k_rows[k_ptr[n]:k_ptr[n+1]], the first k_full[n] of them full
-    k_ptr: torch.Tensor      # [NN+1] int32
-    k_rows: torch.Tensor     # [nnz] int32
-    k_full: torch.Tensor     # [NN] int32
-    k_order: torch.Tensor    # [NN] int32
-    subtree_end: torch.Tensor = field(repr=False, compare=False, default=None)
-    # lists at other block sizes, built on first request (kernels may tile differently)
-    _derived: dict = field(repr=False, compare=False, default_factory=dict)
+    k_ptr: np.ndarray      # [NN+1] int32
+    k_rows: np.ndarray     # [nnz] int32
+    k_full: np.ndarray     # [NN] int32
+    k_order: np.ndarray    # [NN] int32
+    # the lists of the same mask at the other tiles the kernels use, built with this one (`with_tiles`)
+    tiles: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def with_tiles(self, subtree_end, tiles) -> "BlockIndex":
+        """This index with the lists at every (block_m, block_n) of `tiles` built too (host)."""
+        extra = {tile: build_block_index(subtree_end, *tile) for tile in tiles
+                 if tile != (self.block_m, self.block_n)}
+        return BlockIndex(**{**{f: getattr(self, f) for f in self.__dataclass_fields__ if f != "tiles"},
+                             "tiles": {**self.tiles, **extra}})
 
     def with_blocks(self, block_m: int, block_n: int) -> "BlockIndex":
-        """The visit lists of the same mask at other block sizes (built once, then cached)."""
+        """The lists at tile (block_m, block_n): this index's own, or one built with it (`with_tiles`)."""
         if (block_m, block_n) == (self.block_m, self.block_n):
             return self
-        key = (block_m, block_n)
-        if key not in self._derived:
-            self._derived[key] = build_block_index(self.subtree_end, block_m, block_n)
-        return self._derived[key]
+        if (block_m, block_n) not in self.tiles:
+            raise ValueError(f"block index: no lists at tile ({block_m}, {block_n}); build them with "
+                             f"with_tiles (this index has {[(self.block_m, self.block_n), *self.tiles]})")
+        return self.tiles[(block_m, block_n)]
 
     @property
     def num_query_blocks(self) -> int:
@@ -63,64 +69,58 @@ class BlockIndex:
         return self.q_cols.shape[0]
 
     @property
-    def device(self) -> torch.device:
-        return self.q_ptr.device
+    def device(self):
+        """The device of an uploaded index, None on the host."""
+        return self.q_ptr.device if hasattr(self.q_ptr, "is_cuda") else None
 
 
-def _block_reduce(values: torch.Tensor, block: int, fill: int, reduce: str) -> torch.Tensor:
+def _block_reduce(values: np.ndarray, block: int, fill: int, reduce) -> np.ndarray:
     # [T] -> [ceil(T/block)] max or min over each block (padding with a neutral `fill`)
     n_blocks = -(-values.shape[0] // block)
-    padded = values.new_full((n_blocks * block,), fill)
+    padded = np.full(n_blocks * block, fill, dtype=values.dtype)
     padded[:values.shape[0]] = values
-    padded = padded.view(n_blocks, block)
-    return padded.amax(dim=1) if reduce == "max" else padded.amin(dim=1)
+    return reduce(padded.reshape(n_blocks, block), axis=1)
 
 
-def _csr(visible: torch.Tensor, full: torch.Tensor):
+def _csr(visible: np.ndarray, full: np.ndarray):
     """Rows of `visible` [R, C] as CSR lists, full entries first within each row."""
     n_rows, n_cols = visible.shape
-    rows, cols = visible.nonzero(as_tuple=True)
+    rows, cols = np.nonzero(visible)
     is_full = full[rows, cols]
     # stable order: row, then full before partial, then column
-    key = rows * (2 * n_cols) + (~is_full).to(rows.dtype) * n_cols + cols
-    order = torch.argsort(key)
-    counts = visible.sum(dim=1)
-    ptr = torch.zeros(n_rows + 1, dtype=torch.int64, device=visible.device)
-    ptr[1:] = torch.cumsum(counts, dim=0)
-    n_full = full.sum(dim=1)
-    work_order = torch.argsort(counts, descending=True, stable=True)
-    return (ptr.to(torch.int32), cols[order].to(torch.int32), n_full.to(torch.int32),
-            work_order.to(torch.int32))
+    order = np.argsort(rows * (2 * n_cols) + (~is_full).astype(np.int64) * n_cols + cols, kind="stable")
+    counts = visible.sum(axis=1)
+    ptr = np.concatenate([[0], np.cumsum(counts)])
+    work_order = np.argsort(-counts, kind="stable")
+    as32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    return as32(ptr), as32(cols[order]), as32(full.sum(axis=1)), as32(work_order)
 
 
-def build_block_index(subtree_end: torch.Tensor, block_m: int, block_n: int) -> BlockIndex:
-    """Visit lists of the tree mask for query blocks of `block_m` rows and key blocks of
-    `block_n` rows, on `subtree_end`'s device (vectorised: no Python loop over blocks)."""
-    if subtree_end.dim() != 1:
-        raise ValueError(f"subtree_end must be 1-D [T], got shape {tuple(subtree_end.shape)}")
-    if subtree_end.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"subtree_end must be int32 or int64, got {subtree_end.dtype}")
+def build_block_index(subtree_end, block_m: int, block_n: int) -> BlockIndex:
+    """Visit lists of the tree mask for query blocks of `block_m` rows and key blocks of `block_n` rows
+    (vectorised, O(NM x NN)). `subtree_end`: host array (a tensor is copied to the host)."""
+    ends = np.asarray(subtree_end.cpu() if hasattr(subtree_end, "cpu") else subtree_end)
+    if ends.ndim != 1:
+        raise ValueError(f"subtree_end must be 1-D [T], got shape {tuple(ends.shape)}")
+    if ends.dtype not in (np.int32, np.int64):
+        raise ValueError(f"subtree_end must be int32 or int64, got {ends.dtype}")
     for name, size in (("block_m", block_m), ("block_n", block_n)):
         if size < 1 or size & (size - 1):
             raise ValueError(f"{name} must be a positive power of two, got {size}")
-    n_tokens = subtree_end.shape[0]
-    device = subtree_end.device
-    ends = subtree_end.to(torch.int64)
-    if n_tokens:
-        index = torch.arange(n_tokens, device=device)
-        if bool(((ends <= index) | (ends > n_tokens)).any()):
-            raise ValueError("subtree_end must satisfy i < subtree_end[i] <= T for every token")
-    n_q_blocks = -(-n_tokens // block_m)
-    n_k_blocks = -(-n_tokens // block_n)
-    q_start = torch.arange(n_q_blocks, device=device)[:, None] * block_m        # [NM, 1]
+    n_tokens = ends.shape[0]
+    ends = ends.astype(np.int64)
+    if n_tokens and np.any((ends <= np.arange(n_tokens)) | (ends > n_tokens)):
+        raise ValueError("subtree_end must satisfy i < subtree_end[i] <= T for every token")
+    n_q_blocks, n_k_blocks = -(-n_tokens // block_m), -(-n_tokens // block_n)
+    q_start = np.arange(n_q_blocks)[:, None] * block_m        # [NM, 1]
     q_end_nominal = q_start + block_m
-    q_end = q_end_nominal.clamp(max=n_tokens)
-    k_start = torch.arange(n_k_blocks, device=device)[None, :] * block_n        # [1, NN]
+    q_end = np.minimum(q_end_nominal, n_tokens)
+    k_start = np.arange(n_k_blocks)[None, :] * block_n        # [1, NN]
     k_end_nominal = k_start + block_n
-    k_end = k_end_nominal.clamp(max=n_tokens)
+    k_end = np.minimum(k_end_nominal, n_tokens)
     if n_tokens:
-        max_end = _block_reduce(ends, block_n, 0, "max")[None, :]
-        min_end = _block_reduce(ends, block_n, n_tokens, "min")[None, :]
+        max_end = _block_reduce(ends, block_n, 0, np.max)[None, :]
+        min_end = _block_reduce(ends, block_n, n_tokens, np.min)[None, :]
     else:
         max_end = min_end = k_start
     overlap = (k_start < q_end) & (k_end > q_start)
@@ -129,5 +129,17 @@ def build_block_index(subtree_end: torch.Tensor, block_m: int, block_n: int) -> 
             & (q_end_nominal <= n_tokens) & (k_end_nominal <= n_tokens))
     q_ptr, q_cols, q_full, q_order = _csr(visible, full)
     k_ptr, k_rows, k_full, k_order = _csr(visible.T, full.T)
-    return BlockIndex(block_m, block_n, n_tokens, q_ptr, q_cols, q_full, q_order,
-                      k_ptr, k_rows, k_full, k_order, subtree_end)
+    return BlockIndex(block_m, block_n, n_tokens, q_ptr, q_cols, q_full, q_order, k_ptr, k_rows, k_full, k_order)
+
+
+def query_windows(subtree_end, query_block: int = 256) -> tuple[tuple[int, int, int], ...]:
+    """The plain-torch path's blocking: (start, end, lo) per query block [start, end), lo = the first key
+    still open at `start` (subtree_end[k] > start, k < start), else start; keys before lo are masked for the
+    whole block. The first such k is the first whose running maximum of subtree_end exceeds start. O(T)."""
+    ends = np.asarray(subtree_end, dtype=np.int64)
+    starts = np.arange(0, ends.size, query_block)
+    if not ends.size:
+        return ()
+    first_open = np.searchsorted(np.maximum.accumulate(ends), starts, side="right")
+    lows = np.minimum(first_open, starts)
+    return tuple((int(s), int(min(s + query_block, ends.size)), int(lo)) for s, lo in zip(starts, lows))

@@ -1,12 +1,12 @@
 """Launch configurations of the tree-attention kernels, per head dim (tuned on one H200).
 
 Each kernel has its own tile: ``block_m`` x ``block_n`` are the query/key block sizes of the
-visit lists it walks (``BlockIndex.with_blocks`` derives lists at other sizes from the one index
-codegen builds per microbatch, once); the backward kernels split each query block into sub-tiles
-of ``block_ms`` rows. Candidates were screened offline with ``resources.py`` (shared memory
+visit lists it walks (codegen builds the lists at every tile of ``KernelConfig.tiles`` once per
+microbatch); the backward kernels split each query block into sub-tiles
+of ``block_ms`` rows. Candidates were screened offline with ``tools/attention_resources.py`` (shared memory
 within Hopper's 227 KB) and timed on the H200; the fastest won even where it spills a few hundred
 bytes: what matters most is 128-row score tiles (n64 wgmma per warpgroup). See
-bench/NOTES_attention.md. Head dims 64 and 128 are checked on the GPU but not tuned.
+docs/tree_attention_kernels.md. Head dims 64 and 128 are checked on the GPU but not tuned.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _launch(block_m, block_n, num_warps, num_stages, block_ms=None) -> dict:
 @dataclass(frozen=True)
 class KernelConfig:
     # head dim 256 on the H200 (sweep 2, anchor P4096 B8 L3584, 16/2 heads): fwd 7.5 ms
-    # (385 TFLOP/s), dq 9.0 ms (485), dk/dv 14.6 ms (399); see bench/NOTES_attention.md
+    # (385 TFLOP/s), dq 9.0 ms (485), dk/dv 14.6 ms (399); see docs/tree_attention_kernels.md
     fwd: dict = field(default_factory=lambda: _launch(128, 64, 8, 2))
     dq: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
     dkdv: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
@@ -36,6 +36,11 @@ class KernelConfig:
     @property
     def block_n(self) -> int:
         return self.fwd["block_n"]
+
+    @property
+    def tiles(self) -> tuple[tuple[int, int], ...]:
+        """The distinct (block_m, block_n) tiles of the three kernels: the block lists a plan must hold."""
+        return tuple(dict.fromkeys((launch["block_m"], launch["block_n"]) for launch in (self.fwd, self.dq, self.dkdv)))
 
 
 def uniform_config(block_m: int, block_n: int, block_ms: int, num_warps: int,

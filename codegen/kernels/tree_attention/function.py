@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..interpreter_safe import interpreter_needs_fp32, interpreting
+from ..upload import to_device
 from .backward import tree_attention_backward
 from .block_index import BlockIndex, build_block_index
 from .configs import KernelConfig, config_for
@@ -57,10 +58,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     """Exact softmax attention with the tree mask ``j <= i < subtree_end[j]``.
 
     q [T, HQ, D], k/v [T, HKV, D] (HQ % HKV == 0), subtree_end [T] int32 -> o [T, HQ, D].
-    ``block_index``: from ``build_block_index(subtree_end, block_m, block_n)``, built once per
-    microbatch and reused by every layer; built here (with the config's block sizes) if omitted.
-    Kernels whose tiles differ from its block sizes derive their lists from it once (cached on
-    the index), so any block sizes work; ``config_for(D).block_m, .block_n`` avoid the derivation.
+    ``block_index``: ``build_block_index(subtree_end, config.block_m, config.block_n).with_tiles(subtree_end,
+    config.tiles)`` uploaded to q's device, built once per microbatch and read by every layer; built here
+    (from a host copy of ``subtree_end``) if omitted.
     ``config``: launch configuration override (benchmarks); default per head dim.
     """
     check_tree_attention_inputs(q, k, v, subtree_end)
@@ -72,8 +72,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
         out = tree_attention(q.float(), k.float(), v.float(), subtree_end, scale=scale,
                              block_index=block_index, config=config)
         return out.to(q.dtype)
-    if block_index is None:
+    if block_index is None:  # standalone use: plan on the host, upload (a model's launch plan carries it)
         block_index = build_block_index(subtree_end, config.block_m, config.block_n)
+    if not isinstance(block_index.q_ptr, torch.Tensor):  # a host index: its other tiles, then one upload
+        block_index = to_device(block_index.with_tiles(subtree_end, config.tiles), q.device)
     _check_block_index(block_index, subtree_end)
     return TreeAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(),
                                        subtree_end.contiguous(), float(scale), block_index, config)

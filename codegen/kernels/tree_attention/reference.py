@@ -1,6 +1,6 @@
 """Plain-torch tree attention: the CPU path and the oracle of the Triton kernels.
 
-Tree mask over compact tokens (DESIGN.md section 4): query ``i`` attends key ``j`` iff
+Tree mask over compact tokens (docs/design.md section 4): query ``i`` attends key ``j`` iff
 ``j <= i < subtree_end[j]``. Every query sees at least itself (``subtree_end[i] > i``), so no
 softmax row is empty.
 

@@ -16,10 +16,12 @@ def dense_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, ind
     logits = (hidden @ lm_head_weight.t()).to(acc_dtype) / temperature  # [T, V]
     log_p = torch.log_softmax(logits, dim=-1)
     token_entropy = -(log_p.exp() * log_p).sum(dim=-1)  # [T]
-    valid = index.row_pred >= 0
-    pred = index.row_pred.long().clamp(min=0)
-    predicted = torch.where(valid, index.target_token.long()[index.row_target.long().clamp(min=0)], 0) \
-        if index.target_token.numel() else torch.zeros_like(pred)
+    row_pred, row_target, target_token = (torch.as_tensor(getattr(index, name), device=hidden.device).long()
+                                          for name in ("row_pred", "row_target", "target_token"))
+    valid = row_pred >= 0
+    pred = row_pred.clamp(min=0)
+    predicted = torch.where(valid, target_token[row_target.clamp(min=0)], 0) \
+        if target_token.numel() else torch.zeros_like(pred)
     logprobs = log_p[pred, predicted].masked_fill(~valid, 0.0)
     entropy = token_entropy[pred].masked_fill(~valid, 0.0)
     return logprobs, entropy

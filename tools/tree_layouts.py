@@ -1,5 +1,8 @@
 """Small tree-layout builders for kernel tests and benchmarks (not the compiler's IR).
 
+A test/benchmark fixture, outside the installed package: tests import it as `tree_layouts`
+(tests/conftest.py puts tools/ on sys.path), bench/attention.py after putting tools/ on sys.path.
+
 A *layout* here is what the kernel sees: ``subtree_end`` per compact token plus, for checking,
 the root-to-node paths (compact indices) that trajectory-wise attention would run.
 Nodes are laid out in DFS preorder, so a subtree is a contiguous compact range.
@@ -97,5 +100,5 @@ def random_forest(rng: np.random.Generator, *, n_trees: int = 2, max_nodes: int 
 
 
 def anchor_tree(prefix: int, branches: int, branch_length: int) -> TreeLayout:
-    """GPU.md's anchor shape: one root of ``prefix`` tokens and ``branches`` leaves."""
+    """The benchmarks' anchor shape: one root of ``prefix`` tokens and ``branches`` leaves."""
     return layout_from_parents([-1] + [0] * branches, [prefix] + [branch_length] * branches)

@@ -3,17 +3,18 @@
 Compiles each kernel for ``GPUTarget("cuda", 90, 32)`` with the same specialisation the JIT
 gives 16-byte aligned pointers (without it Triton does not pipeline the K/V loads at all), and
 reads shared memory, registers, stack and the SASS (wgmma count, local-memory spills) with the
-``cuobjdump`` shipped in Triton's wheel. Used to pick launch configs before spending device time:
+``cuobjdump`` shipped in Triton's wheel. Used to pick launch configs before timing them on a GPU:
 
-    python -m harts_compiler.codegen.kernels.tree_attention.resources 256 16 2
+    python tools/attention_resources.py 256 16 2
 """
 from __future__ import annotations
 
 import sys
 
-from ..hopper_resources import hopper_resources
-from .backward import tree_attn_bwd_dkdv_kernel, tree_attn_bwd_dq_kernel
-from .configs import CONFIGS, KernelConfig
+from hopper_resources import hopper_resources  # tools/, this script's folder
+
+from harts_compiler.codegen.kernels.tree_attention.backward import tree_attn_bwd_dkdv_kernel, tree_attn_bwd_dq_kernel
+from harts_compiler.codegen.kernels.tree_attention.configs import CONFIGS, KernelConfig
 
 
 def _signature(kind: str, dtype: str) -> dict:
@@ -35,7 +36,7 @@ def _signature(kind: str, dtype: str) -> dict:
 def compile_report(kind: str, head_dim: int, n_q_heads: int, n_kv_heads: int,
                    config: KernelConfig, dtype: str = "bf16") -> dict:
     """Compile one kernel ("fwd", "dq" or "dkdv") of `config` for sm_90; return its resources."""
-    from .forward import tree_attn_fwd_kernel
+    from harts_compiler.codegen.kernels.tree_attention.forward import tree_attn_fwd_kernel
     fn = {"fwd": tree_attn_fwd_kernel, "dq": tree_attn_bwd_dq_kernel,
           "dkdv": tree_attn_bwd_dkdv_kernel}[kind]
     launch = {"fwd": config.fwd, "dq": config.dq, "dkdv": config.dkdv}[kind]

@@ -1,4 +1,4 @@
-"""Per-trajectory token log-probs and entropy from compact hidden states (DESIGN.md section 5).
+"""Per-trajectory token log-probs and entropy from compact hidden states (docs/design.md section 5).
 
 The logits of a compact token are shared by every trajectory through it, but the *next* token
 differs per trajectory at the last token of a branching node. So:
@@ -18,7 +18,7 @@ accumulator for low-precision weights.
 
 Per chunk the matmuls are cuBLAS (bf16 in, fp32 logits out, no bf16 rounding of logits); the
 element-wise softmax work is either plain torch (CPU, fp64, the oracle path) or one-pass Triton
-kernels (`logprobs_kernels`, the default on CUDA). Measured on one H200 (bench/logprobs.py,
+kernels (`kernels.py`, the default on CUDA). Measured on one H200 (bench/logprobs.py,
 T=32768, V=151936, D=2048, bf16, log-probs + entropy, fwd+bwd): 144 ms and 4.8 GiB peak at
 chunk_tokens=4096 vs 257-261 ms and 92.7 GiB for dense log_softmax + gather. On one compiled
 tree (root 4096 + 8 branches of 3584: 32768 compact, 61440 trajectory tokens) 147 ms in tree
@@ -26,26 +26,12 @@ mode vs 266 ms for the same op trajectory-wise (dense: out of memory), identical
 """
 from __future__ import annotations
 
-import dataclasses
-
+import numpy as np
 import torch
 
-from harts_compiler.codegen.kernels.interpreter_safe import interpreting
-
-_INDEX_FIELDS = ("target_src", "target_token", "row_target", "row_pred", "lengths")
-
-
-@dataclasses.dataclass
-class _TargetPlan:
-    """Host-side precomputation shared by forward and backward (built once per call)."""
-
-    needed: torch.Tensor  # [N] compact tokens that predict at least one target, sorted
-    token_bounds: list[int]  # chunk c covers needed[token_bounds[c]:token_bounds[c+1]]
-    target_order: torch.Tensor  # [P] targets sorted by their src's position in `needed`
-    target_slot: torch.Tensor  # [P] position in `needed` of each sorted target's src
-    target_token: torch.Tensor  # [P] token id of each sorted target
-    target_bounds: list[int]  # chunk c owns sorted targets target_bounds[c]:target_bounds[c+1]
-    compact_to_needed: torch.Tensor  # [T] position in `needed`, -1 for tokens predicting nothing
+from ..interpreter_safe import interpreting
+from ..upload import to_device
+from .plan import TargetPlan, check_targets, plan_targets
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -134,15 +120,15 @@ def _chunk_grad_logits_triton(z, lse, entropy, per_src, grad_entropy, slot, toke
 def logits_kernels():
     """The Triton kernel module, imported on first use (keeps CPU-only imports light and lets
     tests set TRITON_INTERPRET before any kernel is defined)."""
-    from . import logprobs_kernels
-    return logprobs_kernels
+    from . import kernels
+    return kernels
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     """(hidden [T, D], weight [V, D]) -> (target log-probs [P], entropy of needed tokens [N])."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, plan: _TargetPlan, temperature: float, use_triton: bool):
+    def forward(ctx, hidden, weight, plan: TargetPlan, temperature: float, use_triton: bool):
         acc_dtype = _accumulation_dtype(hidden.dtype)
         inv_temp = 1.0 / temperature
         chunk_stats = _chunk_stats_triton if use_triton else _chunk_stats_torch
@@ -168,7 +154,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_target_logprob, grad_entropy):
         hidden, weight, lse, entropy = ctx.saved_tensors
-        plan: _TargetPlan = ctx.plan
+        plan: TargetPlan = ctx.plan
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         nothing = (None,) * 5
         if (grad_target_logprob is None and grad_entropy is None) or not (need_hidden or need_weight):
@@ -210,11 +196,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def _check_inputs(hidden, lm_head_weight, index, chunk_tokens, temperature) -> None:
-    """Shape/dtype/device checks that need no device sync; ValueError names the field."""
-    for name in _INDEX_FIELDS:
-        if not isinstance(getattr(index, name, None), torch.Tensor):
-            raise ValueError(f"token_logprobs: index.{name} must be a tensor (see MicrobatchIndex)")
+def _check_inputs(hidden, lm_head_weight, temperature) -> None:
+    """Shape, dtype and device checks (no device read); ValueError names the argument."""
     if hidden.dim() != 2:
         raise ValueError(f"token_logprobs: hidden must be [T, D], got shape {tuple(hidden.shape)}")
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
@@ -226,78 +209,17 @@ def _check_inputs(hidden, lm_head_weight, index, chunk_tokens, temperature) -> N
     if lm_head_weight.device != hidden.device:
         raise ValueError(f"token_logprobs: hidden is on {hidden.device}, lm_head_weight on "
                          f"{lm_head_weight.device}")
-    for name in _INDEX_FIELDS:
-        tensor = getattr(index, name)
-        if tensor.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"token_logprobs: index.{name} must be an integer tensor, got {tensor.dtype}")
-        if tensor.device != hidden.device:
-            raise ValueError(f"token_logprobs: index.{name} is on {tensor.device}, hidden on {hidden.device}")
-    if index.target_src.dim() != 1 or index.target_token.shape != index.target_src.shape:
-        raise ValueError("token_logprobs: index.target_src and index.target_token must be [P], got "
-                         f"{tuple(index.target_src.shape)} and {tuple(index.target_token.shape)}")
-    if index.row_target.dim() != 2 or index.row_pred.shape != index.row_target.shape:
-        raise ValueError("token_logprobs: index.row_target and index.row_pred must be one "
-                         f"[rows, max_len] shape, got {tuple(index.row_target.shape)} and "
-                         f"{tuple(index.row_pred.shape)}")
-    if index.lengths.shape != (index.row_target.shape[0],):
-        raise ValueError(f"token_logprobs: index.lengths must be [rows={index.row_target.shape[0]}], "
-                         f"got {tuple(index.lengths.shape)}")
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"token_logprobs: chunk_tokens must be a positive int, got {chunk_tokens!r}")
     if not float(temperature) > 0.0:
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature!r}")
 
 
-def check_target_index(index, n_tokens: int, vocab: int) -> None:
-    """Range and consistency checks of the index values (one host sync for all of them)."""
-    src, tok = index.target_src.long(), index.target_token.long()
-    row_target, row_pred = index.row_target.long(), index.row_pred.long()
-    n_targets = src.numel()
-    max_len = row_target.shape[1]
-    valid = row_target >= 0
-    if n_targets:
-        safe = row_target.clamp(min=0, max=n_targets - 1)
-        pred_mismatch = (valid & (row_pred != src[safe])).any()
-    else:
-        pred_mismatch = valid.any()
-    # (src, token) pairs must be distinct: the Triton backward writes each target entry once
-    pair_key = src * vocab + tok
-    duplicate_pairs = (torch.unique(pair_key).numel() != n_targets)
-    expected_valid = torch.arange(max_len, device=src.device)[None, :]
-    expected_valid = (expected_valid >= 1) & (expected_valid < index.lengths.long()[:, None])
-    problems = torch.stack([
-        ((src < 0) | (src >= n_tokens)).any(),
-        ((tok < 0) | (tok >= vocab)).any(),
-        (row_target >= n_targets).any() | (row_target < -1).any(),
-        (valid != (row_pred >= 0)).any() | pred_mismatch,
-        (valid != expected_valid).any() | (index.lengths.long() > max_len).any(),
-    ]).cpu().tolist() + [duplicate_pairs]
-    messages = [
-        f"index.target_src has values outside [0, T={n_tokens})",
-        f"index.target_token has token ids outside the vocabulary [0, V={vocab})",
-        f"index.row_target has values outside [-1, P={n_targets})",
-        "index.row_pred disagrees with index.target_src[index.row_target]",
-        "index.row_target is not valid exactly at 1 <= p < index.lengths[row]",
-        "index.target_src/target_token hold repeated (src, token) pairs",
-    ]
-    bad = [m for m, flag in zip(messages, problems) if flag]
-    if bad:
-        raise ValueError("token_logprobs: " + "; ".join(bad))
-
-
-def _plan_targets(index, n_tokens: int, chunk_tokens: int) -> _TargetPlan:
-    device = index.target_src.device
-    src, tok = index.target_src.long(), index.target_token.long()
-    needed, slot = torch.unique(src, sorted=True, return_inverse=True)
-    slot_sorted, order = torch.sort(slot, stable=True)
-    n_needed = needed.numel()
-    token_bounds = list(range(0, n_needed, chunk_tokens)) + [n_needed]
-    starts = torch.tensor(token_bounds, dtype=torch.long, device=device)
-    target_bounds = torch.searchsorted(slot_sorted, starts).cpu().tolist()
-    compact_to_needed = torch.full((n_tokens,), -1, dtype=torch.long, device=device)
-    compact_to_needed[needed] = torch.arange(n_needed, device=device)
-    return _TargetPlan(needed, token_bounds, order, slot_sorted, tok[order], target_bounds,
-                       compact_to_needed)
+def target_plan_of(index, vocab: int, chunk_tokens: int = 4096) -> TargetPlan:
+    """The checked host TargetPlan of index tables (a MicrobatchIndex or anything with its target fields)."""
+    tables = [np.asarray(getattr(index, name).cpu() if hasattr(getattr(index, name), "cpu") else getattr(index, name))
+              for name in ("target_src", "target_token", "row_target", "row_pred", "lengths")]
+    num_tokens = len(index.token_ids)
+    check_targets(*tables, num_tokens, vocab)
+    return plan_targets(*tables[:4], num_tokens, chunk_tokens)
 
 
 def _to_rows(values: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
@@ -308,20 +230,17 @@ def _to_rows(values: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
     return gathered.masked_fill(row_index < 0, 0.0)
 
 
-def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, index, *,
+def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets, *,
                    chunk_tokens: int = 4096, temperature: float = 1.0,
-                   check_values: bool = True,
                    use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-trajectory token log-probs and entropies, trajectory-wise layout.
 
     hidden         [T, D]  compact tokens after the final norm
     lm_head_weight [V, D]  same dtype and device as hidden
-    index          a `MicrobatchIndex` (only target_src, target_token, row_target, row_pred and
-                   lengths are read, so any object with those tensors works)
-    chunk_tokens   tokens whose [chunk_tokens, V] fp32 logits are live at once
+    targets        a `TargetPlan` on hidden's device (a model's launch plan carries one), or host index
+                   tables (a `MicrobatchIndex`), which are checked, planned and uploaded here
+    chunk_tokens   tokens whose [chunk_tokens, V] fp32 logits are live at once (when `targets` is tables)
     temperature    logits are divided by it before the softmax (log-probs *and* entropy)
-    check_values   validate index ranges/consistency, incl. distinct (src, token) pairs, which
-                   the Triton path relies on (one host sync; the plan needs one anyway)
     use_triton     one-pass Triton kernels for the element-wise softmax work (default: on CUDA
                    for fp32/bf16/fp16 inputs); False = plain torch (the CPU path)
 
@@ -330,9 +249,14 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, index, *,
     0 at p = 0 and in padding. float32 (float64 for float64 inputs). Differentiable w.r.t.
     hidden and lm_head_weight; tokens that predict nothing are never computed and get zero grad.
     """
-    _check_inputs(hidden, lm_head_weight, index, chunk_tokens, temperature)
-    if check_values:
-        check_target_index(index, hidden.shape[0], lm_head_weight.shape[0])
+    _check_inputs(hidden, lm_head_weight, temperature)
+    if not isinstance(targets, TargetPlan):
+        targets = to_device(target_plan_of(targets, lm_head_weight.shape[0], chunk_tokens), hidden.device)
+    if targets.num_tokens != hidden.shape[0]:
+        raise ValueError(f"token_logprobs: the targets were planned for {targets.num_tokens} tokens, hidden has "
+                         f"{hidden.shape[0]}")
+    if targets.needed.device != hidden.device:
+        raise ValueError(f"token_logprobs: the targets are on {targets.needed.device}, hidden on {hidden.device}")
     if use_triton is None:
         use_triton = hidden.is_cuda and hidden.dtype != torch.float64
     elif use_triton and hidden.dtype == torch.float64:
@@ -340,11 +264,6 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, index, *,
     elif use_triton and not hidden.is_cuda and not interpreting():
         raise ValueError("token_logprobs: use_triton=True needs CUDA tensors (or TRITON_INTERPRET=1 "
                          f"on CPU), got hidden on {hidden.device}")
-    plan = _plan_targets(index, hidden.shape[0], chunk_tokens)
-    target_logprob, needed_entropy = _ChunkedLogProbs.apply(hidden, lm_head_weight, plan,
+    target_logprob, needed_entropy = _ChunkedLogProbs.apply(hidden, lm_head_weight, targets,
                                                             float(temperature), bool(use_triton))
-    logprobs = _to_rows(target_logprob, index.row_target.long())
-    row_slot = torch.where(index.row_pred >= 0,
-                           plan.compact_to_needed[index.row_pred.long().clamp(min=0)], -1)
-    entropy = _to_rows(needed_entropy, row_slot)
-    return logprobs, entropy
+    return _to_rows(target_logprob, targets.row_target), _to_rows(needed_entropy, targets.row_needed)

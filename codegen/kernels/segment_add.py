@@ -8,6 +8,10 @@ for one tau2 microbatch against 19 trajectory-wise (H200 profile, 2026-12-01). O
 segment's rows over a block of columns, in source order, in fp32, and rounds once into the destination's
 dtype: deterministic, no atomics. Destination rows must be distinct (a segment per destination row).
 
+The embedding gradient of a microbatch is the same sum: the rows of the tokens that share an id, in a
+fixed order (`codegen.lower` groups them on the host; torch's own CUDA embedding backward reads a count
+back from the device).
+
 With `groups` G > 1 the source rows have G heads per destination head (value heads per key head, as
 function._group_sum): dst[r, h, c] += sum_{g < G} sum_j src[j, h * G + g, c].
 """
@@ -17,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..interpreter_safe import interpreter_needs_fp32
+from .interpreter_safe import interpreter_needs_fp32
 
 
 def segment_add_reference(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, seg_start: torch.Tensor,

@@ -1,8 +1,8 @@
 """Compile a Triton kernel ahead of time for Hopper (sm_90a) without a GPU and read its resources.
 
-Shared by the offline reports of the kernels (tree_attention/resources.py, bench/gdn_resources.py):
+Shared by the offline reports of the kernels (tools/attention_resources.py, bench/gdn_resources.py):
 registers, stack (local memory: spills and arrays), shared memory, and SASS counts read with the
-``cuobjdump`` shipped in Triton's wheel. Picks launch configurations before spending device time.
+``cuobjdump`` shipped in Triton's wheel. Picks launch configurations before timing them on a GPU.
 """
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """Two-round execution of two-level trees (a root of P tokens, B branches) for kernel tests and benchmarks.
 
-Not the compiler's planner: a hand-made plan for the trees of GPU.md ("P4096 B8 L3584"), following
-DESIGN.md section 6. Round 0 runs every root as one sequence and exports its state at the aligned
+A test/benchmark fixture, outside the installed package: tests import it as `two_level` (tests/conftest.py
+puts tools/ on sys.path), bench scripts after putting tools/ on sys.path.
+
+Not the compiler's planner: a hand-made plan for the benchmarks' anchor trees ("P4096 B8 L3584"), following
+docs/design.md section 6. Round 0 runs every root as one sequence and exports its state at the aligned
 boundary b = floor(P / C) * C; round 1 runs every branch as a sequence that starts at b, replays the
 root rows [b, P) and then its own rows, from the exported state. Trajectory mode runs each
 root + branch as its own sequence. Inputs live on compact rows (every root and branch token once).
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .tree import TreeRoundSpec
+from harts_compiler.codegen.index import LinearRound
 
 
 @dataclass
@@ -111,18 +114,18 @@ def run_tree(fn, plan: TwoLevelPlan, q, k, v, g, beta, *, scale, root_kw=None, b
     return o.index_copy(0, plan.branch_own_dst, o_branch[plan.branch_own])
 
 
-def two_level_round_specs(plan: TwoLevelPlan) -> list[TreeRoundSpec]:
-    """The plan's two rounds for `tree.plan_tree_gdn` (bank id e = round 0's export e)."""
+def two_level_round_specs(plan: TwoLevelPlan) -> list[LinearRound]:
+    """The plan's two rounds for `chunk_gdn.plan_tree_gdn` (bank id e = round 0's export e)."""
     def host(t):
         return t.cpu().numpy().astype(np.int64)
     n_exports = plan.root_export_seq.numel()
     roots = host(plan.root_rows)
     none = np.zeros(0, np.int64)
-    return [TreeRoundSpec(cu_seqlens=host(plan.root_cu), row_src=roots, own_rows=np.arange(roots.size),
+    return [LinearRound(cu_seqlens=host(plan.root_cu), row_src=roots, own_rows=np.arange(roots.size),
                           own_dst=roots, init_state=np.full(plan.root_cu.numel() - 1, -1),
                           export_seq=host(plan.root_export_seq), export_offset=host(plan.root_export_offset),
                           export_bank=np.arange(n_exports)),
-            TreeRoundSpec(cu_seqlens=host(plan.branch_cu), row_src=host(plan.branch_rows),
+            LinearRound(cu_seqlens=host(plan.branch_cu), row_src=host(plan.branch_rows),
                           own_rows=host(plan.branch_own), own_dst=host(plan.branch_own_dst),
                           init_state=np.asarray(plan.branch_init, dtype=np.int64), export_seq=none,
                           export_offset=none, export_bank=none)]

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harts_compiler.codegen.kernels.chunk_gdn.segment_add import segment_add, segment_add_reference
+from harts_compiler.codegen.kernels.segment_add import segment_add, segment_add_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs CUDA or TRITON_INTERPRET=1")
@@ -59,3 +59,21 @@ def test_bad_shapes_are_named():
         segment_add(dst, dst_rows, src, torch.tensor([0, 1, 1], device=DEVICE), groups=2)
     with pytest.raises(ValueError, match=r"groups=2 needs dst \[T, heads, C\]"):
         segment_add(dst.reshape(dst.shape[0], 2, 2, 2), dst_rows, src, seg_start, groups=2)
+
+
+def test_planned_embedding_gradient_equals_torch():
+    """The runtime's embedding backward (the plan's token groups summed by segment_add) == F.embedding's."""
+    import numpy as np
+
+    from harts_compiler.codegen import trajectory_index
+    from harts_compiler.runtime.ops.embedding import _PlannedEmbedding
+    from test_runtime_helpers import cpu_plan
+
+    plan = cpu_plan(trajectory_index([[3, 1, 3, 3], [0, 1, 7]]), vocab_size=9)
+    assert plan.embed_ids.tolist() == [0, 1, 3, 7] and plan.embed_bounds.tolist() == [0, 1, 3, 6, 7]
+    weight = torch.randn(9, 5, dtype=torch.float32, requires_grad=True)
+    grad = torch.randn(7, 5)
+    got, = torch.autograd.grad((_PlannedEmbedding.apply(weight, plan) * grad).sum(), weight)
+    want, = torch.autograd.grad((torch.nn.functional.embedding(plan.token_ids, weight) * grad).sum(), weight)
+    torch.testing.assert_close(got, want)
+    assert np.array_equal(got[[2, 4, 5, 6, 8]].numpy(), np.zeros((5, 5)))

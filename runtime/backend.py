@@ -1,0 +1,36 @@
+"""Which kernels run a model: the one place that chooses between the Triton kernels and the torch reference.
+
+The Triton kernels run 16-bit models on CUDA (the shapes checked on the H200); fp32 and fp64 models run the
+exact plain-torch paths (the kernels' dots would take fp32 operands through TF32, ~1e-3 relative), which are
+also the CPU path and the oracle. The choice is made once per forward, from the model and its parameters'
+dtype and device, as the `LaunchTarget` that the plan is lowered for; the ops read it from the plan.
+"""
+from __future__ import annotations
+
+import torch
+
+from harts_compiler.codegen import LaunchTarget
+from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, triton_supports
+from harts_compiler.codegen.kernels.tree_attention import config_for
+from harts_compiler.codegen.kernels.tree_attention.configs import SUPPORTED_HEAD_DIMS
+
+from .config import ModelConfig
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def select_backend(config: ModelConfig, dtype: torch.dtype, device, *, triton_linear_attention: bool = True,
+                   reference_gdn: bool = False, gdn_config: GDNKernelConfig | None = None) -> LaunchTarget:
+    """The LaunchTarget of a model whose parameters have `dtype` on `device`: its sizes and the kernels of each
+    op family. `triton_linear_attention=False` keeps GDN and the short conv on torch (the model's option);
+    `reference_gdn`: the caller passes its own reference GDN kernel (the tests' token-loop oracle)."""
+    cuda, half = torch.device(device).type == "cuda", dtype in HALF_DTYPES
+    linear = cuda and half and triton_linear_attention
+    attention = cuda and half and config.head_dim in SUPPORTED_HEAD_DIMS
+    return LaunchTarget(
+        vocab_size=config.vocab_size, conv_width=config.linear_conv_kernel_dim,
+        gdn_triton=linear and not reference_gdn and triton_supports(dtype, config.linear_key_head_dim,
+                                                                    config.linear_value_head_dim),
+        conv_triton=linear, attention_tiles=config_for(config.head_dim).tiles if attention else (),
+        logprobs_triton=cuda and dtype != torch.float64, embed_triton=cuda and half,
+        gdn_config=gdn_config or GDNKernelConfig())
