@@ -9,11 +9,14 @@ first anchor (and checked against the fp32 reference); the fastest correct one p
 the config used for the rest of the run (printed; configs.py ships it after review).
 
 Shapes: Qwen3-Next full attention, 16 query heads, 2 KV heads, head dim 256, bf16. Cases: the
-three anchor trees of GPU.md (root P + B branches of L tokens) and, when the generator is
+three anchor trees (ANCHORS: root P + B branches of L tokens) and, when the generator is
 importable, one generated agentic (swe preset) tree of about 31k compact tokens. "ideal" = trajectory
 attention pairs / tree attention pairs; "of ideal" = (SDPA ms / ours ms) / ideal. Two
-baselines: SDPA forced to its flash backend (the issue's baseline; FA2 kernels) and SDPA as torch
-chooses (cuDNN attention on the H200, about 1.6x faster at head dim 256: GPU.md's anchor numbers).
+baselines: SDPA forced to its flash backend (FA2 kernels) and SDPA as torch chooses (cuDNN attention
+on the H200, about 1.6x faster at head dim 256: docs/tree_attention_kernels.md).
+
+The block lists are built on the host at every tile the timed kernels use and uploaded once per case,
+as a launch plan carries them (`device_block_index`), outside the timed calls.
 """
 from __future__ import annotations
 
@@ -23,26 +26,42 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from common import kernel_ms
-from harts_compiler.codegen.kernels.tree_attention import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
+from common import kernel_ms  # noqa: E402
+from harts_compiler.codegen.kernels.tree_attention import (  # noqa: E402
     build_block_index, config_for, tree_attention, tree_attention_fp32_oracle)
-from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dkdv, bwd_dq
-from harts_compiler.codegen.kernels.tree_attention.configs import CANDIDATES_256, KernelConfig
-from harts_compiler.codegen.kernels.tree_attention.forward import tree_attention_forward
-from harts_compiler.codegen.kernels.tree_attention.trees import (
-    TreeLayout, anchor_tree, layout_from_parents)
+from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dkdv, bwd_dq  # noqa: E402
+from harts_compiler.codegen.kernels.tree_attention.configs import CANDIDATES_256, KernelConfig  # noqa: E402
+from harts_compiler.codegen.kernels.tree_attention.forward import tree_attention_forward  # noqa: E402
+from harts_compiler.codegen.kernels.upload import to_device  # noqa: E402
+from tree_layouts import TreeLayout, anchor_tree, layout_from_parents  # noqa: E402
 
 HQ, HKV, D = 16, 2, 256
 SCALE = D ** -0.5
 ANCHORS = {"P4096 B8 L3584": (4096, 8, 3584), "P16384 B8 L2048": (16384, 8, 2048),
            "P2048 B16 L1920": (2048, 16, 1920)}
 
+
 def log(*parts):
     print(*parts, flush=True)
+
+
+def device_block_index(subtree_end: torch.Tensor, tiles):
+    """The tree mask's block lists at every (block_m, block_n) of `tiles` (the first is the index's own),
+    built on the host and uploaded to subtree_end's device in one copy."""
+    host_end = subtree_end.cpu().numpy()
+    first, *rest = dict.fromkeys(tuple(tile) for tile in tiles)
+    return to_device(build_block_index(host_end, *first).with_tiles(host_end, rest), subtree_end.device)
+
+
+def launch_tiles(launches) -> list[tuple[int, int]]:
+    """The (block_m, block_n) tiles of kernel launches (configs.py dicts)."""
+    return [(launch["block_m"], launch["block_n"]) for launch in launches]
 
 
 def bench_ms(fn, rep=300):
@@ -57,7 +76,7 @@ def generated_layout() -> TreeLayout | None:
         lengths = [len(tokens) for tokens in batch.node_tokens]
         return layout_from_parents(list(batch.node_parent), lengths,
                                    ends=[node for _, node in batch.ends])
-    except Exception as exc:  # another engineer's module: the bench must not depend on it
+    except Exception as exc:  # the generator is optional here: the anchors run without it
         log(f"generated batch unavailable: {exc!r}")
         return None
 
@@ -138,7 +157,7 @@ def sdpa_backends(config):
                 row[backend_name] = round(bench_ms(run), 2)
             except Exception as exc:
                 row[backend_name] = f"failed: {type(exc).__name__}"
-        block_index = build_block_index(subtree_end, config.block_m, config.block_n)
+        block_index = device_block_index(subtree_end, config.tiles)
         row["ours"] = round(bench_ms(ours_fn(q, k, v, do, subtree_end, block_index, config)), 2)
         log(json.dumps(row))
 
@@ -210,8 +229,9 @@ def _compile_worker(jobs):
     layout = anchor_tree(128, 3, 128)
     subtree_end = layout.subtree_end_tensor("cuda")
     q, k, v, do = random_qkv(n_tokens, 0)
-    index = build_block_index(subtree_end, 128, 64)
-    o, lse = tree_attention_forward(q, k, v, subtree_end, index, SCALE, CANDIDATES_256["fwd"][0])
+    first = CANDIDATES_256["fwd"][0]
+    index = device_block_index(subtree_end, launch_tiles([first] + [launch for _, launch in jobs]))
+    o, lse = tree_attention_forward(q, k, v, subtree_end, index, SCALE, first)
     delta = bwd_delta(o, do)
     for kind, launch in jobs:
         try:
@@ -245,8 +265,9 @@ def sweep(out_dir) -> KernelConfig:
     jobs = [(kind, launch) for kind in ("fwd", "dq", "dkdv") for launch in CANDIDATES_256[kind]]
     precompile(jobs)
     ref = fp32_reference(q, k, v, do, subtree_end)
-    index = build_block_index(subtree_end, 128, 64)
-    o, lse = tree_attention_forward(q, k, v, subtree_end, index, SCALE, CANDIDATES_256["fwd"][0])
+    first = CANDIDATES_256["fwd"][0]
+    index = device_block_index(subtree_end, launch_tiles([first] + [launch for _, launch in jobs]))
+    o, lse = tree_attention_forward(q, k, v, subtree_end, index, SCALE, first)
     delta = bwd_delta(o, do)
     _, tree_pairs = pair_counts(layout)
     matmuls = {"fwd": 2, "dq": 3, "dkdv": 4}
@@ -308,7 +329,7 @@ def main():
     layout = cases[name]
     subtree_end = layout.subtree_end_tensor("cuda")
     q, k, v, do = random_qkv(layout.num_tokens, 2)
-    index = build_block_index(subtree_end, config.block_m, config.block_n)
+    index = device_block_index(subtree_end, config.tiles)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = tree_attention(*leaves, subtree_end, scale=SCALE, block_index=index, config=config)
     ours = [out, *torch.autograd.grad(out, leaves, do)]
@@ -326,7 +347,7 @@ def main():
         q, k, v, do = random_qkv(layout.num_tokens, 3)
         traj_pairs, tree_pairs = pair_counts(layout)
         start = time.time()
-        index = build_block_index(subtree_end, config.block_m, config.block_n)
+        index = device_block_index(subtree_end, config.tiles)  # host build + one upload
         torch.cuda.synchronize()
         row = dict(case=name, compact=layout.num_tokens, traj=layout.trajectory_tokens,
                    ideal=traj_pairs / tree_pairs, index_ms=(time.time() - start) * 1e3)
@@ -335,7 +356,7 @@ def main():
         row["sdpa_mha"] = bench_ms(sdpa_fn(q, k, v, do, layout.paths, expand_kv=True))
         # the baseline is the faster of the two ways to run GQA through SDPA flash
         row["sdpa"] = min(row["sdpa_gqa"], row["sdpa_mha"])
-        # torch's own backend choice (cuDNN attention on the H200: GPU.md's anchor numbers)
+        # torch's own backend choice (cuDNN attention on the H200)
         row["sdpa_default"] = bench_ms(sdpa_fn(q, k, v, do, layout.paths, expand_kv=True,
                                                backend=None))
         row["flex"] = float("nan")

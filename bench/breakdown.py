@@ -115,3 +115,9 @@ def attribute_events(events, on_device: bool) -> dict:
     totals = dict(totals)
     totals["total"] = sum(totals.values())
     return totals
+
+
+if __name__ == "__main__":
+    import argparse
+    argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                            epilog="A module of bench/e2e.py: nothing runs on its own.").parse_args()

@@ -68,7 +68,8 @@ def parse_args(argv):
 
 
 def collect_shapes(args, vocab_size: int, conv_width: int):
-    """[(label, MicrobatchIndex)] spread evenly over compact tokens, built on the device."""
+    """[(label, MicrobatchIndex)] spread evenly over compact tokens (host tables; `Step` lowers and uploads
+    each once, before it is timed)."""
     shape = dict(chunk_size=args.chunk_size, conv_width=conv_width)
     shapes = []
     for preset, tokens, scale, budget, overrides in (TINY_BATCHES if args.tiny else GPU_BATCHES):

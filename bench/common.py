@@ -58,7 +58,7 @@ def model_config(tiny: bool, layer_types: list[str] | None = None):
 
 def build_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0,
                 checkpointing: bool = True, draw_on_device: bool | None = None,
-                triton_linear_attention: bool = True, gdn_segment_chunks: int | None = None, gdn_config=None):
+                triton_linear_attention: bool = True, gdn_config=None):
     """Random TreeModel. CPU: `TreeModel.from_config` (transformers' init, CPU float64 draws).
     Other devices (or `draw_on_device`): the same distributions drawn on the device, because
     from_config's CPU float64 draws took minutes for a billion parameters here: N(0,
@@ -68,13 +68,11 @@ def build_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0,
     from harts_compiler.runtime.moe import Experts, Router
     if not (device.type != "cpu" if draw_on_device is None else draw_on_device):
         return TreeModel.from_config(config, seed=seed, dtype=dtype, activation_checkpointing=checkpointing,
-                                     triton_linear_attention=triton_linear_attention,
-                                     gdn_segment_chunks=gdn_segment_chunks, gdn_config=gdn_config)
+                                     triton_linear_attention=triton_linear_attention, gdn_config=gdn_config)
     torch.manual_seed(seed)
     with torch.device(device):
         model = TreeModel(config, activation_checkpointing=checkpointing,
-                          triton_linear_attention=triton_linear_attention, gdn_segment_chunks=gdn_segment_chunks,
-                          gdn_config=gdn_config)
+                          triton_linear_attention=triton_linear_attention, gdn_config=gdn_config)
     gen = torch.Generator(device).manual_seed(seed)
     std = config.initializer_range
     with torch.no_grad():
@@ -127,9 +125,8 @@ def sized_batch(preset: str, target_tokens: int, *, length_scale: float, vocab_s
 def import_fla_gdn():
     """fla's chunk_gated_delta_rule, or None when fla is not importable.
 
-    fla refuses its gated dqkwg on Triton < 3.7.1 + Hopper (fla issue 640, the BK=64 miscompile); at
-    K = V = 128 it runs with BK = 128, the configuration GPU.md names as the workaround, so the guard
-    is lifted."""
+    fla refuses its gated dqkwg kernel on Triton < 3.7.1 + Hopper because Triton miscompiles it at
+    BK = 64; at K = V = 128 it runs with BK = 128, which is compiled correctly, so the guard is lifted."""
     try:
         import fla.ops.common.chunk_o as chunk_o
         chunk_o.TRITON_ABOVE_3_7_1 = True
@@ -157,7 +154,7 @@ def fla_trajectory_gdn_kernel():
             q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
         o, _ = fla_gdn(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=None,
                        output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                       cu_seqlens=cu_seqlens.long())
+                       cu_seqlens=cu_seqlens.to(q.device).long())
         exported = v.new_empty((0, v.shape[1], k.shape[2], v.shape[2]), dtype=torch.float32)
         return o[0], exported
     return kernel
@@ -166,19 +163,27 @@ def fla_trajectory_gdn_kernel():
 # -- one training step -------------------------------------------------------------------------
 
 class Step:
-    """One training step over prepared microbatch indices: zero grads, then per microbatch
-    forward, loss, backward (gradients accumulate)."""
+    """One training step: zero grads, then per microbatch forward, loss, backward (gradients accumulate).
+
+    `indices` (host MicrobatchIndexes) are lowered for the model and uploaded once, here, as a trainer
+    does while the previous step runs: the timed step reads device launch plans only (`lower_ms`: the
+    lowering and upload time of all of them)."""
 
     def __init__(self, model, indices, trajectory_tokens: int, gdn_kernel=None):
-        self.model, self.indices = model, indices
+        self.model = model
         self.trajectory_tokens = trajectory_tokens
         self.aux_coef = model.config.router_aux_loss_coef
         self.gdn_kernel = gdn_kernel  # None: the runtime's own (Triton on CUDA)
+        device = model.lm_head.weight.device
+        start = time.perf_counter()
+        self.plans = [model.launch_plan(index, reference_gdn=gdn_kernel is not None) for index in indices]
+        synchronize(device)
+        self.lower_ms = (time.perf_counter() - start) * 1e3
 
     def __call__(self):
         self.model.zero_grad(set_to_none=True)
-        for index in self.indices:
-            out = self.model(index, gdn_kernel=self.gdn_kernel)
+        for plan in self.plans:
+            out = self.model(plan, gdn_kernel=self.gdn_kernel)
             p = torch.arange(out.logprobs.shape[1], device=out.logprobs.device)
             valid = (p[None, :] >= 1) & (p[None, :] < out.lengths[:, None])
             loss = -(out.logprobs.float() * valid).sum() / self.trajectory_tokens
@@ -188,18 +193,18 @@ class Step:
 
 
 def trajectory_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width: int):
-    """Trajectory-wise indices: trajectories packed first-fit decreasing into <= budget tokens
-    (a longer trajectory runs alone)."""
+    """Trajectory-wise indices (host tables; the model lowers and uploads each in its forward): trajectories
+    packed first-fit decreasing into <= budget tokens (a longer trajectory runs alone)."""
     lengths = batch.lengths.tolist()
     bins = first_fit_decreasing(lengths, budget)
     return [trajectory_index([batch.trajectory(j) for j in sorted(b)], [batch.ids[j] for j in sorted(b)],
-                             chunk_size=chunk_size, conv_width=conv_width, device=device)
+                             chunk_size=chunk_size, conv_width=conv_width)
             for b in bins]
 
 
 def plan_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width: int,
                       vocab_size: int | None = None, layer_counts=None):
-    """(plan, indices, compile ms, index-building ms, budget used). `layer_counts` (a
+    """(plan, host indices, compile ms, index-building ms, budget used). `layer_counts` (a
     cost_model.LayerCounts) is handed to the planner's cost model when CompileOptions takes it.
     If the compiler rejects a tree above the budget (a compiler without tree splitting), the
     budget is raised to the largest tree."""
@@ -221,8 +226,7 @@ def plan_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width
         plan = hc.compile(batch, hc.CompileOptions(**options))
     compile_ms = (time.perf_counter() - start) * 1e3
     start = time.perf_counter()
-    indices = [mb.build_index(device) for mb in plan.microbatches()]
-    synchronize(device)
+    indices = [mb.build_index() for mb in plan.microbatches()]
     return plan, indices, compile_ms, (time.perf_counter() - start) * 1e3, budget
 
 

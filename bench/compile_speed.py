@@ -3,8 +3,7 @@
 Batch (seeded): `--groups` groups x `--rollouts` trajectories x `--length` tokens each (default
 64 x 8 x 32768 = 16.8 M trajectory tokens): one system prompt shared by every group, a task
 statement per group, and rollouts that fork from an earlier rollout of their group at a random
-point (tree rollouts) or start fresh after the task. Goal (issue 2): >= 5 M tokens/s on the 2-core
-CPU machine.
+point (tree rollouts) or start fresh after the task. Goal: >= 5 M tokens/s on a 2-core CPU machine.
 
 Measures, best of `--repeats`:
   compile          TreeBatch in memory -> prefix-compress, layout, replay-min (no IR verification)

@@ -1,5 +1,5 @@
 """End-to-end benchmark: one training step's forward + backward + gradients (no optimizer step)
-in tree mode vs trajectory-wise mode, on generated agentic rollout batches (issue 7, item 2).
+in tree mode vs trajectory-wise mode, on generated agentic rollout batches.
 
     PYTHONUNBUFFERED=1 python bench/e2e.py                      # H200: presets swe, tau2, grpo
     python bench/e2e.py --device cpu --tiny                       # toy size (CI smoke test)
@@ -21,6 +21,8 @@ MoE aux loss per microbatch), gradients accumulated over microbatches:
 * trajectory-wise: the runtime's trajectory mode (same kernels, every trajectory its own packed
   sequence), trajectories packed first-fit decreasing into microbatches of at most B tokens
   (a longer trajectory runs alone): the same memory budget per forward as tree mode.
+In both modes every microbatch is lowered to its launch plan and uploaded once before the timed steps
+(`common.Step`; "lower ms"), as a trainer does while the previous step runs.
 Time per step = median wall time of `--repeat` steps after `--warmup`, device synchronised.
 
 Numerics (forward only, on the first trajectories up to `--numerics-tokens`): max |log-prob|
@@ -82,12 +84,6 @@ def parse_args(argv):
                    "(default 8192; tiny 150)")
     p.add_argument("--error-factor", type=float, default=2.0)
     p.add_argument("--no-breakdown", action="store_true")
-    p.add_argument("--gdn-segment-chunks", type=int, default=None,
-                   help="opt-in: cut long sequences of GDN rounds of <= 8 sequences into segments of this many "
-                        "chunks (TreeModel.gdn_segment_chunks), in both modes: same model, same options")
-    p.add_argument("--gdn-gathers", action="store_true",
-                   help="GDNKernelConfig(tree_rows_in_kernels=False): tree mode gathers its packed layout "
-                        "instead of the kernels reading through row maps (the default)")
     p.add_argument("--no-fla", action="store_true", help="do not time the trajectory-wise step with fla's GDN")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON results here")
@@ -113,7 +109,7 @@ def time_mode(model, indices, trajectory_tokens, args, gdn_kernel=None):
     grads = [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     peak = None if memory["gib"] is None else weights_gib + memory["gib"]
-    return {"ms": median(times), "all_ms": times, "peak_gib": peak}, step, grads
+    return {"ms": median(times), "all_ms": times, "peak_gib": peak, "lower_ms": step.lower_ms}, step, grads
 
 
 def gradient_difference(grads_a, grads_b) -> float:
@@ -131,8 +127,9 @@ def fla_comparison(model, traj_indices, device) -> dict:
     """Is fla's GDN kernel or SDPA's flash attention faster than ours in trajectory mode?
 
     Times one layer's kernel, fwd+bwd, on the largest trajectory microbatch's shapes (random
-    inputs): our chunk_gated_delta_rule vs fla's, our tree attention (trajectory mask) vs SDPA
-    per trajectory; the step estimate swaps those kernel times in for every layer."""
+    inputs): our GDN as the runtime runs it (the microbatch's launch plan) vs fla's, our tree attention
+    (trajectory mask) vs SDPA per trajectory; the step estimate swaps those kernel times in for every
+    layer. The launch plan is lowered and uploaded once, outside the timing."""
     import importlib.util
     if importlib.util.find_spec("fla") is None:
         return {"fla": "not importable: baseline kernels are ours"}
@@ -142,21 +139,24 @@ def fla_comparison(model, traj_indices, device) -> dict:
         if fla_kernel is None:
             return {"fla": "import failed: baseline kernels are ours"}
 
-        from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule
         from harts_compiler.runtime.attention import tree_attention
+        from harts_compiler.runtime.ops.linear_attention import gated_delta_rule_rounds
         c = model.config
         index = max(traj_indices, key=lambda i: i.num_tokens)
-        T, cu = index.num_tokens, index.rounds[0].cu_seqlens
+        plan = model.launch_plan(index)  # the device plan every layer of the runtime reads
+        T = index.num_tokens
+        bounds = index.rounds[0].cu_seqlens.tolist()  # trajectory mode: one round, a sequence per trajectory
+        cu = torch.as_tensor(bounds, device=device)
         HK, HV, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         bf = dict(device=device, dtype=torch.bfloat16)
         q, k = torch.randn(T, HK, K, **bf), torch.randn(T, HK, K, **bf)
         v, beta = torch.randn(T, HV, V, **bf), torch.rand(T, HV, **bf)
         g = -torch.rand(T, HV, device=device) * 0.1
-        h0 = torch.zeros(cu.numel() - 1, HV, K, V, device=device)
+        h0 = torch.zeros(len(bounds) - 1, HV, K, V, device=device)
 
         def gdn_ours(q, k, v, g, beta):
-            return chunk_gated_delta_rule(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0, cu_seqlens=cu,
-                                          use_qk_l2norm=True)[0]
+            return gated_delta_rule_rounds(q, k, v, g, beta, plan, scale=K ** -0.5, state_dtype=torch.float32,
+                                           use_qk_l2norm=True)
 
         def gdn_fla(q, k, v, g, beta):
             return fla_kernel(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0, cu_seqlens=cu,
@@ -164,12 +164,9 @@ def fla_comparison(model, traj_indices, device) -> dict:
 
         D, HQ, HKV = c.head_dim, c.num_attention_heads, c.num_key_value_heads
         aq, ak, av = torch.randn(T, HQ, D, **bf), torch.randn(T, HKV, D, **bf), torch.randn(T, HKV, D, **bf)
-        bounds = cu.tolist()
-        blocks = {}  # the runtime builds the block index once per microbatch: outside the timing
-        tree_attention(aq, ak, av, index.subtree_end, scale=D ** -0.5, block_cache=blocks)
 
-        def attn_ours(q, k, v):
-            return tree_attention(q, k, v, index.subtree_end, scale=D ** -0.5, block_cache=blocks)
+        def attn_ours(q, k, v):  # the plan's block lists (built with the plan, outside the timing)
+            return tree_attention(q, k, v, plan, scale=D ** -0.5)
 
         def attn_sdpa(q, k, v):  # K/V heads expanded so SDPA can take its flash backend
             k, v = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
@@ -245,10 +242,13 @@ def run_preset(preset, model, args) -> dict:
           f"{len(tree_indices)} tree / {len(traj_indices)} trajectory microbatches; planner "
           f"{compile_ms:.0f} ms + index {index_ms:.0f} ms", flush=True)
     tree, tree_step, tree_grads = time_mode(model, tree_indices, row["trajectory_tokens"], args)
-    print(f"  tree: {tree['ms']:.1f} ms/step, peak {tree['peak_gib']} GiB", flush=True)
+    print(f"  tree: {tree['ms']:.1f} ms/step, peak {tree['peak_gib']} GiB (lowering {tree['lower_ms']:.0f} ms, "
+          "before the timed steps)", flush=True)
     traj, _, traj_grads = time_mode(model, traj_indices, row["trajectory_tokens"], args)
-    print(f"  trajectory-wise: {traj['ms']:.1f} ms/step, peak {traj['peak_gib']} GiB", flush=True)
+    print(f"  trajectory-wise: {traj['ms']:.1f} ms/step, peak {traj['peak_gib']} GiB (lowering "
+          f"{traj['lower_ms']:.0f} ms)", flush=True)
     row.update(tree_ms=tree["ms"], traj_ms=traj["ms"], tree_all_ms=tree["all_ms"], traj_all_ms=traj["all_ms"],
+               tree_lower_ms=tree["lower_ms"], traj_lower_ms=traj["lower_ms"],
                tree_peak_gib=tree["peak_gib"], traj_peak_gib=traj["peak_gib"],
                grad_rel_diff=gradient_difference(tree_grads, traj_grads))
     row.update(baseline_timing(model, traj_indices, row, args, traj["ms"]))
@@ -315,10 +315,7 @@ def main(argv=None) -> int:
     info = describe_device(device)
     config = model_config(args.tiny)
     start = time.perf_counter()
-    from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
-    gdn_config = GDNKernelConfig(tree_rows_in_kernels=False) if args.gdn_gathers else None
-    model = build_model(config, device, torch.bfloat16, seed=args.seed, checkpointing=True,
-                        gdn_segment_chunks=args.gdn_segment_chunks, gdn_config=gdn_config)
+    model = build_model(config, device, torch.bfloat16, seed=args.seed, checkpointing=True)
     print(f"device {info}\nmodel {'tiny-qwen3-next' if args.tiny else 'BENCH_MODEL'}: "
           f"{parameter_count(model) / 1e9:.3f}B parameters, {config.num_hidden_layers} layers "
           f"({config.layer_types.count('linear_attention')} GDN, {config.layer_types.count('full_attention')} "

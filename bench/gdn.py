@@ -1,5 +1,6 @@
 """Gated DeltaNet kernels on the H200: correctness vs the fp32 reference and fla 0.6.0, tree == trajectory
-bitwise, and fwd+bwd timings (trajectory-wise ours vs fla; tree vs trajectory-wise on GPU.md's anchor trees).
+bitwise, and fwd+bwd timings (trajectory-wise ours vs fla; tree vs trajectory-wise on the anchor trees of
+gdn_cases.ANCHORS and the agentic batch).
 
     PYTHONUNBUFFERED=1 python bench/gdn.py [--skip-check] [--variants] [--no-fla] [--out DIR] 2>&1 | tee $OUT/gdn.log
 
@@ -11,24 +12,29 @@ kernels and autotuning fla's before the first numbers: give the call at least 6 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from common import import_fla_gdn, kernel_ms
-from gdn_cases import CONFIG_VARIANTS, make_inputs, tree_case, tree_cases
-from gdn_profile import profile_section, timeline_section
-from harts_compiler.codegen.kernels.chunk_gdn import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
+from common import import_fla_gdn, kernel_ms  # noqa: E402
+from gdn_cases import CONFIG_VARIANTS, make_inputs, single_call_plan, tree_case, tree_cases  # noqa: E402
+from gdn_profile import profile_section, timeline_section  # noqa: E402
+from harts_compiler.codegen.kernels.chunk_gdn import (  # noqa: E402
     GDNKernelConfig,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_reference,
+    gated_delta_rule,
+    plan_tree_gdn,
     prepare_gdn_index,
 )
-from harts_compiler.codegen.kernels.chunk_gdn.tree import plan_tree_gdn, tree_gated_delta_rule
-from harts_compiler.codegen.kernels.chunk_gdn.two_level import (run_trajectories, run_tree, two_level_plan,
-                                                                two_level_round_specs)
+from harts_compiler.codegen.kernels.upload import to_device  # noqa: E402
+from two_level import run_trajectories, run_tree, two_level_plan, two_level_round_specs  # noqa: E402
 
 CUDA = torch.device("cuda")
 GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
@@ -69,17 +75,14 @@ def fwd_bwd(fn, tensors, cu, seed=1, exports=None, d_exported=True, **kw):
 
 def check_against_reference(fla, log, config=None, only_exports=False, label="default"):
     print(f"\n== correctness: bf16 kernels vs fp32 reference (relative Frobenius error) [{label}] ==")
-    config = config or GDNKernelConfig()
-
-    def ours_fn(*args, **kwargs):
-        kwargs["index"] = prepare_gdn_index(kwargs["cu_seqlens"], kwargs.get("export_seq"),
-                                            kwargs.get("export_offset"), device=args[0].device, config=config)
-        return chunk_gated_delta_rule(*args, **kwargs)
+    # the fla-signature wrapper plans each call on the host: fine here, nothing is timed
+    ours_fn = functools.partial(chunk_gated_delta_rule, config=config or GDNKernelConfig())
     cases = [
         ("varlen 32k, H16", [12345, 1, 63, 64, 65, 3000, 8191, 4096, 4943], 16, 16, None),
         ("lone 32k, H16", [32768], 16, 16, None),
         ("exports+inject, HK8 HV16", [5000, 130, 2048, 777], 8, 16,
-         dict(export_seq=torch.tensor([0, 0, 2, 2, 3, 0]), export_offset=torch.tensor([64, 4992, 2048, 1024, 768, 64]))),
+         dict(export_seq=torch.tensor([0, 0, 2, 2, 3, 0]),
+              export_offset=torch.tensor([64, 4992, 2048, 1024, 768, 64]))),
     ]
     if only_exports:
         cases = cases[-1:]
@@ -113,18 +116,13 @@ def check_tree_bitwise(log, config=None):
     tensors, _ = make_inputs([plan.compact_rows], seed=7)
     leaves = [t.detach().requires_grad_(True) for t in tensors[:5]]
     kw = dict(scale=128 ** -0.5, use_qk_l2norm=True)
-
-    def fn(*args, **kwargs):
-        kwargs["index"] = prepare_gdn_index(kwargs["cu_seqlens"], kwargs.get("export_seq"),
-                                            kwargs.get("export_offset"), device=args[0].device,
-                                            config=config or GDNKernelConfig())
-        return chunk_gated_delta_rule(*args, **kwargs)
+    config = config or GDNKernelConfig()
+    fn = functools.partial(chunk_gated_delta_rule, config=config)  # plans each call on the host (not timed)
 
     o_traj = run_trajectories(fn, plan, *leaves, **kw)
     per_round_bitwise = torch.equal(o_traj, run_tree(fn, plan, *leaves, **kw)[plan.traj_rows])
-    tree_plan = plan_tree_gdn(two_level_round_specs(plan), plan.compact_rows, device="cuda",
-                              config=config or GDNKernelConfig())
-    o_tree = tree_gated_delta_rule(*leaves, plan=tree_plan, **kw)
+    tree_plan = to_device(plan_tree_gdn(two_level_round_specs(plan), plan.compact_rows, config=config), CUDA)
+    o_tree = gated_delta_rule(*leaves, plan=tree_plan, **kw)[0]
     bitwise = torch.equal(o_traj, o_tree[plan.traj_rows]) and per_round_bitwise
     do = torch.randn(o_traj.shape, device="cuda").to(o_traj.dtype)
     g_traj = torch.autograd.grad((o_traj.float() * do.float()).sum(), leaves)
@@ -150,8 +148,8 @@ VARIANTS = list(CONFIG_VARIANTS.items())
 
 
 def bench_trees(fla, log, config: GDNKernelConfig, label: str, only: list[str] | None = None):
-    """Tree mode as the runtime runs it (every round in one Function, tree.py), next to the earlier path of
-    one chunk_gated_delta_rule call per round with autograd gathers between them ('per round')."""
+    """Tree mode as the runtime runs it (every round in one Function, tree.py), next to one single-call plan
+    per round with autograd gathers between them ('per round')."""
     print(f"\n== fwd+bwd ms, bf16 H16 K=V=128, l2norm in kernel [{label}] ==")
     cases = tree_cases(only)
     print(f"{'case':18s} {'traj tok':>9s} {'compact':>8s} {'ideal':>6s} {'ours traj':>9s} {'fla traj':>9s} "
@@ -201,7 +199,8 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
     cu = plan.traj_cu
     n = cu.numel() - 1
     h0 = torch.zeros(n, 16, 128, 128, device="cuda")
-    index = prepare_gdn_index(cu, device="cuda")
+    index = to_device(prepare_gdn_index(cu.cpu()), CUDA)
+    traj_plan = single_call_plan(cu, device=CUDA)
     scale = 128 ** -0.5
     q, k = l2norm_fused(q), l2norm_fused(k)
     gc, T, w, u = wy_fwd(k, v, g, beta, index)
@@ -218,8 +217,8 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
         "chunk_bwd (qk+wy)": bench(lambda: chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index)),
     }
     leaves = [t.detach().requires_grad_(True) for t in tensors[:5]]
-    stages["ours fwd (wrapper)"] = bench(lambda: chunk_gated_delta_rule(
-        *leaves, scale=scale, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True, index=index))
+    stages["ours fwd (planned call)"] = bench(lambda: gated_delta_rule(
+        *leaves, scale=scale, plan=traj_plan, initial_states=h0, use_qk_l2norm=True))
     if fla is not None:
         stages["fla fwd"] = bench(lambda: fla(*leaves, scale=scale, initial_state=h0, cu_seqlens=cu,
                                               use_qk_l2norm=True))
@@ -236,7 +235,7 @@ def conv_section(log, rows=32768, channels=8192, width=4):
     pred = torch.arange(rows, device="cuda")[:, None] - (width - 1) + torch.arange(width - 1, device="cuda")
     pred = pred.masked_fill(pred < 0, -1)
     pred[rows // 2:rows // 2 + width - 1] = pred[:width - 1]  # a second sequence starting mid-way
-    index = prepare_conv_index(pred)
+    index = to_device(prepare_conv_index(pred), CUDA)  # successor lists: host-built once, uploaded
     x = torch.randn(rows, channels, device="cuda").bfloat16().requires_grad_(True)
     w = (torch.randn(channels, width, device="cuda") * 0.5).bfloat16().requires_grad_(True)
     dy = torch.randn(rows, channels, device="cuda").bfloat16()
@@ -298,7 +297,7 @@ def main():
                 profile_section(log, trees=trees, config=cfg)
         return
     summary = {}
-    # cheapest and most telling first: a GPU session may end before the script does
+    # cheapest and most telling first, so a run stopped at its time limit has printed them
     conv_section(log)
     if not args.skip_check:
         summary["check_ok[exports]"] = check_against_reference(fla, log, only_exports=True)[0]
@@ -320,7 +319,8 @@ def main():
     for label, _ in configs:
         for r in summary[label]:
             print(f"[{label}] {r['case']}: ours traj {r['ours_traj_ms']:.2f} ms (fla {r['fla_traj_ms']:.2f}), "
-                  f"tree {r['ours_tree_ms']:.2f} ms, {r['speedup']:.2f}x of ideal {r['ideal']:.2f}x = {r['of_ideal']:.0%}; "
+                  f"tree {r['ours_tree_ms']:.2f} ms, {r['speedup']:.2f}x of ideal {r['ideal']:.2f}x = "
+                  f"{r['of_ideal']:.0%}; "
                   f"per round {r['per_round_tree_ms']:.2f} ms = {r['per_round_of_ideal']:.0%}; "
                   f"tree == traj bitwise: {r['tree_bitwise']}")
     for key, value in summary.items():

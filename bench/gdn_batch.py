@@ -1,12 +1,13 @@
-"""Gated DeltaNet alone on generated agentic batches (issue 4: "a generated agentic batch").
+"""Gated DeltaNet alone on generated agentic batches.
 
-Tree mode runs the planner's microbatches of a `harts gen` batch through the runtime's rounds function
-(several rounds, replay rows, state hand-offs, exports and injected gradients), trajectory-wise runs the
+Tree mode runs the planner's microbatches of a `harts gen` batch as the runtime does: each microbatch's GDN
+plan (`plan_tree_gdn`: several rounds, replay rows, state hand-offs, exports and injected gradients), built on
+the host and uploaded outside the timed step, run by `gated_delta_rule` (CUDA) or its plain-torch reference
+(`plan_gated_delta_rule_reference`, elsewhere); trajectory-wise runs the
 same trajectories each as its own sequence, both fwd+bwd of the GDN rule only (random q/k/v/g/beta per
 microbatch, shapes of BENCH_MODEL's GDN layers: 16 key heads, 32 value heads, K = V = 128, bf16). The
 ratio against the ideal (trajectory tokens / compact tokens of the same batch) isolates the linear
-attention's share of the end-to-end gap. `--segment-chunks N` adds tree mode with long sequences of
-few-sequence rounds cut into N-chunk segments (TreeModel.gdn_segment_chunks).
+attention's share of the end-to-end gap.
 
     PYTHONUNBUFFERED=1 python bench/gdn_batch.py                  # H200: swe and tau2
     python bench/gdn_batch.py --device cpu --tiny                  # smoke test (plain-torch reference)
@@ -24,7 +25,9 @@ from common import (LENGTH_SCALE, TINY_GENERATOR, format_table, kernel_ms, plan_
                     prefix_forest, sized_batch, trajectory_microbatches)
 from gdn_cases import CONFIG_VARIANTS, tree_batch, tree_cases  # noqa: E402
 
-from harts_compiler.runtime.ops.linear_attention import gated_delta_rule_rounds, plan_linear_rounds  # noqa: E402
+from harts_compiler.codegen.kernels.chunk_gdn import (gated_delta_rule, plan_gated_delta_rule_reference,  # noqa: E402
+                                                      plan_tree_gdn)
+from harts_compiler.codegen.kernels.upload import to_device  # noqa: E402
 
 
 def gdn_inputs(tokens: int, heads: tuple[int, int], dims: tuple[int, int], device, dtype, seed: int):
@@ -39,25 +42,24 @@ def gdn_inputs(tokens: int, heads: tuple[int, int], dims: tuple[int, int], devic
     return [t.requires_grad_(True) for t in (q, k, v, g, beta)]
 
 
-def gdn_step(index, args, seed: int, segment_chunks=None, config=None):
-    """One fwd+bwd of the GDN rule over `index`'s rounds (the plan built outside, as the runtime builds it
-    once per forward for all layers)."""
-    plan = plan_linear_rounds(index, use_triton=index.device.type == "cuda", segment_chunks=segment_chunks,
-                              gdn_config=config)
-    leaves = gdn_inputs(index.num_tokens, args.heads, args.dims, index.device, args.dtype, seed=seed)
-    do = torch.randn(index.num_tokens, args.heads[1], args.dims[1], device=index.device, dtype=args.dtype)
+def gdn_step(index, args, seed: int, config=None):
+    """One fwd+bwd of the GDN rule over `index`'s rounds (the plan lowered and uploaded outside, as the runtime
+    does once per microbatch for all layers): the Triton kernels on CUDA, the torch reference elsewhere."""
+    plan = to_device(plan_tree_gdn(index.rounds, index.num_tokens, chunk_size=index.chunk_size, config=config),
+                     args.device)
+    run = gated_delta_rule if args.device.type == "cuda" else plan_gated_delta_rule_reference
+    leaves = gdn_inputs(index.num_tokens, args.heads, args.dims, args.device, args.dtype, seed=seed)
+    do = torch.randn(index.num_tokens, args.heads[1], args.dims[1], device=args.device, dtype=args.dtype)
 
     def step():
-        o = gated_delta_rule_rounds(*leaves, index, plan, scale=args.dims[0] ** -0.5,
-                                    state_dtype=torch.float32, use_qk_l2norm=True)
+        o, _ = run(*leaves, scale=args.dims[0] ** -0.5, plan=plan, use_qk_l2norm=True)
         torch.autograd.grad(o, leaves, do)
     return step
 
 
-def microbatches_ms(indices, args, segment_chunks=None, config=None) -> float:
+def microbatches_ms(indices, args, config=None) -> float:
     """Sum over microbatches of the median fwd+bwd ms."""
-    return sum(kernel_ms(gdn_step(index, args, i, segment_chunks, config), index.device)
-               for i, index in enumerate(indices))
+    return sum(kernel_ms(gdn_step(index, args, i, config), args.device) for i, index in enumerate(indices))
 
 
 # other configurations, for --compare: gdn_cases.CONFIG_VARIANTS by short name
@@ -95,18 +97,15 @@ def measure_batch(name: str, batch, budget: int, args, **extra) -> dict:
     # the chunk-parallel kernels cost per chunk: each sequence of a round ends in a partial chunk and a branch
     # replays up to 63 rows, so the chunk ratio, not the token ratio, bounds tree mode's GDN speedup
     row["chunk_ratio"] = chunk_count(traj_indices) / chunk_count(tree_indices)
-    row["sequences"] = [[r.cu_seqlens.numel() - 1 for r in index.rounds] for index in tree_indices]
+    row["sequences"] = [[r.num_sequences for r in index.rounds] for index in tree_indices]
     if args.chunks_only:
         print(f"[{name}] {row}", flush=True)
         return row
     row.update(traj_ms=microbatches_ms(traj_indices, args), tree_ms=microbatches_ms(tree_indices, args))
     row["of_ideal"] = row["traj_ms"] / row["tree_ms"] / row["ideal"]
-    for variant in args.compare:  # tree mode under an earlier default (COMPARE)
+    for variant in args.compare:  # tree mode under another launch configuration (COMPARE)
         row[f"{variant}_ms"] = microbatches_ms(tree_indices, args, config=COMPARE[variant])
         row[f"{variant}_of_ideal"] = row["traj_ms"] / row[f"{variant}_ms"] / row["ideal"]
-    if args.segment_chunks:
-        row["seg_ms"] = microbatches_ms(tree_indices, args, args.segment_chunks)
-        row["seg_of_ideal"] = row["traj_ms"] / row["seg_ms"] / row["ideal"]
     print(f"[{name}] {row}", flush=True)
     if args.profile and args.device.type == "cuda":  # where a tree microbatch's time goes, kernel by kernel
         from gdn_profile import compare
@@ -130,16 +129,13 @@ def main(argv=None) -> None:
                    help="GDN key / value heads (default 16 / 32 as BENCH_MODEL; bench/gdn.py runs 16 / 16)")
     p.add_argument("--target-tokens", type=int, default=None, help="trajectory tokens per batch (default 96k)")
     p.add_argument("--microbatch-tokens", type=int, default=16384)
-    p.add_argument("--segment-chunks", type=int, default=8, help="0: do not time the segmented tree mode")
     p.add_argument("--profile", action="store_true", help="per-kernel device ms of the largest microbatches (CUDA)")
     p.add_argument("--compare", nargs="*", default=[], choices=sorted(COMPARE),
                    help="also time tree mode with these configurations (COMPARE)")
-    p.add_argument("--gathers", action="store_true", help="the same as --compare gathers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunks-only", action="store_true", help="only the token and chunk ratios (no timing, any device)")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
-    args.compare = list(dict.fromkeys(args.compare + (["gathers"] if args.gathers else [])))
     args.target_tokens = args.target_tokens or (300 if args.tiny else 96 * 1024)
     heads, args.dims = ((1, 2), (16, 16)) if args.tiny else ((16, 32), (128, 128))
     args.heads = tuple(args.heads) if args.heads else heads
@@ -152,8 +148,6 @@ def main(argv=None) -> None:
         print(format_table(rows, columns))
         return
     columns += [("traj_ms", "traj ms"), ("tree_ms", "tree ms"), ("of_ideal", "of ideal")]
-    if args.segment_chunks:
-        columns += [("seg_ms", "segmented ms"), ("seg_of_ideal", "of ideal")]
     for name in args.compare:
         columns += [(f"{name}_ms", f"{name} ms"), (f"{name}_of_ideal", "of ideal")]
     print(format_table(rows, columns))

@@ -2,40 +2,37 @@
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
-from harts_compiler.codegen.kernels.chunk_gdn.tree import plan_tree_gdn, tree_gated_delta_rule
-from harts_compiler.codegen.kernels.chunk_gdn.two_level import run_tree, two_level_plan, two_level_round_specs
+from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, gated_delta_rule, plan_single_call, plan_tree_gdn
+from harts_compiler.codegen.kernels.upload import to_device
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
+from two_level import run_tree, two_level_plan, two_level_round_specs  # noqa: E402
 
 
 # launch configurations the GDN benches time against the default (short name -> label, config): bench/gdn.py
-# --variants (by label words), bench/gdn_batch.py --compare (by name), bench/gdn_kernels.py (the old scans)
+# --variants (by label words), bench/gdn_batch.py --compare (by name), bench/gdn_kernels.py (2-warp scans)
 CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
     "scans_2w": ("scans 2 warps, 32 columns, 2 stages (16 below 264 programs)",
                  GDNKernelConfig(scan_block_v=32, scan_warps=2, scan_num_stages=2, scan_min_programs=264)),
     "scans_2st": ("scans 2 stages", GDNKernelConfig(scan_num_stages=2)),
     "scans_256": ("scans at least 256 programs", GDNKernelConfig(scan_min_programs=256)),
-    "gathers": ("gathers (no row maps)", GDNKernelConfig(tree_rows_in_kernels=False)),
-    "maps": ("scans read every chunk through the row maps", GDNKernelConfig(tree_affine_scan_rows=False)),
     "one_lane": ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
-    "narrow_4_3": ("16-column scans at 4 / 3 stages", GDNKernelConfig(narrow_scan_stages=(4, 3))),
-    "narrow_5_4": ("16-column scans at 5 / 4 stages", GDNKernelConfig(narrow_scan_stages=(5, 4))),
-    "narrow_6_4": ("16-column scans at 6 / 4 stages", GDNKernelConfig(narrow_scan_stages=(6, 4))),
     "bwd_qk_bk64": ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
-    "pointers": ("scans load through pointers only (no TMA)", GDNKernelConfig(scan_tma=False)),
+    "pointers": ("scans load through pointers only (no TMA)", GDNKernelConfig(scan_tma_max_block_v=0)),
     "tma_wide": ("TMA scans at 64 columns too", GDNKernelConfig(scan_tma_max_block_v=64)),
-    "chunk_maps": ("chunk-parallel kernels read every chunk through the row maps",
-                   GDNKernelConfig(tree_affine_chunk_rows=False)),
     "qdo_bf16": ("backward scan q^T do in bf16 always", GDNKernelConfig(scan_q_do_precision="bf16")),
     "qdo_bf16x2": ("backward scan q^T do as bf16 hi + lo always", GDNKernelConfig(scan_q_do_precision="bf16x2")),
 }
 
 
-# GPU.md's anchor trees (P, B, L): a root of P tokens and B branches of L tokens each
+# the benchmarks' anchor trees (P, B, L): a root of P tokens and B branches of L tokens each
 ANCHORS = [(4096, 8, 3584), (16384, 8, 2048), (2048, 16, 1920)]
 
 
@@ -87,34 +84,51 @@ def make_inputs(lengths, hk=16, hv=16, kd=128, vd=128, seed=0, dtype=torch.bfloa
     return [q, k, v, g, beta, h0], cu
 
 
+def single_call_plan(cu_seqlens, export_seq=(), export_offset=(), *, config: GDNKernelConfig | None = None,
+                     device="cuda"):
+    """The device plan of one packed varlen call (sequence i starts from initial state i, the exports are
+    returned), built on the host once: timed loops call `gated_delta_rule` with it, where
+    `chunk_gated_delta_rule` would read `cu_seqlens` and plan on every call."""
+    host = [np.asarray(torch.as_tensor(x).cpu(), dtype=np.int64).reshape(-1) for x in (cu_seqlens, export_seq,
+                                                                                      export_offset)]
+    return to_device(plan_single_call(np.diff(host[0]), host[1], host[2], config=config), device)
+
+
+def planned_call(q, k, v, g, beta, *, scale, initial_state, plan, use_qk_l2norm=False, **_):
+    """`chunk_gated_delta_rule`'s call on a `single_call_plan`: the plan holds the sequences and exports, so
+    the `cu_seqlens` / `export_seq` / `export_offset` a caller such as two_level.run_tree passes are not read."""
+    return gated_delta_rule(q, k, v, g, beta, scale=scale, plan=plan, initial_states=initial_state,
+                            use_qk_l2norm=use_qk_l2norm)
+
+
 def tree_case(trees, config: GDNKernelConfig, seed: int = 11, device="cuda") -> SimpleNamespace:
     """Two-level trees (P, B, L) on the GPU at H = 16, K = V = 128, bf16: compact and trajectory leaves,
     output gradients, and the three callables over them -- trajectory-wise, tree (every round in one
-    Function, tree.py, as the runtime runs it), and tree as one chunk_gated_delta_rule call per round with
-    autograd gathers between them (the runtime's path before tree.py) -- with launch indices prepared."""
+    Function, tree.py, as the runtime runs it), and tree as one single-call plan per round with autograd
+    gathers between them -- with every plan built and uploaded here, outside the timed calls."""
     plan = two_level_plan(list(trees), device=device)
     tensors, _ = make_inputs([plan.compact_rows], seed=seed, device=device)
     compact = [t.detach().requires_grad_(True) for t in tensors[:5]]
     traj = [t.detach()[plan.traj_rows].contiguous().requires_grad_(True) for t in tensors[:5]]
     h0 = torch.zeros(plan.traj_cu.numel() - 1, 16, 128, 128, device=device)
     scale = 128 ** -0.5
-    traj_index = prepare_gdn_index(plan.traj_cu, device=device, config=config)
-    root_index = prepare_gdn_index(plan.root_cu, plan.root_export_seq, plan.root_export_offset, device=device,
-                                   config=config)
-    branch_index = prepare_gdn_index(plan.branch_cu, device=device, config=config)
-    tree_plan = plan_tree_gdn(two_level_round_specs(plan), plan.compact_rows, device=device, config=config)
+    traj_plan = single_call_plan(plan.traj_cu, config=config, device=device)
+    root_plan = single_call_plan(plan.root_cu, plan.root_export_seq, plan.root_export_offset, config=config,
+                                 device=device)
+    branch_plan = single_call_plan(plan.branch_cu, config=config, device=device)
+    tree_plan = to_device(plan_tree_gdn(two_level_round_specs(plan), plan.compact_rows, config=config), device)
 
     def ours_traj(q, k, v, g, beta):
-        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, cu_seqlens=plan.traj_cu,
-                                      use_qk_l2norm=True, index=traj_index)[0]
+        return gated_delta_rule(q, k, v, g, beta, scale=scale, plan=traj_plan, initial_states=h0,
+                                use_qk_l2norm=True)[0]
 
     def ours_tree(q, k, v, g, beta):
-        return tree_gated_delta_rule(q, k, v, g, beta, scale=scale, plan=tree_plan, use_qk_l2norm=True)
+        return gated_delta_rule(q, k, v, g, beta, scale=scale, plan=tree_plan, use_qk_l2norm=True)[0]
 
     def ours_tree_rounds(q, k, v, g, beta):
-        return run_tree(chunk_gated_delta_rule, plan, q, k, v, g, beta, scale=scale, use_qk_l2norm=True,
-                        root_kw=dict(use_qk_l2norm=True, index=root_index),
-                        branch_kw=dict(use_qk_l2norm=True, index=branch_index))
+        return run_tree(planned_call, plan, q, k, v, g, beta, scale=scale,
+                        root_kw=dict(use_qk_l2norm=True, plan=root_plan),
+                        branch_kw=dict(use_qk_l2norm=True, plan=branch_plan))
 
     return SimpleNamespace(
         plan=plan, compact=compact, traj=traj, h0=h0, scale=scale,

@@ -2,7 +2,7 @@
 
 Answers "which of our kernels loses to which of fla's" before any kernel is rewritten: device ms per
 kernel name (torch.profiler, summed over launches) for one fwd+bwd of each, on the trajectory rows
-of GPU.md's first anchor tree (8 sequences of 7,680 tokens = 61,440 tokens, H = 16, K = V = 128,
+of the first anchor tree of gdn_cases.ANCHORS (8 sequences of 7,680 tokens = 61,440 tokens, H = 16, K = V = 128,
 bf16, l2norm in the kernel), then fwd+bwd ms of ours under each `GDNKernelConfig` given with --sweep.
 
     PYTHONUNBUFFERED=1 python bench/gdn_kernels.py [--sweep] 2>&1 | tee $OUT/gdn_kernels.log
@@ -16,13 +16,13 @@ import torch
 
 from common import kernel_ms
 from gdn import load_fla
-from gdn_cases import CONFIG_VARIANTS, agentic_trees, make_inputs
+from gdn_cases import CONFIG_VARIANTS, agentic_trees, make_inputs, single_call_plan
 from gdn_profile import compare
-from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, chunk_gated_delta_rule, prepare_gdn_index
+from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, gated_delta_rule
 
-# GDNKernelConfig changes timed with --sweep (each against the default in the same run)
 # profiled next to the default and fla, kernel by kernel (the one change whose per-kernel effect matters)
 COMPARED = CONFIG_VARIANTS["scans_2w"]
+# GDNKernelConfig changes timed with --sweep (each against the default in the same run)
 SWEEP = [dict(scan_warps=8), dict(scan_num_stages=2), dict(scan_num_stages=1), dict(scan_block_v=32),
          dict(wy_kkt_warps=2), dict(bwd_block_v=32), dict(out_warps=8), dict(dv_local_warps=4),
          dict(bwd_qk_warps=4, bwd_qk_block_k=64)]
@@ -46,9 +46,9 @@ def main():
     fla = load_fla()
 
     def ours_step(config):
-        index = prepare_gdn_index(cu, device="cuda", config=config)
-        return lambda: torch.autograd.grad(chunk_gated_delta_rule(
-            *leaves, scale=scale, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True, index=index)[0], leaves, do)
+        plan = single_call_plan(cu, config=config, device="cuda")  # planned once, outside the timed step
+        return lambda: torch.autograd.grad(gated_delta_rule(
+            *leaves, scale=scale, plan=plan, initial_states=h0, use_qk_l2norm=True)[0], leaves, do)
 
     steps = {"ours": ours_step(GDNKernelConfig()), COMPARED[0]: ours_step(COMPARED[1])}
     if fla is not None:

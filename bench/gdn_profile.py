@@ -1,16 +1,15 @@
 """Where the GDN tree step's time goes: device time per kernel (torch.profiler), tree vs trajectory-wise.
 
-On the H200 (2026-11-30) this showed tree mode's GDN kernels at their ideal share on a 4096-token root
-with eight 3584-token branches, and the missing third of the step in the gathers, sort-based
-scatter-adds and launches between one call per round (219 launches against 13); tree.py removed
-them. This prints, for one fwd+bwd of each mode, device milliseconds per kernel name (summed over
-launches), the launch count and the host-side wall time, so the missing time shows up by name:
-a kernel, a torch op around the calls (gathers, scatters, casts), or gaps between launches.
+Prints, for one fwd+bwd of each mode (trajectory-wise, tree as the runtime runs it, and one call per round
+with gathers between them), device milliseconds per kernel name (summed over launches), the launch count and
+the host-side wall time, so time missing from tree mode's ideal share shows up by name: a kernel, a torch op
+around the calls (gathers, scatters, casts), or gaps between launches.
 
-    python bench/gdn_profile.py              # H200; bench/gdn.py runs it too
+    python bench/gdn_profile.py [--tree P B L]   # H200; bench/gdn.py runs it too
 """
 from __future__ import annotations
 
+import argparse
 import time
 from collections import defaultdict
 
@@ -103,5 +102,14 @@ def profile_section(log: list, trees=((4096, 8, 3584),), config=None) -> list[di
     return rows
 
 
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tree", type=int, nargs=3, action="append", metavar=("P", "B", "L"),
+                        help="a two-level tree: root of P tokens, B branches of L tokens (repeatable; default "
+                             "4096 8 3584)")
+    args = parser.parse_args()
+    profile_section([], trees=tuple(map(tuple, args.tree)) if args.tree else ((4096, 8, 3584),))
+
+
 if __name__ == "__main__":
-    profile_section([])
+    main()

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import sys
+from pathlib import Path
 
 from harts_compiler.codegen.kernels.causal_conv import function as conv
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_bwd, l2norm, state_bwd, state_fwd, wy_fwd
-from harts_compiler.codegen.kernels.hopper_resources import hopper_resources
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
+from hopper_resources import hopper_resources  # noqa: E402
 
 # pointer arguments by name (everything else below is a scalar or a constexpr)
 POINTERS = {
@@ -24,7 +28,7 @@ POINTERS = {
 }
 SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32"}
 BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64,
-            SILU=True, GATHER=False, AFFINE=False, H0_ROWS=False, TMA=False, QDO=0)
+            SILU=True, GATHER=False, TMA=False, QDO=0)
 
 
 # the scans' tensor descriptors (chunk_gdn/tma.py) with TMA=1: tile rows and columns by constexpr name
@@ -54,8 +58,8 @@ def resources(fn, num_warps, constexprs, overrides=None, num_stages=3, data_kind
     params = inspect.signature(fn.fn).parameters
     consts = {k: v for k, v in {**BASE, **constexprs}.items() if k in params}
     sig = signature_of(fn, consts, overrides or {}, data_kind)
-    # aligned=False: pointers without the JIT's 16-byte divisibility hint (how NOTES_gdn.md's first numbers
-    # were measured); aligned=True: as the JIT compiles for torch's allocations (vectorised loads)
+    # aligned=False: pointers without the JIT's 16-byte divisibility hint (the worst case: any pointer);
+    # aligned=True: as the JIT compiles for torch's allocations (vectorised loads)
     report = hopper_resources(fn, sig, consts, num_warps=num_warps, num_stages=num_stages, aligned_pointers=aligned)
     return report["regs"], report["stack"], report["shared"]
 
@@ -82,7 +86,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--only", default=None, help="substring of a kernel name")
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (the bf16 scans run at 2)")
+    parser.add_argument("--stages", type=int, default=3,
+                        help="pipeline stages (the 16-bit scans run at 3: GDNKernelConfig.scan_stages_for)")
     parser.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BV=32")
     parser.add_argument("--aligned", action="store_true",
                         help="give pointers the 16-byte divisibility hint the JIT sees for torch tensors")

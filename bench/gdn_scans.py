@@ -8,20 +8,24 @@ case (fwd + bwd scan ms, bf16, 16 key heads, 16 value heads unless --value-heads
     python bench/gdn_scans.py [--cases root1 roots6 ...] [--quick] 2>&1 | tee $OUT/gdn_scans.log
 
 Cases: the rounds of bench/gdn.py's trees and the trajectory-wise calls (`row maps`: the tree rounds read
-their rows through index.PackedRows, as the runtime's agentic rounds do; the others read rows in place).
+each sequence's first chunk through index.PackedRows and the rest at row + shift, as the runtime's agentic
+rounds do; the others read rows in place). Launches are timed with descriptor (TMA) loads at every width
+and / or with pointer loads only (`--tma`).
 """
 from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import torch
 
 from common import kernel_ms
 from gdn_cases import agentic_trees, make_inputs
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, prepare_gdn_index
-from harts_compiler.codegen.kernels.chunk_gdn.index import PackedRows
+from harts_compiler.codegen.kernels.chunk_gdn.index import PackedRows, affine_chunk_shifts, affine_row_shifts
 from harts_compiler.codegen.kernels.chunk_gdn.state_bwd import state_bwd_scan
 from harts_compiler.codegen.kernels.chunk_gdn.state_fwd import state_fwd
+from harts_compiler.codegen.kernels.upload import to_device
 
 CHUNK = 64
 
@@ -43,17 +47,24 @@ def cases() -> dict[str, tuple[list[int], bool]]:
 LAUNCHES = [(16, 2), (32, 2), (16, 4), (32, 4), (64, 4)]  # (columns, warps); 64 at 2 warps spills
 
 
-def forced(block_v: int, warps: int, stages: int, tma: bool = GDNKernelConfig.scan_tma) -> GDNKernelConfig:
-    """A config whose scans always launch with (block_v, warps, stages), with or without descriptor loads
-    at any width (`tma`: GDNKernelConfig.scan_tma), whatever the program count; past 3 stages (16 columns only:
-    GDNKernelConfig.narrow_scan_stages) the backward scan stops at 4."""
-    launch = dict(scan_block_v=block_v, scan_warps=warps, scan_min_programs=0, scan_tma=tma, scan_tma_max_block_v=128)
-    if stages > 3:
-        return GDNKernelConfig(**launch, narrow_scan_stages=(stages, min(stages, 4)))
-    return GDNKernelConfig(**launch, scan_num_stages=stages)
+def forced(block_v: int, warps: int, stages: int, tma: bool = True) -> GDNKernelConfig:
+    """A config whose scans always launch with (block_v, warps, stages), whatever the program count: with
+    descriptor loads at any width (`tma`: scan_tma_max_block_v = 128) or pointer loads only (0)."""
+    return GDNKernelConfig(scan_block_v=block_v, scan_warps=warps, scan_min_programs=0, scan_num_stages=stages,
+                           scan_tma_max_block_v=128 if tma else 0)
 
 
-def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False, tma=GDNKernelConfig.scan_tma):
+def identity_rows(lengths) -> PackedRows:
+    """Row maps of packed rows that are the compact tokens in order (host): the kernels take the row-map path
+    (each sequence's first chunk through the maps, the rest at row + shift, here 0) on in-place data."""
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = np.arange(cu[-1], dtype=np.int64)
+    chunk_shift = affine_chunk_shifts(cu, ids, ids, CHUNK)
+    return PackedRows(src=ids, own=ids, num_tokens=ids.size, num_replays=0,
+                      seq_shift=affine_row_shifts(cu, chunk_shift, CHUNK), chunk_shift=chunk_shift)
+
+
+def time_case(lengths, row_maps, launches, device, value_heads=16, tma=True):
     q, k, v = make_inputs(lengths, hk=min(16, value_heads), hv=value_heads, device=device)[0][:3]
     rows_total, hv, vd = v.shape
     kd = k.shape[2]
@@ -63,17 +74,14 @@ def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False,
     gc = torch.zeros(rows_total, hv, device=device)  # the gates' values do not change the timing
     do = torch.randn_like(u)
     dv_local = torch.randn(rows_total, hv, vd, device=device, generator=gen)
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()))
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     h0 = torch.zeros(len(lengths), hv, kd, vd, device=device)
-    rows = None
-    if row_maps:
-        ids = torch.arange(rows_total, device=device)
-        shift = torch.zeros(len(lengths), dtype=torch.int64, device=device) if affine else None
-        rows = PackedRows(src=ids, own=ids, num_tokens=rows_total, num_replays=0, seq_shift=shift)
+    rows = to_device(identity_rows(lengths), device) if row_maps else None
     results, split = {}, {}
     for block_v, warps, stages in launches:
         try:  # a config outside GDNKernelConfig's range or a launch over the shared-memory limit: report, go on
-            index = prepare_gdn_index(cu, chunk_size=CHUNK, device=device, config=forced(block_v, warps, stages, tma))
+            config = forced(block_v, warps, stages, tma)
+            index = to_device(prepare_gdn_index(cu, chunk_size=CHUNK, config=config), device)
             dh = torch.empty(index.num_chunks, hv, kd, vd, device=device, dtype=k.dtype)
             dvn = torch.empty_like(u)
             bank_grad = torch.zeros(0, hv, kd, vd, device=device)
@@ -98,18 +106,15 @@ def time_case(lengths, row_maps, launches, device, value_heads=16, affine=False,
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(cases()), choices=list(cases()))
-    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="pipeline stages to try (1-3 "
-                        "for any launch, 4-6 at 16 columns: GDNKernelConfig.narrow_scan_stages; session 7 found 5 no "
-                        "better than 3 with row maps)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3],
+                        help="pipeline stages to try (GDNKernelConfig.scan_num_stages)")
     parser.add_argument("--launches", nargs="+", default=None, metavar="BV:WARPS",
                         help="(columns, warps) pairs, default: " + " ".join(f"{b}:{w}" for b, w in LAUNCHES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--value-heads", type=int, default=16, help="32: the e2e model's (Qwen3-Next's) GDN")
-    parser.add_argument("--affine", action="store_true", help="row-map cases read rows after each first chunk "
-                        "at row + shift (GDNKernelConfig.tree_affine_scan_rows)")
-    parser.add_argument("--tma", type=int, nargs="+", default=[int(GDNKernelConfig.scan_tma)], choices=[0, 1],
-                        help="time with descriptor loads (1) and / or pointers only (0) (GDNKernelConfig.scan_tma), "
-                             "each a table of its own")
+    parser.add_argument("--tma", type=int, nargs="+", default=[1], choices=[0, 1],
+                        help="time with descriptor loads at every width (1: GDNKernelConfig.scan_tma_max_block_v = "
+                             "128) and / or pointer loads only (0: scan_tma_max_block_v = 0), each a table of its own")
     parser.add_argument("--shrink", type=int, default=1, help="divide every length (a CPU smoke test under "
                         "TRITON_INTERPRET=1 with --shrink 64)")
     args = parser.parse_args()
@@ -125,9 +130,8 @@ def main():
         default = GDNKernelConfig().scan_launch_for(len(lengths), args.value_heads, 128, 2)
         for tma in args.tma:
             results = time_case(lengths, row_maps, launches + [default] * (default not in launches), device,
-                                args.value_heads, args.affine, bool(tma))
-            print(f"\n== {name}: {len(lengths)} sequences, {sum(lengths)} rows, row maps {row_maps}"
-                  f"{' (affine)' if row_maps and args.affine else ''}, tma {tma}; "
+                                args.value_heads, bool(tma))
+            print(f"\n== {name}: {len(lengths)} sequences, {sum(lengths)} rows, row maps {row_maps}, tma {tma}; "
                   f"fwd+bwd scan ms (default launch {default}) ==")
             print(f"{'cols':>4s} {'warps':>5s} " + " ".join(f"{f'{s} st':>7s}" for s in stages))
             for b, w in pairs:

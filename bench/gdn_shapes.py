@@ -1,8 +1,8 @@
 """Which dtypes and head sizes the Triton GDN path runs correctly on this GPU (Triton 3.6 miscompiles
-some Hopper configurations, GPU.md). Each configuration runs fwd + bwd with exports and injected
-export gradients in its own process (an illegal memory access poisons the CUDA context), against the
-fp64 reference; the wrapper's CUDA guard (`function.triton_supports`) should admit only the rows
-marked ok.
+some Hopper configurations, docs/gdn_kernels.md). Each configuration runs fwd + bwd with exports and
+injected export gradients in its own process (an illegal memory access poisons the CUDA context), against
+the fp64 reference, with the kernels called past the CUDA guard (`config.triton_supports`), which should
+admit only the rows marked ok.
 
     PYTHONUNBUFFERED=1 python bench/gdn_shapes.py            # H200, ~2 minutes (one compile per row)
     python bench/gdn_shapes.py --stages bfloat16 32 32         # which kernel a wrong row comes from
@@ -19,31 +19,37 @@ CONFIGS = [("bfloat16", 128, 128), ("bfloat16", 64, 64), ("bfloat16", 32, 32), (
            ("bfloat16", 128, 256), ("float16", 128, 128), ("float32", 128, 128), ("float32", 16, 16)]
 
 
-def check(dtype_name: str, kd: int, vd: int) -> dict:
+def check(dtype_name: str, kd: int, vd: int, device: str = "cuda") -> dict:
     """In this process: max relative (Frobenius) error over o, exports and every gradient."""
     import torch
 
-    from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference, prepare_gdn_index
-    from harts_compiler.codegen.kernels.chunk_gdn.function import run_triton, triton_supports
+    from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference, plan_single_call
+    from harts_compiler.codegen.kernels.chunk_gdn.config import triton_supports
+    from harts_compiler.codegen.kernels.chunk_gdn.l2norm import l2norm_fused
+    from harts_compiler.codegen.kernels.chunk_gdn.tree import TreeGatedDeltaRuleFunction
+    from harts_compiler.codegen.kernels.upload import to_device
     dtype = getattr(torch, dtype_name)
-    gen = torch.Generator("cuda").manual_seed(0)
+    gen = torch.Generator(device).manual_seed(0)
     lengths, hk, hv = [200, 64, 130, 1], 2, 4
     rows = sum(lengths)
-    tensors = [torch.randn(rows, hk, kd, device="cuda", generator=gen),
-               torch.randn(rows, hk, kd, device="cuda", generator=gen),
-               torch.randn(rows, hv, vd, device="cuda", generator=gen),
-               -torch.rand(rows, hv, device="cuda", generator=gen) * 0.3,
-               torch.rand(rows, hv, device="cuda", generator=gen),
-               torch.randn(len(lengths), hv, kd, vd, device="cuda", generator=gen) * 0.05]
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+    tensors = [torch.randn(rows, hk, kd, device=device, generator=gen),
+               torch.randn(rows, hk, kd, device=device, generator=gen),
+               torch.randn(rows, hv, vd, device=device, generator=gen),
+               -torch.rand(rows, hv, device=device, generator=gen) * 0.3,
+               torch.rand(rows, hv, device=device, generator=gen),
+               torch.randn(len(lengths), hv, kd, vd, device=device, generator=gen) * 0.05]
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0)
     exports = dict(export_seq=torch.tensor([0, 0, 2]), export_offset=torch.tensor([64, 192, 128]))
-    weights = [torch.randn(rows, hv, vd, device="cuda", generator=gen, dtype=torch.float64),
-               torch.randn(3, hv, kd, vd, device="cuda", generator=gen, dtype=torch.float64)]
+    weights = [torch.randn(rows, hv, vd, device=device, generator=gen, dtype=torch.float64),
+               torch.randn(3, hv, kd, vd, device=device, generator=gen, dtype=torch.float64)]
 
-    index = prepare_gdn_index(cu, exports["export_seq"], exports["export_offset"], device="cuda")
+    plan = to_device(plan_single_call(lengths, exports["export_seq"], exports["export_offset"]), device)
 
-    def triton(q, k, v, g, beta, *, cu_seqlens, export_seq, export_offset, **kw):  # past the wrapper's guard
-        return run_triton(q, k, v, g, beta, index=index, **kw)
+    def triton(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm, **_):
+        # tree.gated_delta_rule without its triton_supports check: l2norm, then the plan's one Function
+        if use_qk_l2norm:
+            q, k = l2norm_fused(q), l2norm_fused(k)
+        return TreeGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, float(scale), plan)
 
     def run(fn, cast):
         leaves = [t.to(cast if i not in (3, 5) else (torch.float64 if cast == torch.float64 else torch.float32))
@@ -53,10 +59,12 @@ def check(dtype_name: str, kd: int, vd: int) -> dict:
         loss = (o.double() * weights[0]).sum() + (states.double() * weights[1]).sum()
         return [o, states, *torch.autograd.grad(loss, leaves)]
     got = run(triton, dtype)
-    torch.cuda.synchronize()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
     ref = run(chunk_gated_delta_rule_reference, torch.float64)
-    errors = [float((a.double() - b).norm() / b.norm()) for a, b in zip(got, ref)]
-    return dict(triton=triton_supports(dtype, kd, vd), max_rel_err=max(errors))
+    errors = [float((a.detach().double() - b.detach()).norm() / b.detach().norm()) for a, b in zip(got, ref)]
+    return dict(triton=triton_supports(dtype, kd, vd, cuda=torch.device(device).type == "cuda"),
+                max_rel_err=max(errors))
 
 
 def stage_errors(dtype_name: str, kd: int, vd: int, device: str = "cuda") -> dict:
@@ -64,9 +72,11 @@ def stage_errors(dtype_name: str, kd: int, vd: int, device: str = "cuda") -> dic
     stage (cast), against the same stage in fp32, so an error does not spread to the stages after it.
     Relative (Frobenius) error per stage output, the worst over its outputs. The yardstick is the kernels' own
     fp32 run (TF32 dots on the GPU, ~1e-3), enough to find a stage that is wrong (the wrong rows are off by ~1)."""
+    import numpy as np
     import torch
 
     from harts_compiler.codegen.kernels.chunk_gdn import prepare_gdn_index
+    from harts_compiler.codegen.kernels.upload import to_device
     from harts_compiler.codegen.kernels.chunk_gdn.chunk_bwd import chunk_bwd
     from harts_compiler.codegen.kernels.chunk_gdn.state_bwd import state_bwd
     from harts_compiler.codegen.kernels.chunk_gdn.state_fwd import output_fwd, state_fwd
@@ -82,8 +92,7 @@ def stage_errors(dtype_name: str, kd: int, vd: int, device: str = "cuda") -> dic
     beta = torch.rand(rows, hv, device=device, generator=gen)
     h0 = torch.randn(len(lengths), hv, kd, vd, device=device, generator=gen) * 0.05
     do = torch.randn(rows, hv, vd, device=device, generator=gen)
-    index = prepare_gdn_index(torch.tensor([0] + lengths).cumsum(0), torch.tensor([0, 2]), torch.tensor([64, 128]),
-                              device=device)
+    index = to_device(prepare_gdn_index(np.cumsum([0] + lengths), [0, 2], [64, 128]), device)
     bank_grad = torch.randn(index.num_slots, hv, kd, vd, device=device, generator=gen)
 
     # per stage: (kernels, inputs as the fp32 run made them, positions the pipeline holds in the 16-bit dtype)
@@ -121,7 +130,7 @@ def main() -> None:
             print(f"{name:34s} {err:9.2e}")
         return
     if args.one:
-        print(json.dumps(check(args.one[0], int(args.one[1]), int(args.one[2]))))
+        print(json.dumps(check(args.one[0], int(args.one[1]), int(args.one[2]), args.device)))
         return
 
     def child(config):

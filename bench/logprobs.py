@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from common import median, peak_memory, time_calls
 from harts_compiler.codegen import trajectory_index
-from harts_compiler.runtime.ops.logprobs import token_logprobs
-from harts_compiler.runtime.ops.logprobs_reference import dense_token_logprobs
+from harts_compiler.codegen.kernels.logprobs import dense_token_logprobs, target_plan_of, token_logprobs
+from harts_compiler.codegen.kernels.upload import to_device
 
 
 def measure(fn, hidden, weight, grads, repeats):
@@ -52,23 +54,33 @@ def measure(fn, hidden, weight, grads, repeats):
     return median(total), median(forward_only), peak, outputs
 
 
-def tree_case(prefix, branches, branch_length, vocab, device):
-    """(tree index, trajectory-wise index, compact -> trajectory token map) of one compiled tree."""
+def tree_case(prefix, branches, branch_length, vocab):
+    """(tree index, trajectory-wise index, compact -> trajectory token map) of one compiled tree, host tables."""
     import harts_compiler as hc
-    from harts_compiler.codegen.microbatch import build_microbatch_index
 
     root = torch.randint(0, vocab, (prefix,)).tolist()
     token_lists = [root + torch.randint(0, vocab, (branch_length,)).tolist() for _ in range(branches)]
     ids = [f"b{j}" for j in range(branches)]
     plan = hc.compile(hc.TreeBatch.from_trajectories(token_lists, ids), hc.CompileOptions())
     (microbatch,) = plan.microbatches()
-    tree = build_microbatch_index(plan, microbatch, device=device)
+    tree = microbatch.build_index()
     rows = [token_lists[ids.index(t)] for t in tree.trajectory_ids]
     # trajectory token p has the hidden state of the compact token predicting p + 1; a row's last
     # token predicts nothing, so any compact token will do there (its logits are never read)
-    source = torch.cat([torch.cat([tree.row_pred[r, 1:len(t)], tree.row_pred[r, 1:2]])
-                        for r, t in enumerate(rows)])
-    return tree, trajectory_index(rows, device=device), source
+    source = np.concatenate([np.concatenate([tree.row_pred[r, 1:len(t)], tree.row_pred[r, 1:2]])
+                             for r, t in enumerate(rows)])
+    return tree, trajectory_index(rows), torch.as_tensor(source)
+
+
+def targets_on(index, vocab: int, chunk_tokens: int, device):
+    """The device TargetPlan of host index tables: planned and uploaded once, outside the timed calls."""
+    return to_device(target_plan_of(index, vocab, chunk_tokens), device)
+
+
+def dense_tables(index, device) -> SimpleNamespace:
+    """The index tables the dense variant reads, on the device once (it would copy host tables every call)."""
+    return SimpleNamespace(**{name: torch.as_tensor(getattr(index, name), device=device)
+                              for name in ("row_pred", "row_target", "target_token")})
 
 
 def main(argv=None):
@@ -97,34 +109,38 @@ def main(argv=None):
         T = args.tokens
         per_traj = T // args.trajectories
         lengths = [per_traj] * (args.trajectories - 1) + [T - per_traj * (args.trajectories - 1)]
-        index = trajectory_index([torch.randint(0, V, (n,)).tolist() for n in lengths], device=device)
+        index = trajectory_index([torch.randint(0, V, (n,)).tolist() for n in lengths])
         hidden = torch.randn(T, D, device=device, dtype=dtype).requires_grad_()
         traj_index, traj_hidden = index, hidden
         shape = f"{args.trajectories} trajectories"
     else:
-        index, traj_index, source = tree_case(*args.tree, V, device)
+        index, traj_index, source = tree_case(*args.tree, V)
         T = index.num_tokens
         hidden = torch.randn(T, D, device=device, dtype=dtype).requires_grad_()
-        traj_hidden = hidden.detach()[source].requires_grad_()
+        traj_hidden = hidden.detach()[source.to(device)].requires_grad_()
         shape = (f"tree P={args.tree[0]} B={args.tree[1]} L={args.tree[2]}: {T} compact tokens, "
                  f"{traj_hidden.shape[0]} trajectory tokens")
     weight = (torch.randn(V, D, device=device, dtype=dtype) * D ** -0.5).requires_grad_()
     grads = [torch.randn(index.row_target.shape, device=device) for _ in range(2)]
 
     # (name, rows through the 2*V*D matmuls, fn(hidden, weight), the hidden leaf it takes)
+    # (each chunked variant reads a TargetPlan of its chunk size, planned once: chunk_tokens is part of it)
     c0 = args.chunks[0]
-    variants = [(f"chunked c={c}", 4 * T, lambda h, w, c=c: token_logprobs(h, w, index, chunk_tokens=c),
-                 hidden) for c in args.chunks]
+    plans = {c: targets_on(index, V, c, device) for c in args.chunks}
+    variants = [(f"chunked c={c}", 4 * T, lambda h, w, c=c: token_logprobs(h, w, plans[c]), hidden)
+                for c in args.chunks]
     # the same op with its element-wise work in plain torch instead of the Triton kernels
     variants.append((f"torch-ew c={c0}", 4 * T,
-                     lambda h, w: token_logprobs(h, w, index, chunk_tokens=c0, use_triton=False), hidden))
+                     lambda h, w: token_logprobs(h, w, plans[c0], use_triton=False), hidden))
     n_traj = traj_hidden.shape[0]
     if args.tree is not None:
+        traj_plan = targets_on(traj_index, V, c0, device)
         variants.append((f"traj chunked c={c0}", 4 * n_traj,
-                         lambda h, w: token_logprobs(h, w, traj_index, chunk_tokens=c0), traj_hidden))
+                         lambda h, w: token_logprobs(h, w, traj_plan), traj_hidden))
     if not args.skip_dense:
+        dense_index = dense_tables(traj_index, device)
         variants.append(("dense" if args.tree is None else "traj dense", 3 * n_traj,
-                         lambda h, w: dense_token_logprobs(h, w, traj_index), traj_hidden))
+                         lambda h, w: dense_token_logprobs(h, w, dense_index), traj_hidden))
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU smoke test"
     print(f"T={T} V={V} D={D} {str(dtype)[6:]}, {shape}, {where}")
     print(f"{'variant':<22}{'fwd+bwd ms':>12}{'fwd ms':>10}{'peak GiB':>10}{'TFLOP/s':>10}"

@@ -44,7 +44,7 @@ def schedule_items(program, options: CompileOptions) -> tuple[np.ndarray, np.nda
     forest = program.forest
     model = load_cost_model(options.cost_model)
     cost = np.atleast_1d(model.predict(tree_features(program),
-                                       LayerCounts(options.linear_layers, options.full_layers)))
+                                       LayerCounts.stated(options.linear_layers, options.full_layers)))
     cost = np.maximum(cost - model.coefficients.get("microbatch", 0.0), 0.0)
     return (forest.tree_end - forest.tree_start).astype(np.int64), cost
 

@@ -89,10 +89,10 @@ def test_calibrate_tiny_cpu(tmp_path):
 
 
 def test_gdn_batch_tiny_cpu(tmp_path):
-    """bench/gdn_batch.py: tree vs trajectory-wise GDN rounds on generated batches, segmented too."""
-    result = run_bench("gdn_batch.py", tmp_path, "--segment-chunks", "1")
+    """bench/gdn_batch.py: tree vs trajectory-wise GDN rounds on generated batches."""
+    result = run_bench("gdn_batch.py", tmp_path)
     table = result.stdout.splitlines()[-3:]
-    assert "segmented ms" in table[0] and "of ideal" in table[0]
+    assert "tree ms" in table[0] and "of ideal" in table[0]
     for line, preset in zip(table[1:], ["swe", "tau2"]):
         cells = line.split()
         assert cells[0] == preset
@@ -103,7 +103,7 @@ def test_gdn_scans_interpreted(tmp_path):
     """bench/gdn_scans.py: the scans alone under a launch, on the Triton interpreter at a toy size (one head)."""
     env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, str(BENCH / "gdn_scans.py"), "--device", "cpu", "--shrink", "512",
-                             "--cases", "root1", "roots6", "--launches", "16:4", "--stages", "3", "--affine",
+                             "--cases", "root1", "roots6", "--launches", "16:4", "--stages", "3",
                              "--value-heads", "1"],
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -123,7 +123,7 @@ def test_gdn_batch_chunk_ratio_is_below_the_token_ratio(tmp_path):
 
 def test_gdn_batch_plans_the_gdn_tree_cases_with_the_compiler(tmp_path):
     """bench/gdn_batch.py --trees: bench/gdn.py's agentic batch as the compiler plans it, one microbatch of two
-    rounds in which each tree's first branch continues its root's sequence (DESIGN.md section 6), so round 0
+    rounds in which each tree's first branch continues its root's sequence (docs/design.md section 6), so round 0
     holds the 6 roots and round 1 the other 36 branches, and fewer chunks than gdn.py's hand-made plan (1,254)."""
     result = run_bench("gdn_batch.py", tmp_path, "--presets", "--trees", "agentic", "--chunks-only")
     row = next(line for line in result.stdout.splitlines() if line.startswith("[agentic 6 trees]"))

@@ -16,7 +16,7 @@ from harts_compiler.codegen.kernels.chunk_gdn import (GDNKernelConfig, chunk_gat
                                                       plan_gated_delta_rule_reference, plan_tree_gdn)
 from harts_compiler.codegen.kernels.chunk_gdn.index import NO_SHIFT
 from harts_compiler.codegen.kernels.upload import to_device
-from test_runtime_helpers import naive_tree_index, random_rollout_batch
+from test_runtime_helpers import run_without_device_reads, naive_tree_index, random_rollout_batch
 from test_runtime_tree import tricky_batches
 from two_level import run_trajectories, run_tree, two_level_plan, two_level_round_specs
 
@@ -212,13 +212,7 @@ def test_plan_function_never_waits_for_the_device():
     def step():
         o = fused(plan)(*leaves)
         return torch.autograd.grad(o, leaves, torch.ones_like(o))
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    run_without_device_reads(step)
 
 
 def _round(**changes):

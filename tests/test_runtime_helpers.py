@@ -163,6 +163,18 @@ def cpu_plan(index: MicrobatchIndex, vocab_size: int = 1 << 20, **target) -> Lau
     return lower(index, LaunchTarget(vocab_size=vocab_size, conv_width=index.conv_width, **target)).to("cpu")
 
 
+def run_without_device_reads(step) -> None:
+    """Run `step` once to compile its kernels, then again with CUDA's sync debug mode raising on any operation
+    that makes the host wait for the device."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def random_rollout_batch(rng: random.Random, *, vocab: int, n_traj: int, max_len: int) -> list[list[int]]:
     """Agentic-looking trajectories: each new one forks an earlier one at a random point (or is a
     prefix / duplicate of it), so trees with shared prefixes, prefixes and duplicates all appear."""

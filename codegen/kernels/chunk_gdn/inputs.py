@@ -4,7 +4,6 @@ Bad input must fail here with a message naming the field, not deep inside a kern
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -69,12 +68,9 @@ def validate_gdn_tensors(q, k, v, g, beta, *, who: str) -> tuple[int, int, int, 
 
 
 def validate_gdn_inputs(q, k, v, g, beta, *, initial_state, cu_seqlens, export_seq, export_offset,
-                        chunk_size: int, known=None) -> GDNShapes:
-    """Check shapes/dtypes against docs/INTERFACES.md section 4 and return the sizes.
-
-    `known` = (seq_lengths, export_seq, export_offset) already checked once (a prepared index): then the
-    values of `cu_seqlens` and the export tensors are not read back (no device sync per layer), only sizes.
-    """
+                        chunk_size: int) -> GDNShapes:
+    """Check shapes/dtypes against docs/INTERFACES.md section 4 and return the sizes. Reads `cu_seqlens` and the
+    exports on the host (the single-call API and the reference; a model's plan is checked once by codegen)."""
     rows, hk, hv, kd, vd = validate_gdn_tensors(q, k, v, g, beta, who="chunk_gated_delta_rule")
     for name, t in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
         if not isinstance(t, torch.Tensor):
@@ -88,15 +84,7 @@ def validate_gdn_inputs(q, k, v, g, beta, *, initial_state, cu_seqlens, export_s
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError("chunk_gated_delta_rule: `cu_seqlens` must be a 1-D int32/int64 tensor [N+1], got "
                          f"shape {tuple(cu_seqlens.shape)} dtype {cu_seqlens.dtype}")
-    if known is not None:
-        bounds = [0, *itertools.accumulate(known[0])]  # host ints: no tensor per layer call
-        if cu_seqlens.numel() != len(bounds):
-            raise ValueError(f"chunk_gated_delta_rule: `cu_seqlens` has {cu_seqlens.numel()} entries, the index "
-                             f"was built for {len(bounds)}")
-        if bounds[-1] != rows:
-            raise ValueError(f"chunk_gated_delta_rule: the index was built for {bounds[-1]} rows, `q` has {rows}")
-    else:
-        bounds = [int(x) for x in cu_seqlens.tolist()]
+    bounds = [int(x) for x in cu_seqlens.tolist()]
     if bounds[0] != 0 or bounds[-1] != rows or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"chunk_gated_delta_rule: `cu_seqlens` must start at 0, be non-decreasing and end at "
                          f"R={rows}; got first={bounds[0]} last={bounds[-1]}")
@@ -109,13 +97,7 @@ def validate_gdn_inputs(q, k, v, g, beta, *, initial_state, cu_seqlens, export_s
         raise ValueError("chunk_gated_delta_rule: `export_seq` and `export_offset` must be given together")
     e_seq: tuple[int, ...] = ()
     e_off: tuple[int, ...] = ()
-    if known is not None:
-        e_seq, e_off = tuple(known[1]), tuple(known[2])
-        n_given = 0 if export_seq is None else torch.as_tensor(export_seq).numel()
-        if n_given != len(e_seq):
-            raise ValueError(f"chunk_gated_delta_rule: {n_given} exports requested, the index was built for "
-                             f"{len(e_seq)}")
-    elif export_seq is not None:
+    if export_seq is not None:
         e_seq = tuple(int(x) for x in torch.as_tensor(export_seq).reshape(-1).tolist())
         e_off = tuple(int(x) for x in torch.as_tensor(export_offset).reshape(-1).tolist())
         check_exports(e_seq, e_off, lengths, chunk_size, who="chunk_gated_delta_rule")
