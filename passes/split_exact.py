@@ -9,8 +9,8 @@ p, exactly one p per e) and y[v, p] (node v is in part p), with
     minimise sum_{v, p} len(v) y[v, p]                     (= compact tokens + recomputed tokens)
 
 plus symmetry breaking (parts numbered by their first end node: end node k is in a part <= k). The greedy
-plan is the hint, so the solver starts from it and only a strictly better plan replaces it; OPTIMAL means no split into at
-most P parts recomputes fewer tokens. Measured on generated swe batches (16 trees, budget 64K):
+plan is the hint, so the solver starts from it and only a strictly better plan replaces it; OPTIMAL means
+no split into at most P parts recomputes fewer tokens. Measured on generated swe batches (16 trees, budget 64K):
 every tree solved to optimality in under 0.05 s, two of them 23-42% below the greedy's recompute.
 
 Work is bounded by a *deterministic* time budget shared by the pass's trees (fixed seed, one
