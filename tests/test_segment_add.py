@@ -69,11 +69,12 @@ def test_planned_embedding_gradient_equals_torch():
     from harts_compiler.runtime.ops.embedding import _PlannedEmbedding
     from test_runtime_helpers import cpu_plan
 
-    plan = cpu_plan(trajectory_index([[3, 1, 3, 3], [0, 1, 7]]), vocab_size=9)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU
+    plan = cpu_plan(trajectory_index([[3, 1, 3, 3], [0, 1, 7]]), vocab_size=9).to(device)
     assert plan.embed_ids.tolist() == [0, 1, 3, 7] and plan.embed_bounds.tolist() == [0, 1, 3, 6, 7]
-    weight = torch.randn(9, 5, dtype=torch.float32, requires_grad=True)
-    grad = torch.randn(7, 5)
+    weight = torch.randn(9, 5, dtype=torch.float32, device=device, requires_grad=True)
+    grad = torch.randn(7, 5, device=device)
     got, = torch.autograd.grad((_PlannedEmbedding.apply(weight, plan) * grad).sum(), weight)
     want, = torch.autograd.grad((torch.nn.functional.embedding(plan.token_ids, weight) * grad).sum(), weight)
     torch.testing.assert_close(got, want)
-    assert np.array_equal(got[[2, 4, 5, 6, 8]].numpy(), np.zeros((5, 5)))
+    assert np.array_equal(got[[2, 4, 5, 6, 8]].cpu().numpy(), np.zeros((5, 5)))

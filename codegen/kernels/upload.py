@@ -21,8 +21,9 @@ _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32
 
 
 def _arrays(value, found: list) -> None:
-    """Every numpy array reachable from `value`, depth first, in a fixed order."""
-    if isinstance(value, np.ndarray):
+    """Every array reachable from `value`, depth first, in a fixed order: numpy arrays, and the tensors of a plan
+    already uploaded (moving it to another device reads them back once)."""
+    if isinstance(value, (np.ndarray, torch.Tensor)):
         found.append(value)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
@@ -36,7 +37,7 @@ def _arrays(value, found: list) -> None:
 
 
 def _rebuild(value, views: dict):
-    if isinstance(value, np.ndarray):
+    if isinstance(value, (np.ndarray, torch.Tensor)):
         return views[id(value)]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {f.name: _rebuild(getattr(value, f.name), views) for f in dataclasses.fields(value) if f.init}
@@ -54,9 +55,10 @@ def to_device(plan, device):
     """`plan` with every numpy array replaced by a tensor on `device`, all of them views of one buffer that
     is copied once (O(total bytes))."""
     device = torch.device(device)
-    arrays: list[np.ndarray] = []
-    _arrays(plan, arrays)
-    unique = list({id(a): a for a in arrays}.values())
+    found: list = []
+    _arrays(plan, found)
+    originals = list({id(a): a for a in found}.values())
+    unique = [a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else a for a in originals]
     for array in unique:
         if array.dtype not in _TORCH_DTYPE:
             raise TypeError(f"to_device: arrays of dtype {array.dtype} are not supported")
@@ -71,7 +73,7 @@ def to_device(plan, device):
         flat[offset:offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     buffer = host.to(device, non_blocking=pinned) if device.type != "cpu" else host
     views = {}
-    for array, offset in zip(unique, offsets):
+    for original, array, offset in zip(originals, unique, offsets):
         raw = buffer[offset:offset + array.nbytes]
-        views[id(array)] = raw.view(_TORCH_DTYPE[array.dtype]).view(array.shape)
+        views[id(original)] = raw.view(_TORCH_DTYPE[array.dtype]).view(array.shape)
     return _rebuild(plan, views)
