@@ -1,4 +1,4 @@
-"""Where the GDN tree step's time goes: device time per kernel (torch.profiler), tree vs trajectory-wise.
+"""Where the GDN tree step's time goes: GPU time per kernel (torch.profiler), tree vs trajectory-wise.
 
 Prints, for one fwd+bwd of each mode (trajectory-wise, tree as the runtime runs it, and one call per round
 with gathers between them), device milliseconds per kernel name (summed over launches), the launch count and
@@ -87,7 +87,7 @@ def timeline_section(log: list, trees, config, label: str) -> None:
 
 
 def profile_section(log: list, trees=((4096, 8, 3584),), config=None) -> list[dict]:
-    """Kernel-level device time of one tree case in its three modes (bench/gdn_cases.tree_case)."""
+    """Kernel-level GPU time of one tree case in its three modes (bench/gdn_cases.tree_case)."""
     from gdn_cases import tree_case
     from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
     case = tree_case(trees, config or GDNKernelConfig())

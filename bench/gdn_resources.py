@@ -2,7 +2,7 @@
 
 Compiles each kernel ahead of time for sm_90a with the production constexprs (bf16, H=16, K=V=128,
 BT=64) and reads ptxas's resource report. Spills and register pressure explain most slow kernels, and
-this costs no device time:  python bench/gdn_resources.py [--warps 2 4 8]
+it needs no GPU:  python bench/gdn_resources.py [--warps 2 4 8]
 """
 from __future__ import annotations
 

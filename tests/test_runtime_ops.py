@@ -215,3 +215,25 @@ def test_round_reading_a_state_not_yet_exported_is_rejected():
     bad.init_state = np.where(bad.init_state >= 0, own_exports.max(), bad.init_state)
     with pytest.raises(ValueError, match=rf"rounds\[{later}\].init_state"):
         cpu_plan(index)
+
+
+def test_plan_and_model_disagreements_are_named():
+    """A chunk size the model's Triton GDN kernels do not run, and a plan compiled for other layer counts,
+    are errors naming both values, before any compute; CompileOptions.for_model cannot disagree."""
+    import harts_compiler as hc
+    from harts_compiler.codegen import LaunchTarget, PlanMismatchError, lower
+
+    with pytest.raises(PlanMismatchError, match="chunk_size=32 but the model's Triton GDN kernels run chunk_size=64"):
+        lower(trajectory_index([[1, 2, 3]], chunk_size=32), LaunchTarget(vocab_size=8, conv_width=4, gdn_triton=True))
+    lower(trajectory_index([[1, 2, 3]], chunk_size=32), LaunchTarget(vocab_size=8, conv_width=4))  # torch: any
+    model = TreeModel.from_config("tiny-qwen3-next", seed=0, dtype=torch.float64)
+    options = hc.CompileOptions.for_model(model)
+    kinds = model.config.layer_types
+    assert (options.chunk_size, options.conv_width, options.vocab_size) == (64, 4, 128)
+    assert (options.linear_layers, options.full_layers) == (kinds.count("linear_attention"),
+                                                          kinds.count("full_attention"))
+    batch = hc.TreeBatch.from_trajectories([[1, 2, 3], [1, 2, 4]])
+    assert model(hc.compile(batch, options).microbatches()[0]).logprobs.shape == (2, 3)
+    other = options.model_copy(update={"linear_layers": options.linear_layers + 1})
+    with pytest.raises(InvalidBatchError, match="plan option linear_layers=.* but the model has"):
+        model(hc.compile(batch, other).microbatches()[0])
