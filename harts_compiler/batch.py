@@ -7,6 +7,7 @@ The original explicit-tree records are kept only so that `save()` writes what wa
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -113,22 +114,15 @@ class TreeBatch:
     def from_jsonl_lines(cls, lines: Iterable[bytes | str]) -> "TreeBatch":
         arrays, ids, groups, line_numbers, records, problems = [], [], [], [], [], []
         for number, raw in enumerate(lines, start=1):
-            text = raw.strip()
+            text = _as_bytes(raw).strip()
+            if number == 1 and text.startswith(_UTF8_BOM):
+                text = text[len(_UTF8_BOM):].lstrip()  # JSON readers may ignore a byte-order mark (RFC 8259)
             if not text:
                 continue
             where = f"line {number}"
-            try:
-                # Only lines mentioning "nodes" can be trees; flat ones go straight to the fast
-                # pydantic JSON parser.
-                head = json.loads(text) if b'"nodes"' in _as_bytes(text) else None
-            except json.JSONDecodeError as exc:
-                problems.append(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})")
-                continue
-            except ValueError as exc:  # e.g. bytes that are not UTF-8
-                problems.append(f"{where}: invalid JSON: {exc}")
-                continue
-            is_tree = isinstance(head, dict) and "nodes" in head
-            fast = None if is_tree else _fast_trajectory(_as_bytes(text))
+            # Plain trajectory lines (nearly all of a big batch) take the fast path; the rest are parsed as
+            # JSON first, so what JSON rejects is named with its column, then validated by pydantic.
+            fast = None if b'"nodes"' in text else _fast_trajectory(text)
             if fast is not None:
                 records.append(("traj", len(ids)))
                 ids.append(fast[0])
@@ -137,19 +131,29 @@ class TreeBatch:
                 line_numbers.append(number)
                 continue
             try:
+                head = json.loads(decoded := text.decode("utf-8"), parse_constant=_not_json)
+            except UnicodeDecodeError as exc:
+                problems.append(f"{where}: not UTF-8 text (byte {exc.start + 1} of the line)")
+                continue
+            except json.JSONDecodeError as exc:
+                leading_zero = decoded[exc.pos - 1:exc.pos] == "0" and decoded[exc.pos:exc.pos + 1].isdigit()
+                reason = "a number with a leading zero" if leading_zero else exc.msg
+                problems.append(f"{where}: invalid JSON: {reason} (column {exc.colno})")
+                continue
+            except _NotJSON as exc:
+                problems.append(f"{where}: invalid JSON: {exc} is not a JSON value")
+                continue
+            is_tree = isinstance(head, dict) and "nodes" in head
+            try:
                 if is_tree:
                     tree = TreeRecord.model_validate(head)
                 else:
-                    record = TrajectoryRecord.model_validate_json(text)
+                    record = TrajectoryRecord.model_validate(head)
             except ValidationError as exc:
-                if any(err.get("type") == "json_invalid" for err in exc.errors()):
-                    problems.append(f"{where}: invalid JSON")
-                else:
-                    kind = "trajectory"
-                    if is_tree:
-                        kind = (f"tree {head['id']!r}" if isinstance(head.get("id"), str)
-                                else "tree")
-                    problems += describe_pydantic_error(f"{where} ({kind})", exc)
+                kind = "trajectory"
+                if is_tree:
+                    kind = f"tree {head['id']!r}" if isinstance(head.get("id"), str) else "tree"
+                problems += describe_pydantic_error(f"{where} ({kind})", exc)
                 continue
             if not is_tree:
                 arrays.append(np.array(record.tokens, dtype=np.int64))
@@ -215,8 +219,10 @@ class TreeBatch:
         raise InputError(problems)
 
 
-_DIGITS = b"0123456789, \t\r\n"
 _INT64_MAX = np.iinfo(np.int64).max
+_UTF8_BOM = b"\xef\xbb\xbf"
+# a JSON list body of non-negative integers: no leading zeros, no trailing comma, commas between numbers
+_JSON_INTS = re.compile(rb"[ \t\r\n]*(?:0|[1-9][0-9]*)(?:[ \t\r\n]*,[ \t\r\n]*(?:0|[1-9][0-9]*))*[ \t\r\n]*")
 
 
 def _fast_trajectory(line: bytes):
@@ -225,14 +231,15 @@ def _fast_trajectory(line: bytes):
 
     The token list is parsed by numpy; the rest of the line (with the list replaced by [0]) is
     validated by the same pydantic record, and must give exactly tokens == [0] — so the slice
-    really was the `tokens` list. Only digits, commas and whitespace may appear in the list."""
+    really was the `tokens` list. The list must be JSON integers (`_JSON_INTS`: what JSON rejects, such as
+    leading zeros or a trailing comma, goes to pydantic, which names it with its column)."""
     key = line.find(b'"tokens"')
     left = line.find(b"[", key)
     right = line.find(b"]", left)
     if key < 0 or left < 0 or right < 0:
         return None
     body = line[left + 1:right]
-    if body.translate(None, _DIGITS) or not body.strip():
+    if not _JSON_INTS.fullmatch(body):
         return None
     try:
         tokens = np.fromstring(body, dtype=np.int64, sep=",")
@@ -245,6 +252,15 @@ def _fast_trajectory(line: bytes):
     except ValidationError:
         return None
     return (envelope.id, tokens) if envelope.tokens == [0] else None
+
+
+class _NotJSON(ValueError):
+    pass
+
+
+def _not_json(constant: str):
+    """json.loads' hook for NaN, Infinity and -Infinity, which Python accepts and JSON does not."""
+    raise _NotJSON(constant)
 
 
 def _as_bytes(text) -> bytes:

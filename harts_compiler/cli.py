@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("harts_compiler.commands:bench_main",
               "run a benchmark of bench/ (default e2e: tree vs trajectory-wise step)"),
     "gen": ("harts_compiler.generator:gen_main", "generate a seeded rollout batch (JSONL)"),
+    "show": ("harts_compiler.show:show_main", "print a plan's trees and rank x slot loads (--png: draw them)"),
 }
 
 
@@ -31,6 +32,7 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from .errors import InputError
+    from .ir import ArtifactError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -47,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as error:
         for problem in error.problems:
             print(f"harts {name}: {problem}", file=sys.stderr)
+        return 2
+    except ArtifactError as error:  # a saved plan's files: the message names them
+        print(f"harts {name}: {error}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `harts ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -46,6 +46,7 @@ def format_summary(plan) -> str:
 
 def compile_main(argv: list[str]) -> int:
     from . import CompileOptions, TreeBatch, compile
+    from .ir import check_plan_path
 
     parser = argparse.ArgumentParser(prog="harts compile",
                                      description="Compile a JSONL rollout batch into a plan.")
@@ -79,6 +80,10 @@ def compile_main(argv: list[str]) -> int:
         name: getattr(args, name) for name in defaults if hasattr(args, name)})
     if not Path(args.input).is_file():
         raise InputError(f"{args.input}: no such file")
+    if args.output:
+        check_plan_path(args.output)  # refused before a long compile, not after it
+    if args.dump_ir and Path(args.dump_ir).exists() and not Path(args.dump_ir).is_dir():
+        raise InputError(f"--dump-ir {args.dump_ir}: exists and is not a directory")
     plan = compile(TreeBatch.load(args.input), options, dump_ir=args.dump_ir)
     if args.output:
         plan.save(args.output)
@@ -97,13 +102,10 @@ def ir_main(argv: list[str]) -> int:
                         help="records of each kind to print without --full")
     args = parser.parse_args(argv)
     try:
-        program = read_hir(args.file)
+        program = read_hir(args.file)  # ArtifactError names the files itself
         program.verify()
     except (OSError, IRError) as error:
         raise InputError(f"{args.file}: {error}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"{args.file}: not a .hir text file (give the .hir; its .npz is read "
-                         "from beside it)") from None
     print(describe_program(program))
     lines = format_program(program)[0].splitlines()
     if not args.full:

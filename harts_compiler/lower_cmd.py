@@ -31,6 +31,7 @@ def lower_main(argv: list[str]) -> int:
     from . import CompileOptions, Plan, TreeBatch, compile
     from .codegen import format_launch_plan, lower
     from .runtime.backend import select_backend
+    from .ir import IRError
 
     parser = argparse.ArgumentParser(prog="harts lower", description=__doc__)
     parser.add_argument("input", help="a saved plan (.hir) or a JSONL batch (compiled for --model)")
@@ -47,8 +48,8 @@ def lower_main(argv: list[str]) -> int:
     path = Path(args.input)
     if path.suffix == ".hir":
         try:
-            plan = Plan.load(path)
-        except (OSError, ValueError) as error:
+            plan = Plan.load(path)  # an ArtifactError names the files itself and reaches the CLI as it is
+        except IRError as error:
             raise InputError(f"{path}: {error}") from None
         plan.options.check_model(config)
     else:

@@ -1,14 +1,16 @@
 """`Plan`: a compiled batch — the final Program plus statistics and per-microbatch access."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from harts_compiler.ir import Program, format_program, read_hir, write_hir
+from harts_compiler.ir import Program, format_program, load_hir, write_hir
 
 from .options import CompileOptions
 
@@ -83,6 +85,7 @@ class Plan:
             "sequences": seqs.num_sequences if seqs is not None else 0,
             "rounds": int(seqs.tree_rounds.max(initial=0)) if seqs is not None else 0,
             "passes": [{"name": name, "ms": round(ms, 3)} for name, ms in self.program.provenance],
+            "identity": self.identity,
         }
         # What split-oversize and schedule reported (parts and recomputed tokens; the solver's
         # status, objective, lower bound and time); absent when the pass did not run / split.
@@ -99,20 +102,25 @@ class Plan:
         directory.mkdir(parents=True, exist_ok=True)
         return write_hir(self.program, directory / "plan.hir")
 
+    @cached_property
+    def identity(self) -> str:
+        """sha256 of what the plan is (options, every record, the token arrays), without the wall-clock fields
+        (pass times, solver times) that a saved plan also keeps: the same batch and options give the same
+        identity on every run."""
+        text, _ = format_program(self.program, "arrays", timings=False)
+        return hashlib.sha256(f"{self.options.model_dump_json()}\n{text}".encode()).hexdigest()
+
     def save(self, path: str | Path) -> Path:
-        """Writes the final Program as `.hir` (arrays in an .npz beside it when large), with the
-        options in a comment header line that `Plan.load` reads back."""
-        path = Path(path)
-        text, arrays = format_program(self.program, path.with_suffix(".npz").name)
-        path.write_text(f"# options {self.options.model_dump_json()}\n" + text)
-        if arrays:
-            np.savez(path.with_suffix(".npz"), **arrays)
-        return path
+        """Writes the final Program as `.hir` text (its long token arrays in `<path>.npz`, bound to the text by
+        their sha256; see `ir.artifact`), the options and the identity in comment header lines."""
+        header = f"# options {self.options.model_dump_json()}\n# identity {self.identity}\n"
+        return write_hir(self.program, path, header=header)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        program = read_hir(path)
-        match = re.search(r"^# options (.*)$", Path(path).read_text(), re.M)
+        """A saved plan; `ir.ArtifactError` (naming the files) when its text and arrays do not belong together."""
+        program, text = load_hir(path)
+        match = re.search(r"^# options (.*)$", text, re.M)
         options = CompileOptions(**json.loads(match.group(1))) if match else CompileOptions()
         program.verify()
         return cls(program=program, options=options,

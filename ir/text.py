@@ -3,9 +3,9 @@ Program (`structural_diff(read_hir(p), program) is None`).
 
 One record per line, `kind key=value ...`; values are integers, JSON strings ("..."), `a:b`
 ranges, `s@o` state sources or `[1 2 3]` lists. Token lists longer than `inline_limit` in total go
-to an `.npz` beside the file (`arrays "NAME.npz"` header, `tokens=@` in the records). Only the
-node-level facts are stored; per-token tables (predecessors, conv table, targets, gather runs)
-are rebuilt by `ir.derive`, the same code the passes use.
+to an arrays file beside the text (`arrays "NAME.npz" sha256=...` header, `tokens=@` in the records;
+`ir.artifact` writes and checks the pair). Only the node-level facts are stored; per-token tables
+(predecessors, conv table, targets, gather runs) are rebuilt by `ir.derive`, the same code the passes use.
 
     hir 1
     pass name="prefix-compress" ms=0.41
@@ -23,9 +23,9 @@ are rebuilt by `ir.derive`, the same code the passes use.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 
@@ -42,19 +42,39 @@ def _ints(values) -> str:
     return "[" + " ".join(map(str, np.asarray(values).tolist())) + "]"
 
 
+def arrays_digest(arrays: dict[str, np.ndarray]) -> str:
+    """sha256 of the arrays' names, dtypes, shapes and bytes (not of the .npz file, whose zip headers
+    carry dates): the value an arrays header records and a reader checks."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def is_wall_clock(key: str) -> bool:
+    """Note fields that measure time (`wall_time_s`, `solver_time_s`, ...): kept in a saved plan, left
+    out of its identity."""
+    return key.endswith(("_s", "_ms"))
+
+
 def format_program(program: Program, arrays_name: str | None = None,
-                   inline_limit: int = 4096) -> tuple[str, dict]:
-    """Text of the program, and the arrays that go to the .npz (empty when all inline)."""
+                   inline_limit: int = 4096, *, timings: bool = True) -> tuple[str, dict]:
+    """Text of the program, and the arrays that go to the arrays file (empty when all inline). With
+    `timings=False` the pass times and the notes' wall-clock fields are left out (a plan's identity)."""
     lines = [f"hir {VERSION}"]
     arrays: dict[str, np.ndarray] = {}
     sizes = [program.trajectories.num_tokens if program.trajectories else 0,
              program.forest.num_tokens if program.forest else 0]
     external = arrays_name is not None and max(sizes) > inline_limit
-    if external:
-        lines.append(f"arrays {json.dumps(arrays_name)}")
     for name, ms in program.provenance:
-        lines.append(f"pass name={json.dumps(name)} ms={ms!r}")
+        lines.append(f"pass name={json.dumps(name)}" + (f" ms={ms!r}" if timings else ""))
     for name, text in program.notes:
+        if not timings:
+            fields = json.loads(text)
+            text = json.dumps({k: v for k, v in fields.items() if not is_wall_clock(k)}
+                              if isinstance(fields, dict) else fields)
         lines.append(f"note pass={json.dumps(name)} json={json.dumps(text)}")
     batch = program.trajectories
     if batch is not None:
@@ -101,28 +121,9 @@ def format_program(program: Program, arrays_name: str | None = None,
         for k in range(m.num_microbatches):
             lines.append(f"mb rank={int(m.mb_rank[k])} slot={int(m.mb_slot[k])} "
                          f"trees={_ints(m.trees_of(k))}")
+    if external:
+        lines.insert(1, f"arrays {json.dumps(arrays_name)} sha256={arrays_digest(arrays)}")
     return "\n".join(lines) + "\n", arrays
-
-
-def write_hir(program: Program, path: str | Path, inline_limit: int = 4096) -> Path:
-    path = Path(path)
-    arrays_path = path.with_suffix(".npz")
-    text, arrays = format_program(program, arrays_path.name, inline_limit)
-    path.write_text(text)
-    if arrays:
-        np.savez(arrays_path, **arrays)
-    return path
-
-
-def read_hir(path: str | Path) -> Program:
-    path = Path(path)
-    text = path.read_text()
-    arrays = None
-    match = re.search(r'^arrays ("(?:[^"\\]|\\.)*")$', text, re.M)
-    if match:
-        with np.load(path.parent / json.loads(match.group(1))) as data:
-            arrays = {key: data[key] for key in data.files}
-    return parse_hir(text, arrays)
 
 
 def _value(raw: str):
@@ -181,7 +182,7 @@ def _col(records, key) -> np.ndarray:
 
 def _build(records: dict, arrays: dict | None) -> Program:
     arrays = arrays or {}
-    provenance = tuple((r["name"], float(r["ms"])) for r in records.get("pass", []))
+    provenance = tuple((r["name"], float(r.get("ms", 0.0))) for r in records.get("pass", []))
     notes = tuple((r["pass"], r["json"]) for r in records.get("note", []))
     batch = None
     if "trajectories" in records:

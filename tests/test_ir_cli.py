@@ -3,6 +3,7 @@ import numpy as np
 
 from harts_compiler import CompileOptions, TreeBatch, compile
 from harts_compiler.cli import main
+from harts_compiler.ir import arrays_path
 
 
 def _dump(tmp_path):
@@ -24,8 +25,8 @@ def test_node_token_lists_are_abridged_unless_full(tmp_path, capsys):
 
 def test_npz_side_file_is_a_clear_error(tmp_path, capsys):
     hir = _dump(tmp_path)
-    assert main(["ir", str(hir.with_suffix(".npz"))]) == 2
-    assert "not a .hir text file" in capsys.readouterr().err
+    assert main(["ir", str(arrays_path(hir))]) == 2
+    assert "is an arrays file, not a .hir" in capsys.readouterr().err
 
 
 def test_bench_command_names_the_available_benchmarks(capsys):
