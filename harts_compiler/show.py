@@ -1,0 +1,346 @@
+"""`harts show`: a plan as text (each tree's nodes, then the rank x slot load table) and, with --png, a picture.
+
+The input is a saved plan (`.hir`) or a JSONL batch, compiled here with the same option flags as
+`harts compile`. Everything shown is read from the plan itself (the forest, the replay-min sequences,
+the schedule) and from the cost model the plan was compiled with, so what you see is what runs.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError
+
+# option flag -> CompileOptions field; the defaults (shown in --help) are CompileOptions' own
+COMPILE_FLAGS = {
+    "--chunk-size": ("chunk_size", int, "linear-attention chunk C (chunk boundaries, replays)"),
+    "--conv-width": ("conv_width", int, "short-conv width"),
+    "--microbatch-tokens": ("microbatch_tokens", int, "compact-token budget per microbatch"),
+    "--dp-size": ("dp_size", int, "data-parallel ranks"),
+    "--vocab-size": ("vocab_size", int, "reject token ids >= this"),
+    "--objective": ("objective", str, "schedule objective: sum_of_slot_max or max_rank_total"),
+    "--schedule-time-limit": ("schedule_time_limit_s", float, "CP-SAT planner time limit, seconds"),
+    "--split-time-limit": ("split_time_limit_s", float, "CP-SAT time for the cuts of oversize trees, seconds"),
+    "--cost-model": ("cost_model", str, "fitted cost-model JSON"),
+    "--linear-layers": ("linear_layers", int, "the model's linear-attention layers (cost model)"),
+    "--full-layers": ("full_layers", int, "the model's full-attention layers (cost model)"),
+}
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node of a laid-out tree as `show` prints and draws it (positions are token depths)."""
+
+    node: int
+    level: int  # nodes above it in its tree
+    parent: int
+    start: int  # position of its first token
+    end: int  # one past its last token's position
+    shared: int  # trajectories whose path contains it
+    children: int
+    ends: tuple[str, ...]  # trajectories that end here
+    continuation: bool  # continues its parent's linear-attention sequence (no replay, same round)
+    round: int | None  # round of the sequence holding its first token (None: no sequences yet)
+    replay: int  # ancestor tokens its sequence re-reads (0 for a continuation)
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class TreeView:
+    tree: int
+    name: str
+    nodes: list[NodeView]  # preorder (layout order), continuation child first
+    trajectories: int
+    trajectory_tokens: int
+    rounds: int | None
+    replay: int
+    sequences: int
+    cell: tuple[int, int] | None  # (rank, slot) it is scheduled on
+
+    @property
+    def compact_tokens(self) -> int:
+        return sum(node.tokens for node in self.nodes)
+
+
+@dataclass(frozen=True)
+class CellLoad:
+    rank: int
+    slot: int
+    compact_tokens: int
+    trajectories: int
+    rounds: int
+    predicted_ms: float
+
+
+def tree_view(plan, tree: int) -> TreeView:
+    forest, seqs, mbs = plan.program.forest, plan.program.sequences, plan.program.microbatches
+    nodes = np.flatnonzero(forest.node_tree == tree)
+    kids = np.bincount(forest.node_parent[forest.node_parent >= 0], minlength=forest.num_nodes)
+    ends: dict[int, list[str]] = {}
+    for j in np.flatnonzero(forest.node_tree[forest.traj_end_node] == tree).tolist():
+        ends.setdefault(int(forest.traj_end_node[j]), []).append(forest.traj_ids[j])
+    levels: dict[int, int] = {}
+    views = []
+    for v in nodes.tolist():
+        parent = int(forest.node_parent[v])
+        levels[v] = levels[parent] + 1 if parent >= 0 else 0  # preorder: the parent came first
+        start = int(forest.node_position[v])
+        continuation = parent >= 0 and int(forest.node_cont_child[parent]) == v
+        round_, replay = None, 0
+        if seqs is not None:  # the sequence whose own rows hold the node's first compact token
+            s = int(np.searchsorted(seqs.seq_own_start, forest.node_start[v], side="right")) - 1
+            round_ = int(seqs.seq_round[s])
+            if int(seqs.seq_own_start[s]) == int(forest.node_start[v]):
+                replay = int(seqs.replay_ptr[s + 1] - seqs.replay_ptr[s])
+        views.append(NodeView(node=v, level=levels[v], parent=parent, start=start,
+                              end=start + int(forest.node_length[v]), shared=int(forest.node_multiplicity[v]),
+                              children=int(kids[v]), ends=tuple(ends.get(v, ())), continuation=continuation,
+                              round=round_, replay=replay))
+    traj = forest.node_tree[forest.traj_end_node] == tree
+    cell = None
+    if mbs is not None:
+        m = int(np.searchsorted(mbs.mb_tree_ptr, int(np.flatnonzero(mbs.mb_trees == tree)[0]), side="right")) - 1
+        cell = (int(mbs.mb_rank[m]), int(mbs.mb_slot[m]))
+    in_tree = seqs.seq_tree == tree if seqs is not None else None
+    return TreeView(tree=tree, name=forest.tree_ids[tree], nodes=views, trajectories=int(traj.sum()),
+                    trajectory_tokens=int(forest.traj_length[traj].sum()),
+                    rounds=int(seqs.tree_rounds[tree]) if seqs is not None else None,
+                    replay=int(np.diff(seqs.replay_ptr)[in_tree].sum()) if seqs is not None else 0,
+                    sequences=int(in_tree.sum()) if seqs is not None else 0, cell=cell)
+
+
+def cost_model_of(plan):
+    """(CostModel, LayerCounts) the plan's schedule was planned with (its options name them)."""
+    from .passes.cost_model import CostModelError, LayerCounts, default_cost_model, load_cost_model
+
+    options = plan.options
+    try:
+        model = default_cost_model() if options.cost_model == "default" else load_cost_model(options.cost_model)
+    except CostModelError as error:
+        raise InputError(f"option cost_model: {error}") from None
+    return model, LayerCounts.stated(options.linear_layers, options.full_layers)
+
+
+def describe_cost_model(model) -> str:
+    if model.source == "default":
+        return "built-in guesses, not a fit"
+    return f"{Path(model.source).name}, fitted on {model.device} {model.date}".rstrip()
+
+
+def cell_loads(plan) -> list[CellLoad]:
+    """Every scheduled microbatch's load and predicted fwd+bwd time, ordered by (rank, slot)."""
+    from .passes.cost_model import features
+
+    model, layers = cost_model_of(plan)
+    return [CellLoad(rank=mb.rank, slot=mb.slot, compact_tokens=mb.compact_tokens, trajectories=mb.trajectories,
+                     rounds=mb.rounds, predicted_ms=model.predict(features(mb), layers))
+            for mb in plan.microbatches()]
+
+
+# -- text -------------------------------------------------------------------------------------
+
+def _chunks_text(node: NodeView, chunk: int) -> str:
+    """The chunks the node's tokens fall in and the chunk boundaries that cut through it."""
+    first, last = node.start // chunk, (node.end - 1) // chunk
+    cuts = [b for b in range(first * chunk + chunk, node.end, chunk)]
+    text = f"{first}" if first == last else f"{first}-{last}"
+    if cuts:
+        text += f", cut at {cuts[0]}" if len(cuts) == 1 else f", {len(cuts)} cuts"
+    return text
+
+
+def _sequence_text(node: NodeView) -> str:
+    if node.round is None:
+        return ""
+    if node.continuation:
+        return f"round {node.round}, continues"
+    return f"round {node.round}, replay {node.replay}"
+
+
+def _ends_text(ends: tuple[str, ...], keep: int = 3) -> str:
+    if not ends:
+        return ""
+    shown = ", ".join(ends[:keep])
+    return f"ends {shown}" + (f" (+{len(ends) - keep})" if len(ends) > keep else "")
+
+
+def format_tree(view: TreeView, chunk: int, max_nodes: int) -> str:
+    where = f", rank {view.cell[0]} slot {view.cell[1]}" if view.cell is not None else ""
+    compression = view.trajectory_tokens / view.compact_tokens if view.compact_tokens else 0.0
+    rounds = f", {view.rounds} rounds, {view.sequences} sequences, {view.replay:,} replay tokens" \
+        if view.rounds is not None else ""
+    head = (f"tree {view.name!r}: {view.trajectories:,} trajectories ({view.trajectory_tokens:,} tokens), "
+            f"{len(view.nodes):,} nodes, {view.compact_tokens:,} compact tokens ({compression:.2f}x){rounds}{where}")
+    shown = view.nodes[:max_nodes]
+    labels, last_child = [], {}
+    for node in view.nodes:  # the last child of each parent, for the tree drawing
+        last_child[node.parent] = node.node
+    open_levels: list[bool] = []  # per level above: does a later sibling still follow (draw a bar)
+    for node in shown:
+        del open_levels[max(node.level - 1, 0):]
+        if node.level == 0:
+            labels.append(f"{node.node}")
+            continue
+        is_last = last_child[node.parent] == node.node
+        stem = "".join("│  " if more else "   " for more in open_levels)
+        labels.append(f"{stem}{'└─ ' if is_last else '├─ '}{node.node}")
+        open_levels.append(not is_last)
+    width = max([len(label) for label in labels] + [4])
+    columns = f"  {'node':<{width}}  {'positions':>15}  {'tokens':>7}  {'shared':>6}  {'branch':>6}  " \
+        f"{f'chunks (C={chunk})':<20}  {'linear-attention sequence':<26}  trajectories"
+    lines = [head, columns]
+    for label, node in zip(labels, shown):
+        branch = str(node.children) if node.children > 1 else ""
+        row = (f"  {label:<{width}}  {f'[{node.start:,}, {node.end:,})':>15}  {node.tokens:>7,}  {node.shared:>6,}  "
+               f"{branch:>6}  {_chunks_text(node, chunk):<20}  {_sequence_text(node):<26}  {_ends_text(node.ends)}")
+        lines.append(row.rstrip())
+    if len(view.nodes) > len(shown):
+        lines.append(f"  ... {len(view.nodes) - len(shown):,} more nodes (--nodes {len(view.nodes)} shows them)")
+    return "\n".join(lines)
+
+
+def format_loads(loads: list[CellLoad], dp_size: int, model_source: str) -> str:
+    """The rank x slot table (one row per slot: ranks run slots in lockstep) with totals and imbalance."""
+    slots = max(load.slot for load in loads) + 1
+    grid = {(load.rank, load.slot): load for load in loads}
+    cell_width = 27
+
+    def cell(load: CellLoad | None) -> str:
+        if load is None:
+            return f"{'-':>{cell_width}}"
+        return f"{f'{load.compact_tokens:,} tok {load.trajectories:,} tr {load.predicted_ms:,.1f} ms':>{cell_width}}"
+
+    lines = [f"schedule: {dp_size} ranks x {slots} slots; cells: compact tokens, trajectories, predicted fwd+bwd ms "
+             f"(cost model: {model_source})",
+             f"  {'':<8}" + "".join(f"{f'rank {r}':>{cell_width}}" for r in range(dp_size)) + f"{'slot time':>12}"]
+    slot_times = []
+    for s in range(slots):
+        row = [grid.get((r, s)) for r in range(dp_size)]
+        slot_times.append(max((load.predicted_ms for load in row if load is not None), default=0.0))
+        lines.append(f"  {f'slot {s}':<8}" + "".join(cell(load) for load in row) + f"{slot_times[-1]:>9,.1f} ms")
+    totals = []
+    for r in range(dp_size):
+        mine = [load for load in loads if load.rank == r]
+        totals.append(CellLoad(r, -1, sum(m.compact_tokens for m in mine), sum(m.trajectories for m in mine), 0,
+                               sum(m.predicted_ms for m in mine)))
+    step = sum(slot_times)
+    lines.append(f"  {'total':<8}" + "".join(cell(t) for t in totals) + f"{step:>9,.1f} ms")
+    ms = np.array([t.predicted_ms for t in totals])
+    tokens = np.array([t.compact_tokens for t in totals], np.float64)
+    balanced = ms.mean()  # the step if every rank had the same work and slots cost nothing to align
+    lines.append(f"imbalance: slowest rank {ms.max():,.1f} ms / mean {ms.mean():,.1f} ms = "
+                 f"{ms.max() / ms.mean() if ms.mean() else 1.0:.3f}x; tokens max / mean = "
+                 f"{tokens.max() / tokens.mean() if tokens.mean() else 1.0:.3f}x; lockstep step (sum of slot times) "
+                 f"{step:,.1f} ms = {step / balanced if balanced else 1.0:.3f}x the balanced {balanced:,.1f} ms")
+    idle = [r for r in range(dp_size) if totals[r].compact_tokens == 0]
+    if idle:
+        lines.append(f"idle ranks: {', '.join(map(str, idle))} (fewer trees or parts than ranks)")
+    return "\n".join(lines)
+
+
+# -- command ----------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    from .options import CompileOptions
+
+    parser = argparse.ArgumentParser(prog="harts show", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Compile options (JSONL input only; a plan keeps the options it was "
+                                            "compiled with) take CompileOptions' defaults.")
+    parser.add_argument("input", help="a saved plan (.hir) or a JSONL batch ('-': standard input)")
+    parser.add_argument("--trees", type=int, default=3, metavar="N", help="trees to print and draw, in tree "
+                        "order; 0 = all (default: %(default)s)")
+    parser.add_argument("--nodes", type=int, default=60, metavar="N",
+                        help="nodes printed per tree, in layout order (default: %(default)s)")
+    parser.add_argument("--png", metavar="FILE", help="also draw the trees and the schedule into FILE (PNG; needs "
+                        "matplotlib: pip install 'harts-compiler[show]')")
+    defaults = CompileOptions.model_fields
+    for flag, (name, kind, text) in COMPILE_FLAGS.items():
+        parser.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
+                            help=f"{text} (default: {defaults[name].default})")
+    return parser
+
+
+def load_plan(source: str, given: dict):
+    """The plan of a saved `.hir`, or of a JSONL batch compiled with the `given` options."""
+    from . import CompileOptions, Plan, TreeBatch, compile
+    from .ir import IRError
+
+    if source == "-":
+        return compile(TreeBatch.from_jsonl_lines(sys.stdin.buffer), CompileOptions.checked(**given))
+    path = Path(source)
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, not a plan (.hir) or a JSONL batch")
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    if path.suffix != ".hir":
+        return compile(TreeBatch.load(path), CompileOptions.checked(**given))
+    if given:
+        flags = ", ".join(flag for flag, (name, _, _) in COMPILE_FLAGS.items() if name in given)
+        raise InputError(f"{flags}: a saved plan keeps the options it was compiled with (give the JSONL batch "
+                         "to compile with others)")
+    try:
+        plan = Plan.load(path)  # an ArtifactError names the files itself and reaches the CLI as it is
+    except IRError as error:
+        raise InputError(f"{path}: {error}") from None
+    except AttributeError:  # Plan.load needs a forest; an input-stage dump has none
+        raise InputError(f"{path}: holds no forest (an input-stage dump): show needs a compiled plan") from None
+    if not plan.program.forest.laid_out:
+        raise InputError(f"{path}: stage {plan.program.stage}: show needs a laid-out plan (harts compile -o)")
+    return plan
+
+
+def check_png_path(png: str) -> None:
+    path = Path(png)
+    if path.is_dir():
+        raise InputError(f"--png {png}: is a directory")
+    if not path.parent.is_dir():
+        raise InputError(f"--png {png}: directory {path.parent} does not exist")
+
+
+def show_main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.trees < 0 or args.nodes < 1:
+        raise InputError(f"--trees {args.trees} / --nodes {args.nodes}: need --trees >= 0 (0 = all) and --nodes >= 1")
+    if args.png:
+        check_png_path(args.png)  # refused before a long compile, not after it
+        try:
+            import matplotlib  # noqa: F401  (only to say what is missing before compiling)
+        except ImportError:
+            raise InputError("--png needs matplotlib: install harts-compiler[show]") from None
+    given = {name: getattr(args, name) for name, _, _ in COMPILE_FLAGS.values() if hasattr(args, name)}
+    plan = load_plan(args.input, given)
+    forest = plan.program.forest
+    count = forest.num_trees if args.trees == 0 else min(args.trees, forest.num_trees)
+    views = [tree_view(plan, t) for t in range(count)]
+    stats = plan.stats
+    print(f"{stats['trajectories']:,} trajectories in {stats['trees']:,} trees, {stats['nodes']:,} nodes; "
+          f"{stats['trajectory_tokens']:,} trajectory tokens -> {stats['compact_tokens']:,} compact "
+          f"({stats['compression']:.2f}x), {stats['replay_tokens']:,} replay tokens, "
+          f"chunk size {plan.options.chunk_size}")
+    for view in views:
+        print()
+        print(format_tree(view, plan.options.chunk_size, args.nodes))
+    if count < forest.num_trees:
+        print(f"\n... {forest.num_trees - count:,} more trees not shown (--trees 0 shows all)")
+    loads = []
+    if plan.program.microbatches is not None:
+        loads = cell_loads(plan)
+        print()
+        print(format_loads(loads, plan.program.microbatches.dp_size, describe_cost_model(cost_model_of(plan)[0])))
+    else:
+        print("\nnot scheduled: no rank x slot table (the plan stops before the schedule pass)")
+    if args.png:
+        from .show_png import draw_plan
+        draw_plan(args.png, views, loads, plan.options.chunk_size,
+                  plan.program.microbatches.dp_size if plan.program.microbatches is not None else 0)
+        print(f"\nwrote {args.png}")
+    return 0

@@ -1,0 +1,193 @@
+"""`harts show`: the printed trees and load table agree with counts worked out by hand; --png writes a PNG;
+bad input is one line and exit 2."""
+import json
+import re
+import sys
+
+import pytest
+
+import harts_compiler as hc
+from harts_compiler.cli import main
+
+CHUNK = 4
+# Tree 1: a root of 6 tokens shared by all four, then "7 8 9 10" (a) and "20" (b, c, d), which branches into
+# "21 22" (b) and "30" (c ends there, d continues with "31"). Tree 2: "50 51" then "52" (e) and "53 54" (f).
+TRAJECTORIES = {
+    "a": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    "b": [1, 2, 3, 4, 5, 6, 20, 21, 22],
+    "c": [1, 2, 3, 4, 5, 6, 20, 30],
+    "d": [1, 2, 3, 4, 5, 6, 20, 30, 31],
+    "e": [50, 51, 52],
+    "f": [50, 51, 53, 54],
+}
+# (start, end) -> (shared, children, trajectories ending there, chunks text with C=4)
+TREE_1 = {
+    (0, 6): (4, 2, "", "0-1, cut at 4"),
+    (6, 10): (1, 0, "a", "1-2, cut at 8"),
+    (6, 7): (3, 2, "", "1"),
+    (7, 9): (1, 0, "b", "1-2, cut at 8"),
+    (7, 8): (2, 1, "c", "1"),
+    (8, 9): (1, 0, "d", "2"),
+}
+TREE_2 = {(0, 2): (2, 2, "", "0"), (2, 3): (1, 0, "e", "0"), (2, 4): (1, 0, "f", "0")}
+
+ROW = re.compile(r"^  [│├└─ ]*(?P<node>\d+)\s+\[(?P<start>[\d,]+), (?P<end>[\d,]+)\)\s+(?P<tokens>[\d,]+)\s+"
+                 r"(?P<shared>[\d,]+)\s+(?:(?P<branch>\d+)\s+)?(?P<chunks>\d+(?:-\d+)?(?:, cut at \d+|, \d+ cuts)?)"
+                 r"\s+round (?P<round>\d+), (?P<sequence>continues|replay \d+)(?:\s+ends (?P<ends>.*))?$")
+CELL = re.compile(r"([\d,]+) tok ([\d,]+) tr ([\d,.]+) ms")
+
+
+def _number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def parse_trees(text: str) -> list[list[dict]]:
+    """The node rows of each printed tree (a tree starts at its `tree '...'` header)."""
+    trees = []
+    for line in text.splitlines():
+        if line.startswith("tree '"):
+            trees.append([])
+        match = ROW.match(line)
+        if match:
+            trees[-1].append(match.groupdict())
+    return trees
+
+
+@pytest.fixture
+def batch_file(tmp_path):
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps({"id": key, "tokens": tokens}) + "\n" for key, tokens in TRAJECTORIES.items()))
+    return path
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tree_rows_match_the_hand_counts(batch_file, capsys):
+    code, out, _ = run(["show", str(batch_file), "--chunk-size", str(CHUNK), "--dp-size", "2", "--trees", "0"], capsys)
+    assert code == 0
+    trees = parse_trees(out)
+    assert len(trees) == 2
+    by_root = {len(rows): rows for rows in trees}
+    for expected, rows in ((TREE_1, by_root[6]), (TREE_2, by_root[3])):
+        seen = {}
+        for row in rows:
+            start, end = _number(row["start"]), _number(row["end"])
+            assert _number(row["tokens"]) == end - start
+            seen[(start, end)] = (_number(row["shared"]), int(row["branch"] or 0), row["ends"] or "", row["chunks"])
+            # A node that does not continue its parent's sequence starts at the aligned boundary below its
+            # first token and replays the ancestor tokens in between.
+            if row["sequence"] != "continues":
+                assert row["sequence"] == f"replay {start % CHUNK}"
+        assert {key: (shared, children if children > 1 else 0, ends, chunks)
+                for key, (shared, children, ends, chunks) in expected.items()} == seen
+        roots = [row for row in rows if not row["sequence"] == "continues" and row["start"] == "0"]
+        assert len(roots) == 1 and roots[0]["round"] == "0"
+    # one child of every inner node continues its parent's sequence, the others start sequences of their own:
+    # inner nodes are both roots, "20" and "30"
+    continuing = sum(row["sequence"] == "continues" for rows in trees for row in rows)
+    assert continuing == 4
+    plan = hc.compile(hc.TreeBatch.load(batch_file), hc.CompileOptions(chunk_size=CHUNK, dp_size=2))
+    replay = sum(int(row["sequence"].split()[1]) for rows in trees for row in rows if row["sequence"] != "continues")
+    assert replay == plan.stats["replay_tokens"]
+    assert "trees not shown" not in out
+
+
+def test_load_table_totals(batch_file, capsys):
+    code, out, _ = run(["show", str(batch_file), "--chunk-size", str(CHUNK), "--dp-size", "2"], capsys)
+    assert code == 0
+    table = out[out.index("schedule: 2 ranks x 1 slots"):]
+    slot_line = next(line for line in table.splitlines() if line.strip().startswith("slot 0"))
+    cells = [(_number(tok), _number(tr), float(ms.replace(",", ""))) for tok, tr, ms in CELL.findall(slot_line)]
+    assert len(cells) == 2  # two trees on two ranks, one slot
+    compact = sum(end - start for tree in (TREE_1, TREE_2) for start, end in tree)
+    assert sum(tok for tok, _, _ in cells) == compact == 20
+    assert sorted(tr for _, tr, _ in cells) == [2, 4]
+    assert all(ms > 0 for _, _, ms in cells)
+    slot_time = float(re.search(r"([\d,.]+) ms$", slot_line).group(1).replace(",", ""))
+    assert slot_time == pytest.approx(max(ms for _, _, ms in cells), abs=0.06)
+    assert "imbalance: slowest rank" in table
+
+
+def test_tree_limit_says_what_was_left_out(batch_file, capsys):
+    code, out, _ = run(["show", str(batch_file), "--chunk-size", str(CHUNK), "--trees", "1"], capsys)
+    assert code == 0
+    assert len(parse_trees(out)) == 1
+    assert "1 more trees not shown" in out
+    code, out, _ = run(["show", str(batch_file), "--chunk-size", str(CHUNK), "--trees", "1", "--nodes", "2"], capsys)
+    assert len(parse_trees(out)[0]) == 2 and "more nodes" in out
+
+
+def test_saved_plan_shows_like_its_batch(batch_file, tmp_path, capsys):
+    plan = hc.compile(hc.TreeBatch.load(batch_file), hc.CompileOptions(chunk_size=CHUNK, dp_size=2))
+    saved = tmp_path / "plan.hir"
+    plan.save(saved)
+    _, from_batch, _ = run(["show", str(batch_file), "--chunk-size", str(CHUNK), "--dp-size", "2"], capsys)
+    code, from_plan, _ = run(["show", str(saved)], capsys)
+    assert code == 0 and from_plan == from_batch
+    code, _, err = run(["show", str(saved), "--dp-size", "4"], capsys)
+    assert code == 2 and "--dp-size" in err and len(err.splitlines()) == 1
+
+
+def test_png_is_written(batch_file, tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    code, out, _ = run(["show", str(batch_file), "--chunk-size", str(CHUNK), "--dp-size", "2", "--png", str(png)],
+                       capsys)
+    assert code == 0 and f"wrote {png}" in out
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+def _bad(tmp_path):
+    not_json = tmp_path / "bad.jsonl"
+    not_json.write_text('{"id": "a", "tokens": [1, 2\n')
+    not_hir = tmp_path / "bad.hir"
+    not_hir.write_text("this is not a plan\n")
+    return {"missing": [str(tmp_path / "none.jsonl")], "directory": [str(tmp_path)], "jsonl": [str(not_json)],
+            "hir": [str(not_hir)]}
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "jsonl", "hir", "png-dir-missing", "png-is-dir",
+                                  "trees"])
+def test_bad_input_is_one_line_and_exit_2(case, batch_file, tmp_path, capsys):
+    argv = {**_bad(tmp_path),
+            "png-dir-missing": [str(batch_file), "--png", str(tmp_path / "no" / "such" / "x.png")],
+            "png-is-dir": [str(batch_file), "--png", str(tmp_path)],
+            "trees": [str(batch_file), "--trees", "-1"]}[case]
+    code, out, err = run(["show", *argv], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("harts show: ") and "Traceback" not in err
+    assert not out
+
+
+def test_png_without_matplotlib(batch_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    code, _, err = run(["show", str(batch_file), "--png", str(tmp_path / "x.png")], capsys)
+    assert code == 2 and "install harts-compiler[show]" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_generated_batch_invariants(tmp_path, capsys):
+    """On a generated batch: every trajectory token is counted once over (node tokens x shared), each
+    trajectory ends at exactly one node, and the table's cells add up to the plan's compact tokens."""
+    from harts_compiler.generator import generate, write_jsonl
+
+    path = tmp_path / "gen.jsonl"
+    write_jsonl(generate("swe", 0, tasks=2, rollouts=3, scale=0.01), path, "flat")
+    batch = hc.TreeBatch.load(path)
+    code, out, _ = run(["show", str(path), "--trees", "0", "--nodes", "100000", "--dp-size", "2",
+                        "--microbatch-tokens", "2000"], capsys)
+    assert code == 0
+    rows = [row for rows in parse_trees(out) for row in rows]
+    plan = hc.compile(batch, hc.CompileOptions(dp_size=2, microbatch_tokens=2000))
+    assert len(rows) == plan.stats["nodes"]
+    assert sum(_number(r["tokens"]) * _number(r["shared"]) for r in rows) == batch.tokens.size
+    ends = [name.strip() for r in rows if r["ends"] for name in r["ends"].split(",") if "+" not in name]
+    assert len(ends) <= len(batch) and set(ends) <= set(batch.ids)
+    table = out[out.index("schedule: "):].splitlines()
+    total = sum(_number(tok) for line in table if line.strip().startswith("slot ") for tok, _, _ in CELL.findall(line))
+    assert total == plan.stats["compact_tokens"]
