@@ -19,7 +19,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "run a benchmark of bench/ (default e2e: tree vs trajectory-wise step)"),
     "gen": ("harts_compiler.generator:gen_main", "generate a seeded rollout batch (JSONL)"),
     "show": ("harts_compiler.show:show_main", "print a plan's trees and rank x slot loads (--png: draw them)"),
-    "show": ("harts_compiler.show:show_main", "print a plan's trees and rank x slot loads (--png: draw them)"),
 }
 
 
