@@ -33,6 +33,7 @@ from . import derive
 from .errors import IRError
 from .forest import Forest
 from .program import Microbatches, Program, Sequences, Trajectories
+from .text_checks import check_fields, check_records
 
 VERSION = 1
 _FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\[[^\]]*\]|\S+)')
@@ -144,6 +145,7 @@ def _value(raw: str):
 
 
 def parse_hir(text: str, arrays: dict | None = None) -> Program:
+    """Program of `.hir` text; every record is checked (`ir.text_checks`) before anything is derived from it."""
     records: dict[str, list[dict]] = {}
     header = None
     for number, line in enumerate(text.splitlines(), start=1):
@@ -152,17 +154,24 @@ def parse_hir(text: str, arrays: dict | None = None) -> Program:
             continue
         kind, _, rest = line.partition(" ")
         if kind == "hir":
+            if header is not None or not rest.isdigit():
+                raise IRError(f".hir line {number}: the header 'hir {VERSION}' must come once, first")
             header = int(rest)
             continue
+        if header != VERSION:
+            raise IRError(f".hir line {number}: missing or unsupported header (want 'hir {VERSION}' first)")
         if kind == "arrays":
             continue
         try:
             fields = {k: _value(v) for k, v in _FIELD.findall(rest)}
         except (ValueError, json.JSONDecodeError) as exc:
             raise IRError(f".hir line {number}: cannot parse {line[:80]!r}: {exc}") from None
+        check_fields(kind, fields, number)
+        fields["_line"] = number
         records.setdefault(kind, []).append(fields)
     if header != VERSION:
         raise IRError(f".hir: missing or unsupported header 'hir {VERSION}'")
+    check_records(records, arrays or {})
     try:
         return _build(records, arrays)
     except (KeyError, IndexError, TypeError) as exc:

@@ -149,5 +149,5 @@ def test_verify_names_broken_invariant(program, part, field, mutate, message):
 def test_parse_errors():
     with pytest.raises(IRError, match="header"):
         parse_hir("forest laid_out=1\n")
-    with pytest.raises(IRError, match="malformed"):
+    with pytest.raises(IRError, match="line 2: forest record lacks field 'nodes'"):
         parse_hir("hir 1\nforest laid_out=1 conv_width=4\nnode parent=-1\n")
