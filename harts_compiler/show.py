@@ -79,41 +79,54 @@ class CellLoad:
     predicted_ms: float
 
 
-def tree_view(plan, tree: int) -> TreeView:
+def tree_views(plan, count: int) -> list[TreeView]:
+    """Views of the plan's first `count` trees; the batch-wide tables are built once (O(nodes + trajectories))."""
     forest, seqs, mbs = plan.program.forest, plan.program.sequences, plan.program.microbatches
-    nodes = np.flatnonzero(forest.node_tree == tree)
-    kids = np.bincount(forest.node_parent[forest.node_parent >= 0], minlength=forest.num_nodes)
+    has_parent = forest.node_parent >= 0
+    kids = np.bincount(forest.node_parent[has_parent], minlength=forest.num_nodes)
+    traj_tree = forest.node_tree[forest.traj_end_node]
+    per_tree_traj = np.bincount(traj_tree, minlength=forest.num_trees)
+    per_tree_traj_tokens = np.bincount(traj_tree, weights=forest.traj_length, minlength=forest.num_trees)
     ends: dict[int, list[str]] = {}
-    for j in np.flatnonzero(forest.node_tree[forest.traj_end_node] == tree).tolist():
+    for j in np.flatnonzero(traj_tree < count).tolist():
         ends.setdefault(int(forest.traj_end_node[j]), []).append(forest.traj_ids[j])
-    levels: dict[int, int] = {}
-    views = []
-    for v in nodes.tolist():
-        parent = int(forest.node_parent[v])
-        levels[v] = levels[parent] + 1 if parent >= 0 else 0  # preorder: the parent came first
-        start = int(forest.node_position[v])
-        continuation = parent >= 0 and int(forest.node_cont_child[parent]) == v
-        round_, replay = None, 0
-        if seqs is not None:  # the sequence whose own rows hold the node's first compact token
-            s = int(np.searchsorted(seqs.seq_own_start, forest.node_start[v], side="right")) - 1
-            round_ = int(seqs.seq_round[s])
-            if int(seqs.seq_own_start[s]) == int(forest.node_start[v]):
-                replay = int(seqs.replay_ptr[s + 1] - seqs.replay_ptr[s])
-        views.append(NodeView(node=v, level=levels[v], parent=parent, start=start,
-                              end=start + int(forest.node_length[v]), shared=int(forest.node_multiplicity[v]),
-                              children=int(kids[v]), ends=tuple(ends.get(v, ())), continuation=continuation,
-                              round=round_, replay=replay))
-    traj = forest.node_tree[forest.traj_end_node] == tree
-    cell = None
+    node_order = np.argsort(forest.node_tree, kind="stable")  # each tree's nodes, in layout (preorder) order
+    node_bounds = np.searchsorted(forest.node_tree[node_order], np.arange(count + 1))
+    seq_of_node = replay_of_seq = None
+    if seqs is not None:  # the sequence whose own rows hold each node's first compact token
+        seq_of_node = np.searchsorted(seqs.seq_own_start, forest.node_start, side="right") - 1
+        replay_of_seq = np.diff(seqs.replay_ptr)
+    cell_of_tree = {}
     if mbs is not None:
-        m = int(np.searchsorted(mbs.mb_tree_ptr, int(np.flatnonzero(mbs.mb_trees == tree)[0]), side="right")) - 1
-        cell = (int(mbs.mb_rank[m]), int(mbs.mb_slot[m]))
-    in_tree = seqs.seq_tree == tree if seqs is not None else None
-    return TreeView(tree=tree, name=forest.tree_ids[tree], nodes=views, trajectories=int(traj.sum()),
-                    trajectory_tokens=int(forest.traj_length[traj].sum()),
-                    rounds=int(seqs.tree_rounds[tree]) if seqs is not None else None,
-                    replay=int(np.diff(seqs.replay_ptr)[in_tree].sum()) if seqs is not None else 0,
-                    sequences=int(in_tree.sum()) if seqs is not None else 0, cell=cell)
+        for m in range(mbs.num_microbatches):
+            for t in mbs.trees_of(m).tolist():
+                cell_of_tree[t] = (int(mbs.mb_rank[m]), int(mbs.mb_slot[m]))
+    views = []
+    for tree in range(count):
+        levels: dict[int, int] = {}
+        nodes = []
+        for v in node_order[node_bounds[tree]:node_bounds[tree + 1]].tolist():
+            parent = int(forest.node_parent[v])
+            levels[v] = levels[parent] + 1 if parent >= 0 else 0  # preorder: the parent came first
+            start = int(forest.node_position[v])
+            round_, replay = None, 0
+            if seqs is not None:
+                s = int(seq_of_node[v])
+                round_ = int(seqs.seq_round[s])
+                replay = int(replay_of_seq[s]) if int(seqs.seq_own_start[s]) == int(forest.node_start[v]) else 0
+            nodes.append(NodeView(node=v, level=levels[v], parent=parent, start=start,
+                                  end=start + int(forest.node_length[v]), shared=int(forest.node_multiplicity[v]),
+                                  children=int(kids[v]), ends=tuple(ends.get(v, ())),
+                                  continuation=parent >= 0 and int(forest.node_cont_child[parent]) == v,
+                                  round=round_, replay=replay))
+        in_tree = seqs.seq_tree == tree if seqs is not None else None
+        views.append(TreeView(tree=tree, name=forest.tree_ids[tree], nodes=nodes,
+                              trajectories=int(per_tree_traj[tree]), trajectory_tokens=int(per_tree_traj_tokens[tree]),
+                              rounds=int(seqs.tree_rounds[tree]) if seqs is not None else None,
+                              replay=int(replay_of_seq[in_tree].sum()) if seqs is not None else 0,
+                              sequences=int(in_tree.sum()) if seqs is not None else 0,
+                              cell=cell_of_tree.get(tree)))
+    return views
 
 
 def cost_model_of(plan):
@@ -189,16 +202,18 @@ def format_tree(view: TreeView, chunk: int, max_nodes: int) -> str:
             labels.append(f"{node.node}")
             continue
         is_last = last_child[node.parent] == node.node
-        stem = "".join("│  " if more else "   " for more in open_levels)
-        labels.append(f"{stem}{'└─ ' if is_last else '├─ '}{node.node}")
+        stem = "".join("│ " if more else "  " for more in open_levels)
+        labels.append(f"{stem}{'└─' if is_last else '├─'}{node.node}")
         open_levels.append(not is_last)
     width = max([len(label) for label in labels] + [4])
-    columns = f"  {'node':<{width}}  {'positions':>15}  {'tokens':>7}  {'shared':>6}  {'branch':>6}  " \
+    spans = [f"[{node.start:,}, {node.end:,})" for node in shown]
+    span_width = max([len(span) for span in spans] + [9])
+    columns = f"  {'node':<{width}}  {'positions':>{span_width}}  {'tokens':>7}  {'shared':>6}  {'branch':>6}  " \
         f"{f'chunks (C={chunk})':<20}  {'linear-attention sequence':<26}  trajectories"
     lines = [head, columns]
-    for label, node in zip(labels, shown):
+    for label, span, node in zip(labels, spans, shown):
         branch = str(node.children) if node.children > 1 else ""
-        row = (f"  {label:<{width}}  {f'[{node.start:,}, {node.end:,})':>15}  {node.tokens:>7,}  {node.shared:>6,}  "
+        row = (f"  {label:<{width}}  {span:>{span_width}}  {node.tokens:>7,}  {node.shared:>6,}  "
                f"{branch:>6}  {_chunks_text(node, chunk):<20}  {_sequence_text(node):<26}  {_ends_text(node.ends)}")
         lines.append(row.rstrip())
     if len(view.nodes) > len(shown):
@@ -320,7 +335,7 @@ def show_main(argv: list[str]) -> int:
     plan = load_plan(args.input, given)
     forest = plan.program.forest
     count = forest.num_trees if args.trees == 0 else min(args.trees, forest.num_trees)
-    views = [tree_view(plan, t) for t in range(count)]
+    views = tree_views(plan, count)
     stats = plan.stats
     print(f"{stats['trajectories']:,} trajectories in {stats['trees']:,} trees, {stats['nodes']:,} nodes; "
           f"{stats['trajectory_tokens']:,} trajectory tokens -> {stats['compact_tokens']:,} compact "

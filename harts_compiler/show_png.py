@@ -3,8 +3,9 @@
 Tree panels: one row per node in layout order (continuation child first, so a row's subtree follows it), a bar
 from the node's first to one past its last token position, shaded by how many trajectories share it; hatched
 bars in front of a node are the ancestor tokens its linear-attention sequence replays; dotted lines are chunk
-boundaries. Schedule panel: each rank's microbatches as bars of their predicted time, slot s starting when the
-slowest rank finished slot s - 1 (ranks run slots in lockstep), so white space is idle time.
+boundaries; a label "12  r1" names node 12 and the linear-attention round its first token runs in. Schedule
+panel: each rank's microbatches as bars of their predicted time, slot s starting when the slowest rank finished
+slot s - 1 (ranks run slots in lockstep), so white space is idle time.
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def _draw_tree(axis, view, chunk_size: int, norm, cmap) -> None:
         if node.parent in row_of:  # from the parent's end down to this node's row
             axis.plot([node.start, node.start], [row_of[node.parent] + 0.4, row - 0.4], color="0.55", lw=0.6)
         if len(view.nodes) <= MAX_NODE_LABELS:
-            axis.text(node.end, row, f" {node.node}", va="center", fontsize=6, color="0.3")
+            label = f" {node.node}" + (f"  r{node.round}" if node.round is not None else "")
+            axis.text(node.end, row, label, va="center", fontsize=6, color="0.3")
     deepest = max(node.end for node in view.nodes)
     boundaries = np.arange(chunk_size, deepest, chunk_size)
     if boundaries.size <= MAX_BOUNDARY_LINES:
