@@ -221,40 +221,45 @@ def format_tree(view: TreeView, chunk: int, max_nodes: int) -> str:
     return "\n".join(lines)
 
 
+def _grid(title: str, values: dict, dp_size: int, slots: int, number: str, last: str, combine) -> list[str]:
+    """One rank x slot block: a row per slot (ranks run slots in lockstep), a column per rank, then `last`
+    (`combine` of the row: the slot's time is its slowest rank, its tokens their sum) and a total row."""
+    rows = [[values.get((r, s)) for r in range(dp_size)] for s in range(slots)]
+    totals = [sum(row[r] or 0 for row in rows) for r in range(dp_size)]
+    tails = [combine([v for v in row if v is not None]) for row in rows]
+    text = [[format(v, number) if v is not None else "-" for v in row] for row in rows]
+    width = max([len(f"rank {dp_size - 1}")] + [len(format(v, number)) for v in totals + tails]) + 2
+    lines = [title, f"  {'':<8}" + "".join(f"{f'rank {r}':>{width}}" for r in range(dp_size)) + f"{last:>{width + 2}}"]
+    lines += [f"  {f'slot {s}':<8}" + "".join(f"{cell:>{width}}" for cell in text[s])
+              + f"{format(tails[s], number):>{width + 2}}" for s in range(slots)]
+    lines.append(f"  {'total':<8}" + "".join(f"{format(v, number):>{width}}" for v in totals)
+                 + f"{format(sum(tails), number):>{width + 2}}")
+    return lines
+
+
 def format_loads(loads: list[CellLoad], dp_size: int, model_source: str) -> str:
-    """The rank x slot table (one row per slot: ranks run slots in lockstep) with totals and imbalance."""
+    """The rank x slot tables (predicted ms, compact tokens, trajectories) with totals and imbalance."""
     slots = max(load.slot for load in loads) + 1
-    grid = {(load.rank, load.slot): load for load in loads}
-    cell_width = 27
 
-    def cell(load: CellLoad | None) -> str:
-        if load is None:
-            return f"{'-':>{cell_width}}"
-        return f"{f'{load.compact_tokens:,} tok {load.trajectories:,} tr {load.predicted_ms:,.1f} ms':>{cell_width}}"
+    def of(field: str) -> dict:
+        return {(load.rank, load.slot): getattr(load, field) for load in loads}
 
-    lines = [f"schedule: {dp_size} ranks x {slots} slots; cells: compact tokens, trajectories, predicted fwd+bwd ms "
-             f"(cost model: {model_source})",
-             f"  {'':<8}" + "".join(f"{f'rank {r}':>{cell_width}}" for r in range(dp_size)) + f"{'slot time':>12}"]
-    slot_times = []
-    for s in range(slots):
-        row = [grid.get((r, s)) for r in range(dp_size)]
-        slot_times.append(max((load.predicted_ms for load in row if load is not None), default=0.0))
-        lines.append(f"  {f'slot {s}':<8}" + "".join(cell(load) for load in row) + f"{slot_times[-1]:>9,.1f} ms")
-    totals = []
-    for r in range(dp_size):
-        mine = [load for load in loads if load.rank == r]
-        totals.append(CellLoad(r, -1, sum(m.compact_tokens for m in mine), sum(m.trajectories for m in mine), 0,
-                               sum(m.predicted_ms for m in mine)))
-    step = sum(slot_times)
-    lines.append(f"  {'total':<8}" + "".join(cell(t) for t in totals) + f"{step:>9,.1f} ms")
-    ms = np.array([t.predicted_ms for t in totals])
-    tokens = np.array([t.compact_tokens for t in totals], np.float64)
+    slot_max = lambda row: max(row, default=0.0)  # noqa: E731  (a slot lasts as long as its slowest rank)
+    lines = [f"schedule: {dp_size} ranks x {slots} slots"]
+    lines += _grid(f"predicted fwd+bwd ms (cost model: {model_source})", of("predicted_ms"), dp_size, slots,
+                   ",.1f", "slot time", slot_max)
+    lines += _grid("compact tokens", of("compact_tokens"), dp_size, slots, ",d", "sum", sum)
+    lines += _grid("trajectories", of("trajectories"), dp_size, slots, ",d", "sum", sum)
+    ms = np.bincount([load.rank for load in loads], weights=[load.predicted_ms for load in loads], minlength=dp_size)
+    tokens = np.bincount([load.rank for load in loads], weights=[load.compact_tokens for load in loads],
+                         minlength=dp_size)
+    step = sum(slot_max([load.predicted_ms for load in loads if load.slot == s]) for s in range(slots))
     balanced = ms.mean()  # the step if every rank had the same work and slots cost nothing to align
-    lines.append(f"imbalance: slowest rank {ms.max():,.1f} ms / mean {ms.mean():,.1f} ms = "
-                 f"{ms.max() / ms.mean() if ms.mean() else 1.0:.3f}x; tokens max / mean = "
+    lines.append(f"imbalance: slowest rank {ms.max():,.1f} ms / mean {balanced:,.1f} ms = "
+                 f"{ms.max() / balanced if balanced else 1.0:.3f}x; compact tokens max / mean = "
                  f"{tokens.max() / tokens.mean() if tokens.mean() else 1.0:.3f}x; lockstep step (sum of slot times) "
                  f"{step:,.1f} ms = {step / balanced if balanced else 1.0:.3f}x the balanced {balanced:,.1f} ms")
-    idle = [r for r in range(dp_size) if totals[r].compact_tokens == 0]
+    idle = np.flatnonzero(tokens == 0).tolist()
     if idle:
         lines.append(f"idle ranks: {', '.join(map(str, idle))} (fewer trees or parts than ranks)")
     return "\n".join(lines)
@@ -336,14 +341,16 @@ def show_main(argv: list[str]) -> int:
     forest = plan.program.forest
     count = forest.num_trees if args.trees == 0 else min(args.trees, forest.num_trees)
     views = tree_views(plan, count)
+    sequences = plan.program.sequences  # a dump without options still knows the chunk its sequences use
+    chunk = sequences.chunk_size if sequences is not None else plan.options.chunk_size
     stats = plan.stats
     print(f"{stats['trajectories']:,} trajectories in {stats['trees']:,} trees, {stats['nodes']:,} nodes; "
           f"{stats['trajectory_tokens']:,} trajectory tokens -> {stats['compact_tokens']:,} compact "
           f"({stats['compression']:.2f}x), {stats['replay_tokens']:,} replay tokens, "
-          f"chunk size {plan.options.chunk_size}")
+          f"chunk size {chunk}")
     for view in views:
         print()
-        print(format_tree(view, plan.options.chunk_size, args.nodes))
+        print(format_tree(view, chunk, args.nodes))
     if count < forest.num_trees:
         print(f"\n... {forest.num_trees - count:,} more trees not shown (--trees 0 shows all)")
     loads = []
@@ -355,7 +362,7 @@ def show_main(argv: list[str]) -> int:
         print("\nnot scheduled: no rank x slot table (the plan stops before the schedule pass)")
     if args.png:
         from .show_png import draw_plan
-        draw_plan(args.png, views, loads, plan.options.chunk_size,
+        draw_plan(args.png, views, loads, chunk,
                   plan.program.microbatches.dp_size if plan.program.microbatches is not None else 0)
         print(f"\nwrote {args.png}")
     return 0

@@ -34,7 +34,6 @@ TREE_2 = {(0, 2): (2, 2, "", "0"), (2, 3): (1, 0, "e", "0"), (2, 4): (1, 0, "f",
 ROW = re.compile(r"^  [│├└─ ]*(?P<node>\d+)\s+\[(?P<start>[\d,]+), (?P<end>[\d,]+)\)\s+(?P<tokens>[\d,]+)\s+"
                  r"(?P<shared>[\d,]+)\s+(?:(?P<branch>\d+)\s+)?(?P<chunks>\d+(?:-\d+)?(?:, cut at \d+|, \d+ cuts)?)"
                  r"\s+round (?P<round>\d+), (?P<sequence>continues|replay \d+)(?:\s+ends (?P<ends>.*))?$")
-CELL = re.compile(r"([\d,]+) tok ([\d,]+) tr ([\d,.]+) ms")
 
 
 def _number(text: str) -> int:
@@ -96,20 +95,36 @@ def test_tree_rows_match_the_hand_counts(batch_file, capsys):
     assert "trees not shown" not in out
 
 
+def parse_grid(text: str, title: str) -> dict[str, list[float]]:
+    """A rank x slot block of the schedule tables: row label -> the numbers of its cells ('-' = None)."""
+    lines = text.splitlines()
+    lines = lines[next(k for k, line in enumerate(lines) if line.startswith(title)) + 2:]  # after title and header
+    rows = {}
+    for line in lines:
+        label, _, rest = line.strip().partition(" ")
+        if label == "slot":
+            number, _, rest = rest.strip().partition(" ")
+            label = f"slot {number}"
+        elif label != "total":
+            break
+        rows[label] = [None if cell == "-" else float(cell.replace(",", "")) for cell in rest.split()]
+    return rows
+
+
 def test_load_table_totals(batch_file, capsys):
     code, out, _ = run(["show", str(batch_file), "--chunk-size", str(CHUNK), "--dp-size", "2"], capsys)
     assert code == 0
-    table = out[out.index("schedule: 2 ranks x 1 slots"):]
-    slot_line = next(line for line in table.splitlines() if line.strip().startswith("slot 0"))
-    cells = [(_number(tok), _number(tr), float(ms.replace(",", ""))) for tok, tr, ms in CELL.findall(slot_line)]
-    assert len(cells) == 2  # two trees on two ranks, one slot
+    assert "schedule: 2 ranks x 1 slots" in out
+    tokens, trajectories = parse_grid(out, "compact tokens"), parse_grid(out, "trajectories")
+    ms = parse_grid(out, "predicted fwd+bwd ms")
     compact = sum(end - start for tree in (TREE_1, TREE_2) for start, end in tree)
-    assert sum(tok for tok, _, _ in cells) == compact == 20
-    assert sorted(tr for _, tr, _ in cells) == [2, 4]
-    assert all(ms > 0 for _, _, ms in cells)
-    slot_time = float(re.search(r"([\d,.]+) ms$", slot_line).group(1).replace(",", ""))
-    assert slot_time == pytest.approx(max(ms for _, _, ms in cells), abs=0.06)
-    assert "imbalance: slowest rank" in table
+    assert compact == 20
+    assert tokens == {"slot 0": tokens["slot 0"], "total": tokens["slot 0"]}  # one slot: the totals are that slot
+    assert sorted(tokens["slot 0"][:2]) == [5, 15] and tokens["slot 0"][2] == compact  # a tree per rank, then sum
+    assert sorted(trajectories["slot 0"][:2]) == [2, 4] and trajectories["slot 0"][2] == len(TRAJECTORIES)
+    assert all(value > 0 for value in ms["slot 0"])
+    assert ms["slot 0"][2] == max(ms["slot 0"][:2])  # a lockstep slot lasts as long as its slowest rank
+    assert "imbalance: slowest rank" in out
 
 
 def test_tree_limit_says_what_was_left_out(batch_file, capsys):
@@ -130,6 +145,17 @@ def test_saved_plan_shows_like_its_batch(batch_file, tmp_path, capsys):
     assert code == 0 and from_plan == from_batch
     code, _, err = run(["show", str(saved), "--dp-size", "4"], capsys)
     assert code == 2 and "--dp-size" in err and len(err.splitlines()) == 1
+
+
+def test_unscheduled_dump(batch_file, tmp_path, capsys):
+    """A dump after replay-min (no schedule) shows its trees and rounds and says there is no table; its chunk
+    size is the sequences' own (a dump carries no options)."""
+    plan = hc.compile(hc.TreeBatch.load(batch_file), hc.CompileOptions(chunk_size=CHUNK),
+                      passes=["prefix-compress", "layout", "split-oversize", "replay-min"])
+    saved = plan.dump_ir(tmp_path / "dump")  # the form --dump-ir writes: no options header
+    code, out, _ = run(["show", str(saved), "--png", str(tmp_path / "sequenced.png")], capsys)
+    assert code == 0 and "not scheduled" in out and f"chunk size {CHUNK}" in out
+    assert len(parse_trees(out)[0]) == 6 and (tmp_path / "sequenced.png").stat().st_size > 0
 
 
 def test_png_is_written(batch_file, tmp_path, capsys):
@@ -180,14 +206,18 @@ def test_generated_batch_invariants(tmp_path, capsys):
     write_jsonl(generate("swe", 0, tasks=2, rollouts=3, scale=0.01), path, "flat")
     batch = hc.TreeBatch.load(path)
     code, out, _ = run(["show", str(path), "--trees", "0", "--nodes", "100000", "--dp-size", "2",
-                        "--microbatch-tokens", "2000"], capsys)
+                        "--microbatch-tokens", "400"], capsys)
     assert code == 0
     rows = [row for rows in parse_trees(out) for row in rows]
-    plan = hc.compile(batch, hc.CompileOptions(dp_size=2, microbatch_tokens=2000))
+    plan = hc.compile(batch, hc.CompileOptions(dp_size=2, microbatch_tokens=400))
     assert len(rows) == plan.stats["nodes"]
     assert sum(_number(r["tokens"]) * _number(r["shared"]) for r in rows) == batch.tokens.size
     ends = [name.strip() for r in rows if r["ends"] for name in r["ends"].split(",") if "+" not in name]
     assert len(ends) <= len(batch) and set(ends) <= set(batch.ids)
-    table = out[out.index("schedule: "):].splitlines()
-    total = sum(_number(tok) for line in table if line.strip().startswith("slot ") for tok, _, _ in CELL.findall(line))
-    assert total == plan.stats["compact_tokens"]
+    tokens, ms = parse_grid(out, "compact tokens"), parse_grid(out, "predicted fwd+bwd ms")
+    slots = [label for label in tokens if label != "total"]
+    assert len(slots) == max(mb["slot"] for mb in plan.stats["microbatches"]) + 1 > 1
+    assert tokens["total"][-1] == sum(tokens[s][-1] for s in slots) == plan.stats["compact_tokens"]
+    for rank in range(2):
+        assert tokens["total"][rank] == sum(tokens[s][rank] or 0 for s in slots)
+        assert ms["total"][rank] == pytest.approx(sum(ms[s][rank] or 0 for s in slots), abs=0.1)
