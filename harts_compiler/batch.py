@@ -16,6 +16,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from .errors import InputError
+from .metadata import check_lengths
 from .records import (TrajectoryRecord, TreeRecord, check_tree, describe_pydantic_error,
                       tree_paths)
 
@@ -35,6 +36,8 @@ class TreeBatch:
     lines: np.ndarray
     # Input records in order: ("traj", j) or ("tree", TreeRecord, first j, count).
     records: tuple = field(default=(), repr=False)
+    # metadata[j]: the fields of trajectory j's line besides id/tokens (`harts_compiler.metadata`); () = none
+    metadata: tuple = field(default=(), repr=False)
 
     def __post_init__(self):
         problems = []
@@ -97,13 +100,14 @@ class TreeBatch:
                           tuple(("traj", j) for j in range(len(ids))))
 
     @classmethod
-    def _build(cls, arrays, ids, groups, lines, records) -> "TreeBatch":
+    def _build(cls, arrays, ids, groups, lines, records, metadata=()) -> "TreeBatch":
         lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
         offsets = np.zeros(len(arrays) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
         tokens = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
         return cls(tokens=tokens, offsets=offsets, ids=tuple(ids), groups=tuple(groups),
-                   lines=np.asarray(lines, np.int64), records=tuple(records))
+                   lines=np.asarray(lines, np.int64), records=tuple(records),
+                   metadata=tuple(metadata) if any(metadata) else ())
 
     @classmethod
     def load(cls, path: str | Path) -> "TreeBatch":
@@ -112,7 +116,7 @@ class TreeBatch:
 
     @classmethod
     def from_jsonl_lines(cls, lines: Iterable[bytes | str]) -> "TreeBatch":
-        arrays, ids, groups, line_numbers, records, problems = [], [], [], [], [], []
+        arrays, ids, groups, line_numbers, records, problems, metadata = [], [], [], [], [], [], []
         for number, raw in enumerate(lines, start=1):
             text = _as_bytes(raw).strip()
             if number == 1 and text.startswith(_UTF8_BOM):
@@ -124,10 +128,12 @@ class TreeBatch:
             # JSON first, so what JSON rejects is named with its column, then validated by pydantic.
             fast = None if b'"nodes"' in text else _fast_trajectory(text)
             if fast is not None:
+                problems += check_lengths(fast[2], fast[1].size, f"{where} (trajectory {fast[0]!r})")
                 records.append(("traj", len(ids)))
                 ids.append(fast[0])
                 groups.append(fast[0])
                 arrays.append(fast[1])
+                metadata.append(fast[2])
                 line_numbers.append(number)
                 continue
             try:
@@ -156,7 +162,9 @@ class TreeBatch:
                 problems += describe_pydantic_error(f"{where} ({kind})", exc)
                 continue
             if not is_tree:
+                problems += check_lengths(record.metadata(), len(record.tokens), f"{where} (trajectory {record.id!r})")
                 arrays.append(np.array(record.tokens, dtype=np.int64))
+                metadata.append(record.metadata())
                 records.append(("traj", len(ids)))
                 ids.append(record.id)
                 groups.append(record.id)
@@ -170,8 +178,14 @@ class TreeBatch:
             node_tokens = {node.id: np.array(node.tokens, dtype=np.int64) for node in tree.nodes}
             traj_ids, paths = tree_paths(tree)
             records.append(("tree", tree, len(ids), len(traj_ids)))
+            declared = {t.id: t.metadata() for t in tree.trajectories or ()}
             for traj_id, path in zip(traj_ids, paths):
                 arrays.append(np.concatenate([node_tokens[n] for n in path]))
+                fields = declared.get(traj_id, {})
+                if fields and "group" not in fields:  # the rollouts of one tree are one GRPO group unless told
+                    fields = {**fields, "group": tree.id}
+                problems += check_lengths(fields, arrays[-1].size, f"{tree_where}: trajectory {traj_id!r}")
+                metadata.append(fields)
                 ids.append(traj_id)
                 groups.append(tree.id)
                 line_numbers.append(number)
@@ -179,21 +193,25 @@ class TreeBatch:
             raise InputError(problems)
         if not ids:
             raise InputError("input: no trajectories")
-        return cls._build(arrays, ids, groups, line_numbers, records)
+        return cls._build(arrays, ids, groups, line_numbers, records, metadata)
 
     def save(self, path: str | Path) -> None:
         with open(path, "w") as handle:
             for record in self.records:
                 if record[0] == "traj":
                     j = record[1]
-                    obj = {"id": self.ids[j], "tokens": self.trajectory(j).tolist()}
+                    obj = {"id": self.ids[j], "tokens": self.trajectory(j).tolist(), **self.metadata_of(j)}
                     handle.write(json.dumps(obj, separators=(",", ":")) + "\n")
                 else:
-                    handle.write(record[1].model_dump_json() + "\n")
+                    handle.write(record[1].model_dump_json(exclude_unset=True) + "\n")
 
     # -- access -------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.ids)
+
+    def metadata_of(self, j: int) -> dict:
+        """Trajectory j's metadata fields (reward, advantage, ...; `harts_compiler.metadata`), {} when none."""
+        return self.metadata[j] if self.metadata else {}
 
     def trajectory(self, j: int) -> np.ndarray:
         return self.tokens[self.offsets[j]:self.offsets[j + 1]]
@@ -251,7 +269,7 @@ def _fast_trajectory(line: bytes):
         envelope = TrajectoryRecord.model_validate_json(line[:left + 1] + b"0" + line[right:])
     except ValidationError:
         return None
-    return (envelope.id, tokens) if envelope.tokens == [0] else None
+    return (envelope.id, tokens, envelope.metadata()) if envelope.tokens == [0] else None
 
 
 class _NotJSON(ValueError):

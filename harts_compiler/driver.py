@@ -25,5 +25,6 @@ def compile(batch: TreeBatch, options: CompileOptions | None = None, *,
     pipeline = build_pipeline(options, passes)
     program, timings = run_passes(program_from_batch(batch), pipeline, verify=options.verify,
                                   dump_dir=dump_ir)
+    metadata = {batch.ids[j]: batch.metadata_of(j) for j in range(len(batch)) if batch.metadata_of(j)}
     return Plan(program=program, options=options, timings=timings,
-                trajectory_tokens=int(batch.tokens.size))
+                trajectory_tokens=int(batch.tokens.size), metadata=metadata or None)

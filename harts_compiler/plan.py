@@ -48,6 +48,8 @@ class Plan:
     options: CompileOptions
     timings: list = field(default_factory=list)
     trajectory_tokens: int = 0
+    # trajectory id -> its metadata fields (reward, advantage, old_logprobs, ...; `harts_compiler.metadata`)
+    metadata: dict | None = field(default=None, repr=False)
 
     def microbatches(self, rank: int | None = None) -> list[PlannedMicrobatch]:
         """Scheduled microbatches (ordered by rank, slot), all or those of one rank."""
@@ -108,12 +110,15 @@ class Plan:
         (pass times, solver times) that a saved plan also keeps: the same batch and options give the same
         identity on every run."""
         text, _ = format_program(self.program, "arrays", timings=False)
-        return hashlib.sha256(f"{self.options.model_dump_json()}\n{text}".encode()).hexdigest()
+        metadata = json.dumps(self.metadata, sort_keys=True) if self.metadata else ""
+        return hashlib.sha256(f"{self.options.model_dump_json()}\n{metadata}\n{text}".encode()).hexdigest()
 
     def save(self, path: str | Path) -> Path:
         """Writes the final Program as `.hir` text (its long token arrays in `<path>.npz`, bound to the text by
         their sha256; see `ir.artifact`), the options and the identity in comment header lines."""
         header = f"# options {self.options.model_dump_json()}\n# identity {self.identity}\n"
+        if self.metadata:
+            header += f"# metadata {json.dumps(self.metadata, separators=(',', ':'))}\n"
         return write_hir(self.program, path, header=header)
 
     @classmethod
@@ -122,6 +127,7 @@ class Plan:
         program, text = load_hir(path)
         match = re.search(r"^# options (.*)$", text, re.M)
         options = CompileOptions(**json.loads(match.group(1))) if match else CompileOptions()
+        found = re.search(r"^# metadata (.*)$", text, re.M)
         program.verify()
-        return cls(program=program, options=options,
-                   trajectory_tokens=int(program.forest.traj_length.sum()))
+        return cls(program=program, options=options, trajectory_tokens=int(program.forest.traj_length.sum()),
+                   metadata=json.loads(found.group(1)) if found else None)

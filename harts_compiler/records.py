@@ -4,19 +4,37 @@ Pydantic lives only here, at the edge; everything behind `TreeBatch` is numpy.
 """
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 NodeId = Union[StrictInt, StrictStr]
 Token = Annotated[int, Field(ge=0, le=2**63 - 1)]  # stored as int64
 TokenList = Annotated[list[Token], Field(min_length=1)]
 
 
-class TrajectoryRecord(BaseModel):
-    """`{"id": "<str>", "tokens": [<int>, ...]}`"""
+class TrajectoryFields(BaseModel):
+    """What a rollout file carries per trajectory besides its tokens. The typed fields feed the loss
+    (`harts_compiler.metadata`): `reward` (GRPO advantages over `group`), or `advantage` (a number or one per
+    position), `old_logprobs` / `ref_logprobs` / `response_mask` (one per position; entry 0 predicts nothing
+    and is ignored). Any other field (task id, finish reason, ...) is kept as it is and written back."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+    reward: float | None = None
+    group: StrictStr | None = None
+    advantage: float | list[float] | None = None
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    response_mask: list[Union[StrictBool, Literal[0, 1]]] | None = None
+
+    def metadata(self) -> dict:
+        """The fields the line set (typed ones and extras), without id/tokens/node."""
+        return self.model_dump(exclude_unset=True, exclude={"id", "tokens", "node"})
+
+
+class TrajectoryRecord(TrajectoryFields):
+    """`{"id": "<str>", "tokens": [<int>, ...], ...metadata}`"""
+
     id: StrictStr
     tokens: TokenList
 
@@ -28,8 +46,7 @@ class NodeRecord(BaseModel):
     tokens: TokenList
 
 
-class TreeTrajectoryRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TreeTrajectoryRecord(TrajectoryFields):
     id: StrictStr
     node: NodeId
 

@@ -58,7 +58,7 @@ def test_save_load_round_trip(tmp_path):
     ({"id": "a", "tokens": [1, -3]}, "field tokens[1]: Input should be greater than or equal to 0"),
     ({"id": 7, "tokens": [1]}, "field id"),
     ({"id": "a"}, "field tokens: Field required"),
-    ({"id": "a", "tokens": [1], "extra": 1}, "field extra"),
+    ({"id": "a", "tokens": [1], "reward": [1]}, "field reward"),
     ("{not json", "line 1: invalid JSON"),
     ({"id": "a", "tokens": [2**63]}, "field tokens[0]: Input should be less than or equal to"),
     ('{"id": "a", "nodes": "\xff"}', "line 1"),
