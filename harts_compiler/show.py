@@ -17,17 +17,17 @@ from .errors import InputError
 
 # option flag -> CompileOptions field; the defaults (shown in --help) are CompileOptions' own
 COMPILE_FLAGS = {
-    "--chunk-size": ("chunk_size", int, "linear-attention chunk C (chunk boundaries, replays)"),
-    "--conv-width": ("conv_width", int, "short-conv width"),
-    "--microbatch-tokens": ("microbatch_tokens", int, "compact-token budget per microbatch"),
-    "--dp-size": ("dp_size", int, "data-parallel ranks"),
-    "--vocab-size": ("vocab_size", int, "reject token ids >= this"),
-    "--objective": ("objective", str, "schedule objective: sum_of_slot_max or max_rank_total"),
-    "--schedule-time-limit": ("schedule_time_limit_s", float, "CP-SAT planner time limit, seconds"),
-    "--split-time-limit": ("split_time_limit_s", float, "CP-SAT time for the cuts of oversize trees, seconds"),
-    "--cost-model": ("cost_model", str, "fitted cost-model JSON"),
-    "--linear-layers": ("linear_layers", int, "the model's linear-attention layers (cost model)"),
-    "--full-layers": ("full_layers", int, "the model's full-attention layers (cost model)"),
+    "--chunk-size": ("chunk_size", int, "C", "linear-attention chunk (chunk boundaries, replays)"),
+    "--conv-width": ("conv_width", int, "W", "short-conv width"),
+    "--microbatch-tokens": ("microbatch_tokens", int, "TOKENS", "compact-token budget per microbatch"),
+    "--dp-size": ("dp_size", int, "RANKS", "data-parallel ranks"),
+    "--vocab-size": ("vocab_size", int, "V", "reject token ids >= this"),
+    "--objective": ("objective", str, "NAME", "schedule objective: sum_of_slot_max or max_rank_total"),
+    "--schedule-time-limit": ("schedule_time_limit_s", float, "SECONDS", "CP-SAT planner time limit"),
+    "--split-time-limit": ("split_time_limit_s", float, "SECONDS", "CP-SAT time for the cuts of oversize trees"),
+    "--cost-model": ("cost_model", str, "JSON", "fitted cost-model file (default None: the repository's fit)"),
+    "--linear-layers": ("linear_layers", int, "N", "the model's linear-attention layers (cost model)"),
+    "--full-layers": ("full_layers", int, "N", "the model's full-attention layers (cost model)"),
 }
 
 
@@ -229,11 +229,12 @@ def _grid(title: str, values: dict, dp_size: int, slots: int, number: str, last:
     tails = [combine([v for v in row if v is not None]) for row in rows]
     text = [[format(v, number) if v is not None else "-" for v in row] for row in rows]
     width = max([len(f"rank {dp_size - 1}")] + [len(format(v, number)) for v in totals + tails]) + 2
-    lines = [title, f"  {'':<8}" + "".join(f"{f'rank {r}':>{width}}" for r in range(dp_size)) + f"{last:>{width + 2}}"]
+    tail_width = max(width, len(last)) + 2
+    lines = [title, f"  {'':<8}" + "".join(f"{f'rank {r}':>{width}}" for r in range(dp_size)) + f"{last:>{tail_width}}"]
     lines += [f"  {f'slot {s}':<8}" + "".join(f"{cell:>{width}}" for cell in text[s])
-              + f"{format(tails[s], number):>{width + 2}}" for s in range(slots)]
+              + f"{format(tails[s], number):>{tail_width}}" for s in range(slots)]
     lines.append(f"  {'total':<8}" + "".join(f"{format(v, number):>{width}}" for v in totals)
-                 + f"{format(sum(tails), number):>{width + 2}}")
+                 + f"{format(sum(tails), number):>{tail_width}}")
     return lines
 
 
@@ -282,9 +283,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--png", metavar="FILE", help="also draw the trees and the schedule into FILE (PNG; needs "
                         "matplotlib: pip install 'harts-compiler[show]')")
     defaults = CompileOptions.model_fields
-    for flag, (name, kind, text) in COMPILE_FLAGS.items():
-        parser.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
-                            help=f"{text} (default: {defaults[name].default})")
+    for flag, (name, kind, metavar, text) in COMPILE_FLAGS.items():
+        parser.add_argument(flag, dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS,
+                            help=text if "default" in text else f"{text} (default: {defaults[name].default})")
     return parser
 
 
@@ -303,7 +304,7 @@ def load_plan(source: str, given: dict):
     if path.suffix != ".hir":
         return compile(TreeBatch.load(path), CompileOptions.checked(**given))
     if given:
-        flags = ", ".join(flag for flag, (name, _, _) in COMPILE_FLAGS.items() if name in given)
+        flags = ", ".join(flag for flag, (name, *_) in COMPILE_FLAGS.items() if name in given)
         raise InputError(f"{flags}: a saved plan keeps the options it was compiled with (give the JSONL batch "
                          "to compile with others)")
     try:
@@ -336,7 +337,7 @@ def show_main(argv: list[str]) -> int:
             import matplotlib  # noqa: F401  (only to say what is missing before compiling)
         except ImportError:
             raise InputError("--png needs matplotlib: install harts-compiler[show]") from None
-    given = {name: getattr(args, name) for name, _, _ in COMPILE_FLAGS.values() if hasattr(args, name)}
+    given = {name: getattr(args, name) for name, *_ in COMPILE_FLAGS.values() if hasattr(args, name)}
     plan = load_plan(args.input, given)
     forest = plan.program.forest
     count = forest.num_trees if args.trees == 0 else min(args.trees, forest.num_trees)

@@ -13,6 +13,7 @@ import numpy as np
 
 MAX_BOUNDARY_LINES = 120  # more chunk boundaries than this would grey out the panel
 MAX_NODE_LABELS = 40
+MAX_TREE_INCHES = 9.0  # a tree of thousands of nodes gets thin rows, not a figure metres tall
 
 
 def draw_plan(path: str, views, loads, chunk_size: int, dp_size: int) -> None:
@@ -23,7 +24,8 @@ def draw_plan(path: str, views, loads, chunk_size: int, dp_size: int) -> None:
     from matplotlib.patches import Patch
 
     node_rows = [max(len(view.nodes), 3) for view in views]
-    heights = [1.0 + 0.16 * rows for rows in node_rows] + ([1.2 + 0.45 * dp_size] if loads else [])
+    heights = [min(1.0 + 0.16 * rows, MAX_TREE_INCHES) for rows in node_rows]
+    heights += [1.2 + 0.45 * dp_size] if loads else []
     figure, axes = plt.subplots(len(heights), 1, figsize=(11, sum(heights) + 0.4), layout="constrained",
                                 gridspec_kw={"height_ratios": heights}, squeeze=False)
     axes = axes[:, 0]
@@ -49,15 +51,25 @@ def draw_plan(path: str, views, loads, chunk_size: int, dp_size: int) -> None:
 
 
 def _draw_tree(axis, view, chunk_size: int, norm, cmap) -> None:
+    from matplotlib.collections import LineCollection
+
     row_of = {node.node: row for row, node in enumerate(view.nodes)}
-    for row, node in enumerate(view.nodes):
-        axis.barh(row, node.tokens, left=node.start, height=0.8, color=cmap(norm(node.shared)), edgecolor="none")
-        if node.replay:
-            axis.barh(row, node.replay, left=node.start - node.replay, height=0.8, facecolor="white",
-                      edgecolor="crimson", hatch="////", linewidth=0.5)
-        if node.parent in row_of:  # from the parent's end down to this node's row
-            axis.plot([node.start, node.start], [row_of[node.parent] + 0.4, row - 0.4], color="0.55", lw=0.6)
-        if len(view.nodes) <= MAX_NODE_LABELS:
+    rows = np.arange(len(view.nodes))
+    starts = np.array([node.start for node in view.nodes])
+    tokens = np.array([node.tokens for node in view.nodes])
+    replay = np.array([node.replay for node in view.nodes])
+    axis.barh(rows, tokens, left=starts, height=0.8, color=cmap(norm([node.shared for node in view.nodes])),
+              edgecolor="none")
+    replays = replay > 0
+    if replays.any():
+        axis.barh(rows[replays], replay[replays], left=starts[replays] - replay[replays], height=0.8,
+                  facecolor="white", edgecolor="crimson", hatch="////", linewidth=0.5)
+    # from each parent's end down to its child's row
+    links = [[(node.start, row_of[node.parent] + 0.4), (node.start, row - 0.4)]
+             for row, node in enumerate(view.nodes) if node.parent in row_of]
+    axis.add_collection(LineCollection(links, colors="0.55", linewidths=0.6))
+    if len(view.nodes) <= MAX_NODE_LABELS:
+        for row, node in enumerate(view.nodes):
             label = f" {node.node}" + (f"  r{node.round}" if node.round is not None else "")
             axis.text(node.end, row, label, va="center", fontsize=6, color="0.3")
     deepest = max(node.end for node in view.nodes)
