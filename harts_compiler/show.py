@@ -344,11 +344,12 @@ def show_main(argv: list[str]) -> int:
     views = tree_views(plan, count)
     sequences = plan.program.sequences  # a dump without options still knows the chunk its sequences use
     chunk = sequences.chunk_size if sequences is not None else plan.options.chunk_size
-    stats = plan.stats
-    print(f"{stats['trajectories']:,} trajectories in {stats['trees']:,} trees, {stats['nodes']:,} nodes; "
-          f"{stats['trajectory_tokens']:,} trajectory tokens -> {stats['compact_tokens']:,} compact "
-          f"({stats['compression']:.2f}x), {stats['replay_tokens']:,} replay tokens, "
-          f"chunk size {chunk}")
+    # from the forest, not Plan.stats: that also hashes the whole plan (its identity), needless work here
+    trajectory_tokens = int(forest.traj_length.sum())
+    print(f"{forest.num_trajectories:,} trajectories in {forest.num_trees:,} trees, {forest.num_nodes:,} nodes; "
+          f"{trajectory_tokens:,} trajectory tokens -> {forest.num_tokens:,} compact "
+          f"({trajectory_tokens / max(forest.num_tokens, 1):.2f}x), "
+          f"{sequences.replay_tokens if sequences is not None else 0:,} replay tokens, chunk size {chunk}")
     for view in views:
         print()
         print(format_tree(view, chunk, args.nodes))
