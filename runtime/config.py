@@ -17,6 +17,7 @@ FAMILIES = {
     "qwen3_next": "next",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
+    "kimi_linear": "kimi",  # Kimi Linear: KDA + MLA + grouped-routing MoE (kimi_config.py reads it)
 }
 
 
@@ -26,7 +27,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "next" | "qwen3_5" | "qwen3_5_moe"
+    family: str  # "next" | "qwen3_5" | "qwen3_5_moe" | "kimi"
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -58,13 +59,42 @@ class ModelConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     initializer_range: float
+    # Kimi Linear (defaults: the Qwen families' behaviour). linear_rule: "gdn" (scalar decay per head) or
+    # "kda" (a decay per key channel)
+    linear_rule: str = "gdn"
+    # MLA full attention (kv_lora_rank > 0): q/k head dim = nope + rope, v head dim apart
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mla_use_nope: bool = True  # no RoPE in MLA (Kimi Linear; what transformers' KimiLinearAttention computes)
+    # sigmoid-scored grouped top-k MoE with a score-correction bias
+    num_expert_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0
+    mlp_layer_types: tuple[str, ...] = ()  # "dense" | "sparse" per layer (Kimi)
 
     @property
     def flat_linear_projections(self) -> bool:
         """Qwen3.5 splits the GDN input projection into in_proj_qkv/z/b/a."""
         return self.family != "next"
 
+    @property
+    def is_kimi(self) -> bool:
+        return self.family == "kimi"
+
+    @property
+    def attention_head_dims(self) -> tuple[int, int]:
+        """(q/k head dim, v head dim) of the full-attention layers."""
+        if self.is_kimi:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim
+
     def is_moe_layer(self, layer: int) -> bool:
+        if self.is_kimi:
+            return self.mlp_layer_types[layer] == "sparse"
         if self.family == "qwen3_5":
             return False
         if self.family == "qwen3_5_moe":
@@ -95,6 +125,12 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"config.model_type={model_type!r} is not supported (supported: {sorted(FAMILIES)})")
         family = FAMILIES[model_type]
+        if family == "kimi":
+            from .kimi_config import kimi_config_fields
+
+            config = cls(**kimi_config_fields(cfg))
+            config.validate()
+            return config
 
         def need(name):
             if name not in cfg or cfg[name] is None:
@@ -178,6 +214,10 @@ class ModelConfig:
         check(self.linear_num_key_heads > 0 and self.linear_num_value_heads % self.linear_num_key_heads == 0,
               "linear_num_value_heads", "must be a multiple of linear_num_key_heads")
         check(self.linear_conv_kernel_dim >= 1, "linear_conv_kernel_dim", "must be >= 1")
+        if self.is_kimi:
+            from .kimi_config import validate_kimi
+
+            validate_kimi(self, check)
         rotary = int(self.head_dim * self.partial_rotary_factor)
         check(rotary % 2 == 0 and 0 < rotary <= self.head_dim, "partial_rotary_factor",
               f"rotary dim {rotary} must be even and in (0, head_dim]")
@@ -206,6 +246,15 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen3.5": dict(_TINY_COMMON, model_type="qwen3_5_text"),
     "tiny-qwen3.5-moe": dict(_TINY_COMMON, model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    # Kimi Linear at toy size: KDA and MLA layers alternating, a dense first MLP, grouped routing with a bias
+    "tiny-kimi-linear": dict(
+        model_type="kimi_linear", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        num_expert_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=1, moe_intermediate_size=32,
+        rms_norm_eps=1e-5),
 }
 
 

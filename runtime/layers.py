@@ -51,6 +51,36 @@ class GatedRMSNorm(nn.Module):
         return h.to(input_dtype)
 
 
+class RMSNorm(nn.Module):
+    """KimiLinearRMSNorm: normalise in fp32 (wider for fp64), back to the input dtype, times w (initialised to 1)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(compute_dtype(x.dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """KimiLinearRMSNormGated: w * rmsnorm(x) * sigmoid(gate), all in fp32 (wider for fp64), then the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        wide = compute_dtype(x.dtype)
+        h = x.to(wide)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = self.weight.to(wide) * h * torch.sigmoid(gate.to(wide))
+        return h.to(x.dtype)
+
+
 class DenseMLP(nn.Module):
     """SwiGLU MLP (Qwen3NextMLP); also the shared expert of the MoE block."""
 

@@ -1,4 +1,4 @@
-"""TreeModel: a Qwen3-Next-family causal LM executed over a microbatch's compact tokens.
+"""TreeModel: a Qwen3-Next-family or Kimi Linear causal LM executed over a microbatch's compact tokens.
 
 The module tree mirrors transformers' `...ForCausalLM` parameter names (`model.embed_tokens`,
 `model.layers.{i}.linear_attn|self_attn|mlp...`, `model.norm`, `lm_head`), so `from_hf` can share
@@ -28,7 +28,10 @@ from .attention import GatedAttention
 from .backend import select_backend
 from .config import ModelConfig
 from .gated_deltanet import GatedDeltaNet
-from .layers import DenseMLP, ZeroCentredRMSNorm, rope_tables
+from .kimi_delta import KimiDeltaAttention
+from .kimi_moe import KimiMoeBlock
+from .layers import DenseMLP, RMSNorm, ZeroCentredRMSNorm, rope_tables
+from .mla import MultiLatentAttention
 from .moe import RouterStats, SparseMoeBlock, load_balancing_loss
 from .ops.embedding import embed_tokens
 
@@ -54,6 +57,7 @@ class ExecutionContext:
     plan: LaunchPlan  # on the model's device
     config: ModelConfig
     gdn_kernel: Callable | None = None  # a reference GDN kernel for the torch path (tests: the token-loop oracle)
+    kda_kernel: Callable | None = None  # the same for KDA layers
     _rope: dict = dataclasses.field(default_factory=dict)
 
     def rope(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,23 +68,33 @@ class ExecutionContext:
         return self._rope[dtype]
 
 
+def _norm_class(config: ModelConfig):
+    """Kimi scales by w (initialised to 1), the Qwen families by 1 + w (zero-centred)."""
+    return RMSNorm if config.is_kimi else ZeroCentredRMSNorm
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.layer_type = config.layer_types[layer]
-        if self.layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNet(config)
-        else:
-            self.self_attn = GatedAttention(config)
+        linear = self.layer_type == "linear_attention"
         self.is_moe = config.is_moe_layer(layer)
-        self.mlp = SparseMoeBlock(config) if self.is_moe else DenseMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = ZeroCentredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.is_kimi:  # transformers names both mixers self_attn here
+            self.mixer_name = "self_attn"
+            self.self_attn = KimiDeltaAttention(config) if linear else MultiLatentAttention(config)
+            moe = KimiMoeBlock
+        else:
+            self.mixer_name = "linear_attn" if linear else "self_attn"
+            setattr(self, self.mixer_name, GatedDeltaNet(config) if linear else GatedAttention(config))
+            moe = SparseMoeBlock
+        self.mlp = moe(config) if self.is_moe else DenseMLP(config.hidden_size, config.intermediate_size)
+        norm = _norm_class(config)
+        self.input_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: ExecutionContext) -> tuple[torch.Tensor, RouterStats | None]:
         h = self.input_layernorm(x)
-        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        x = x + mixer(h, ctx)
+        x = x + getattr(self, self.mixer_name)(h, ctx)
         h = self.post_attention_layernorm(x)
         stats = None
         if self.is_moe:
@@ -95,11 +109,11 @@ class TextModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = ZeroCentredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = _norm_class(config)(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class TreeModel(nn.Module):
-    """Exact tree-mode execution of a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM."""
+    """Exact tree-mode execution of a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / Kimi Linear causal LM."""
 
     def __init__(self, config: ModelConfig, *, activation_checkpointing: bool = False,
                  triton_linear_attention: bool = True, gdn_config: GDNKernelConfig | None = None):
@@ -143,9 +157,14 @@ class TreeModel(nn.Module):
     def launch_target(self, *, reference_gdn: bool = False) -> LaunchTarget:
         """What a plan must be lowered for to run on this model as its parameters are now (dtype, device)."""
         weight = self.lm_head.weight
-        return select_backend(self.config, weight.dtype, weight.device,
-                              triton_linear_attention=self.triton_linear_attention, reference_gdn=reference_gdn,
-                              gdn_config=self.gdn_config)
+        target = select_backend(self.config, weight.dtype, weight.device,
+                                triton_linear_attention=self.triton_linear_attention, reference_gdn=reference_gdn,
+                                gdn_config=self.gdn_config)
+        if self.config.is_kimi:
+            # KDA has no Triton kernels yet (its rounds run the plain-torch reference over the same plan), and the
+            # attention tiles are chosen for one head size while MLA's q/k and v differ
+            target = dataclasses.replace(target, gdn_triton=False, attention_tiles=())
+        return target
 
     def launch_plan(self, batch, *, reference_gdn: bool = False) -> LaunchPlan:
         """The device launch plan of `batch`: a LaunchPlan lowered for this model, a MicrobatchIndex, or a plan's
@@ -175,11 +194,11 @@ class TreeModel(nn.Module):
         return plan if plan.device == device else plan.to(device)
 
     def forward(self, batch, *, activation_checkpointing: bool | None = None,
-                gdn_kernel: Callable | None = None) -> TreeOutput:
-        """Run one microbatch (see `launch_plan` for what `batch` may be). `gdn_kernel`: a reference GDN kernel
-        (same signature as `chunk_gated_delta_rule_reference`) for the linear-attention layers."""
-        plan = self.launch_plan(batch, reference_gdn=gdn_kernel is not None)
-        ctx = ExecutionContext(plan=plan, config=self.config, gdn_kernel=gdn_kernel)
+                gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None) -> TreeOutput:
+        """Run one microbatch (see `launch_plan` for what `batch` may be). `gdn_kernel` / `kda_kernel`: a reference
+        kernel (same signature as `chunk_gated_delta_rule_reference`) for the GDN / KDA layers."""
+        plan = self.launch_plan(batch, reference_gdn=gdn_kernel is not None or kda_kernel is not None)
+        ctx = ExecutionContext(plan=plan, config=self.config, gdn_kernel=gdn_kernel, kda_kernel=kda_kernel)
         use_checkpoint = self.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         use_checkpoint = use_checkpoint and torch.is_grad_enabled()
 

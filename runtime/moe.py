@@ -25,7 +25,8 @@ class RouterStats:
     """Multiplicity-weighted routing sums of one MoE layer (all [E] except `weight`)."""
 
     assigned: torch.Tensor  # sum over tokens of m_t * [e in top-k(t)]  (no gradient, like transformers)
-    prob_sum: torch.Tensor  # sum over tokens of m_t * softmax(router_logits_t)[e]  (differentiable)
+    prob_sum: torch.Tensor | None  # sum over tokens of m_t * softmax(router_logits_t)[e]  (differentiable);
+                                   # None where the block has no load-balancing loss (Kimi's biased routing)
     weight: torch.Tensor  # scalar: sum of m_t
 
 
@@ -118,7 +119,7 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Ten
     f_e = sum_layers assigned_e / (layers * tokens), P_e = sum_layers prob_sum_e / (layers * tokens),
     loss = E * sum_e f_e P_e, with tokens counted once per trajectory.
     """
-    if not stats:
+    if not stats or any(s.prob_sum is None for s in stats):
         return None
     total = sum(s.weight for s in stats)
     total = torch.where(total > 0, total, torch.ones_like(total))  # empty microbatch: loss 0, not NaN

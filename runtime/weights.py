@@ -20,7 +20,8 @@ from torch import nn
 from .config import ModelConfig, UnsupportedModelError, resolve_config
 
 SUPPORTED_HF_CLASSES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+                        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                        "KimiLinearForCausalLM")
 # weights that belong to parts the runtime does not execute (multi-token prediction, vision tower)
 _IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -66,7 +67,20 @@ def tree_model_from_hf(cls, hf_model, **kwargs):
     for name, ours_param in ours.items():
         _check_shape(name, hf_params[name].shape, ours_param.shape, f"from_hf({kind})")
         _bind(model, name, hf_params[name])
+    # buffers the runtime reads (Kimi's e_score_correction_bias) are shared too, so updates to the HF one show
+    hf_buffers = {_canonical_name(n): b for n, b in hf_model.named_buffers()}
+    for name, ours_buffer in model.named_buffers():
+        if name not in hf_buffers:
+            raise UnsupportedModelError(f"TreeModel.from_hf({kind}): buffer {name} is missing in the HF model")
+        _check_shape(name, hf_buffers[name].shape, ours_buffer.shape, f"from_hf({kind})")
+        _bind_buffer(model, name, hf_buffers[name])
     return model
+
+
+def _bind_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    owner.register_buffer(attr, value)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -114,9 +128,16 @@ def tree_model_from_pretrained(cls, path, *, dtype: torch.dtype | None = None, d
         raise FileNotFoundError(f"from_pretrained: {config_file} does not exist")
     config = ModelConfig.from_dict(json.loads(config_file.read_text()))
     raw = _read_safetensors(path)
-    tensors = _fuse_experts({_canonical_name(k): v for k, v in raw.items() if not _IGNORED.match(k)})
+    tensors = {_canonical_name(k): v for k, v in raw.items() if not _IGNORED.match(k)}
+    if config.is_kimi:
+        from .kimi_weights import kimi_checkpoint_names
+
+        tensors = kimi_checkpoint_names(tensors)
+    tensors = _fuse_experts(tensors)
     model = _build_on_meta(cls, config, **kwargs)
-    ours = dict(model.named_parameters())  # tied lm_head appears once, as the embedding
+    # tied lm_head appears once, as the embedding; buffers the runtime reads load like parameters
+    ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    buffers = set(dict(model.named_buffers()))
     missing = sorted(set(ours) - set(tensors))
     unused = sorted(set(tensors) - set(ours) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
     if missing or unused:
@@ -125,6 +146,9 @@ def tree_model_from_pretrained(cls, path, *, dtype: torch.dtype | None = None, d
     for name, param in ours.items():
         tensor = tensors[name]
         _check_shape(name, tensor.shape, param.shape, f"from_pretrained({path})")
+        if name in buffers:  # the routing bias stays in its stored precision (transformers keeps it fp32)
+            _bind_buffer(model, name, tensor.to(device=device))
+            continue
         tensor = tensor.to(device=device, dtype=dtype or tensor.dtype)
         _bind(model, name, nn.Parameter(tensor))
     if config.tie_word_embeddings:
@@ -137,7 +161,9 @@ def tree_model_from_config(cls, config, *, seed: int = 0, dtype: torch.dtype = t
                            device="cpu", **kwargs):
     """Random model, initialised as transformers' `_init_weights` does, deterministic in `seed`."""
     from .gated_deltanet import GatedDeltaNet
-    from .layers import GatedRMSNorm, ZeroCentredRMSNorm
+    from .kimi_delta import ForgetGate
+    from .kimi_moe import GroupedRouter
+    from .layers import GatedRMSNorm, RMSNorm, SigmoidGatedRMSNorm, ZeroCentredRMSNorm
     from .moe import Experts, Router
 
     config = resolve_config(config)
@@ -155,17 +181,23 @@ def tree_model_from_config(cls, config, *, seed: int = 0, dtype: torch.dtype = t
                 module.bias.zero_()
         elif isinstance(module, ZeroCentredRMSNorm):
             module.weight.zero_()
-        elif isinstance(module, GatedRMSNorm):
+        elif isinstance(module, (GatedRMSNorm, RMSNorm, SigmoidGatedRMSNorm)):
             module.weight.fill_(1.0)
         elif isinstance(module, Experts):
             normal_(module.gate_up_proj)
             normal_(module.down_proj)
-        elif isinstance(module, Router):
+        elif isinstance(module, (Router, GroupedRouter)):
             normal_(module.weight)
         if isinstance(module, GatedDeltaNet):
             module.dt_bias.fill_(1.0)
             module.A_log.copy_(torch.rand(module.A_log.shape, generator=gen, dtype=torch.float64)
                                .mul(16 - 0.01).add(0.01).log())
+        if isinstance(module, ForgetGate):  # as fla / transformers: A in [1, 16], dt_bias = softplus^-1(dt)
+            module.A_log.copy_(torch.rand(module.A_log.shape, generator=gen, dtype=torch.float64).mul(15).add(1).log())
+            low, high = torch.log(torch.tensor(1e-3)), torch.log(torch.tensor(1e-1))
+            dt = (torch.rand(module.dt_bias.shape, generator=gen, dtype=torch.float64) * (high - low) + low).exp()
+            dt = dt.clamp_min(1e-4)
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
     return model.to(device=device, dtype=dtype)
 
 
@@ -176,8 +208,12 @@ def randomise_for_verification_(model, seed: int = 0):
     makes most linear-attention heads forget their state within one token and most products tiny,
     so a wrong state hand-off or gather could hide under rounding. Here matrices are N(0, 0.15^2),
     1-D parameters (norms, dt_bias) get 0.1-noise, and decay rates A = exp(A_log) lie in
-    [0.05, 0.55], so states carry across many chunks. Deterministic in `seed`; returns `model`."""
+    [0.05, 0.55], so states carry across many chunks; Kimi's routing bias gets 0.1-noise, so it changes
+    which experts are chosen. Deterministic in `seed`; returns `model`."""
     gen = torch.Generator().manual_seed(seed + 1)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float64))
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
         if name.endswith("A_log"):

@@ -1,21 +1,45 @@
-"""Gated DeltaNet over a microbatch's rounds (docs/design.md section 6): the launch plan's GDN part, run by the
-kernels its target chose (Triton: every round in one autograd Function; torch: the same plan launch by launch
-with the plain-torch reference)."""
+"""Linear attention over a microbatch's rounds (docs/design.md section 6): one interface for both delta rules.
+
+`linear_attention_rounds(..., rule=...)` runs the launch plan's GDN part (a `TreeGDNPlan`: packed rows, replay,
+state exports and hand-offs between rounds) for
+- "gdn": Gated DeltaNet, one log decay per head, g [T, HV] (Triton: every round in one autograd Function; torch:
+  the same plan launch by launch with the plain-torch reference);
+- "kda": Kimi Delta Attention, one log decay per key channel, g [T, HV, K] (the plain-torch reference over the
+  same plan and the same plan runner; the backend keeps such models off the Triton GDN kernels).
+"""
 from __future__ import annotations
 
 import torch
 
 from harts_compiler.codegen import LaunchPlan
 from harts_compiler.codegen.kernels.chunk_gdn import gated_delta_rule, plan_gated_delta_rule_reference
+from harts_compiler.codegen.kernels.chunk_kda import plan_kimi_delta_attention_reference
+
+RULES = ("gdn", "kda")
 
 
-def gated_delta_rule_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                            beta: torch.Tensor, plan: LaunchPlan, *, scale: float, state_dtype: torch.dtype,
+def linear_attention_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            plan: LaunchPlan, *, rule: str, scale: float, state_dtype: torch.dtype,
                             use_qk_l2norm: bool = True, kernel=None) -> torch.Tensor:
-    """Compact q, k [T, HK, K], v [T, HV, V], g, beta [T, HV] -> o [T, HV, V] (dtype of v). `kernel`: a
-    reference kernel for the torch path (tests pass the token-loop oracle; the target then runs torch)."""
-    if plan.target.gdn_triton:
-        return gated_delta_rule(q, k, v, g, beta, scale=scale, plan=plan.gdn, use_qk_l2norm=use_qk_l2norm)[0]
+    """Compact q, k [T, HK, K], v [T, HV, V], g [T, HV] (gdn) or [T, HV, K] (kda), beta [T, HV] -> o [T, HV, V]
+    (dtype of v). `kernel`: a reference kernel of the rule for the torch path (tests pass the token loops)."""
+    if rule not in RULES:
+        raise ValueError(f"linear_attention_rounds: rule={rule!r} is not one of {RULES}")
     extra = {} if kernel is None else {"kernel": kernel}
-    return plan_gated_delta_rule_reference(q, k, v, g, beta, scale=scale, plan=plan.gdn, state_dtype=state_dtype,
-                                           use_qk_l2norm=use_qk_l2norm, **extra)[0]
+    if rule == "gdn":
+        if plan.target.gdn_triton:
+            return gated_delta_rule(q, k, v, g, beta, scale=scale, plan=plan.gdn, use_qk_l2norm=use_qk_l2norm)[0]
+        return plan_gated_delta_rule_reference(q, k, v, g, beta, scale=scale, plan=plan.gdn, state_dtype=state_dtype,
+                                               use_qk_l2norm=use_qk_l2norm, **extra)[0]
+    if plan.target.gdn_triton:
+        raise ValueError("linear_attention_rounds: the plan was lowered for the Triton GDN kernels, which take a "
+                         "decay per head; lower KDA models with model.launch_target()")
+    return plan_kimi_delta_attention_reference(q, k, v, g, beta, scale=scale, plan=plan.gdn, state_dtype=state_dtype,
+                                               use_qk_l2norm=use_qk_l2norm, **extra)[0]
+
+
+def gated_delta_rule_rounds(q, k, v, g, beta, plan: LaunchPlan, *, scale: float, state_dtype: torch.dtype,
+                            use_qk_l2norm: bool = True, kernel=None) -> torch.Tensor:
+    """`linear_attention_rounds` with rule="gdn"."""
+    return linear_attention_rounds(q, k, v, g, beta, plan, rule="gdn", scale=scale, state_dtype=state_dtype,
+                                   use_qk_l2norm=use_qk_l2norm, kernel=kernel)

@@ -1,0 +1,154 @@
+"""Oracle: Kimi Linear in tree mode against transformers' KimiLinearForCausalLM, trajectory by trajectory.
+
+transformers' Kimi code casts to float32 in its norms, forget gate, router, softmax and KDA kernels, so a float64
+model of it still rounds like fp32. The fp64 oracle is therefore transformers' own modeling_kimi_linear.py with
+every float32 cast turned into float64 (the source is read and rewritten here, nothing else changes): tree mode
+must match it to 1e-10 on log-probs, on every parameter gradient and on the expert loads (each token counted
+once per trajectory, what updates the routing bias). The unmodified fp32 model is checked at fp32's 1e-5.
+transformers' KimiLinearAttention applies no RoPE (NoPE MLA), which is Kimi Linear's `mla_use_nope`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import random
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+kimi_modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+
+from harts_compiler.runtime import TreeModel  # noqa: E402
+from test_runtime_helpers import naive_tree_index  # noqa: E402
+from test_runtime_tree import _tokens, compiled_index, rel, tricky_batches  # noqa: E402
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+            linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4, num_local_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1,
+            moe_intermediate_size=32, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                   "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"], pad_token_id=None, bos_token_id=1, eos_token_id=2,
+            attn_implementation="eager", experts_implementation="eager")
+VARIANTS = {"q_lora": dict(q_lora_rank=24), "plain_q": dict(q_lora_rank=None, norm_topk_prob=False, n_group=1,
+                                                            topk_group=1, n_shared_experts=2)}
+
+
+def _fp64_modeling():
+    """transformers' modeling_kimi_linear with float64 where it says float32 (counted, so an upstream change of
+    the casts fails here rather than silently comparing against fp32 arithmetic)."""
+    source = inspect.getsource(kimi_modeling)
+    casts = source.count("torch.float32") + source.count(".float()")
+    assert casts >= 8, f"expected transformers' float32 casts in modeling_kimi_linear, found {casts}"
+    source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+    spec = importlib.util.spec_from_loader("transformers.models.kimi_linear._modeling_kimi_linear_fp64", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "transformers.models.kimi_linear"
+    module.__file__ = kimi_modeling.__file__  # transformers inspects where its classes come from
+    sys.modules[spec.name] = module  # transformers resolves the classes' annotations through sys.modules
+    exec(compile(source, kimi_modeling.__file__, "exec"), module.__dict__)
+    return module
+
+
+_FP64 = {}
+
+
+def hf_kimi(variant: str, dtype=torch.float64, seed=0):
+    if dtype == torch.float64 and "module" not in _FP64:
+        _FP64["module"] = _fp64_modeling()
+    module = _FP64["module"] if dtype == torch.float64 else kimi_modeling
+    torch.manual_seed(seed)
+    config = transformers.KimiLinearConfig(**{**TINY, **VARIANTS[variant]})
+    model = module.KimiLinearForCausalLM(config).to(dtype).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # weights large enough that every path shows; decays that carry over many chunks
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype)
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.05))
+            elif p.dim() == 1:
+                p.add_(0.1 * noise)
+            else:
+                p.copy_(0.2 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float64))
+    return model
+
+
+def hf_trajectories(model, batch, dtype):
+    """Per trajectory, the HF model's own forward: log-probs [rows, max_len] and expert loads [moe layers, E]."""
+    picks = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, args, out: picks.append(out[2]))
+             for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    rows = torch.zeros(len(batch), max(map(len, batch)), dtype=dtype)
+    loads = []
+    for r, traj in enumerate(batch):
+        picks.clear()
+        ids = torch.tensor([traj])
+        logits = model(ids).logits.to(dtype)
+        rows[r, 1:len(traj)] = torch.log_softmax(logits, -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+        loads.append(torch.stack([torch.bincount(p.reshape(-1), minlength=model.config.num_experts) for p in picks]))
+    for hook in hooks:
+        hook.remove()
+    return rows, sum(loads).to(dtype)
+
+
+def _batches():
+    rng = random.Random(5)
+    cases = tricky_batches(4)
+    chain = _tokens(rng, 23)
+    cases["deep_chain"] = [chain, chain[:17] + _tokens(rng, 3), chain[:9] + _tokens(rng, 9), chain[:21]]
+    return cases
+
+
+BATCHES = _batches()
+
+
+def _check(model, batch, index, dtype, tol, grad_tol):
+    tree = TreeModel.from_hf(model)
+    weights = torch.randn(len(batch), max(map(len, batch)), generator=torch.Generator().manual_seed(1), dtype=dtype)
+    model.zero_grad(set_to_none=True)
+    reference, reference_load = hf_trajectories(model, batch, dtype)
+    (reference * weights).sum().backward()
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad(set_to_none=True)
+    out = tree(index)
+    order = [out.trajectory_ids.index(str(i)) for i in range(len(batch))]
+    logprobs = out.logprobs[order]
+    assert out.aux_loss is None  # transformers computes no auxiliary loss for Kimi's biased routing
+    assert rel(logprobs, reference) < tol, f"logprobs rel {rel(logprobs, reference):.3g}"
+    assert torch.equal(out.expert_load, reference_load)
+    (logprobs * weights).sum().backward()
+    worst = max((rel(p.grad, reference_grads[n]), n) for n, p in model.named_parameters())
+    assert worst[0] < grad_tol, f"gradient of {worst[1]} rel {worst[0]:.3g}"
+
+
+@pytest.mark.parametrize("name", sorted(BATCHES))
+def test_tree_mode_equals_transformers_fp64(name):
+    batch = BATCHES[name]
+    _check(hf_kimi("q_lora"), batch, naive_tree_index(batch, chunk_size=4), torch.float64, 1e-10, 1e-10)
+
+
+@pytest.mark.parametrize("name", ["branch_on_chunk_boundary", "prefix_and_duplicate_trajectories"])
+def test_compiled_plan_plain_q_variant_fp64(name):
+    batch = BATCHES[name]
+    _check(hf_kimi("plain_q"), batch, compiled_index(batch, 4), torch.float64, 1e-10, 1e-10)
+
+
+def test_unmodified_transformers_fp32():
+    batch = BATCHES["branch_in_first_chunk"]
+    _check(hf_kimi("q_lora", dtype=torch.float32), batch, naive_tree_index(batch, chunk_size=4), torch.float32,
+           1e-5, 1e-4)
+
+
+def test_from_hf_shares_parameters_and_routing_bias():
+    model = hf_kimi("q_lora")
+    tree = TreeModel.from_hf(model)
+    layer = model.model.layers[1]
+    assert tree.model.layers[1].self_attn.kv_b_proj.weight is layer.self_attn.kv_b_proj.weight
+    assert tree.model.layers[1].mlp.gate.e_score_correction_bias is layer.mlp.gate.e_score_correction_bias
+    assert tree.model.layers[0].self_attn.forget_gate.A_log is model.model.layers[0].self_attn.forget_gate.A_log
