@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -111,6 +112,14 @@ class TreeBatch:
 
     @classmethod
     def load(cls, path: str | Path) -> "TreeBatch":
+        """A JSONL file, or standard input for `-`; a missing file or a directory is one InputError line."""
+        if str(path) == "-":
+            return cls.from_jsonl_lines(sys.stdin.buffer)
+        path = Path(path)
+        if path.is_dir():
+            raise InputError(f"{path}: is a directory, not a JSONL file")
+        if not path.is_file():
+            raise InputError(f"{path}: no such file")
         with open(path, "rb") as handle:
             return cls.from_jsonl_lines(handle)
 

@@ -16,15 +16,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("harts_compiler.demo:demo_main", "built-in batch: compile, run tree vs trajectory-wise, verify"),
     "verify": ("harts_compiler.verify:verify_main", "check a batch's tree execution against trajectory-wise"),
     "bench": ("harts_compiler.commands:bench_main",
-              "run a benchmark of bench/ (default e2e: tree vs trajectory-wise step)"),
+              "run a benchmark of bench/ (harts bench --help lists them; default e2e)"),
     "gen": ("harts_compiler.generator:gen_main", "generate a seeded rollout batch (JSONL)"),
     "show": ("harts_compiler.show:show_main", "print a plan's trees and rank x slot loads (--png: draw them)"),
 }
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("harts-compiler")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown (not installed)"
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: harts COMMAND [options]   (harts COMMAND --help for its options)", "",
+    lines = ["usage: harts COMMAND [options]   (harts COMMAND --help for its options; harts --version)", "",
              "commands:"]
     lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
     return "\n".join(lines)
@@ -38,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"harts {_version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"harts: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)

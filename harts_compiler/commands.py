@@ -7,7 +7,13 @@ import re
 import sys
 from pathlib import Path
 
+from .cli_help import HelpFormatter
 from .errors import InputError
+from .progress import add_quiet_argument
+
+
+STATUS_MEANING = {"OPTIMAL": "proven optimal", "FEASIBLE": "CP-SAT improved the greedy plan, not proven optimal",
+                  "GREEDY_FALLBACK": "CP-SAT found nothing better within its time limit: the greedy plan"}
 
 
 def format_summary(plan) -> str:
@@ -31,8 +37,8 @@ def format_summary(plan) -> str:
                      f"{split['trees_greedy']} ({1e3 * split['solver_time_s']:.0f} ms)")
     if "schedule" in stats:
         sched = stats["schedule"]
-        lines.append(f"schedule           {sched['status']} ({sched['method']}), "
-                     f"{sched['objective_kind']} {sched['objective']:.4g} vs bound "
+        lines.append(f"schedule           {sched['status']} ({STATUS_MEANING.get(sched['status'], '?')}; "
+                     f"{sched['method']}), {sched['objective_kind']} {sched['objective']:.4g} predicted ms vs bound "
                      f"{sched['lower_bound']:.4g} (gap {100 * sched['gap']:.2f}%, greedy "
                      f"{sched['greedy_objective']:.4g}), {sched['num_slots']} slots, "
                      f"{1e3 * sched['wall_time_s']:.0f} ms")
@@ -48,19 +54,22 @@ def compile_main(argv: list[str]) -> int:
     from . import CompileOptions, TreeBatch, compile
     from .ir import check_plan_path
 
-    parser = argparse.ArgumentParser(prog="harts compile",
-                                     description="Compile a JSONL rollout batch into a plan.")
-    parser.add_argument("input", help="JSONL: trajectories {id, tokens} and/or trees {id, nodes}")
+    parser = argparse.ArgumentParser(prog="harts compile", formatter_class=HelpFormatter,
+                                     description="Compile a JSONL rollout batch into a plan (docs/design.md in "
+                                     "the source tree explains the passes).")
+    parser.add_argument("input", help="JSONL: trajectories {id, tokens, ...} and/or trees {id, nodes}; - = stdin")
     defaults = {name: field.default for name, field in CompileOptions.model_fields.items()}
 
     def option(flag: str, name: str, **kwargs):  # the default is CompileOptions' own
         parser.add_argument(flag, dest=name, default=defaults[name], **kwargs)
 
-    option("--chunk-size", "chunk_size", type=int)
-    option("--conv-width", "conv_width", type=int)
-    option("--microbatch-tokens", "microbatch_tokens", type=int)
-    option("--dp-size", "dp_size", type=int)
-    option("--vocab-size", "vocab_size", type=int)
+    option("--chunk-size", "chunk_size", type=int, help="tokens per linear-attention chunk (the GDN kernels' 64)")
+    option("--conv-width", "conv_width", type=int, help="short-convolution width of the linear-attention layers")
+    option("--microbatch-tokens", "microbatch_tokens", type=int, metavar="TOKENS",
+           help="compact-token budget of one microbatch (what one forward+backward fits on a GPU); without it "
+                "each rank's trees form one microbatch")
+    option("--dp-size", "dp_size", type=int, metavar="RANKS", help="data-parallel ranks to spread the trees over")
+    option("--vocab-size", "vocab_size", type=int, help="refuse token ids >= this (the model's vocabulary)")
     option("--objective", "objective",
            help="schedule objective: sum_of_slot_max (ranks run slots in lockstep) or max_rank_total")
     option("--schedule-time-limit", "schedule_time_limit_s", type=float, metavar="SECONDS",
@@ -71,24 +80,43 @@ def compile_main(argv: list[str]) -> int:
            help="fitted cost model (default: the repository's fit, else guesses)")
     option("--linear-layers", "linear_layers", type=int, help="the model's linear-attention layers (cost model)")
     option("--full-layers", "full_layers", type=int, help="the model's full-attention layers (cost model)")
-    parser.add_argument("--dump-ir", metavar="DIR", help="write a .hir after every pass")
-    parser.add_argument("--no-verify", action="store_true", help="skip IR verification")
+    parser.add_argument("--dump-ir", metavar="DIR", help="write a .hir after every pass into DIR")
+    parser.add_argument("--no-verify", action="store_true", help="skip the IR verification between passes")
     parser.add_argument("--json", action="store_true", help="print statistics as one JSON object")
-    parser.add_argument("-o", "--output", metavar="PLAN", help="save the plan (.hir)")
+    parser.add_argument("-o", "--output", metavar="PLAN", help="save the plan: PLAN (.hir text) and, for long "
+                        "token lists, PLAN.npz beside it")
+    add_quiet_argument(parser)
     args = parser.parse_args(argv)
     options = CompileOptions.checked(verify=not args.no_verify, **{
         name: getattr(args, name) for name in defaults if hasattr(args, name)})
-    if not Path(args.input).is_file():
-        raise InputError(f"{args.input}: no such file")
     if args.output:
         check_plan_path(args.output)  # refused before a long compile, not after it
     if args.dump_ir and Path(args.dump_ir).exists() and not Path(args.dump_ir).is_dir():
         raise InputError(f"--dump-ir {args.dump_ir}: exists and is not a directory")
-    plan = compile(TreeBatch.load(args.input), options, dump_ir=args.dump_ir)
+    batch = TreeBatch.load(args.input)
+    # a bar only where compiling takes a while (a few million tokens and up)
+    plan = compile(batch, options, dump_ir=args.dump_ir, quiet=args.quiet or batch.tokens.size < 2_000_000)
     if args.output:
         plan.save(args.output)
+    for warning in plan_warnings(plan):
+        print(f"harts compile: warning: {warning}", file=sys.stderr)
     print(json.dumps(plan.stats) if args.json else format_summary(plan))
     return 0
+
+
+def plan_warnings(plan) -> list[str]:
+    """What a user should know about a plan that compiled but may not be what they meant."""
+    warnings = []
+    stats = plan.stats
+    if plan.options.microbatch_tokens is None and plan.program.microbatches is not None:
+        largest = max((mb["compact_tokens"] for mb in stats["microbatches"]), default=0)
+        warnings.append(f"no --microbatch-tokens: each rank runs its trees as one microbatch (the largest has "
+                        f"{largest:,} compact tokens); give the budget one forward+backward fits")
+    idle = plan.options.dp_size - len({mb["rank"] for mb in stats["microbatches"]})
+    if stats["microbatches"] and idle > 0:
+        warnings.append(f"{idle} of {plan.options.dp_size} ranks get no microbatch ({stats['trees']} trees to "
+                        "spread); they would only wait")
+    return warnings
 
 
 def ir_main(argv: list[str]) -> int:
@@ -170,25 +198,55 @@ def _abridged(lines: list[str], per_kind: int | None) -> str:
 
 
 def bench_main(argv: list[str]) -> int:
-    """`harts bench [e2e|attention|gdn|logprobs|planner|compile_speed|calibrate] [options]`: run a
-    benchmark script of the source checkout's bench/ folder (default: e2e, the end-to-end tree vs
-    trajectory-wise step; `harts bench e2e --help` lists its options)."""
-    import runpy
-
+    """`harts bench [NAME] [options]`: run benchmark NAME of the source checkout's bench/ folder (default e2e, the
+    end-to-end tree vs trajectory-wise step); `harts bench --help` lists them, `harts bench NAME --help` gives
+    one's options."""
     bench_dir = Path(__file__).resolve().parent.parent / "bench"
+    available = _benchmarks(bench_dir)
+    if argv[:1] in (["-h"], ["--help"], ["list"]):
+        print(_bench_usage(available))
+        return 0
     name = argv[0] if argv and not argv[0].startswith("-") else "e2e"
     rest = argv[1:] if argv and not argv[0].startswith("-") else argv
+    if name not in available:
+        raise InputError(f"bench {name!r}: no such benchmark" + (f" (available: {', '.join(available)})" if available
+                                                                 else " (harts bench needs a source checkout)"))
+    if "-h" not in rest and "--help" not in rest:
+        import torch
+        if not torch.cuda.is_available():
+            print(f"harts bench: warning: no CUDA device; {name}'s default sizes are for an H200 and may take "
+                  f"long on a CPU (harts bench {name} --help shows the size options)", file=sys.stderr)
     script = bench_dir / f"{name}.py"
-    if not script.is_file():
-        available = sorted(p.stem for p in bench_dir.glob("*.py") if p.stem != "common") if bench_dir.is_dir() else []
-        raise InputError(f"bench {name!r}: no {script}" + (f" (available: {', '.join(available)})" if available
-                                                           else " (harts bench needs a source checkout)"))
     saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv, sys.path[:0] = [str(script), *rest], [str(bench_dir)]
-    try:
-        runpy.run_path(str(script), run_name="__main__")
+    sys.argv, sys.path[:0] = [f"harts bench {name}", *rest], [str(bench_dir)]
+    try:  # exec, not runpy.run_path, which would put the script's path into argv[0] (its usage line)
+        exec(compile(script.read_text(), str(script), "exec"), {"__name__": "__main__", "__file__": str(script)})
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     return 0
+
+
+def _benchmarks(bench_dir: Path) -> dict[str, str]:
+    """name -> first line of its docstring, for every runnable script of bench/ (helpers have no main)."""
+    import ast
+
+    found = {}
+    for path in sorted(bench_dir.glob("*.py")) if bench_dir.is_dir() else []:
+        source = path.read_text()
+        if "__main__" not in source:
+            continue
+        doc = ast.get_docstring(ast.parse(source)) or ""
+        found[path.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
+    return found
+
+
+def _bench_usage(available: dict[str, str]) -> str:
+    if not available:
+        return "harts bench: no bench/ folder here (the benchmarks run from a source checkout)"
+    width = max(map(len, available))
+    lines = ["usage: harts bench [NAME] [options]   (default NAME: e2e; harts bench NAME --help for its options)",
+             "", "benchmarks (GPU sizes by default; on a CPU they are slow or skip what needs CUDA):"]
+    lines += [f"  {name:<{width}}  {summary}" for name, summary in available.items()]
+    return "\n".join(lines)

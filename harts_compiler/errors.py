@@ -14,3 +14,14 @@ class InputError(ValueError):
             problems = [problems]
         self.problems: list[str] = list(problems)
         super().__init__("\n".join(self.problems))
+
+
+def check_output_file(path, flag: str = "-o") -> None:
+    """InputError unless `path` can be written as a file: not a directory, its folder exists."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{flag} {path}: is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise InputError(f"{flag} {path}: folder {path.parent} does not exist")

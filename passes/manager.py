@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harts_compiler.progress import progress
 from harts_compiler.ir import Program, write_hir
 
 from .base import Pass
@@ -17,9 +18,10 @@ class PassTiming:
 
 
 def run_passes(program: Program, passes: list[Pass], *, verify: bool = True,
-               dump_dir: str | Path | None = None) -> tuple[Program, list[PassTiming]]:
+               dump_dir: str | Path | None = None, quiet: bool = True) -> tuple[Program, list[PassTiming]]:
     """Run `passes` on `program`. With `verify`, Program.verify() runs on the input and after
-    every pass (not timed). With `dump_dir`, writes 00-input.hir and NN-<pass>.hir after pass NN."""
+    every pass (not timed). With `dump_dir`, writes 00-input.hir and NN-<pass>.hir after pass NN.
+    `quiet=False` shows a bar over the passes on a terminal."""
     if dump_dir is not None:
         dump_dir = Path(dump_dir)
         dump_dir.mkdir(parents=True, exist_ok=True)
@@ -27,7 +29,7 @@ def run_passes(program: Program, passes: list[Pass], *, verify: bool = True,
     if verify:
         program.verify()
     timings = []
-    for index, compiler_pass in enumerate(passes, start=1):
+    for index, compiler_pass in enumerate(progress(passes, desc="compiling", unit="pass", quiet=quiet), start=1):
         start = time.perf_counter()
         previous, program = program, compiler_pass.run(program)
         ms = (time.perf_counter() - start) * 1e3

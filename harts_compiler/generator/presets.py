@@ -60,6 +60,7 @@ with the same shape; `vocab_size` (default 151936, Qwen's) bounds the token ids.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,7 +146,7 @@ def resolve_preset(preset: str | Preset, **overrides) -> Preset:
         raise ValueError(f"turns: need 1 <= min <= max (got {preset.turns})")
     if not 0 <= preset.fork_prob <= 1 or not 0 <= preset.edit_prob <= 1:
         raise ValueError("fork_prob/edit_prob: probabilities must lie in [0, 1]")
-    if preset.scale <= 0 or preset.vocab_size < 2:
+    if not math.isfinite(preset.scale) or preset.scale <= 0 or preset.vocab_size < 2:
         raise ValueError(f"scale/vocab_size: need scale > 0 and vocab_size >= 2 (got scale "
                          f"{preset.scale}, vocab_size {preset.vocab_size})")
     return preset

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from harts_compiler.progress import progress
+
 from .presets import Preset, resolve_preset
 
 
@@ -20,9 +22,13 @@ class _SegmentTrie:
         self.parent: list[int] = []
         self.tokens: list[np.ndarray] = []
         self.first_tokens: dict[int, set[int]] = {}  # parent (-1 for roots) -> used first tokens
+        self.num_tokens = 0
 
     def draw(self, length: int, parent: int, exclude: tuple[int, ...] = ()) -> np.ndarray:
         """Random tokens whose first token no child of `parent` uses yet (nor any in `exclude`)."""
+        if self.num_tokens + length > MAX_COMPACT_TOKENS:  # checked before allocating the segment
+            raise ValueError(f"scale/tasks/rollouts: the batch would pass {MAX_COMPACT_TOKENS:,} distinct tokens "
+                             "(lower --scale, --tasks or --rollouts)")
         tokens = self.rng.integers(0, self.vocab_size, size=length, dtype=np.int64).astype(np.int32)
         used = self.first_tokens.get(parent, set())
         if len(used | set(exclude)) >= self.vocab_size:
@@ -33,6 +39,7 @@ class _SegmentTrie:
         return tokens
 
     def add(self, parent: int, tokens: np.ndarray) -> int:
+        self.num_tokens += tokens.size
         used = self.first_tokens.setdefault(parent, set())
         if int(tokens[0]) in used:  # an internal error: callers draw with `draw`
             raise AssertionError(f"sibling under node {parent} already starts with {tokens[0]}")
@@ -43,6 +50,12 @@ class _SegmentTrie:
 
     def add_new(self, parent: int, length: int) -> int:
         return self.add(parent, self.draw(length, parent))
+
+
+# Generation holds the distinct tokens (int32) and, when written flat, every trajectory's tokens: a bound that
+# keeps a mistyped --scale from filling the machine's memory (500 M tokens = 2 GB as int32).
+MAX_COMPACT_TOKENS = 500_000_000
+MAX_TRAJECTORY_TOKENS = 500_000_000
 
 
 @dataclass
@@ -70,6 +83,10 @@ class RolloutBatch:
     def trees(self) -> list[dict]:
         """JSONL tree records (see `to_tree_records`)."""
         return to_tree_records(self.node_parent, self.node_tokens, self.ends)
+
+    def trajectory_tokens(self) -> int:
+        """Tokens of all trajectories, from the trie alone (no flat token lists)."""
+        return int(self.tree_summary()["trajectory_tokens"].sum())
 
     def _path_tokens(self, node: int) -> np.ndarray:
         parts = []
@@ -106,8 +123,9 @@ class RolloutBatch:
         }
 
 
-def generate(preset: str | Preset = "swe", seed: int = 0, **overrides) -> RolloutBatch:
-    """Generate a batch; the same (preset, seed, overrides) always gives the same batch."""
+def generate(preset: str | Preset = "swe", seed: int = 0, *, quiet: bool = True, **overrides) -> RolloutBatch:
+    """Generate a batch; the same (preset, seed, overrides) always gives the same batch. `quiet=False` shows a
+    progress bar over the tasks on a terminal."""
     cfg = resolve_preset(preset, **overrides)
     rng = np.random.default_rng(seed)
     trie = _SegmentTrie(rng, cfg.vocab_size)
@@ -115,7 +133,7 @@ def generate(preset: str | Preset = "swe", seed: int = 0, **overrides) -> Rollou
     shared_root = -1
     if cfg.system is not None and cfg.shared_system:
         shared_root = trie.add_new(-1, cfg.system.draw(rng, cfg.scale))
-    for task in range(cfg.tasks):
+    for task in progress(range(cfg.tasks), desc="generating", unit="task", quiet=quiet):
         root = shared_root
         if cfg.system is not None and not cfg.shared_system:
             root = trie.add_new(-1, cfg.system.draw(rng, cfg.scale))
@@ -206,15 +224,15 @@ def to_tree_records(parent: list[int], tokens: list[np.ndarray],
     return [records[root] for root in roots]
 
 
-def write_jsonl(batch: RolloutBatch, path: str | Path, form: str = "flat") -> None:
+def write_jsonl(batch: RolloutBatch, path: str | Path, form: str = "flat", *, quiet: bool = True) -> None:
     """Write `batch` as HARTS input: `flat` = one trajectory per line, `trees` = one explicit tree
     per line (the same trajectories)."""
     if form not in ("flat", "trees"):
         raise ValueError(f"form: expected 'flat' or 'trees', got {form!r}")
     with open(path, "w") as out:
         if form == "flat":
-            for traj_id, tokens in batch.trajectories:
-                out.write(json.dumps({"id": traj_id, "tokens": tokens.tolist()}) + "\n")
+            for traj_id, node in progress(batch.ends, desc="writing", unit="traj", quiet=quiet):
+                out.write(json.dumps({"id": traj_id, "tokens": batch._path_tokens(node).tolist()}) + "\n")
         else:
             for record in batch.trees:
                 out.write(json.dumps(record) + "\n")
