@@ -54,6 +54,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harts_compiler.progress import progress
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402
 from common import (LENGTH_SCALE, TINY_GENERATOR, Step, build_model, describe_device, finish_args,  # noqa: E402
@@ -322,7 +324,7 @@ def main(argv=None) -> int:
           f"attention), {config.num_experts} experts top-{config.num_experts_per_tok}, bf16, "
           f"activation recomputation on (built in {time.perf_counter() - start:.1f} s)", flush=True)
     rows, failures = [], []
-    for preset in args.presets:
+    for preset in progress(args.presets, desc="presets", unit="preset"):
         try:
             rows.append(run_preset(preset, model, args))
         except Exception:  # keep the other presets' results; exit non-zero at the end

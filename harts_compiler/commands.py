@@ -122,9 +122,9 @@ def plan_warnings(plan) -> list[str]:
 def ir_main(argv: list[str]) -> int:
     from .ir import IRError, format_program, read_hir
 
-    parser = argparse.ArgumentParser(prog="harts ir",
+    parser = argparse.ArgumentParser(prog="harts ir", formatter_class=HelpFormatter,
                                      description="Pretty-print and validate a .hir dump.")
-    parser.add_argument("file")
+    parser.add_argument("file", help="a .hir (a saved plan or an --dump-ir stage); its .npz is read from beside it")
     parser.add_argument("--full", action="store_true", help="print every record")
     parser.add_argument("--lines", type=int, default=8,
                         help="records of each kind to print without --full")

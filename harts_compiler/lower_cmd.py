@@ -5,6 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
+from .cli_help import HelpFormatter
 from .errors import InputError
 
 KERNELS = {"triton": ("cuda", "bfloat16"), "torch": ("cpu", "float64")}
@@ -33,7 +34,7 @@ def lower_main(argv: list[str]) -> int:
     from .runtime.backend import select_backend
     from .ir import IRError
 
-    parser = argparse.ArgumentParser(prog="harts lower", description=__doc__)
+    parser = argparse.ArgumentParser(prog="harts lower", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("input", help="a saved plan (.hir) or a JSONL batch (compiled for --model)")
     parser.add_argument("--model", default="tiny-qwen3-next", help="preset name or HF checkpoint directory "
                         "(only its config is read) (default: %(default)s)")
