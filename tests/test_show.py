@@ -221,3 +221,21 @@ def test_generated_batch_invariants(tmp_path, capsys):
     for rank in range(2):
         assert tokens["total"][rank] == sum(tokens[s][rank] or 0 for s in slots)
         assert ms["total"][rank] == pytest.approx(sum(ms[s][rank] or 0 for s in slots), abs=0.1)
+
+
+def test_docs_sample_is_current(tmp_path, capsys, monkeypatch):
+    """docs/show.md's commands, run again, print the trees it shows (the times below them depend on the fitted
+    cost model, so only the plan's structure is compared)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "show.md").read_text()
+    commands = [line.split()[1:] for line in doc.splitlines() if line.startswith(("harts gen ", "harts show "))]
+    assert [c[0] for c in commands] == ["gen", "show"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    assert main(commands[0]) == 0
+    capsys.readouterr()
+    code, out, _ = run(commands[1], capsys)
+    assert code == 0 and (tmp_path / "docs" / "show_example.png").stat().st_size > 10_000
+    structure = out[:out.index("schedule: ")].rstrip("\n")
+    assert structure in doc
