@@ -323,7 +323,8 @@ def check_png_path(png: str) -> None:
     if path.is_dir():
         raise InputError(f"--png {png}: is a directory")
     if not path.parent.is_dir():
-        raise InputError(f"--png {png}: directory {path.parent} does not exist")
+        what = "is not a directory" if path.parent.exists() else "does not exist"
+        raise InputError(f"--png {png}: directory {path.parent} {what}")
 
 
 def show_main(argv: list[str]) -> int:
@@ -364,7 +365,10 @@ def show_main(argv: list[str]) -> int:
         print("\nnot scheduled: no rank x slot table (the plan stops before the schedule pass)")
     if args.png:
         from .show_png import draw_plan
-        draw_plan(args.png, views, loads, chunk,
-                  plan.program.microbatches.dp_size if plan.program.microbatches is not None else 0)
+        try:
+            draw_plan(args.png, views, loads, chunk,
+                      plan.program.microbatches.dp_size if plan.program.microbatches is not None else 0)
+        except OSError as error:  # e.g. a folder without write permission
+            raise InputError(f"--png {args.png}: cannot write ({error.strerror or error})") from None
         print(f"\nwrote {args.png}")
     return 0
