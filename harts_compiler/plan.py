@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harts_compiler.ir import Program, format_program, load_hir, write_hir
+from harts_compiler.ir import ArtifactError, Program, format_program, load_hir, write_hir
 
 from .options import CompileOptions
 
@@ -128,6 +128,8 @@ class Plan:
         match = re.search(r"^# options (.*)$", text, re.M)
         options = CompileOptions(**json.loads(match.group(1))) if match else CompileOptions()
         found = re.search(r"^# metadata (.*)$", text, re.M)
+        if program.forest is None:
+            raise ArtifactError(f"{path}: an input-stage dump (no forest), not a compiled plan")
         program.verify()
         return cls(program=program, options=options, trajectory_tokens=int(program.forest.traj_length.sum()),
                    metadata=json.loads(found.group(1)) if found else None)

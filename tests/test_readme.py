@@ -14,7 +14,10 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def readme_commands() -> list[str]:
     commands = []
-    for block in re.findall(r"^```(?:bash)?\n(.*?)^```", README.read_text(), re.M | re.S):
+    # fences alternate open/close; only shell blocks (no language, or bash) hold commands
+    for language, block in re.findall(r"^```(\w*)\n(.*?)^```", README.read_text(), re.M | re.S):
+        if language not in ("", "bash"):
+            continue
         for line in block.splitlines():
             line = line.split("  #")[0].strip()
             for part in line.split("&&"):
