@@ -52,34 +52,14 @@ def format_summary(plan) -> str:
 
 def compile_main(argv: list[str]) -> int:
     from . import CompileOptions, TreeBatch, compile
+    from .compile_flags import add_compile_options, given_options
     from .ir import check_plan_path
 
     parser = argparse.ArgumentParser(prog="harts compile", formatter_class=HelpFormatter,
                                      description="Compile a JSONL rollout batch into a plan (docs/design.md in "
                                      "the source tree explains the passes).")
     parser.add_argument("input", help="JSONL: trajectories {id, tokens, ...} and/or trees {id, nodes}; - = stdin")
-    defaults = {name: field.default for name, field in CompileOptions.model_fields.items()}
-
-    def option(flag: str, name: str, **kwargs):  # the default is CompileOptions' own
-        parser.add_argument(flag, dest=name, default=defaults[name], **kwargs)
-
-    option("--chunk-size", "chunk_size", type=int, help="tokens per linear-attention chunk (the GDN kernels' 64)")
-    option("--conv-width", "conv_width", type=int, help="short-convolution width of the linear-attention layers")
-    option("--microbatch-tokens", "microbatch_tokens", type=int, metavar="TOKENS",
-           help="compact-token budget of one microbatch (what one forward+backward fits on a GPU); without it "
-                "each rank's trees form one microbatch")
-    option("--dp-size", "dp_size", type=int, metavar="RANKS", help="data-parallel ranks to spread the trees over")
-    option("--vocab-size", "vocab_size", type=int, help="refuse token ids >= this (the model's vocabulary)")
-    option("--objective", "objective",
-           help="schedule objective: sum_of_slot_max (ranks run slots in lockstep) or max_rank_total")
-    option("--schedule-time-limit", "schedule_time_limit_s", type=float, metavar="SECONDS",
-           help="CP-SAT planner time limit (the greedy plan is the fallback)")
-    option("--split-time-limit", "split_time_limit_s", type=float, metavar="SECONDS",
-           help="CP-SAT time for improving the cuts of trees over the budget (0 = the greedy cuts)")
-    option("--cost-model", "cost_model", metavar="JSON",
-           help="fitted cost model (default: the repository's fit, else guesses)")
-    option("--linear-layers", "linear_layers", type=int, help="the model's linear-attention layers (cost model)")
-    option("--full-layers", "full_layers", type=int, help="the model's full-attention layers (cost model)")
+    add_compile_options(parser)
     parser.add_argument("--dump-ir", metavar="DIR", help="write a .hir after every pass into DIR")
     parser.add_argument("--no-verify", action="store_true", help="skip the IR verification between passes")
     parser.add_argument("--json", action="store_true", help="print statistics as one JSON object")
@@ -87,8 +67,7 @@ def compile_main(argv: list[str]) -> int:
                         "token lists, PLAN.npz beside it")
     add_quiet_argument(parser)
     args = parser.parse_args(argv)
-    options = CompileOptions.checked(verify=not args.no_verify, **{
-        name: getattr(args, name) for name in defaults if hasattr(args, name)})
+    options = CompileOptions.checked(verify=not args.no_verify, **given_options(args))
     if args.output:
         check_plan_path(args.output)  # refused before a long compile, not after it
     if args.dump_ir and Path(args.dump_ir).exists() and not Path(args.dump_ir).is_dir():

@@ -29,7 +29,8 @@ def loss_inputs(plan, *, scale_by_std: bool = True):
 
     Advantages: each trajectory's `advantage` when every trajectory has one; otherwise GRPO advantages of the
     `reward`s, grouped by `group` (a trajectory of an explicit tree defaults to the tree's id; a flat line
-    must say its group), over the whole batch. `old_logprobs` / `ref_logprobs` / `response_mask` are used when every trajectory has them."""
+    must say its group), over the whole batch. `old_logprobs` / `ref_logprobs` / `response_mask` are used when
+    every trajectory has them."""
     from harts_compiler.runtime.dp_inputs import TrajectoryInputs, group_advantages
 
     ids = list(plan.program.forest.traj_ids)

@@ -13,23 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .compile_flags import COMPILE_FLAGS, add_compile_options, given_options
 from .errors import InputError
-
-# option flag -> CompileOptions field; the defaults (shown in --help) are CompileOptions' own
-COMPILE_FLAGS = {
-    "--chunk-size": ("chunk_size", int, "C", "linear-attention chunk (chunk boundaries, replays)"),
-    "--conv-width": ("conv_width", int, "W", "short-conv width"),
-    "--microbatch-tokens": ("microbatch_tokens", int, "TOKENS", "compact-token budget per microbatch"),
-    "--dp-size": ("dp_size", int, "RANKS", "data-parallel ranks"),
-    "--vocab-size": ("vocab_size", int, "V", "reject token ids >= this"),
-    "--objective": ("objective", str, "NAME", "schedule objective: sum_of_slot_max or max_rank_total"),
-    "--schedule-time-limit": ("schedule_time_limit_s", float, "SECONDS", "CP-SAT planner time limit"),
-    "--split-time-limit": ("split_time_limit_s", float, "SECONDS", "CP-SAT time for the cuts of oversize trees"),
-    "--cost-model": ("cost_model", str, "JSON", "fitted cost-model file (default None: the repository's fit)"),
-    "--linear-layers": ("linear_layers", int, "N", "the model's linear-attention layers (cost model)"),
-    "--full-layers": ("full_layers", int, "N", "the model's full-attention layers (cost model)"),
-}
-
 
 @dataclass(frozen=True)
 class NodeView:
@@ -269,7 +254,6 @@ def format_loads(loads: list[CellLoad], dp_size: int, model_source: str) -> str:
 # -- command ----------------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
-    from .options import CompileOptions
 
     parser = argparse.ArgumentParser(prog="harts show", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -282,10 +266,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="nodes printed per tree, in layout order (default: %(default)s)")
     parser.add_argument("--png", metavar="FILE", help="also draw the trees and the schedule into FILE (PNG; needs "
                         "matplotlib: pip install 'harts-compiler[show]')")
-    defaults = CompileOptions.model_fields
-    for flag, (name, kind, metavar, text) in COMPILE_FLAGS.items():
-        parser.add_argument(flag, dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS,
-                            help=text if "default" in text else f"{text} (default: {defaults[name].default})")
+    add_compile_options(parser, only_given=True)
     return parser
 
 
@@ -311,8 +292,6 @@ def load_plan(source: str, given: dict):
         plan = Plan.load(path)  # an ArtifactError names the files itself and reaches the CLI as it is
     except IRError as error:
         raise InputError(f"{path}: {error}") from None
-    except AttributeError:  # Plan.load needs a forest; an input-stage dump has none
-        raise InputError(f"{path}: holds no forest (an input-stage dump): show needs a compiled plan") from None
     if not plan.program.forest.laid_out:
         raise InputError(f"{path}: stage {plan.program.stage}: show needs a laid-out plan (harts compile -o)")
     return plan
@@ -338,7 +317,7 @@ def show_main(argv: list[str]) -> int:
             import matplotlib  # noqa: F401  (only to say what is missing before compiling)
         except ImportError:
             raise InputError("--png needs matplotlib: install harts-compiler[show]") from None
-    given = {name: getattr(args, name) for name, *_ in COMPILE_FLAGS.values() if hasattr(args, name)}
+    given = given_options(args)
     plan = load_plan(args.input, given)
     forest = plan.program.forest
     count = forest.num_trees if args.trees == 0 else min(args.trees, forest.num_trees)
