@@ -58,18 +58,14 @@ def demo_main(argv: list[str]) -> int:
     Qwen3-Next (forward + backward), and print what was verified."""
     from . import CompileOptions, compile
     from .commands import format_summary
-    from .verify import DTYPES, add_execution_arguments, load_model, verify_plan
+    from .verify import add_execution_arguments, setup_execution, verify_plan
 
     parser = argparse.ArgumentParser(prog="harts demo", description=demo_main.__doc__)
-    add_execution_arguments(parser)
-    parser.add_argument("--dp-size", type=int, default=1)
-    parser.add_argument("--dump-ir", metavar="DIR")
+    add_execution_arguments(parser)  # --quiet among them: no progress bars
+    parser.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks to plan for (default: 1)")
+    parser.add_argument("--dump-ir", metavar="DIR", help="write a .hir after every pass")
     args = parser.parse_args(argv)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    model = load_model(args.model, DTYPES[args.dtype], seed=args.seed)
+    model, memory_limit = setup_execution(args)
     batch = agentic_batch(args.seed, vocab_size=model.config.vocab_size)
     options = CompileOptions.for_model(model, chunk_size=args.chunk_size, dp_size=args.dp_size,
                                        microbatch_tokens=args.microbatch_tokens)
@@ -77,7 +73,8 @@ def demo_main(argv: list[str]) -> int:
     print(f"built-in agentic batch (seed {args.seed}): {len(batch)} trajectories\n")
     print(format_summary(plan))
     print(f"\nmodel: {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters, random weights), "
-          f"forward + backward in tree mode and trajectory-wise:")
-    report = verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing)
+          f"forward + backward in tree mode and trajectory-wise:", flush=True)
+    report = verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing,
+                         microbatch_tokens=args.microbatch_tokens, memory_limit=memory_limit, quiet=args.quiet)
     print(report.format())
     return 0 if report.passed else 1

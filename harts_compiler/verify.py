@@ -11,11 +11,16 @@ import argparse
 import dataclasses
 import time
 
+from .errors import InputError
+
 import torch
 
 # Bars of docs/design.md section 11 per dtype: (log-prob/entropy max abs diff, gradient max rel diff).
 # fp32 gradients carry ~1e-5 relative reordering noise on wide trees (measured up to 2.1e-5).
 BARS = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 5e-5)}
+# Tokens per microbatch in both modes when none is given: ~1-3 GB of activations for the tiny models in
+# fp64 on the CPU path (see verify_memory.py), a few seconds per microbatch.
+DEFAULT_MICROBATCH_TOKENS = 4096
 
 
 @dataclasses.dataclass
@@ -35,6 +40,10 @@ class VerifyReport:
     tree_seconds: float
     trajectory_seconds: float
     on_cpu: bool = True
+    trajectory_packs: int = 1  # trajectory-wise microbatches
+    estimated_bytes: int = 0  # the memory estimate the run was admitted with
+    # (tree mode, trajectory-wise) accumulated gradients by parameter name
+    gradients: tuple[dict, dict] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def bars(self) -> tuple[float, float]:
@@ -53,7 +62,9 @@ class VerifyReport:
         lines = [
             f"trajectories {self.trajectories}, trajectory tokens {self.trajectory_tokens}, "
             f"compact tokens {self.compact_tokens} (compression {self.trajectory_tokens / self.compact_tokens:.2f}x), "
-            f"{self.microbatches} microbatch(es), up to {self.rounds} linear-attention round(s), {self.dtype}",
+            f"{self.microbatches} tree microbatch(es), {self.trajectory_packs} trajectory-wise microbatch(es), "
+            f"up to {self.rounds} linear-attention round(s), {self.dtype}, estimated peak memory "
+            f"{self.estimated_bytes / 2**30:.1f} GiB",
             f"  max |log-prob diff|       {self.logprob_diff:.3e}  (bar {value_bar:.0e}) "
             f"{ok(self.logprob_diff, value_bar)}",
             f"  max |entropy diff|        {self.entropy_diff:.3e}  (bar {value_bar:.0e}) "
@@ -77,25 +88,34 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _objective_weights(ids: list[str], max_len: int, seed: int, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per trajectory, fixed random weights for its log-probs and entropies (independent of row order)."""
-    out = {}
-    for number, traj_id in enumerate(sorted(ids)):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + number)
-        out[traj_id] = (torch.randn(max_len, generator=gen, dtype=torch.float64).to(dtype),
-                        0.1 * torch.randn(max_len, generator=gen, dtype=torch.float64).to(dtype))
-    return out
+def _trajectory_weights(number: int, length: int, seed: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed random weights for one trajectory's log-probs and entropies (`number`: its rank among the
+    sorted ids, so the weights do not depend on row order or on which microbatch the row lands in)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + number)
+    return (torch.randn(length, generator=gen, dtype=torch.float64).to(dtype),
+            0.1 * torch.randn(length, generator=gen, dtype=torch.float64).to(dtype))
 
 
-def _row_loss(out, weights, max_len: int):
-    """Objective over one output: sum over rows of weighted log-probs and entropies."""
-    loss = out.logprobs.new_zeros(())
-    for row, traj_id in enumerate(out.trajectory_ids):
-        w_lp, w_ent = weights[traj_id]
-        width = out.logprobs.shape[1]
-        loss = loss + (out.logprobs[row] * w_lp[:width].to(out.logprobs)).sum() \
-            + (out.entropy[row] * w_ent[:width].to(out.entropy)).sum()
-    return loss
+@dataclasses.dataclass
+class _Objective:
+    """The token-level objective both modes minimise, summed over microbatches: sum of weighted
+    log-probs and entropies divided by the batch's token count (one normaliser for the whole batch, so
+    the gradients summed over microbatches are the whole batch's gradient)."""
+
+    numbers: dict[str, int]
+    lengths: dict[str, int]
+    seed: int
+    normaliser: float
+
+    def __call__(self, out) -> torch.Tensor:
+        rows, width = out.logprobs.shape
+        w_lp = out.logprobs.new_zeros((rows, width))
+        w_ent = out.entropy.new_zeros((rows, width))
+        for row, traj_id in enumerate(out.trajectory_ids):
+            n = min(self.lengths[traj_id], width)
+            lp, ent = _trajectory_weights(self.numbers[traj_id], self.lengths[traj_id], self.seed, w_lp.dtype)
+            w_lp[row, :n], w_ent[row, :n] = lp[:n], ent[:n]
+        return ((out.logprobs * w_lp).sum() + (out.entropy * w_ent).sum()) / self.normaliser
 
 
 def _gradients(model) -> dict[str, torch.Tensor]:
@@ -119,122 +139,225 @@ def worst_gradient_difference(got: dict[str, torch.Tensor | None],
     return diff, worst
 
 
-def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: bool = False) -> VerifyReport:
-    """Execute `plan` (compiled from `batch`) in tree mode and `batch` trajectory-wise; compare."""
-    from harts_compiler.runtime import trajectory_wise
-    from harts_compiler.runtime.distributed import assemble_rows
-    from harts_compiler.runtime.trajectory import trajectory_token_lists
+@dataclasses.dataclass
+class ModeResult:
+    """One mode's per-trajectory rows, MoE statistics and accumulated parameter gradients."""
 
-    dtype = model.lm_head.weight.dtype
-    stats = plan.stats
-    microbatches = plan.microbatches()
-    token_lists, ids = trajectory_token_lists(batch)
-    max_len = int(max(stats.get("max_trajectory_length", 0), max(len(t) for t in token_lists)))
-    weights = _objective_weights(ids, max_len, seed, dtype)
+    logprobs: dict[str, torch.Tensor]  # trajectory id -> [length]
+    entropy: dict[str, torch.Tensor]
+    expert_load: torch.Tensor | None
+    aux_loss: torch.Tensor | None  # only when the mode ran in one microbatch (the loss does not add up)
+    gradients: dict[str, torch.Tensor]
+    seconds: float
 
-    # warm-up (lazy imports, allocator, autograd machinery) so the timings below compare modes
-    first = dict(zip(ids[:2], token_lists[:2]))
-    trajectory_wise(model, first, chunk_size=plan.options.chunk_size).logprobs.sum().backward()
+
+def _run_mode(model, microbatches, objective, *, with_aux: bool, desc: str, quiet: bool,
+              activation_checkpointing: bool, keep_rows) -> ModeResult:
+    """Forward + backward of every microbatch in turn (gradients accumulate in `.grad`); only the
+    detached rows `keep_rows(out)` chooses and the summed expert load survive a microbatch."""
+    from harts_compiler.progress import progress
 
     model.zero_grad(set_to_none=True)
+    expert_load = aux = None
+    logprobs: dict[str, torch.Tensor] = {}
+    entropy: dict[str, torch.Tensor] = {}
     start = time.perf_counter()
-    outputs, expert_load, aux = [], None, None
-    for mb in microbatches:  # backward per microbatch, as a trainer does
-        out = model(mb, activation_checkpointing=activation_checkpointing)
-        loss = _row_loss(out, weights, max_len)
-        if out.aux_loss is not None and len(microbatches) == 1:
+    for mb in progress(microbatches, desc=desc, total=len(microbatches), unit="microbatch", quiet=quiet):
+        out = model(mb() if callable(mb) else mb, activation_checkpointing=activation_checkpointing)
+        loss = objective(out)
+        if with_aux and out.aux_loss is not None:
             aux = out.aux_loss.detach()
             loss = loss + out.aux_loss
         loss.backward()
-        outputs.append(dataclasses.replace(out, logprobs=out.logprobs.detach(), entropy=out.entropy.detach()))
+        keep_rows(out, logprobs, entropy)
         if out.expert_load is not None:
             expert_load = out.expert_load if expert_load is None else expert_load + out.expert_load
-    tree_seconds = time.perf_counter() - start
-    tree_grads = _gradients(model)
+        del out, loss
+    seconds = time.perf_counter() - start
+    gradients = _gradients(model)
+    model.zero_grad(set_to_none=True)
+    return ModeResult(logprobs, entropy, expert_load, aux, gradients, seconds)
 
-    model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    ref = trajectory_wise(model, batch, chunk_size=plan.options.chunk_size,
-                          activation_checkpointing=activation_checkpointing)
-    loss = _row_loss(ref, weights, max_len)
-    if ref.aux_loss is not None and aux is not None:
-        loss = loss + ref.aux_loss
-    loss.backward()
-    trajectory_seconds = time.perf_counter() - start
-    ref_grads = _gradients(model)
-    model.zero_grad(set_to_none=True)
+
+def _keep_trajectory_rows(out, logprobs, entropy) -> None:
+    for row, traj_id in enumerate(out.trajectory_ids):
+        n = int(out.lengths[row])
+        logprobs[traj_id] = out.logprobs[row, :n].detach().clone()
+        entropy[traj_id] = out.entropy[row, :n].detach().clone()
+
+
+def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: bool = False,
+                microbatch_tokens: int = DEFAULT_MICROBATCH_TOKENS, memory_limit: int | None = None,
+                quiet: bool = True) -> VerifyReport:
+    """Execute `plan` (compiled from `batch`) in tree mode and `batch` trajectory-wise, one microbatch
+    at a time in both (trajectory-wise: packs of at most `microbatch_tokens` tokens); compare.
+    Raises InputError, before any compute, when the memory estimate exceeds `memory_limit` (default:
+    the memory available now)."""
+    from harts_compiler.runtime import trajectory_wise
+    from harts_compiler.runtime.distributed import assemble_rows
+    from harts_compiler.runtime.trajectory import pack_index, trajectory_packs, trajectory_token_lists
+    from harts_compiler.verify_memory import available_memory, check_fits, estimate_memory, footprint
+
+    stats = plan.stats
+    microbatches = plan.microbatches()
+    token_lists, ids = trajectory_token_lists(batch)
+    lengths = [len(t) for t in token_lists]
+    chunk_size, conv_width = plan.options.chunk_size, model.conv_width
+    packs = trajectory_packs(lengths, microbatch_tokens)
+    index_of_pack = lambda pack: lambda: pack_index(token_lists, ids, pack, chunk_size=chunk_size,  # noqa: E731
+                                                    conv_width=conv_width)
+
+    # the estimate reads every microbatch's index on the host (cheap next to one forward)
+    estimate = estimate_memory(
+        model, chunk_size, [footprint(mb.build_index()) for mb in microbatches],
+        [footprint(index_of_pack(pack)()) for pack in packs], trajectories=len(ids), max_length=max(lengths),
+        checkpointing=activation_checkpointing)
+    limit = available_memory() if memory_limit is None else memory_limit
+    check_fits(estimate, limit, microbatch_tokens=microbatch_tokens,
+               limit_source="the memory available" if memory_limit is None else "--memory-limit")
+
+    # warm-up (lazy imports, allocator, autograd machinery) so the timings below compare modes
+    first = dict(zip(ids[:2], token_lists[:2]))
+    trajectory_wise(model, first, chunk_size=chunk_size).logprobs.sum().backward()
+
+    objective = _Objective(numbers={traj_id: n for n, traj_id in enumerate(sorted(ids))},
+                           lengths=dict(zip(ids, lengths)), seed=seed, normaliser=float(max(sum(lengths), 1)))
+    # the MoE aux loss is a product of batch-wide averages: it enters the objective only when neither
+    # mode splits the batch
+    with_aux = len(microbatches) == 1 and len(packs) == 1
+    tree_outputs = []
+
+    def keep_tree_rows(out, logprobs, entropy):  # rows of split trees are put together after the pass
+        tree_outputs.append(dataclasses.replace(out, logprobs=out.logprobs.detach(), entropy=out.entropy.detach()))
+
+    tree = _run_mode(model, microbatches, objective, with_aux=with_aux, desc="verify: tree mode", quiet=quiet,
+                     activation_checkpointing=activation_checkpointing, keep_rows=keep_tree_rows)
+    ref = _run_mode(model, [index_of_pack(pack) for pack in packs], objective, with_aux=with_aux,
+                    desc="verify: trajectory-wise", quiet=quiet, activation_checkpointing=activation_checkpointing,
+                    keep_rows=_keep_trajectory_rows)
 
     # the plan's rows (input order, split trees put together) against the reference's rows
-    tree_lp, _ = assemble_rows(plan, outputs, "logprobs")
-    tree_ent, _ = assemble_rows(plan, outputs, "entropy")
+    tree_lp, _ = assemble_rows(plan, tree_outputs, "logprobs")
+    tree_ent, _ = assemble_rows(plan, tree_outputs, "entropy")
+    del tree_outputs[:]
     order = {traj_id: row for row, traj_id in enumerate(plan.program.forest.traj_ids)}
     lp_diff = ent_diff = 0.0
-    for row, traj_id in enumerate(ref.trajectory_ids):
-        n, mine = int(ref.lengths[row]), order[traj_id]
-        lp_diff = max(lp_diff, float((tree_lp[mine, :n] - ref.logprobs[row, :n].detach()).abs().max()))
-        ent_diff = max(ent_diff, float((tree_ent[mine, :n] - ref.entropy[row, :n].detach()).abs().max()))
-
-    grad_diff, worst = worst_gradient_difference(tree_grads, ref_grads)
-
+    for traj_id, ref_lp in ref.logprobs.items():
+        n, mine = len(ref_lp), order[traj_id]
+        if n:
+            lp_diff = max(lp_diff, float((tree_lp[mine, :n] - ref_lp).abs().max()))
+            ent_diff = max(ent_diff, float((tree_ent[mine, :n] - ref.entropy[traj_id]).abs().max()))
+    grad_diff, worst = worst_gradient_difference(tree.gradients, ref.gradients)
+    comparable_aux = tree.aux_loss is not None and ref.aux_loss is not None
     return VerifyReport(
-        trajectories=len(ref.trajectory_ids), trajectory_tokens=int(stats["trajectory_tokens"]),
+        trajectories=len(ids), trajectory_tokens=int(stats["trajectory_tokens"]),
         compact_tokens=int(stats["compact_tokens"]), microbatches=len(microbatches),
-        rounds=max((mb.summary()["rounds"] for mb in microbatches), default=0), dtype=dtype,
+        rounds=max((mb.summary()["rounds"] for mb in microbatches), default=0), dtype=model.lm_head.weight.dtype,
         logprob_diff=lp_diff, entropy_diff=ent_diff,
-        aux_diff=None if aux is None else float((aux - ref.aux_loss.detach()).abs()),
-        expert_load_diff=None if expert_load is None else float((expert_load - ref.expert_load).abs().max()),
-        grad_rel_diff=grad_diff, worst_param=worst, tree_seconds=tree_seconds,
-        trajectory_seconds=trajectory_seconds, on_cpu=model.lm_head.weight.device.type == "cpu")
+        aux_diff=float((tree.aux_loss - ref.aux_loss).abs()) if comparable_aux else None,
+        expert_load_diff=None if tree.expert_load is None else float((tree.expert_load - ref.expert_load).abs().max()),
+        grad_rel_diff=grad_diff, worst_param=worst, tree_seconds=tree.seconds, trajectory_seconds=ref.seconds,
+        on_cpu=model.lm_head.weight.device.type == "cpu", trajectory_packs=len(packs),
+        estimated_bytes=estimate.total, gradients=(tree.gradients, ref.gradients))
 
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def load_model(spec: str, dtype: torch.dtype, seed: int = 0):
-    """A preset name (random weights) or a Hugging Face checkpoint directory."""
+    """A preset name (random weights) or a Hugging Face checkpoint directory; InputError otherwise."""
     from pathlib import Path
 
-    from harts_compiler.runtime import PRESETS, TreeModel
+    from harts_compiler.runtime import PRESETS, TreeModel, UnsupportedModelError
 
     if spec in PRESETS:  # random weights under which every path (and every state hand-off) matters
         from harts_compiler.runtime.weights import randomise_for_verification_
 
         model = TreeModel.from_config(spec, seed=seed, dtype=torch.float64)
         return randomise_for_verification_(model, seed).to(dtype)
-    if Path(spec).is_dir():
+    if not Path(spec).is_dir():
+        raise InputError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                         "nor a checkpoint directory")
+    if not (Path(spec) / "config.json").is_file():
+        raise InputError(f"--model {spec}: a checkpoint directory needs a config.json (none there)")
+    try:
         return TreeModel.from_pretrained(spec).to(dtype)
-    raise SystemExit(f"harts: --model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-                     "nor a checkpoint directory")
+    except (OSError, ValueError, KeyError, UnsupportedModelError) as error:  # the message names file or field
+        raise InputError(f"--model {spec}: {' '.join(str(error).split())}") from None
 
 
 def add_execution_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny-qwen3-next") -> None:
-    parser.add_argument("--model", default=default_model, help="preset name or HF checkpoint directory")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
-    parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--microbatch-tokens", type=int, default=None)
+    from harts_compiler.progress import add_quiet_argument
+
+    parser.add_argument("--model", default=default_model,
+                        help="preset name (random weights) or HF checkpoint directory (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float64", help="(default: %(default)s)")
+    parser.add_argument("--chunk-size", type=int, default=64,
+                        help="linear-attention chunk, tokens (default: %(default)s)")
+    parser.add_argument("--microbatch-tokens", type=int,
+                        default=DEFAULT_MICROBATCH_TOKENS,
+                        help="tokens per microbatch in both modes: compact tokens in tree mode, trajectory "
+                        "tokens trajectory-wise; memory grows with it (default: %(default)s)")
+    parser.add_argument("--memory-limit", metavar="SIZE", default=None,
+                        help="refuse to start when the memory estimate is above SIZE, e.g. 8G or 512M "
+                        "(default: the memory available now)")
     parser.add_argument("--checkpointing", action="store_true", help="activation recomputation per layer")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
+    add_quiet_argument(parser)
 
 
-def run_verification(batch, args) -> VerifyReport:
-    from harts_compiler import CompileOptions, compile
+def setup_execution(args):
+    """The model of `args` (threads set first), and the memory limit in bytes (None: what is available)."""
+    from harts_compiler.verify_memory import parse_memory_size
 
+    for flag in ("chunk_size", "microbatch_tokens", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise InputError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    limit = None if args.memory_limit is None else parse_memory_size(args.memory_limit)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, DTYPES[args.dtype], seed=args.seed)
+    return load_model(args.model, DTYPES[args.dtype], seed=args.seed), limit
+
+
+def _one_line_per_kind(error: InputError, limit: int = 5) -> InputError:
+    """A file whose ids exceed the model's vocabulary has one problem per trajectory: say it once, with
+    the first trajectory and field and how many more there are; other problems, at most `limit` lines."""
+    vocab = [p for p in error.problems if ">= vocab_size" in p]
+    others = [p for p in error.problems if ">= vocab_size" not in p]
+    lines = others[:limit] + ([f"... and {len(others) - limit} more problems"] if len(others) > limit else [])
+    if vocab:
+        more = f" (and {len(vocab) - 1} more trajectories with token ids outside the model's vocabulary)" \
+            if len(vocab) > 1 else ""
+        lines.insert(0, vocab[0] + more)
+    return InputError(lines)
+
+
+def run_verification(batch, args, model=None, memory_limit: int | None = None) -> VerifyReport:
+    from harts_compiler import CompileOptions, compile
+
+    if model is None:
+        model, memory_limit = setup_execution(args)
     options = CompileOptions.for_model(model, chunk_size=args.chunk_size, microbatch_tokens=args.microbatch_tokens)
-    plan = compile(batch, options)
-    return verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing)
+    try:
+        plan = compile(batch, options)
+    except InputError as error:
+        raise _one_line_per_kind(error) from None
+    return verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing,
+                       microbatch_tokens=args.microbatch_tokens, memory_limit=memory_limit, quiet=args.quiet)
 
 
 def verify_main(argv: list[str]) -> int:
     from harts_compiler import TreeBatch
 
-    parser = argparse.ArgumentParser(prog="harts verify", description=__doc__)
+    parser = argparse.ArgumentParser(prog="harts verify", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", help="JSONL batch (trajectories and/or trees)")
     add_execution_arguments(parser)
     args = parser.parse_args(argv)
-    report = run_verification(TreeBatch.load(args.input), args)
+    model, memory_limit = setup_execution(args)  # bad flags and models are refused before reading the batch
+    report = run_verification(TreeBatch.load(args.input), args, model, memory_limit)
     print(report.format())
     return 0 if report.passed else 1

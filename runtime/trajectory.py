@@ -35,3 +35,27 @@ def trajectory_wise(model: TreeModel, batch, *, chunk_size: int = 64, **forward_
     token_lists, ids = trajectory_token_lists(batch)
     index = trajectory_index(token_lists, ids, chunk_size=chunk_size, conv_width=model.conv_width)
     return model(index, **forward_kwargs)
+
+
+def trajectory_packs(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Trajectory numbers grouped, in input order, into packs of at most `max_tokens` tokens (a longer
+    trajectory is a pack of its own): the trajectory-wise baseline run one pack at a time, so its memory
+    is bounded by the budget, not by the batch."""
+    packs: list[list[int]] = []
+    current, tokens = [], 0
+    for number, length in enumerate(lengths):
+        if current and tokens + int(length) > max_tokens:
+            packs.append(current)
+            current, tokens = [], 0
+        current.append(number)
+        tokens += int(length)
+    if current:
+        packs.append(current)
+    return packs
+
+
+def pack_index(token_lists: Sequence[np.ndarray], ids: Sequence[str], pack: Sequence[int], *, chunk_size: int,
+               conv_width: int):
+    """The MicrobatchIndex of one pack: each of its trajectories its own sequence."""
+    return trajectory_index([token_lists[j] for j in pack], [ids[j] for j in pack], chunk_size=chunk_size,
+                            conv_width=conv_width)
