@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import time
 
 from .errors import InputError
 
+import numpy as np
 import torch
 
 # Bars of docs/design.md section 11 per dtype: (log-prob/entropy max abs diff, gradient max rel diff).
@@ -295,9 +297,10 @@ def add_execution_arguments(parser: argparse.ArgumentParser, default_model: str 
     parser.add_argument("--chunk-size", type=int, default=64,
                         help="linear-attention chunk, tokens (default: %(default)s)")
     parser.add_argument("--microbatch-tokens", type=int,
-                        default=DEFAULT_MICROBATCH_TOKENS,
+                        default=None,
                         help="tokens per microbatch in both modes: compact tokens in tree mode, trajectory "
-                        "tokens trajectory-wise; memory grows with it (default: %(default)s)")
+                        "tokens trajectory-wise; memory grows with it (default: "
+                        f"{DEFAULT_MICROBATCH_TOKENS}, or the longest trajectory when that is longer)")
     parser.add_argument("--memory-limit", metavar="SIZE", default=None,
                         help="refuse to start when the memory estimate is above SIZE, e.g. 8G or 512M "
                         "(default: the memory available now)")
@@ -326,13 +329,15 @@ def _one_line_per_kind(error: InputError, limit: int = 5) -> InputError:
     """A file whose ids exceed the model's vocabulary has one problem per trajectory: say it once, with
     the first trajectory and field and how many more there are; other problems, at most `limit` lines."""
     vocab = [p for p in error.problems if ">= vocab_size" in p]
-    others = [p for p in error.problems if ">= vocab_size" not in p]
-    lines = others[:limit] + ([f"... and {len(others) - limit} more problems"] if len(others) > limit else [])
-    if vocab:
-        more = f" (and {len(vocab) - 1} more trajectories with token ids outside the model's vocabulary)" \
-            if len(vocab) > 1 else ""
-        lines.insert(0, vocab[0] + more)
-    return InputError(lines)
+    if not vocab:
+        return error
+    cut = [int(m.group(1)) for p in error.problems if (m := re.match(r"\.\.\. and (\d+) more", p))]
+    others = [p for p in error.problems if ">= vocab_size" not in p and not re.match(r"\.\.\. and \d+ more", p)]
+    more = len(vocab) - 1 + sum(cut)
+    line = vocab[0] + (f" (and {more} more trajectories with problems, token ids outside the model's "
+                       f"vocabulary among them)" if more else "")
+    return InputError([line] + others[:limit] + ([f"... and {len(others) - limit} more problems"]
+                                                   if len(others) > limit else []))
 
 
 def run_verification(batch, args, model=None, memory_limit: int | None = None) -> VerifyReport:
@@ -340,13 +345,14 @@ def run_verification(batch, args, model=None, memory_limit: int | None = None) -
 
     if model is None:
         model, memory_limit = setup_execution(args)
-    options = CompileOptions.for_model(model, chunk_size=args.chunk_size, microbatch_tokens=args.microbatch_tokens)
+    budget = args.microbatch_tokens or max([DEFAULT_MICROBATCH_TOKENS, *np.diff(np.asarray(batch.offsets))])
+    options = CompileOptions.for_model(model, chunk_size=args.chunk_size, microbatch_tokens=int(budget))
     try:
         plan = compile(batch, options)
     except InputError as error:
         raise _one_line_per_kind(error) from None
     return verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing,
-                       microbatch_tokens=args.microbatch_tokens, memory_limit=memory_limit, quiet=args.quiet)
+                       microbatch_tokens=int(budget), memory_limit=memory_limit, quiet=args.quiet)
 
 
 def verify_main(argv: list[str]) -> int:
