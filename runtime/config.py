@@ -18,6 +18,7 @@ FAMILIES = {
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
     "kimi_linear": "kimi",  # Kimi Linear: KDA + MLA + grouped-routing MoE (kimi_config.py reads it)
+    "bailing_hybrid": "ling",  # Ling 3.0 (BailingHybrid): KDA + gated MLA with RoPE + the same MoE
 }
 
 
@@ -27,7 +28,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "next" | "qwen3_5" | "qwen3_5_moe" | "kimi"
+    family: str  # "next" | "qwen3_5" | "qwen3_5_moe" | "kimi" | "ling"
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -75,6 +76,12 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0
     mlp_layer_types: tuple[str, ...] = ()  # "dense" | "sparse" per layer (Kimi)
+    # Ling 3.0's variants of the same layers
+    kda_full_rank_gates: bool = False  # forget gate f_proj and output gate g_proj full rank (Kimi: low rank)
+    kda_safe_gate: bool = False  # g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) instead of -A softplus
+    kda_lower_bound: float = -5.0
+    mla_output_gate: bool = False  # MLA output scaled per head by sigmoid(g_proj(x))
+    rope_interleave: bool = False  # MLA RoPE on interleaved pairs (DeepSeek layout) instead of rotate-half
 
     @property
     def flat_linear_projections(self) -> bool:
@@ -83,7 +90,8 @@ class ModelConfig:
 
     @property
     def is_kimi(self) -> bool:
-        return self.family == "kimi"
+        """Kimi-style layers (KDA + MLA + grouped-routing MoE): Kimi Linear and Ling 3.0."""
+        return self.family in ("kimi", "ling")
 
     @property
     def attention_head_dims(self) -> tuple[int, int]:
@@ -125,10 +133,10 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"config.model_type={model_type!r} is not supported (supported: {sorted(FAMILIES)})")
         family = FAMILIES[model_type]
-        if family == "kimi":
+        if family in ("kimi", "ling"):
             from .kimi_config import kimi_config_fields
 
-            config = cls(**kimi_config_fields(cfg))
+            config = cls(**kimi_config_fields(cfg, family))
             config.validate()
             return config
 
@@ -255,6 +263,13 @@ PRESETS: dict[str, dict] = {
         linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
         num_expert_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=1, moe_intermediate_size=32,
         rms_norm_eps=1e-5),
+    # Ling 3.0 (BailingHybrid) at toy size: full-rank KDA gates, gated MLA with interleaved RoPE
+    "tiny-ling-3": dict(
+        model_type="bailing_hybrid", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        layer_group_size=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, head_dim=16,
+        short_conv_kernel_size=4, num_experts=8, num_experts_per_tok=2, num_expert_group=4, topk_group=2,
+        routed_scaling_factor=2.5, num_shared_experts=1, moe_intermediate_size=32, rms_norm_eps=1e-6),
 }
 
 

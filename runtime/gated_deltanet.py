@@ -14,7 +14,7 @@ from torch import nn
 from .config import ModelConfig
 from .layers import GatedRMSNorm, compute_dtype
 from .ops.conv import tree_causal_conv
-from .ops.linear_attention import linear_attention_rounds
+from .ops.linear_attention import gated_delta_rule_rounds
 
 
 class GatedDeltaNet(nn.Module):
@@ -76,7 +76,8 @@ class GatedDeltaNet(nn.Module):
         wide = compute_dtype(x.dtype)
         # as transformers: g in fp32 (wider for fp64 runs), A_log never in low precision
         g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias)
-        o = linear_attention_rounds(q, k, v, g, beta, ctx.plan, rule="gdn", scale=self.head_k_dim ** -0.5,
-                                    state_dtype=wide, use_qk_l2norm=True, kernel=ctx.gdn_kernel)
+        # gated_delta_rule_rounds = linear_attention_rounds(rule="gdn"), under the name bench/breakdown.py times
+        o = gated_delta_rule_rounds(q, k, v, g, beta, ctx.plan, scale=self.head_k_dim ** -0.5, state_dtype=wide,
+                                    use_qk_l2norm=True, kernel=ctx.gdn_kernel)
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(T, self.value_dim))

@@ -1,10 +1,15 @@
-"""Kimi Linear's config (transformers' `KimiLinearConfig` or a checkpoint's config.json) as ModelConfig fields.
+"""Kimi Linear's and Ling 3.0's configs (transformers' `KimiLinearConfig` / `BailingHybridConfig`, or a
+checkpoint's config.json) as ModelConfig fields.
 
 Both spellings are read: transformers' attribute names (`num_local_experts`, `n_group`, `n_shared_experts`,
 `num_experts_per_tok`, `norm_topk_prob`, `linear_num_heads`, ...) and the on-disk names its `to_dict()` and
 the released checkpoints use (`num_experts`, `num_expert_group`, `num_shared_experts`, `num_experts_per_token`,
 `moe_renormalize`, a `linear_attn_config` block with 1-based `kda_layers` / `full_attn_layers`,
 `first_k_dense_replace`). KDA layers have as many key as value heads, one head size for q, k and v.
+Ling 3.0 (`bailing_hybrid`) has the same layers with full-rank KDA gates, an optionally bounded forget gate
+(`kda_safe_gate`, `kda_lower_bound`), MLA with interleaved RoPE and a per-head output gate; its KDA heads are
+`num_attention_heads` of `head_dim` (as on disk; transformers' config object keeps that as `linear_head_dim`),
+MLA on every `layer_group_size`-th layer.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ class _Reader:
         return default
 
 
-def _layer_types(read: _Reader, n_layers: int, error) -> tuple[str, ...]:
+def _layer_types(read: _Reader, n_layers: int, error, family: str) -> tuple[str, ...]:
     linear = dict(read.get("linear_attn_config", default={}) or {})
     types = read.get("layer_types", default=None)
     if types is None and "kda_layers" in linear and "full_attn_layers" in linear:
@@ -35,6 +40,9 @@ def _layer_types(read: _Reader, n_layers: int, error) -> tuple[str, ...]:
             types[int(layer) - 1] = "full_attention"  # 1-based on disk
         for layer in linear["kda_layers"]:
             types[int(layer) - 1] = "linear_attention"
+    if types is None and family == "ling":  # the last layer of every group is MLA
+        group = int(read.get("layer_group_size", default=6))
+        types = ["full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(n_layers)]
     if types is None:  # transformers' default: MLA on every 4th layer after the first
         types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n_layers)]
     if len(types) != n_layers or any(t not in ("linear_attention", "full_attention") for t in types):
@@ -43,8 +51,9 @@ def _layer_types(read: _Reader, n_layers: int, error) -> tuple[str, ...]:
     return tuple(types)
 
 
-def kimi_config_fields(cfg: Mapping[str, Any]) -> dict:
-    """ModelConfig keyword arguments of a Kimi Linear config dict (errors name the field)."""
+def kimi_config_fields(cfg: Mapping[str, Any], family: str = "kimi") -> dict:
+    """ModelConfig keyword arguments of a Kimi Linear ("kimi") or Ling 3.0 ("ling") config dict (errors name
+    the field)."""
     from .config import UnsupportedModelError as error
 
     read = _Reader(cfg, error)
@@ -64,14 +73,16 @@ def kimi_config_fields(cfg: Mapping[str, Any]) -> dict:
     if "mlp_layer_types" in cfg and cfg["mlp_layer_types"] is not None:
         mlp_types = tuple(cfg["mlp_layer_types"])
     else:
-        first_dense = int(read.get("first_k_dense_replace", default=1))
+        first_dense = int(read.get("first_k_dense_replace", default=1 if family == "kimi" else 2))
         mlp_types = tuple("dense" if i < first_dense else "sparse" for i in range(n_layers))
     if len(mlp_types) != n_layers or any(t not in ("dense", "sparse") for t in mlp_types):
         raise error(f"config.mlp_layer_types must give dense/sparse for each of the {n_layers} layers, "
                     f"got {list(mlp_types)}")
     heads = int(read.get("num_attention_heads"))
-    linear_heads = int(linear.get("num_heads") or read.get("linear_num_heads", default=32))
-    linear_dim = int(linear.get("head_dim") or read.get("linear_head_dim", default=128))
+    ling = family == "ling"
+    linear_heads = int(linear.get("num_heads") or read.get("linear_num_heads", default=heads if ling else 32))
+    linear_dim = int(linear.get("head_dim") or read.get("linear_head_dim", *(("head_dim",) if ling else ()),
+                                                         default=128))
     rope_dim = int(read.get("qk_rope_head_dim", default=64))
     rope = dict(read.get("rope_parameters", "rope_scaling", default={}) or {})
     if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -79,15 +90,16 @@ def kimi_config_fields(cfg: Mapping[str, Any]) -> dict:
                     "'default' RoPE is supported")
     q_lora = read.get("q_lora_rank", default=None)
     return dict(
-        family="kimi", vocab_size=int(read.get("vocab_size")), hidden_size=int(read.get("hidden_size")),
-        num_hidden_layers=n_layers, layer_types=_layer_types(read, n_layers, error),
+        family=family, vocab_size=int(read.get("vocab_size")), hidden_size=int(read.get("hidden_size")),
+        num_hidden_layers=n_layers, layer_types=_layer_types(read, n_layers, error, family),
         num_attention_heads=heads, num_key_value_heads=int(read.get("num_key_value_heads", default=heads)),
         head_dim=rope_dim, attention_bias=bool(read.get("attention_bias", default=False)),
-        rope_theta=float(rope.get("rope_theta", read.get("rope_theta", default=10000.0))), partial_rotary_factor=1.0,
+        rope_theta=float(rope.get("rope_theta", read.get("rope_theta", default=6e6 if ling else 10000.0))),
+        partial_rotary_factor=1.0,
         linear_num_key_heads=linear_heads, linear_num_value_heads=linear_heads, linear_key_head_dim=linear_dim,
         linear_value_head_dim=linear_dim,
-        linear_conv_kernel_dim=int(linear.get("short_conv_kernel_size") or read.get("linear_conv_kernel_dim",
-                                                                                     default=4)),
+        linear_conv_kernel_dim=int(linear.get("short_conv_kernel_size") or read.get(
+            "linear_conv_kernel_dim", "short_conv_kernel_size", default=4)),
         intermediate_size=int(read.get("intermediate_size", default=0)),
         num_experts=int(read.get("num_experts", "num_local_experts", default=0)),
         num_experts_per_tok=int(read.get("num_experts_per_token", "num_experts_per_tok", default=0)),
@@ -101,12 +113,16 @@ def kimi_config_fields(cfg: Mapping[str, Any]) -> dict:
         linear_rule="kda", q_lora_rank=None if q_lora is None else int(q_lora),
         kv_lora_rank=int(read.get("kv_lora_rank", default=512)),
         qk_nope_head_dim=int(read.get("qk_nope_head_dim", default=128)), qk_rope_head_dim=rope_dim,
-        v_head_dim=int(read.get("v_head_dim", default=128)), mla_use_nope=bool(read.get("mla_use_nope", default=True)),
+        v_head_dim=int(read.get("v_head_dim", default=128)),
+        mla_use_nope=bool(read.get("mla_use_nope", default=not ling)),
         num_expert_group=int(read.get("num_expert_group", "n_group", default=1)),
         topk_group=int(read.get("topk_group", default=1)),
         routed_scaling_factor=float(read.get("routed_scaling_factor", default=1.0)),
         num_shared_experts=int(read.get("num_shared_experts", "n_shared_experts", default=0)),
         mlp_layer_types=mlp_types,
+        kda_full_rank_gates=ling, kda_safe_gate=ling and bool(read.get("kda_safe_gate", default=True)),
+        kda_lower_bound=float(read.get("kda_lower_bound", default=-5.0)), mla_output_gate=ling,
+        rope_interleave=ling,
     )
 
 

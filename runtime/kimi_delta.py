@@ -1,4 +1,4 @@
-"""Kimi Delta Attention mixer (transformers' KimiLinearDeltaAttention) in tree mode.
+"""Kimi Delta Attention mixer (transformers' KimiLinearDeltaAttention, BailingHybridDeltaAttention) in tree mode.
 
 Parameters carry transformers' names and shapes (`self_attn.q_proj`, `conv1d`, `forget_gate.f_a_proj`, ...), so
 `from_hf` shares them. Token-local parts (projections, the low-rank forget gate, beta, the output gate and its
@@ -8,6 +8,7 @@ the recurrence runs over the plan's rounds with the "kda" rule of `ops.linear_at
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
@@ -17,24 +18,37 @@ from .ops.linear_attention import linear_attention_rounds
 
 
 class ForgetGate(nn.Module):
-    """KimiLinearForgetGate: g = -exp(A_log_h) * softplus(f_b(f_a(x)) + dt_bias), one log decay per key channel."""
+    """One log decay per key channel. Kimi (KimiLinearForgetGate): g = -exp(A_log_h) * softplus(f_b(f_a(x)) +
+    dt_bias). Ling 3.0 (BailingHybridForgetGate): full-rank f_proj, and with the safe gate
+    g = lower_bound * sigmoid(exp(A_log_h) * (f_proj(x) + dt_bias)), bounded in (lower_bound, 0)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads, self.head_dim = config.linear_num_value_heads, config.linear_key_head_dim
+        self.full_rank, self.safe, self.lower_bound = (config.kda_full_rank_gates, config.kda_safe_gate,
+                                                       config.kda_lower_bound)
         width = self.num_heads * self.head_dim
-        self.f_a_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
-        self.f_b_proj = nn.Linear(self.head_dim, width, bias=False)
+        if self.full_rank:
+            self.f_proj = nn.Linear(config.hidden_size, width, bias=False)
+            self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        else:
+            self.f_a_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+            self.f_b_proj = nn.Linear(self.head_dim, width, bias=False)
+            self.A_log = nn.Parameter(torch.empty(1, 1, self.num_heads, 1))  # transformers' shape
         self.dt_bias = nn.Parameter(torch.empty(width))
-        self.A_log = nn.Parameter(torch.empty(1, 1, self.num_heads, 1))  # transformers' shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> g [T, H, K] in fp32 (fp64 for fp64 runs), as transformers computes it."""
         wide = compute_dtype(x.dtype)
-        g = (self.f_b_proj(self.f_a_proj(x)).to(wide) + self.dt_bias.to(wide)).view(x.shape[0], self.num_heads, -1)
-        # transformers' softplus with its threshold (identity above 20), written the same way
-        softplus = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
-        return -self.A_log.to(wide).exp().view(self.num_heads, 1) * softplus
+        f = self.f_proj(x) if self.full_rank else self.f_b_proj(self.f_a_proj(x))
+        g = (f.to(wide) + self.dt_bias.to(wide)).view(x.shape[0], self.num_heads, -1)
+        rate = self.A_log.to(wide).exp().view(self.num_heads, 1)
+        if self.safe:
+            return self.lower_bound * torch.sigmoid(rate * g)
+        if self.full_rank:
+            return -rate * F.softplus(g)
+        # transformers' Kimi softplus with its threshold (identity above 20), written the same way
+        return -rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
 
 
 class KimiDeltaAttention(nn.Module):
@@ -52,8 +66,11 @@ class KimiDeltaAttention(nn.Module):
                                 bias=False, padding=width - 1)
         self.forget_gate = ForgetGate(config)
         self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
-        self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
-        self.g_b_proj = nn.Linear(self.head_dim, self.qkv_dim, bias=False)
+        if config.kda_full_rank_gates:
+            self.g_proj = nn.Linear(hidden, self.qkv_dim, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, self.qkv_dim, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(self.qkv_dim, hidden, bias=False)
 
@@ -67,5 +84,5 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x))
         o = linear_attention_rounds(q, k, v, g, beta, ctx.plan, rule="kda", scale=self.head_dim ** -0.5,
                                     state_dtype=compute_dtype(x.dtype), use_qk_l2norm=True, kernel=ctx.kda_kernel)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(heads)
+        gate = (self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))).view(heads)
         return self.o_proj(self.o_norm(o, gate).reshape(T, self.qkv_dim))

@@ -98,12 +98,14 @@ def rope_tables(positions: torch.Tensor, head_dim: int, partial_rotary_factor: f
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, rotary_dim] for token positions, exactly as Qwen3NextRotaryEmbedding.
 
-    The frequencies are computed in float32 and cast to the model dtype, as transformers does
+    The frequencies are computed in float32 and cast to the model dtype, as transformers does (fp64 runs
+    multiply positions by them in fp64, where transformers' position_ids.float() would round)
     (Qwen3.5's multimodal RoPE reduces to this for text, where all three position axes agree).
     """
     dim = int(head_dim * partial_rotary_factor)
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=positions.device) / dim))
-    freqs = positions[:, None].float() * inv_freq[None, :]
+    wide = compute_dtype(dtype)  # the angles in fp32 as transformers, in fp64 for fp64 runs
+    freqs = positions[:, None].to(wide) * inv_freq[None, :].to(wide)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -119,3 +121,13 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     cos, sin = cos[:, None, :], sin[:, None, :]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)
+
+
+def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's RoPE on interleaved pairs (x0, x1), (x2, x3), ... of x [T, H, D], returned de-interleaved
+    (rotated evens, then rotated odds), as transformers' apply_rotary_pos_emb_interleave; cos/sin [T, D] as
+    rope_tables gives them (cat(freqs, freqs))."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)

@@ -21,7 +21,7 @@ from .config import ModelConfig, UnsupportedModelError, resolve_config
 
 SUPPORTED_HF_CLASSES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
-                        "KimiLinearForCausalLM")
+                        "KimiLinearForCausalLM", "BailingHybridForCausalLM")
 # weights that belong to parts the runtime does not execute (multi-token prediction, vision tower)
 _IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -132,7 +132,7 @@ def tree_model_from_pretrained(cls, path, *, dtype: torch.dtype | None = None, d
     if config.is_kimi:
         from .kimi_weights import kimi_checkpoint_names
 
-        tensors = kimi_checkpoint_names(tensors)
+        tensors = kimi_checkpoint_names(tensors, config)
     tensors = _fuse_experts(tensors)
     model = _build_on_meta(cls, config, **kwargs)
     # tied lm_head appears once, as the embedding; buffers the runtime reads load like parameters

@@ -1,11 +1,14 @@
-"""Oracle: Kimi Linear in tree mode against transformers' KimiLinearForCausalLM, trajectory by trajectory.
+"""Oracle: Kimi Linear and Ling 3.0 in tree mode against transformers' KimiLinearForCausalLM and
+BailingHybridForCausalLM, trajectory by trajectory.
 
-transformers' Kimi code casts to float32 in its norms, forget gate, router, softmax and KDA kernels, so a float64
-model of it still rounds like fp32. The fp64 oracle is therefore transformers' own modeling_kimi_linear.py with
-every float32 cast turned into float64 (the source is read and rewritten here, nothing else changes): tree mode
-must match it to 1e-10 on log-probs, on every parameter gradient and on the expert loads (each token counted
-once per trajectory, what updates the routing bias). The unmodified fp32 model is checked at fp32's 1e-5.
-transformers' KimiLinearAttention applies no RoPE (NoPE MLA), which is Kimi Linear's `mla_use_nope`.
+transformers' code for both casts to float32 in its norms, forget gate, router, softmax and KDA kernels, so a
+float64 model of it still rounds like fp32. The fp64 oracle is therefore transformers' own modeling_kimi_linear.py
+(and modeling_bailing_hybrid.py) with every float32 cast turned into float64: the source is read and rewritten
+here, nothing else changes. Tree mode must match it to 1e-10 on log-probs, on every parameter gradient and on the
+expert loads (each token counted once per trajectory, what updates the routing bias). The unmodified fp32 model
+is checked at fp32's 1e-5.
+transformers' KimiLinearAttention applies no RoPE (NoPE MLA), which is Kimi Linear's `mla_use_nope`; Ling 3.0's
+gated MLA applies interleaved RoPE at each token's position.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 kimi_modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+ling_modeling = pytest.importorskip("transformers.models.bailing_hybrid.modeling_bailing_hybrid")
 
 from harts_compiler.runtime import TreeModel  # noqa: E402
 from test_runtime_helpers import naive_tree_index  # noqa: E402
@@ -32,23 +36,37 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
                                                    "full_attention"],
             mlp_layer_types=["dense", "sparse", "sparse", "sparse"], pad_token_id=None, bos_token_id=1, eos_token_id=2,
             attn_implementation="eager", experts_implementation="eager")
-VARIANTS = {"q_lora": dict(q_lora_rank=24), "plain_q": dict(q_lora_rank=None, norm_topk_prob=False, n_group=1,
-                                                            topk_group=1, n_shared_experts=2)}
+LING_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                 head_dim=16, short_conv_kernel_size=4, num_local_experts=8, num_experts_per_tok=2, n_group=4,
+                 topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1, moe_intermediate_size=32,
+                 layer_group_size=2, first_k_dense_replace=1, rope_theta=10000.0, pad_token_id=None, eos_token_id=2,
+                 attn_implementation="eager", experts_implementation="eager")
+# variant -> (transformers modeling module, config class, model class, config kwargs)
+VARIANTS = {
+    "q_lora": (kimi_modeling, "KimiLinearConfig", "KimiLinearForCausalLM", dict(TINY, q_lora_rank=24)),
+    "plain_q": (kimi_modeling, "KimiLinearConfig", "KimiLinearForCausalLM",
+                dict(TINY, q_lora_rank=None, norm_topk_prob=False, n_group=1, topk_group=1, n_shared_experts=2)),
+    "ling": (ling_modeling, "BailingHybridConfig", "BailingHybridForCausalLM", dict(LING_TINY, q_lora_rank=24)),
+    "ling_unsafe_gate": (ling_modeling, "BailingHybridConfig", "BailingHybridForCausalLM",
+                         dict(LING_TINY, q_lora_rank=None, kda_safe_gate=False)),
+}
 
 
-def _fp64_modeling():
-    """transformers' modeling_kimi_linear with float64 where it says float32 (counted, so an upstream change of
-    the casts fails here rather than silently comparing against fp32 arithmetic)."""
-    source = inspect.getsource(kimi_modeling)
+def _fp64_modeling(original):
+    """transformers' modeling module with float64 where it says float32 (counted, so an upstream change of the
+    casts fails here rather than silently comparing against fp32 arithmetic)."""
+    source = inspect.getsource(original)
     casts = source.count("torch.float32") + source.count(".float()")
-    assert casts >= 8, f"expected transformers' float32 casts in modeling_kimi_linear, found {casts}"
+    assert casts >= 8, f"expected transformers' float32 casts in {original.__name__}, found {casts}"
     source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
-    spec = importlib.util.spec_from_loader("transformers.models.kimi_linear._modeling_kimi_linear_fp64", loader=None)
+    package = original.__name__.rpartition(".")[0]
+    spec = importlib.util.spec_from_loader(original.__name__ + "_fp64", loader=None)
     module = importlib.util.module_from_spec(spec)
-    module.__package__ = "transformers.models.kimi_linear"
-    module.__file__ = kimi_modeling.__file__  # transformers inspects where its classes come from
+    module.__package__ = package
+    module.__file__ = original.__file__  # transformers inspects where its classes come from
     sys.modules[spec.name] = module  # transformers resolves the classes' annotations through sys.modules
-    exec(compile(source, kimi_modeling.__file__, "exec"), module.__dict__)
+    exec(compile(source, original.__file__, "exec"), module.__dict__)
     return module
 
 
@@ -56,18 +74,24 @@ _FP64 = {}
 
 
 def hf_kimi(variant: str, dtype=torch.float64, seed=0):
-    if dtype == torch.float64 and "module" not in _FP64:
-        _FP64["module"] = _fp64_modeling()
-    module = _FP64["module"] if dtype == torch.float64 else kimi_modeling
+    original, config_class, model_class, kwargs = VARIANTS[variant]
+    module = original
+    if dtype == torch.float64:
+        if original.__name__ not in _FP64:
+            _FP64[original.__name__] = _fp64_modeling(original)
+        module = _FP64[original.__name__]
     torch.manual_seed(seed)
-    config = transformers.KimiLinearConfig(**{**TINY, **VARIANTS[variant]})
-    model = module.KimiLinearForCausalLM(config).to(dtype).eval()
+    config = getattr(transformers, config_class)(**kwargs)
+    model = getattr(module, model_class)(config).to(dtype).eval()
     gen = torch.Generator().manual_seed(seed)
+    safe_gate = getattr(config, "kda_safe_gate", False)
     with torch.no_grad():  # weights large enough that every path shows; decays that carry over many chunks
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype)
             if name.endswith("A_log"):
                 p.copy_(torch.log(torch.rand(p.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.05))
+            elif name.endswith("dt_bias") and safe_gate:  # sigmoid(A (f - 3)) small: decays near 0, not -5 / 2
+                p.copy_(-3.0 + 0.1 * noise)
             elif p.dim() == 1:
                 p.add_(0.1 * noise)
             else:
@@ -136,20 +160,22 @@ def _check(model, batch, index, dtype, tol, grad_tol):
 
 
 @pytest.mark.parametrize("name", HF_CASES)
-def test_tree_mode_equals_transformers_fp64(name):
+@pytest.mark.parametrize("variant", ["q_lora", "ling"])
+def test_tree_mode_equals_transformers_fp64(variant, name):
     batch = BATCHES[name]
-    _check(hf_kimi("q_lora"), batch, naive_tree_index(batch, chunk_size=4), torch.float64, 1e-10, 1e-10)
+    _check(hf_kimi(variant), batch, naive_tree_index(batch, chunk_size=4), torch.float64, 1e-10, 1e-10)
 
 
-@pytest.mark.parametrize("name", ["replay_across_short_nodes"])
-def test_compiled_plan_plain_q_variant_fp64(name):
-    batch = BATCHES[name]
-    _check(hf_kimi("plain_q"), batch, compiled_index(batch, 4), torch.float64, 1e-10, 1e-10)
+@pytest.mark.parametrize("variant", ["plain_q", "ling_unsafe_gate"])
+def test_compiled_plan_other_variants_fp64(variant):
+    batch = BATCHES["replay_across_short_nodes"]
+    _check(hf_kimi(variant), batch, compiled_index(batch, 4), torch.float64, 1e-10, 1e-10)
 
 
-def test_unmodified_transformers_fp32():
+@pytest.mark.parametrize("variant", ["q_lora", "ling"])
+def test_unmodified_transformers_fp32(variant):
     batch = BATCHES["branch_in_first_chunk"]
-    _check(hf_kimi("q_lora", dtype=torch.float32), batch, naive_tree_index(batch, chunk_size=4), torch.float32,
+    _check(hf_kimi(variant, dtype=torch.float32), batch, naive_tree_index(batch, chunk_size=4), torch.float32,
            1e-5, 1e-4)
 
 
