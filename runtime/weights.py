@@ -211,6 +211,9 @@ def randomise_for_verification_(model, seed: int = 0):
     [0.05, 0.55], so states carry across many chunks; Kimi's routing bias gets 0.1-noise, so it changes
     which experts are chosen. Deterministic in `seed`; returns `model`."""
     gen = torch.Generator().manual_seed(seed + 1)
+    # a bounded forget gate (Ling 3.0) decays by lower_bound * sigmoid(A (f + dt_bias)): dt_bias near -3 keeps
+    # that small, as the unbounded gates' [0.05, 0.55] rates do
+    safe_gate = getattr(getattr(model, "config", None), "kda_safe_gate", False)
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float64))
@@ -218,6 +221,8 @@ def randomise_for_verification_(model, seed: int = 0):
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
         if name.endswith("A_log"):
             p.copy_(torch.log(torch.rand(p.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.05))
+        elif safe_gate and name.endswith("forget_gate.dt_bias"):
+            p.copy_(-3.0 + 0.1 * noise)
         elif p.dim() == 1:
             p.add_(0.1 * noise.to(p.dtype))
         else:

@@ -1,6 +1,6 @@
-"""Kimi Linear (KDA + MLA + grouped-routing MoE) tree mode == trajectory-wise mode, fp64, on the tricky trees:
-log-probs, entropy, every parameter gradient and the expert loads that update the routing bias; the MLA rope
-variant, recomputation, the KDA token loop as the kernel; configs the runtime must refuse."""
+"""Kimi Linear and Ling 3.0 (KDA + MLA + grouped-routing MoE): tree mode == trajectory-wise mode, fp64, on the
+tricky trees: log-probs, entropy, every parameter gradient and the expert loads that update the routing bias;
+the MLA rope variant, recomputation, the KDA token loop as the kernel; configs the runtime must refuse."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,6 +23,13 @@ def test_tricky_cases_fp64(name, chunk_size):
     batch = tricky_batches(chunk_size)[name]
     assert_tree_equals_trajectory_wise(batch, naive_tree_index(batch, chunk_size=chunk_size), dtype=torch.float64,
                                        chunk_size=chunk_size, preset=PRESET)
+
+
+@pytest.mark.parametrize("name", ["branch_on_chunk_boundary", "replay_across_short_nodes"])
+def test_ling_3_fp64(name):
+    batch = tricky_batches(4)[name]
+    assert_tree_equals_trajectory_wise(batch, compiled_index(batch, 4), dtype=torch.float64, chunk_size=4,
+                                       preset="tiny-ling-3")
 
 
 def test_compiled_plan_with_recomputation_fp64():
@@ -88,3 +95,8 @@ def test_token_loop_kernel_equals_chunked_rounds():
 def test_unsupported_configs_name_the_field(change, field):
     with pytest.raises(UnsupportedModelError, match=rf"^config\.{field}"):
         ModelConfig.from_dict({**PRESETS[PRESET], **change})
+
+
+def test_ling_rope_scaling_is_refused():
+    with pytest.raises(UnsupportedModelError, match=r"^config\.rope_parameters\.rope_type"):
+        ModelConfig.from_dict({**PRESETS["tiny-ling-3"], "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
