@@ -82,6 +82,8 @@ class ModelConfig:
     kda_lower_bound: float = -5.0
     mla_output_gate: bool = False  # MLA output scaled per head by sigmoid(g_proj(x))
     rope_interleave: bool = False  # MLA RoPE on interleaved pairs (DeepSeek layout) instead of rotate-half
+    # embedding row without gradient (transformers' padding_idx); read for the Kimi-style families
+    pad_token_id: int | None = None
 
     @property
     def flat_linear_projections(self) -> bool:

@@ -122,7 +122,7 @@ def kimi_config_fields(cfg: Mapping[str, Any], family: str = "kimi") -> dict:
         mlp_layer_types=mlp_types,
         kda_full_rank_gates=ling, kda_safe_gate=ling and bool(read.get("kda_safe_gate", default=True)),
         kda_lower_bound=float(read.get("kda_lower_bound", default=-5.0)), mla_output_gate=ling,
-        rope_interleave=ling,
+        rope_interleave=ling, pad_token_id=read.get("pad_token_id", default=None),
     )
 
 
@@ -134,6 +134,8 @@ def validate_kimi(config, check) -> None:
     check(config.qk_nope_head_dim >= 0 and config.qk_rope_head_dim > 0 and config.qk_rope_head_dim % 2 == 0,
           "qk_rope_head_dim", "must be positive and even")
     check(config.v_head_dim > 0, "v_head_dim", "must be positive")
+    check(config.pad_token_id is None or 0 <= config.pad_token_id < config.vocab_size, "pad_token_id",
+          f"must be null or a token id in [0, vocab_size={config.vocab_size}) (its embedding row gets no gradient)")
     check(config.q_lora_rank is None or config.q_lora_rank > 0, "q_lora_rank", "must be positive or null")
     if any(t == "sparse" for t in config.mlp_layer_types):
         check(config.num_experts > 0 and config.num_experts % config.num_expert_group == 0, "num_expert_group",

@@ -202,7 +202,7 @@ class TreeModel(nn.Module):
         use_checkpoint = self.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         use_checkpoint = use_checkpoint and torch.is_grad_enabled()
 
-        x = embed_tokens(self.model.embed_tokens.weight, plan)
+        x = embed_tokens(self.model.embed_tokens.weight, plan, padding_idx=self.config.pad_token_id)
         router_stats: list[RouterStats] = []
         for layer in self.model.layers:
             if use_checkpoint:

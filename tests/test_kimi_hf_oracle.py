@@ -47,6 +47,8 @@ VARIANTS = {
     "q_lora": (kimi_modeling, "KimiLinearConfig", "KimiLinearForCausalLM", dict(TINY, q_lora_rank=24)),
     "plain_q": (kimi_modeling, "KimiLinearConfig", "KimiLinearForCausalLM",
                 dict(TINY, q_lora_rank=None, norm_topk_prob=False, n_group=1, topk_group=1, n_shared_experts=2)),
+    "q_lora_pad": (kimi_modeling, "KimiLinearConfig", "KimiLinearForCausalLM", dict(TINY, q_lora_rank=24,
+                                                                                   pad_token_id=0)),
     "ling": (ling_modeling, "BailingHybridConfig", "BailingHybridForCausalLM", dict(LING_TINY, q_lora_rank=24)),
     "ling_unsafe_gate": (ling_modeling, "BailingHybridConfig", "BailingHybridForCausalLM",
                          dict(LING_TINY, q_lora_rank=None, kda_safe_gate=False)),
@@ -170,6 +172,13 @@ def test_tree_mode_equals_transformers_fp64(variant, name):
 def test_compiled_plan_other_variants_fp64(variant):
     batch = BATCHES["replay_across_short_nodes" if variant == "plain_q" else "prefix_and_duplicate_trajectories"]
     _check(hf_kimi(variant), batch, compiled_index(batch, 4), torch.float64, 1e-10, 1e-10)
+
+
+def test_pad_token_row_gets_no_gradient_as_in_transformers():
+    """pad_token_id is transformers' padding_idx: a trajectory holding that token leaves its row's gradient 0."""
+    batch = BATCHES["deep_chain"]
+    assert any(0 in t for t in batch)
+    _check(hf_kimi("q_lora_pad"), batch, naive_tree_index(batch, chunk_size=4), torch.float64, 1e-10, 1e-10)
 
 
 @pytest.mark.parametrize("variant", ["q_lora", "ling"])

@@ -100,3 +100,20 @@ def test_unsupported_configs_name_the_field(change, field):
 def test_ling_rope_scaling_is_refused():
     with pytest.raises(UnsupportedModelError, match=r"^config\.rope_parameters\.rope_type"):
         ModelConfig.from_dict({**PRESETS["tiny-ling-3"], "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_planned_embedding_leaves_the_padding_row_without_gradient():
+    """The segment_add embedding backward with padding_idx == F.embedding's (transformers' padding_idx)."""
+    from harts_compiler.codegen import trajectory_index
+    from harts_compiler.runtime.ops.embedding import _PlannedEmbedding
+    from test_runtime_helpers import cpu_plan
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU
+    plan = cpu_plan(trajectory_index([[3, 1, 3, 3], [0, 1, 7]]), vocab_size=9).to(device)
+    weight = torch.randn(9, 5, dtype=torch.float32, device=device, requires_grad=True)
+    grad = torch.randn(7, 5, device=device)
+    got, = torch.autograd.grad((_PlannedEmbedding.apply(weight, plan, 3) * grad).sum(), weight)
+    want, = torch.autograd.grad((torch.nn.functional.embedding(plan.token_ids, weight, padding_idx=3) * grad).sum(),
+                                weight)
+    torch.testing.assert_close(got, want)
+    assert got[3].abs().sum() == 0 and got[1].abs().sum() > 0
