@@ -20,10 +20,14 @@ from common import synchronize
 # profiler ranges wrap them while a breakdown is recorded (nothing is changed otherwise).
 COMPONENT_HOOKS = {
     "linear attention": [("harts_compiler.runtime.gated_deltanet", "gated_delta_rule_rounds"),
-                         ("harts_compiler.runtime.gated_deltanet", "tree_causal_conv")],
-    "attention": [("harts_compiler.runtime.attention", "tree_attention")],
+                         ("harts_compiler.runtime.gated_deltanet", "tree_causal_conv"),
+                         ("harts_compiler.runtime.kimi_delta", "linear_attention_rounds"),
+                         ("harts_compiler.runtime.kimi_delta", "tree_causal_conv")],
+    "attention": [("harts_compiler.runtime.attention", "tree_attention"),
+                  ("harts_compiler.runtime.mla", "tree_attention")],
     "log-probs": [("harts_compiler.runtime.model", "token_logprobs")],
     "MoE/MLP": [("harts_compiler.runtime.moe", "SparseMoeBlock.forward"),
+                ("harts_compiler.runtime.kimi_moe", "KimiMoeBlock.forward"),
                 ("harts_compiler.runtime.layers", "DenseMLP.forward")],
 }
 OTHER = "projections/norms/other"
