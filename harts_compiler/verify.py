@@ -3,7 +3,12 @@
 This is the project's correctness contract made executable (docs/design.md section 11): the same
 per-trajectory log-probs, entropies, MoE statistics and parameter gradients, up to floating-point
 reordering. The gradient check uses a fixed random weighting of log-probs and entropies (plus the
-aux loss), i.e. an arbitrary token-level objective, so every parameter gets a non-trivial gradient.
+aux loss when neither mode splits the batch), i.e. an arbitrary token-level objective, so every
+parameter gets a non-trivial gradient.
+
+Both modes run one microbatch at a time (tree mode: the plan's microbatches; trajectory-wise: packs of
+whole trajectories) with backward after each, so memory is bounded by --microbatch-tokens, not by the
+batch. The peak is estimated before any compute and a run that would not fit is refused.
 """
 from __future__ import annotations
 
