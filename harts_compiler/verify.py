@@ -194,10 +194,11 @@ def _keep_trajectory_rows(out, logprobs, entropy) -> None:
 
 
 def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: bool = False,
-                microbatch_tokens: int = DEFAULT_MICROBATCH_TOKENS, memory_limit: int | None = None,
+                microbatch_tokens: int | None = None, memory_limit: int | None = None,
                 quiet: bool = True) -> VerifyReport:
     """Execute `plan` (compiled from `batch`) in tree mode and `batch` trajectory-wise, one microbatch
-    at a time in both (trajectory-wise: packs of at most `microbatch_tokens` tokens); compare.
+    at a time in both (trajectory-wise: packs of at most `microbatch_tokens` tokens; None: the default
+    budget or the longest trajectory); compare.
     Raises InputError, before any compute, when the memory estimate exceeds `memory_limit` (default:
     the memory available now)."""
     from harts_compiler.runtime import trajectory_wise
@@ -210,6 +211,7 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
     token_lists, ids = trajectory_token_lists(batch)
     lengths = [len(t) for t in token_lists]
     chunk_size, conv_width = plan.options.chunk_size, model.conv_width
+    microbatch_tokens = microbatch_tokens or max([DEFAULT_MICROBATCH_TOKENS, *lengths])
     packs = trajectory_packs(lengths, microbatch_tokens)
     index_of_pack = lambda pack: lambda: pack_index(token_lists, ids, pack, chunk_size=chunk_size,  # noqa: E731
                                                     conv_width=conv_width)
