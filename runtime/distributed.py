@@ -1,29 +1,36 @@
-"""Data-parallel execution of a compiled plan: one training step's forward, backward and
-gradient reduction over the (rank, slot) schedule of `harts_compiler.compile(..., dp_size=N)`.
+"""Data-parallel execution of a compiled plan: one training step's forward and backward over the
+(rank, slot) schedule of `harts_compiler.compile(..., dp_size=N)`, on a model sharded with FSDP2.
 
-Every rank runs the same number of slots, in slot order (ranks proceed in lockstep, as the
-planner's cost model assumes); a (rank, slot) without a microbatch is an *empty slot*: the rank
-computes nothing there but still takes part in that slot's collectives (with `sync="slot"`), so
-no rank ever waits for a collective the others skip.
+The plan's ranks are the data-parallel ranks of the mesh the model is sharded on
+(`runtime.fsdp.shard_model`). Gradients are reduced by FSDP2 itself (reduce-scatter into each
+rank's shard, summed, not averaged); the only collectives written here carry plan metadata and
+loss totals (a few numbers per step).
+
+Lockstep contract. FSDP2 all-gathers a layer's parameters in its forward and reduce-scatters its
+gradients in its backward, so every rank must run the same number of forwards and backwards in
+the same order. The planner gives every rank the same number of slots (`slot_schedule`); a
+(rank, slot) without a microbatch is an *empty slot*, where the rank runs a *padding* forward and
+backward (the plan's smallest microbatch, loss multiplied by zero): it takes part in every
+collective and adds exact zeros to the gradients.
 
 Per non-empty slot: build the microbatch's index, forward, gather the per-trajectory loss inputs
 into the output's row order, loss with batch-global normalisers (known from the plan before any
-compute, so no collective is needed for them), backward; local gradients accumulate. Gradients
-are then summed over ranks (`dp_reduce.GradientReducer`): once per step (`sync="step"`, default:
-fewest collectives) or after every slot (`sync="slot"`: FSDP-like lockstep; each slot's reduction
-is launched asynchronously and runs beside the next slot's compute). Both give the same sums up to
-rounding order.
+compute: no collective), backward. Gradient accumulation over slots is FSDP2's: `sync="step"`
+(default) turns gradient sync off (`set_requires_gradient_sync(False)`) for all slots but the last,
+so unsharded gradients accumulate locally and are reduce-scattered once; `sync="slot"` reduce-
+scatters after every slot and accumulates the sharded gradients (less memory, more traffic).
 
-Result: with the same weights, the reduced gradients and the global loss equal those of one
-process running the whole batch trajectory-wise (tests/test_distributed.py checks it over gloo).
+Result: with the same weights, the gathered gradients (`full_tensor()`) and the global loss equal
+those of one process running the whole batch (tests/test_fsdp.py checks it over gloo).
 
 Use (every rank, after `dist.init_process_group`; same plan and inputs everywhere):
 
+    mesh = fsdp.data_parallel_mesh(world, "cuda"); fsdp.shard_model(model, mesh)
     plan = harts_compiler.compile(batch, CompileOptions(dp_size=world, microbatch_tokens=B))
     advantages = group_advantages(rewards, plan.program.forest.traj_ids, groups)   # dp_inputs
     inputs = TrajectoryInputs.for_plan(plan, advantages=advantages, old_logprobs=old)
     result = data_parallel_step(model, plan, inputs, PPOObjective(kl_coef=0.0))
-    optimizer.step()          # .grad is the whole batch's gradient on every rank
+    optimizer.step()          # each rank's sharded .grad is its shard of the batch's gradient
 
 Split trees (`split-oversize`): every trajectory lies whole in one part, as one row of one
 microbatch (shared root paths are recomputed in each part that needs them), so the coverage check
@@ -31,9 +38,6 @@ microbatch (shared root paths are recomputed in each part that needs them), so t
 all target positions, seq-mean over trajectories) and the aux-loss weights (a microbatch's
 trajectory tokens = its tokens weighted by multiplicity) need nothing special. `run_plan` and
 `assemble_rows` put a plan's microbatch outputs back into `[n_traj, max_len]` rows (verification).
-
-Not here: DDP/FSDP wrappers (a plain all-reduce gives the same sums without DDP's rule that
-every rank runs a synchronised backward, which an empty last slot cannot), sharded parameters.
 """
 from __future__ import annotations
 
@@ -42,12 +46,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from harts_compiler.objectives import LossOutput, loss_mask
 
 from .dp_inputs import GlobalNormalisers, TrajectoryInputs
 from .dp_objective import LossContext, LossFn, PPOObjective
-from .dp_reduce import GradientReducer
 
 SYNC_MODES = ("step", "slot")
 
@@ -66,7 +70,7 @@ class SlotMetrics:
     index_s: float = 0.0  # building the MicrobatchIndex (host)
     forward_s: float = 0.0  # forward + loss
     backward_s: float = 0.0
-    reduce_s: float = 0.0  # sync="slot": launching this slot's all-reduce + waiting for the previous one
+    padding: bool = False  # an empty slot that ran the padding microbatch for the collectives
 
     @property
     def compute_s(self) -> float:
@@ -77,7 +81,7 @@ class SlotMetrics:
 class RankMetrics:
     rank: int
     slots: list[SlotMetrics]
-    reduce_s: float = 0.0  # after the last slot: gradient all-reduce (or the last slot's wait) + loss sums
+    reduce_s: float = 0.0  # after the last slot: the loss and count sums over ranks
     total_s: float = 0.0
 
     @property
@@ -136,24 +140,28 @@ def _topology(plan, process_group, rank, world_size) -> tuple[int, int]:
 
 def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | None = None, *,
                        process_group=None, rank: int | None = None,
-                       world_size: int | None = None, sync: str = "step",
-                       bucket_bytes: int = 64 << 20, zero_grad: bool = True,
+                       world_size: int | None = None, sync: str = "step", zero_grad: bool = True,
                        gather_metrics: bool = False, time_device: bool = True,
                        **forward_kwargs) -> StepResult:
-    """Forward + backward of this rank's slots and the gradient sum over ranks.
+    """Forward + backward of this rank's slots; FSDP2 sums the gradients over ranks.
 
-    model: a TreeModel (every rank the same weights); plan: compiled with dp_size = world size;
-    inputs: `TrajectoryInputs` of all the plan's trajectories (every rank holds all of them; they
-    are small); loss_fn: `PPOObjective()` by default. After the call every rank's `.grad` holds
-    the gradient of the whole batch's loss (summed over ranks, not averaged), added to the
-    gradients from before the call when `zero_grad=False` (those are taken as already global).
+    model: a TreeModel, sharded with `fsdp.shard_model` when the world has more than one rank
+    (every rank the same weights); plan: compiled with dp_size = world size; inputs:
+    `TrajectoryInputs` of all the plan's trajectories (every rank holds all of them; they are
+    small); loss_fn: `PPOObjective()` by default. After the call each rank's `.grad` (a shard, for
+    a sharded model) holds the gradient of the whole batch's loss (summed over ranks, not
+    averaged), added to the gradients from before the call when `zero_grad=False`.
     `forward_kwargs` go to the model (e.g. activation_checkpointing=True). `time_device`
-    synchronises the device after each phase so that per-slot times are real; it serialises the
-    per-slot reductions of `sync="slot"` with compute, so turn it off where speed matters.
+    synchronises the device after each phase so that per-slot times are real (it serialises
+    FSDP2's prefetch with compute, so turn it off where speed matters).
     """
     if sync not in SYNC_MODES:
         raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
     rank, world_size = _topology(plan, process_group, rank, world_size)
+    sharded = isinstance(model, FSDPModule)
+    if world_size > 1 and not sharded:
+        raise ValueError(f"data_parallel_step on {world_size} ranks needs a model sharded with "
+                         "harts_compiler.runtime.fsdp.shard_model (FSDP2 reduces the gradients)")
     loss_fn = PPOObjective() if loss_fn is None else loss_fn
     forest = plan.program.forest
     if list(inputs.trajectory_ids) != list(forest.traj_ids):
@@ -161,44 +169,42 @@ def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | 
                          "TrajectoryInputs.for_plan(plan, ...))")
     normalisers = inputs.normalisers()
     schedule = slot_schedule(plan, rank)
-    device = next(model.parameters()).device
+    padding = padding_microbatch(plan) if world_size > 1 and None in schedule else None
+    device = _parameter_device(model)
     sync_device = (lambda: torch.cuda.synchronize(device)) if (
         time_device and device.type == "cuda") else (lambda: None)
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    # gradients from before the step are already global: set aside so they are not reduced again
-    carried = [None if zero_grad else p.grad for p in params]
-    for p in params:
-        p.grad = None
-    reducer = GradientReducer(params, process_group, bucket_bytes) if world_size > 1 else None
+    if zero_grad:
+        model.zero_grad(set_to_none=True)
     step_start = time.perf_counter()
     local_loss = torch.zeros((), dtype=torch.float64, device=device)
     counts = torch.zeros(2, dtype=torch.float64, device=device)  # trajectories, loss tokens
     slots, loss_metrics = [], []
-    for slot, microbatch in enumerate(schedule):
-        metrics = SlotMetrics(slot=slot, microbatch=-1 if microbatch is None else microbatch.index)
-        if microbatch is not None:
-            value, stats = _run_microbatch(model, microbatch, inputs, normalisers, loss_fn,
-                                           metrics, device, sync_device, forward_kwargs)
-            local_loss += value
-            counts += torch.tensor([metrics.trajectories, metrics.loss_tokens],
-                                   dtype=torch.float64, device=device)
-            loss_metrics.append(stats)
-        if reducer is not None and sync == "slot":
-            start = time.perf_counter()
-            reducer.reduce_slot()  # asynchronous: no device sync, so it overlaps the next slot
-            metrics.reduce_s = time.perf_counter() - start
-        slots.append(metrics)
+    try:
+        for slot, microbatch in enumerate(schedule):
+            if sharded:  # "step": one reduce-scatter, in the last slot's backward
+                model.set_requires_gradient_sync(sync == "slot" or slot == len(schedule) - 1)
+            metrics = SlotMetrics(slot=slot, microbatch=-1 if microbatch is None else microbatch.index)
+            if microbatch is not None:
+                value, stats = _run_microbatch(model, microbatch, inputs, normalisers, loss_fn,
+                                               metrics, device, sync_device, forward_kwargs)
+                local_loss += value
+                counts += torch.tensor([metrics.trajectories, metrics.loss_tokens],
+                                       dtype=torch.float64, device=device)
+                loss_metrics.append(stats)
+            elif padding is not None:
+                _run_padding(model, padding, forward_kwargs)
+                metrics.padding = True
+            slots.append(metrics)
+    finally:
+        if sharded:
+            model.set_requires_gradient_sync(True)
 
     start = time.perf_counter()
     totals = torch.cat([local_loss.reshape(1), counts])
-    if reducer is not None:
-        reducer.finish() if sync == "slot" else reducer.reduce_in_place()
+    if world_size > 1:  # loss and coverage sums: three numbers, not gradients
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=process_group)
     sync_device()
-    for p, before in zip(params, carried):
-        if before is not None:
-            p.grad = before if p.grad is None else p.grad.add_(before)
     rank_metrics = RankMetrics(rank=rank, slots=slots, reduce_s=time.perf_counter() - start,
                                total_s=time.perf_counter() - step_start)
     _check_coverage(totals, forest.num_trajectories, inputs)
@@ -213,14 +219,39 @@ def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | 
                       loss_metrics=loss_metrics)
 
 
+def padding_microbatch(plan):
+    """What a rank runs in an empty slot so that it joins FSDP2's (and expert parallelism's)
+    collectives: the plan's smallest microbatch (the same on every rank: the plan is)."""
+    microbatches = plan.microbatches()
+    return min(microbatches, key=lambda mb: (mb.compact_tokens, mb.index))
+
+
+def _run_padding(model, microbatch, forward_kwargs) -> None:
+    """Forward and backward through every parameter with a zero loss: the collectives run, the
+    gradients get exact zeros."""
+    output = model(microbatch.build_index(), **forward_kwargs)
+    (output.logprobs.sum() * 0.0).backward()
+
+
+def _parameter_device(model) -> torch.device:
+    """Where the model computes: its parameters' device, or the mesh's device for sharded
+    parameters kept in host memory (CPU offload)."""
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is not None and mesh.device_type != "cpu":
+        return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    return param.device
+
+
 def _run_microbatch(model, microbatch, inputs, normalisers, loss_fn, metrics, device,
                     sync_device, forward_kwargs) -> tuple[torch.Tensor, dict]:
     start = time.perf_counter()
-    plan = model.launch_plan(microbatch)  # lowered on the host, uploaded in one copy
+    microbatch.check_model(model)
+    index = microbatch.build_index()  # host tables; the model lowers and uploads them in its forward
     metrics.index_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    output = model(plan, **forward_kwargs)
+    output = model(index, **forward_kwargs)
     rows = inputs.rows_for(output.trajectory_ids, output.logprobs.shape[1],
                            dtype=output.logprobs.dtype, device=device)
     # both token counts in one host transfer per microbatch
@@ -240,7 +271,7 @@ def _run_microbatch(model, microbatch, inputs, normalisers, loss_fn, metrics, de
     metrics.backward_s = time.perf_counter() - start
 
     metrics.trees = len(microbatch.trees)
-    metrics.compact_tokens = plan.num_tokens
+    metrics.compact_tokens = microbatch.compact_tokens
     metrics.trajectories = len(output.trajectory_ids)
     metrics.trajectory_tokens = int(trajectory_tokens)
     metrics.loss_tokens = int(loss_tokens)

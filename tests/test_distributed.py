@@ -3,9 +3,8 @@
 The reference runs the batch trajectory-wise in one process and computes the loss with
 `ppo_clip_loss`'s own local normalisers from hand-built full-batch tensors, so it shares neither
 the gather of per-trajectory inputs nor the global normalisers with the code under test.
-The 2-process test spawns two gloo ranks that load the plan `harts compile --dp-size 2` saved; its
-schedule has an empty (rank, slot): an odd number of items that each fill a microbatch. The batch
-has one tree over the budget, which `split-oversize` cuts into parts (asserted).
+The batch has one tree over the budget, which `split-oversize` cuts into parts (asserted). The
+sharded multi-process runs are in tests/test_fsdp.py, which reuses this reference.
 """
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ import torch
 import torch.multiprocessing as mp
 
 import harts_compiler
-from harts_compiler.commands import compile_main
 from harts_compiler.objectives import ppo_clip_loss
 from harts_compiler.runtime import trajectory_wise
 from harts_compiler.runtime.distributed import data_parallel_step, slot_schedule
@@ -202,27 +200,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, plan_path, inputs_per_run, out_dir: str):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    plan = harts_compiler.Plan.load(plan_path)  # every rank reads the plan the CLI saved
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
-    try:
-        results = []
-        for (preset, objective, sync), inputs in zip(RUNS, inputs_per_run):
-            model = tiny_model(torch.float64, preset)
-            model.zero_grad(set_to_none=True)
-            step = data_parallel_step(model, plan, inputs, objective, sync=sync, gather_metrics=True)
-            results.append(dict(loss=step.loss, grads=grads_of(model), all_ranks=step.all_ranks))
-            # a second step without zeroing adds the batch gradient once more (not re-reduced)
-            data_parallel_step(model, plan, inputs, objective, sync=sync, zero_grad=False)
-            results[-1]["grads_twice"] = grads_of(model)
-        torch.save(results, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def _crashing_worker(rank: int, world_size: int, port: int, *unused):
     """Rank 1 dies before joining the group, so rank 0 blocks in init_process_group."""
     import torch.distributed as dist
@@ -232,7 +209,7 @@ def _crashing_worker(rank: int, world_size: int, port: int, *unused):
                             world_size=world_size, timeout=datetime.timedelta(seconds=600))
 
 
-def run_two_ranks(plan, inputs_per_run, out_dir, worker=_worker) -> list:
+def run_two_ranks(plan, inputs_per_run, out_dir, worker) -> list:
     context = mp.start_processes(worker, args=(2, _free_port(), plan, inputs_per_run, str(out_dir)),
                                  nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + CHILD_TIMEOUT_S
@@ -245,41 +222,6 @@ def run_two_ranks(plan, inputs_per_run, out_dir, worker=_worker) -> list:
             if process.is_alive():
                 process.kill()
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]  # our own file
-
-
-def test_two_gloo_ranks_give_the_gradients_of_one_process(tmp_path):
-    token_lists = token_lists_with_an_empty_slot()
-    harts_compiler.TreeBatch.from_trajectories(token_lists).save(tmp_path / "batch.jsonl")
-    plan_path = tmp_path / "plan.hir"
-    assert compile_main([str(tmp_path / "batch.jsonl"), "--dp-size", "2", "--chunk-size", str(CHUNK),
-                         "--microbatch-tokens", str(BUDGET), "-o", str(plan_path)]) == 0
-    plan = harts_compiler.Plan.load(plan_path)
-    assert plan.program.note("split-oversize")["parts"] >= 2  # split trees are part of the run
-    schedules = [slot_schedule(plan, r) for r in range(2)]
-    assert any(mb is None for s in schedules for mb in s), "the plan must have an empty slot"
-    references, inputs_per_run = [], []
-    for preset, objective, _ in RUNS:
-        model = tiny_model(torch.float64, preset)
-        data = loss_data(model, token_lists)
-        inputs_per_run.append(TrajectoryInputs.for_plan(plan, **data))
-        references.append(reference(model, token_lists, data, objective, plan))
-
-    ranks = run_two_ranks(str(plan_path), inputs_per_run, tmp_path)
-    forest = plan.program.forest
-    for (preset, objective, sync), (want_loss, want_grads), *per_rank in zip(RUNS, references, *ranks):
-        what = f"{preset} {objective.aggregation} sync={sync}"
-        for rank, got in enumerate(per_rank):
-            assert abs(got["loss"] - want_loss) <= TOL * abs(want_loss), what
-            assert_grads_close(got["grads"], want_grads, f"{what} rank {rank}")
-            assert_grads_close(got["grads_twice"], {n: 2 * g for n, g in want_grads.items()},
-                               f"{what} rank {rank}, second step with zero_grad=False")
-        metrics = per_rank[0]["all_ranks"]
-        assert [m.rank for m in metrics] == [0, 1]
-        assert {len(m.slots) for m in metrics} == {len(schedules[0])}  # lockstep slot count
-        assert sum(m.compact_tokens for m in metrics) == forest.num_tokens
-        empty = [s for m in metrics for s in m.slots if s.microbatch < 0]
-        assert empty and all(s.compact_tokens == 0 and s.compute_s == 0 for s in empty)
-        assert sum(s.trajectories for m in metrics for s in m.slots) == forest.num_trajectories
 
 
 def test_a_crashed_rank_fails_the_run_instead_of_hanging(tmp_path):
