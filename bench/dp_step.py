@@ -6,12 +6,13 @@
 Spawns `--world-size` processes (one GPU each, or gloo on CPU). Each builds the same model
 (`common.build_model`, rank 0's weights broadcast to be sure), compiles the same generated batch
 with dp_size = world size, and runs `--warmup` + `--repeat` steps of
-`runtime.distributed.data_parallel_step` (on-policy PPO loss, random per-trajectory advantages).
+`runtime.distributed.data_parallel_step` on an FSDP2-sharded model (on-policy PPO loss, random
+per-trajectory advantages).
 
 Printed per step kind (rank 0, median step): per slot and rank the compact tokens and compute
 seconds; the lockstep time sum over slots of the slowest rank's compute; the averaging bound
-(total compute / ranks); the imbalance = lockstep / bound - 1; the gradient all-reduce time; the
-end-of-step all-reduce time of the last rank to arrive (the others' include waiting); the
+(total compute / ranks); the imbalance = lockstep / bound - 1 (FSDP2's gradient reduce-scatter is
+part of the backward); the end-of-step all-reduce time of the last rank to arrive (the others' include waiting); the
 step wall time. JSON goes to $OUT/dp_step.json when OUT is set (and to --json).
 """
 from __future__ import annotations
@@ -64,6 +65,7 @@ def _free_port() -> int:
 def rank_main(rank: int, args, port: int, result_path: str) -> None:
     import harts_compiler
     from harts_compiler.runtime.distributed import data_parallel_step
+    from harts_compiler.runtime.fsdp import data_parallel_mesh, shard_model
     from harts_compiler.runtime.dp_inputs import TrajectoryInputs
     from harts_compiler.runtime.dp_objective import PPOObjective
 
@@ -83,6 +85,9 @@ def rank_main(rank: int, args, port: int, result_path: str) -> None:
         with torch.no_grad():
             for p in model.parameters():
                 dist.broadcast(p, src=0)
+        parameters = parameter_count(model)  # before sharding: the whole model
+        if args.world_size > 1:  # FSDP2: each rank holds a shard; data_parallel_step refuses a replica
+            shard_model(model, data_parallel_mesh(args.world_size, device.type))
         batch, tasks = sized_batch(args.preset, args.target_tokens, length_scale=args.length_scale,
                                    vocab_size=config.vocab_size)
         start = time.perf_counter()
@@ -108,7 +113,7 @@ def rank_main(rank: int, args, port: int, result_path: str) -> None:
             timed = steps[args.warmup:]
             step_s, result = sorted(timed, key=lambda t: t[0])[len(timed) // 2]
             payload = dict(args=vars(args), device=describe_device(device),
-                           parameters=parameter_count(model), tasks=tasks,
+                           parameters=parameters, tasks=tasks,
                            plan=dict(plan.stats, compile_s=compile_s),
                            step_s=[t for t, _ in timed], median_step_s=step_s,
                            loss=result.loss, ranks=[_rank_dict(m) for m in result.all_ranks])
@@ -134,7 +139,6 @@ def summarise(payload: dict) -> dict:
                 # the last rank to arrive waits least: its time is the collective's own cost
                 reduce_s=min(r["reduce_s"] for r in ranks),
                 reduce_with_wait_s=max(r["reduce_s"] for r in ranks),
-                slot_reduce_s=max(sum(s["reduce_s"] for s in r["slots"]) for r in ranks),
                 median_step_s=payload["median_step_s"])
 
 
@@ -161,8 +165,8 @@ def main(argv=None) -> None:
     summary = payload["summary"]
     print(f"lockstep compute {summary['lockstep_compute_s']:.3f}s vs averaging bound "
           f"{summary['averaging_bound_s']:.3f}s (imbalance {summary['imbalance']:.1%}); "
-          f"all-reduce {summary['reduce_s']:.3f}s ({summary['reduce_with_wait_s']:.3f}s with waiting; "
-          f"+{summary['slot_reduce_s']:.3f}s in slots); "
+          f"end-of-step sums {summary['reduce_s']:.3f}s ({summary['reduce_with_wait_s']:.3f}s with waiting; "
+          f"FSDP2's gradient reduce-scatter runs inside the backward); "
           f"step median {summary['median_step_s']:.3f}s of {statistics.fmean(payload['step_s']):.3f}s mean")
     for path in write_json("dp_step.json", payload, args.json):
         print(f"wrote {path}")

@@ -9,10 +9,7 @@ Gradients are *summed* over ranks, not averaged: the tree step divides every los
 normalisers already, so the batch gradient is the plain sum of the ranks' gradients
 (`set_gradient_divide_factor(1.0)`; FSDP2's default would divide by the world size).
 
-Expert-parallel MoE experts (`expert_parallel.shard_experts`) hold only their rank's experts as
-plain tensors, already summed over the expert-parallel group by the token exchange; they are left
-out of the data-parallel sharding (`ignored_params`) when the mesh has no separate dimension for
-them.
+`ignored_params` leaves parameters out of the sharding (each rank keeps and updates its own copy).
 """
 from __future__ import annotations
 
@@ -57,6 +54,8 @@ def shard_model(model, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | No
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum over ranks: the losses are batch-normalised
+            # a factor of 1 needs no scaling, so plain SUM collectives do: gloo has no PREMUL_SUM (fp32 grads)
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 
