@@ -10,10 +10,12 @@ states given and differentiated):
    FlashQLA calls (one varlen call for the roots with final states, one for the branches starting from them: what
    a framework builds from a public kernel), both against the fastest trajectory-wise kernel.
 
-Needs CUDA, flash-qla 0.1.3 (TileLang; its first call of each shape compiles for about a minute) and optionally
-fla-core 0.6.0:
+Needs CUDA, flash-qla 0.1.3 and optionally fla-core 0.6.0. TileLang compiles FlashQLA's kernels for every new
+shape: about 4 minutes for the first case, a minute or two for each later one, so a whole run takes well over
+10 minutes; `--cases` and the `--skip-*` flags split it into shorter runs:
 
-    PYTHONUNBUFFERED=1 python bench/gdn_flashqla.py [--skip-errors] [--skip-trees] 2>&1 | tee $OUT/gdn_flashqla.log
+    PYTHONUNBUFFERED=1 python bench/gdn_flashqla.py [--cases 0 2] [--skip-errors] [--skip-trees] \
+        2>&1 | tee $OUT/gdn_flashqla.log
 """
 from __future__ import annotations
 
@@ -203,7 +205,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-errors", action="store_true", help="leave out section 1")
     parser.add_argument("--skip-trees", action="store_true", help="leave out section 3")
+    parser.add_argument("--cases", type=int, nargs="+", help="indices into CASES for sections 1-2 (default: all)")
     args = parser.parse_args()
+    if args.cases:
+        CASES[:] = [CASES[i] for i in args.cases]
     flashqla, fla = load_flashqla(), load_fla()
     kernels = {"ours": lambda cu: ours_call(single_call_plan(cu, device=CUDA))}
     if fla is not None:
