@@ -25,11 +25,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _prepare_qk(q, k, shapes: GDNShapes, scale: float, use_qk_l2norm: bool, dtype: torch.dtype):
-    """Cast, optionally l2-normalise, expand key heads to value heads, scale q."""
+def _prepare_qk(q, k, shapes: GDNShapes, scale: float, use_qk_l2norm: bool, dtype: torch.dtype, norm=l2norm):
+    """Cast, optionally l2-normalise (with `norm`), expand key heads to value heads, scale q."""
     q, k = q.to(dtype), k.to(dtype)
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+        q, k = norm(q), norm(k)
     group = shapes.value_heads // shapes.key_heads
     if group > 1:  # value head h reads key head h // group
         q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
@@ -105,9 +105,19 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, *, scale, initial_state, 
     k_to_end = k_c * (g_cum[..., -1:] - g_cum).exp().unsqueeze(-1)
     chunk_decay = g_cum[..., -1].exp()[..., None, None]
 
-    # Phase 2: the scan, chunk index j of every sequence that has one, batched over sequences.
-    seq_of = torch.tensor(chunk_seq, device=q.device)
-    pos_of = torch.tensor(chunk_pos, device=q.device)
+    return chunk_scan(state, chunk_seq, chunk_pos, index, shapes, new_values=new_values, k_cumdecay=k_cumdecay,
+                      q_decayed=q_decayed, intra_attn=intra_attn, k_to_end=k_to_end, chunk_decay=chunk_decay,
+                      out_dtype=v.dtype)
+
+
+def chunk_scan(state, chunk_seq: list[int], chunk_pos: list[int], index: torch.Tensor, shapes: GDNShapes, *,
+               new_values, k_cumdecay, q_decayed, intra_attn, k_to_end, chunk_decay, out_dtype):
+    """Phase 2 of the chunked rule (GDN's and KDA's alike, once phase 1 has built the per-chunk terms): the
+    scan, chunk index j of every sequence that has one, batched over sequences; returns (o, exported states)."""
+    C = index.shape[1]
+    n_chunks = index.shape[0]
+    seq_of = torch.tensor(chunk_seq, device=state.device)
+    pos_of = torch.tensor(chunk_pos, device=state.device)
     export_at: dict[tuple[int, int], list[int]] = {}
     for e, (s, off) in enumerate(zip(shapes.export_seq, shapes.export_offset)):
         export_at.setdefault((s, off // C - 1), []).append(e)
@@ -127,11 +137,8 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, *, scale, initial_state, 
                 exported[e] = s_new[i]
 
     o_chunks = torch.stack(outputs).transpose(1, 2).reshape(n_chunks * C, shapes.value_heads, shapes.value_dim)
-    o = o_chunks[index.reshape(-1) < shapes.rows].to(v.dtype)
-    if exported:
-        states = torch.stack(exported)
-    else:
-        states = state.new_zeros((0,) + state.shape[1:])
+    o = o_chunks[index.reshape(-1) < shapes.rows].to(out_dtype)
+    states = torch.stack(exported) if exported else state.new_zeros((0,) + state.shape[1:])
     return o, states
 
 
@@ -144,8 +151,15 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, *, scale, initial_sta
     shapes = validate_gdn_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                  export_seq=export_seq, export_offset=export_offset, chunk_size=chunk_size)
     dtype = _compute_dtype(q)
-    out_dtype = v.dtype
     q, k = _prepare_qk(q, k, shapes, scale, use_qk_l2norm, dtype)
+    return token_loop(q, k, v, g.unsqueeze(-1), beta, initial_state, shapes, chunk_size)
+
+
+def token_loop(q, k, v, g, beta, initial_state, shapes: GDNShapes, chunk_size: int):
+    """The per-token recurrence on prepared q, k (GDN's and KDA's alike): g [R, H, K] or [R, H, 1] log decays
+    scale the state's key rows; returns (o in v's dtype, the states at the exported offsets)."""
+    dtype = q.dtype
+    out_dtype = v.dtype
     v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
     exported: list[torch.Tensor | None] = [None] * len(shapes.export_seq)
     outputs = []
@@ -154,7 +168,7 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, *, scale, initial_sta
         wanted = {off: [e for e, (es, eo) in enumerate(zip(shapes.export_seq, shapes.export_offset))
                         if es == n and eo == off] for off in range(chunk_size, length + 1, chunk_size)}
         for t in range(start, start + length):
-            s = s * g[t].exp()[:, None, None]
+            s = s * g[t].exp()[:, :, None]
             u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", s, k[t]))
             s = s + k[t][:, :, None] * u[:, None, :]
             outputs.append(torch.einsum("hkv,hk->hv", s, q[t]))

@@ -19,11 +19,16 @@ from __future__ import annotations
 import torch
 
 from ..chunk_gdn.inputs import validate_gdn_inputs
-from ..chunk_gdn.reference import _chunk_row_index, _to_chunks, plan_gated_delta_rule_reference, unit_lower_inverse
-
-
-def _compute_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+from ..chunk_gdn.reference import (
+    _chunk_row_index,
+    _compute_dtype,
+    _prepare_qk,
+    _to_chunks,
+    chunk_scan,
+    plan_gated_delta_rule_reference,
+    token_loop,
+    unit_lower_inverse,
+)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -41,16 +46,6 @@ def validate_kda_inputs(q, k, v, g, beta, **kwargs):
     return validate_gdn_inputs(q, k, v, g[..., 0], beta, **kwargs)
 
 
-def _prepare(q, k, shapes, scale: float, use_qk_l2norm: bool, dtype: torch.dtype):
-    q, k = q.to(dtype), k.to(dtype)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    group = shapes.value_heads // shapes.key_heads
-    if group > 1:  # value head h reads key head h // group
-        q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
-    return q * scale, k
-
-
 def chunk_kimi_delta_attention_reference(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, export_seq=None,
                                          export_offset=None, chunk_size=64, use_qk_l2norm=False):
     """Chunkwise KDA; returns (o [R, HV, V] in v's dtype, exported [E, HV, K, V] fp32/fp64)."""
@@ -58,7 +53,7 @@ def chunk_kimi_delta_attention_reference(q, k, v, g, beta, *, scale, initial_sta
                                  export_seq=export_seq, export_offset=export_offset, chunk_size=chunk_size)
     dtype = _compute_dtype(q)
     C = chunk_size
-    q, k = _prepare(q, k, shapes, scale, use_qk_l2norm, dtype)
+    q, k = _prepare_qk(q, k, shapes, scale, use_qk_l2norm, dtype, norm=l2norm)
     index, chunk_seq, chunk_pos = _chunk_row_index(shapes, C, q.device)
     n_chunks = index.shape[0]
     state = initial_state.to(dtype)
@@ -85,30 +80,9 @@ def chunk_kimi_delta_attention_reference(q, k, v, g, beta, *, scale, initial_sta
     k_to_end = k_c * (g_cum[..., -1:, :] - g_cum).exp()
     chunk_decay = g_cum[..., -1, :].exp()[..., :, None]  # [NC, H, K, 1]: scales the state's rows
 
-    seq_of = torch.tensor(chunk_seq, device=q.device)
-    pos_of = torch.tensor(chunk_pos, device=q.device)
-    export_at: dict[tuple[int, int], list[int]] = {}
-    for e, (s, off) in enumerate(zip(shapes.export_seq, shapes.export_offset)):
-        export_at.setdefault((s, off // C - 1), []).append(e)
-    exported: list[torch.Tensor | None] = [None] * len(shapes.export_seq)
-    outputs = [None] * n_chunks
-    for j in range(int(pos_of.max()) + 1):  # chunk j of every sequence that has one, batched over sequences
-        chunk_ids = torch.nonzero(pos_of == j).flatten()
-        seqs = seq_of[chunk_ids]
-        s_old = state[seqs]
-        v_new = new_values[chunk_ids] - k_cumdecay[chunk_ids] @ s_old
-        out = q_decayed[chunk_ids] @ s_old + intra_attn[chunk_ids] @ v_new
-        s_new = s_old * chunk_decay[chunk_ids] + k_to_end[chunk_ids].transpose(-1, -2) @ v_new
-        state = state.index_copy(0, seqs, s_new)
-        for i, c in enumerate(chunk_ids.tolist()):
-            outputs[c] = out[i]
-            for e in export_at.get((chunk_seq[c], j), ()):
-                exported[e] = s_new[i]
-
-    o_chunks = torch.stack(outputs).transpose(1, 2).reshape(n_chunks * C, shapes.value_heads, shapes.value_dim)
-    o = o_chunks[index.reshape(-1) < shapes.rows].to(v.dtype)
-    states = torch.stack(exported) if exported else state.new_zeros((0,) + state.shape[1:])
-    return o, states
+    return chunk_scan(state, chunk_seq, chunk_pos, index, shapes, new_values=new_values, k_cumdecay=k_cumdecay,
+                      q_decayed=q_decayed, intra_attn=intra_attn, k_to_end=k_to_end, chunk_decay=chunk_decay,
+                      out_dtype=v.dtype)
 
 
 def recurrent_kimi_delta_attention_reference(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, export_seq=None,
@@ -116,26 +90,8 @@ def recurrent_kimi_delta_attention_reference(q, k, v, g, beta, *, scale, initial
     """Token-by-token loop of the same rule (the oracle of the chunked form); same signature and outputs."""
     shapes = validate_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                  export_seq=export_seq, export_offset=export_offset, chunk_size=chunk_size)
-    dtype = _compute_dtype(q)
-    out_dtype = v.dtype
-    q, k = _prepare(q, k, shapes, scale, use_qk_l2norm, dtype)
-    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
-    exported: list[torch.Tensor | None] = [None] * len(shapes.export_seq)
-    outputs = []
-    for n, (start, length) in enumerate(zip(shapes.seq_starts, shapes.seq_lengths)):
-        s = initial_state[n].to(dtype)  # [H, K, V]
-        wanted = {off: [e for e, (es, eo) in enumerate(zip(shapes.export_seq, shapes.export_offset))
-                        if es == n and eo == off] for off in range(chunk_size, length + 1, chunk_size)}
-        for t in range(start, start + length):
-            s = s * g[t].exp()[:, :, None]
-            u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", s, k[t]))
-            s = s + k[t][:, :, None] * u[:, None, :]
-            outputs.append(torch.einsum("hkv,hk->hv", s, q[t]))
-            for e in wanted.get(t - start + 1, ()):
-                exported[e] = s
-    o = torch.stack(outputs).to(out_dtype) if outputs else v.new_zeros(v.shape, dtype=out_dtype)
-    states = torch.stack(exported) if exported else initial_state.new_zeros((0,) + initial_state.shape[1:]).to(dtype)
-    return o, states
+    q, k = _prepare_qk(q, k, shapes, scale, use_qk_l2norm, _compute_dtype(q), norm=l2norm)
+    return token_loop(q, k, v, g, beta, initial_state, shapes, chunk_size)
 
 
 def plan_kimi_delta_attention_reference(q, k, v, g, beta, *, scale, plan, initial_states=None, use_qk_l2norm=False,
