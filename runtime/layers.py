@@ -18,6 +18,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, computed (and returned) in `compute_dtype`: the core of every norm here."""
+    h = x.to(compute_dtype(x.dtype))
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class ZeroCentredRMSNorm(nn.Module):
     """Qwen3NextRMSNorm: normalise in fp32, multiply by (1 + w), w initialised to 0."""
 
@@ -27,10 +33,8 @@ class ZeroCentredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = compute_dtype(x.dtype)
-        h = x.to(wide)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.to(wide))).type_as(x)
+        h = rms_normalised(x, self.eps)
+        return (h * (1.0 + self.weight.to(h.dtype))).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -44,9 +48,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         wide = compute_dtype(input_dtype)
-        h = x.to(wide)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        h = self.weight * h.to(input_dtype)
+        h = self.weight * rms_normalised(x, self.variance_epsilon).to(input_dtype)
         h = h * F.silu(gate.to(wide))
         return h.to(input_dtype)
 
@@ -60,9 +62,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(compute_dtype(x.dtype))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(x.dtype)
+        return self.weight * rms_normalised(x, self.variance_epsilon).to(x.dtype)
 
 
 class SigmoidGatedRMSNorm(nn.Module):
@@ -75,9 +75,7 @@ class SigmoidGatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         wide = compute_dtype(x.dtype)
-        h = x.to(wide)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        h = self.weight.to(wide) * h * torch.sigmoid(gate.to(wide))
+        h = self.weight.to(wide) * rms_normalised(x, self.variance_epsilon) * torch.sigmoid(gate.to(wide))
         return h.to(x.dtype)
 
 
