@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from harts_compiler.runtime import TreeModel  # noqa: E402
-from test_runtime_helpers import naive_tree_index, random_rollout_batch  # noqa: E402
+from test_runtime_helpers import naive_tree_index, per_expert_tensors, random_rollout_batch  # noqa: E402
 from test_runtime_tree import compiled_index, rel  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -131,16 +131,7 @@ def test_from_pretrained_reads_checkpoint_names(tmp_path):
     tensors = {}
     for name, p in model.state_dict().items():
         name = name.replace("model.", "model.language_model.", 1)
-        if name.endswith("experts.gate_up_proj"):
-            gate, up = p.chunk(2, dim=1)
-            for e in range(p.shape[0]):
-                tensors[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate[e].contiguous()
-                tensors[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up[e].contiguous()
-        elif name.endswith("experts.down_proj"):
-            for e in range(p.shape[0]):
-                tensors[name.replace("down_proj", f"{e}.down_proj.weight")] = p[e].contiguous()
-        else:
-            tensors[name] = p.contiguous()
+        tensors.update(per_expert_tensors(name, p, "gate_proj", "up_proj", "down_proj") or {name: p.contiguous()})
     tensors["mtp.fc.weight"] = torch.zeros(2, 2)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     config = model.config.to_dict()

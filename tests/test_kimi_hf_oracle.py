@@ -25,7 +25,7 @@ kimi_modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_ki
 ling_modeling = pytest.importorskip("transformers.models.bailing_hybrid.modeling_bailing_hybrid")
 
 from harts_compiler.runtime import TreeModel  # noqa: E402
-from test_runtime_helpers import naive_tree_index  # noqa: E402
+from test_runtime_helpers import naive_tree_index, per_expert_tensors  # noqa: E402
 from test_runtime_tree import _tokens, compiled_index, rel, tricky_batches  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -209,16 +209,7 @@ def _released_layout(model) -> dict[str, torch.Tensor]:
             continue
         if ".mlp.experts." in name or ".mlp.gate." in name or ".mlp.shared_experts." in name:
             name = name.replace(".mlp.", ".block_sparse_moe.")
-        if name.endswith("experts.gate_up_proj"):
-            gate, up = p.chunk(2, dim=1)
-            for e in range(p.shape[0]):
-                out[name.replace("gate_up_proj", f"{e}.w1.weight")] = gate[e].contiguous()
-                out[name.replace("gate_up_proj", f"{e}.w3.weight")] = up[e].contiguous()
-        elif name.endswith("experts.down_proj"):
-            for e in range(p.shape[0]):
-                out[name.replace("down_proj", f"{e}.w2.weight")] = p[e].contiguous()
-        else:
-            out[name] = p
+        out.update(per_expert_tensors(name, p, "w1", "w3", "w2") or {name: p})
     return out
 
 

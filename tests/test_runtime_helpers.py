@@ -219,3 +219,19 @@ def test_naive_index_sequences_are_aligned_and_replay_is_short():
             rows = rnd.row_src[int(rnd.cu_seqlens[n]):int(rnd.cu_seqlens[n + 1])]
             assert int(index.positions[rows[0]]) % 4 == 0
             assert (index.positions[rows] == index.positions[rows[0]] + np.arange(rows.size)).all()
+
+
+def per_expert_tensors(name: str, p, gate: str, up: str, down: str) -> dict | None:
+    """transformers' fused expert tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`) split back into
+    one weight per expert under the checkpoint's own names (e.g. gate_proj/up_proj/down_proj, or w1/w3/w2);
+    None for any other parameter."""
+    if name.endswith("experts.gate_up_proj"):
+        gate_part, up_part = p.chunk(2, dim=1)
+        out = {}
+        for e in range(p.shape[0]):
+            out[name.replace("gate_up_proj", f"{e}.{gate}.weight")] = gate_part[e].contiguous()
+            out[name.replace("gate_up_proj", f"{e}.{up}.weight")] = up_part[e].contiguous()
+        return out
+    if name.endswith("experts.down_proj"):
+        return {name.replace("down_proj", f"{e}.{down}.weight"): p[e].contiguous() for e in range(p.shape[0])}
+    return None
