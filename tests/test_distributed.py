@@ -209,23 +209,25 @@ def _crashing_worker(rank: int, world_size: int, port: int, *unused):
                             world_size=world_size, timeout=datetime.timedelta(seconds=600))
 
 
-def run_two_ranks(plan, inputs_per_run, out_dir, worker) -> list:
-    context = mp.start_processes(worker, args=(2, _free_port(), plan, inputs_per_run, str(out_dir)),
-                                 nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
+def run_ranks(worker, world_size: int, args: tuple, out_dir, timeout_s: float = CHILD_TIMEOUT_S) -> list:
+    """Spawn `worker(rank, world_size, port, *args)` on `world_size` processes; fail (not hang) past `timeout_s`;
+    each rank's results from `out_dir/rank<r>.pt`."""
+    context = mp.start_processes(worker, args=(world_size, _free_port(), *args), nprocs=world_size, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=1):  # raises with the child's traceback if one fails
             if time.monotonic() > deadline:
-                pytest.fail(f"2-process gloo step did not finish in {CHILD_TIMEOUT_S} s")
+                pytest.fail(f"{world_size}-process gloo step did not finish in {timeout_s} s")
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]  # our own file
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]  # our own file
 
 
 def test_a_crashed_rank_fails_the_run_instead_of_hanging(tmp_path):
     start = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 crashed on purpose"):
-        run_two_ranks(None, None, tmp_path, worker=_crashing_worker)
+        run_ranks(_crashing_worker, 2, (None, None, str(tmp_path)), tmp_path)
     assert time.monotonic() - start < CHILD_TIMEOUT_S

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import copy
 import datetime
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import harts_compiler
 from harts_compiler.commands import compile_main
 from harts_compiler.runtime.distributed import data_parallel_step, slot_schedule
 from harts_compiler.runtime.dp_inputs import TrajectoryInputs
 from harts_compiler.runtime.dp_objective import PPOObjective
-from test_distributed import (BUDGET, CHUNK, _free_port, compile_plan, loss_data, reference, tree_token_lists)
+from test_distributed import BUDGET, CHUNK, compile_plan, loss_data, reference, run_ranks, tree_token_lists
 from test_runtime_tree import rel, tiny_model
 
 TOL = 1e-12
@@ -105,20 +103,9 @@ def _checkpoint_round_trip(plan, inputs, mesh, out_dir) -> dict:
     return dict(worst=max(rel(full_restored[n], full[n]) for n in full), saved_after_one_step=True)
 
 
-def run_ranks(world_size, plan_path, inputs_per_run, out_dir, with_checkpoint=False) -> list:
-    context = mp.start_processes(_worker, args=(world_size, _free_port(), plan_path, inputs_per_run,
-                                                str(out_dir), with_checkpoint),
-                                 nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{world_size}-process gloo step did not finish in {CHILD_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+def run_fsdp_ranks(world_size, plan_path, inputs_per_run, out_dir, with_checkpoint=False) -> list:
+    return run_ranks(_worker, world_size, (plan_path, inputs_per_run, str(out_dir), with_checkpoint), out_dir,
+                     timeout_s=CHILD_TIMEOUT_S)
 
 
 def _compiled(tmp_path, token_lists, world_size):
@@ -150,7 +137,7 @@ def test_sharded_step_gives_the_gradients_of_one_process(tmp_path, world_size):
         references.append(reference(model, token_lists, data, objective, plan))
     full_bytes = [sum(p.numel() * 8 for p in tiny_model(torch.float64, preset).parameters()) for preset, *_ in RUNS]
 
-    ranks = run_ranks(world_size, str(plan_path), inputs_per_run, tmp_path, with_checkpoint=world_size == 2)
+    ranks = run_fsdp_ranks(world_size, str(plan_path), inputs_per_run, tmp_path, with_checkpoint=world_size == 2)
     forest = plan.program.forest
     for run, ((preset, objective, sync), (want_loss, want_grads)) in enumerate(zip(RUNS, references)):
         what = f"{world_size} ranks {preset} {objective.aggregation} sync={sync}"
