@@ -230,19 +230,16 @@ class TreeBatch:
         return np.diff(self.offsets)
 
     def check_vocab(self, vocab_size: int) -> None:
-        """InputError naming every trajectory (and its first offending token) >= vocab_size."""
+        """InputError naming the first trajectory (and its first token) >= vocab_size, in one line: a batch
+        made for another vocabulary has such ids in nearly every trajectory, and one example says it all."""
         bad = np.flatnonzero(self.tokens >= vocab_size)
         if bad.size == 0:
             return
-        trajs = np.searchsorted(self.offsets, bad, side="right") - 1
-        problems = []
-        for j in np.unique(trajs)[:20]:
-            first = int(bad[np.searchsorted(trajs, j)])
-            problems.append(f"{self._where(j)}: trajectory {self.ids[j]!r}: field tokens"
-                            f"[{first - self.offsets[j]}]: token {int(self.tokens[first])} "
-                            f">= vocab_size {vocab_size}")
-        if np.unique(trajs).size > 20:
-            problems.append(f"... and {np.unique(trajs).size - 20} more trajectories")
+        trajs = np.unique(np.searchsorted(self.offsets, bad, side="right") - 1)
+        first, j = int(bad[0]), int(trajs[0])
+        more = f" (and {trajs.size - 1} more trajectories with ids outside the vocabulary)" if trajs.size > 1 else ""
+        problems = [f"{self._where(j)}: trajectory {self.ids[j]!r}: field tokens[{first - self.offsets[j]}]: token "
+                    f"{int(self.tokens[first])} >= vocab_size {vocab_size}{more}"]
         raise InputError(problems)
 
 

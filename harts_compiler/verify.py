@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import time
 
 from .errors import InputError
@@ -332,21 +331,6 @@ def setup_execution(args):
     return load_model(args.model, DTYPES[args.dtype], seed=args.seed), limit
 
 
-def _one_line_per_kind(error: InputError, limit: int = 5) -> InputError:
-    """A file whose ids exceed the model's vocabulary has one problem per trajectory: say it once, with
-    the first trajectory and field and how many more there are; other problems, at most `limit` lines."""
-    vocab = [p for p in error.problems if ">= vocab_size" in p]
-    if not vocab:
-        return error
-    cut = [int(m.group(1)) for p in error.problems if (m := re.match(r"\.\.\. and (\d+) more", p))]
-    others = [p for p in error.problems if ">= vocab_size" not in p and not re.match(r"\.\.\. and \d+ more", p)]
-    more = len(vocab) - 1 + sum(cut)
-    line = vocab[0] + (f" (and {more} more trajectories with problems, token ids outside the model's "
-                       f"vocabulary among them)" if more else "")
-    return InputError([line] + others[:limit] + ([f"... and {len(others) - limit} more problems"]
-                                                   if len(others) > limit else []))
-
-
 def run_verification(batch, args, model=None, memory_limit: int | None = None) -> VerifyReport:
     from harts_compiler import CompileOptions, compile
 
@@ -354,10 +338,7 @@ def run_verification(batch, args, model=None, memory_limit: int | None = None) -
         model, memory_limit = setup_execution(args)
     budget = args.microbatch_tokens or max([DEFAULT_MICROBATCH_TOKENS, *np.diff(np.asarray(batch.offsets))])
     options = CompileOptions.for_model(model, chunk_size=args.chunk_size, microbatch_tokens=int(budget))
-    try:
-        plan = compile(batch, options)
-    except InputError as error:
-        raise _one_line_per_kind(error) from None
+    plan = compile(batch, options)
     return verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing,
                        microbatch_tokens=int(budget), memory_limit=memory_limit, quiet=args.quiet)
 
