@@ -24,4 +24,5 @@ def check_output_file(path, flag: str = "-o") -> None:
     if path.is_dir():
         raise InputError(f"{flag} {path}: is a directory; give a file name")
     if not path.parent.is_dir():
-        raise InputError(f"{flag} {path}: folder {path.parent} does not exist")
+        what = "is a file, not a folder" if path.parent.exists() else "does not exist"
+        raise InputError(f"{flag} {path}: folder {path.parent} {what}")

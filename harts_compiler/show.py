@@ -7,14 +7,13 @@ the schedule) and from the cost model the plan was compiled with, so what you se
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .compile_flags import COMPILE_FLAGS, add_compile_options, given_options
-from .errors import InputError
+from .errors import InputError, check_output_file
 
 @dataclass(frozen=True)
 class NodeView:
@@ -275,15 +274,9 @@ def load_plan(source: str, given: dict):
     from . import CompileOptions, Plan, TreeBatch, compile
     from .ir import IRError
 
-    if source == "-":
-        return compile(TreeBatch.from_jsonl_lines(sys.stdin.buffer), CompileOptions.checked(**given))
     path = Path(source)
-    if path.is_dir():
-        raise InputError(f"{path}: is a directory, not a plan (.hir) or a JSONL batch")
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
-    if path.suffix != ".hir":
-        return compile(TreeBatch.load(path), CompileOptions.checked(**given))
+    if path.suffix != ".hir":  # TreeBatch.load reads stdin for "-" and names a missing file or a directory
+        return compile(TreeBatch.load(source), CompileOptions.checked(**given))
     if given:
         flags = ", ".join(flag for flag, (name, *_) in COMPILE_FLAGS.items() if name in given)
         raise InputError(f"{flags}: a saved plan keeps the options it was compiled with (give the JSONL batch "
@@ -297,22 +290,13 @@ def load_plan(source: str, given: dict):
     return plan
 
 
-def check_png_path(png: str) -> None:
-    path = Path(png)
-    if path.is_dir():
-        raise InputError(f"--png {png}: is a directory")
-    if not path.parent.is_dir():
-        what = "is not a directory" if path.parent.exists() else "does not exist"
-        raise InputError(f"--png {png}: directory {path.parent} {what}")
-
-
 def show_main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.trees < 0 or args.nodes < 1:
         raise InputError(f"--trees {args.trees} / --nodes {args.nodes}: need --trees >= 0 (0 = all) and --nodes >= 1")
     if args.png:
-        check_png_path(args.png)  # refused before a long compile, not after it
+        check_output_file(args.png, "--png")  # refused before a long compile, not after it
         try:
             import matplotlib  # noqa: F401  (only to say what is missing before compiling)
         except ImportError:
