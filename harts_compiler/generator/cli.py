@@ -48,10 +48,11 @@ def gen_main(argv: list[str]) -> int:
         batch = generate(args.preset, args.seed, quiet=args.quiet, **overrides)
     except ValueError as error:  # bad preset parameters: the CLI's one InputError path (exit 2)
         raise InputError(str(error)) from None
+    trajectory_tokens = batch.trajectory_tokens()
+    if trajectory_tokens > MAX_TRAJECTORY_TOKENS:  # the statistics below hold every trajectory's tokens
+        raise InputError(f"scale/tasks/rollouts: the batch has {trajectory_tokens:,} trajectory tokens, over the "
+                         f"{MAX_TRAJECTORY_TOKENS:,} gen handles (lower --scale, --tasks or --rollouts)")
     if args.output:
-        if args.form == "flat" and batch.trajectory_tokens() > MAX_TRAJECTORY_TOKENS:
-            raise InputError(f"the batch has {batch.trajectory_tokens():,} trajectory tokens, over the "
-                             f"{MAX_TRAJECTORY_TOKENS:,} that gen writes flat (use --form trees or a smaller --scale)")
         write_jsonl(batch, args.output, args.form, quiet=args.quiet)
     print(f"preset {args.preset}, seed {args.seed}"
           + (f", written to {args.output} ({args.form})" if args.output else ""))

@@ -52,10 +52,10 @@ class _SegmentTrie:
         return self.add(parent, self.draw(length, parent))
 
 
-# Generation holds the distinct tokens (int32) and, when written flat, every trajectory's tokens: a bound that
-# keeps a mistyped --scale from filling the machine's memory (500 M tokens = 2 GB as int32).
-MAX_COMPACT_TOKENS = 500_000_000
-MAX_TRAJECTORY_TOKENS = 500_000_000
+# Generation holds the distinct tokens, and the statistics every trajectory's tokens (a few 8-byte arrays per
+# token): a bound that keeps a mistyped --scale from filling the machine's memory (about 4 GB at the bound).
+MAX_COMPACT_TOKENS = 100_000_000
+MAX_TRAJECTORY_TOKENS = 100_000_000
 
 
 @dataclass
@@ -231,8 +231,8 @@ def write_jsonl(batch: RolloutBatch, path: str | Path, form: str = "flat", *, qu
         raise ValueError(f"form: expected 'flat' or 'trees', got {form!r}")
     with open(path, "w") as out:
         if form == "flat":
-            for traj_id, node in progress(batch.ends, desc="writing", unit="traj", quiet=quiet):
-                out.write(json.dumps({"id": traj_id, "tokens": batch._path_tokens(node).tolist()}) + "\n")
+            for traj_id, tokens in progress(batch.trajectories, desc="writing", unit="traj", quiet=quiet):
+                out.write(json.dumps({"id": traj_id, "tokens": tokens.tolist()}) + "\n")
         else:
             for record in batch.trees:
                 out.write(json.dumps(record) + "\n")
