@@ -71,7 +71,7 @@ class Plan:
                 rounds=int(seqs.tree_rounds[trees].max()) if seqs is not None else 0))
         return out
 
-    @property
+    @cached_property  # a plan does not change: its statistics are computed once, however often they are read
     def stats(self) -> dict:
         forest, seqs = self.program.forest, self.program.sequences
         compact = forest.num_tokens
