@@ -157,14 +157,9 @@ class TreeModel(nn.Module):
     def launch_target(self, *, reference_gdn: bool = False) -> LaunchTarget:
         """What a plan must be lowered for to run on this model as its parameters are now (dtype, device)."""
         weight = self.lm_head.weight
-        target = select_backend(self.config, weight.dtype, weight.device,
-                                triton_linear_attention=self.triton_linear_attention, reference_gdn=reference_gdn,
-                                gdn_config=self.gdn_config)
-        if self.config.is_kimi:
-            # KDA has no Triton kernels yet (its rounds run the plain-torch reference over the same plan), and the
-            # attention tiles are chosen for one head size while MLA's q/k and v differ
-            target = dataclasses.replace(target, gdn_triton=False, attention_tiles=())
-        return target
+        return select_backend(self.config, weight.dtype, weight.device,
+                              triton_linear_attention=self.triton_linear_attention, reference_gdn=reference_gdn,
+                              gdn_config=self.gdn_config)
 
     def launch_plan(self, batch, *, reference_gdn: bool = False) -> LaunchPlan:
         """The device launch plan of `batch`: a LaunchPlan lowered for this model, a MicrobatchIndex, or a plan's
