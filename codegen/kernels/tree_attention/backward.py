@@ -14,6 +14,9 @@ order (no atomics).
   in registers too and spill at D = 256).
 No ``tl.trans`` of a dot accumulator feeds another dot (Triton 3.6 Hopper miscompile, docs/gdn_kernels.md):
 only loaded tiles are transposed; p and ds enter the next dots untransposed.
+Suffix queries and head dims as in forward.py: q, do, dq, lse and delta by local query rows, the mask
+by global rows (``HAS_OFFSET``); q/k/dq/dk in tiles D1 (+ D2), v/do/dv with DV. Key blocks that no
+query sees (context keys, say) have empty lists and get zero dk/dv.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import triton.language as tl
 
 from .block_index import BlockIndex
 from .configs import KernelConfig
-from .forward import LOG2E
+from .forward import LOG2E, head_dims, load_key_block, query_rows, scores
 from ..interpreter_safe import interpreting
 
 
@@ -43,86 +46,98 @@ def tree_attn_bwd_delta_kernel(o, do, delta, T, HQ: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
-def _dq_block(b_q, b_do, b_lse, b_delta, b_dq, k, v, subtree_end, i_n, offs_m, offs_d, T, i_kvh,
-              scale_log2, HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-              MASKED: tl.constexpr):
-    offs_n = i_n * BN + tl.arange(0, BN)
-    rows_n = offs_n.to(tl.int64) * (HKV * D) + i_kvh * D
-    if MASKED:
-        in_range = offs_n < T
-        b_k = tl.load(k + rows_n[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        b_v = tl.load(v + rows_n[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        b_end = tl.load(subtree_end + offs_n, mask=in_range, other=0)
-    else:
-        b_k = tl.load(k + rows_n[:, None] + offs_d[None, :])
-        b_v = tl.load(v + rows_n[:, None] + offs_d[None, :])
+def _dq_block(b_q, b_q2, b_do, b_lse, b_delta, b_dq, b_dq2, k, v, subtree_end, i_n, rows_g, TK,
+              i_kvh, scale_log2, HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr,
+              D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr):
+    offs_n, b_k, b_k2, b_v, b_end = load_key_block(k, v, subtree_end, i_n, i_kvh, TK, HKV, D, D1,
+                                                   D2, DV, BN, MASKED)
     # [BMS, BN]
-    b_p = tl.exp2(tl.dot(b_q, tl.trans(b_k)) * scale_log2 - b_lse[:, None])
+    b_p = tl.exp2(scores(b_q, b_q2, b_k, b_k2, D2) * scale_log2 - b_lse[:, None])
     if MASKED:
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < b_end[None, :])
+        visible = (offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < b_end[None, :])
         b_p = tl.where(visible, b_p, 0.0)
     b_dp = tl.dot(b_do, tl.trans(b_v))
-    b_ds = b_p * (b_dp - b_delta[:, None])
-    return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k)
+    b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_k.dtype)
+    b_dq = b_dq + tl.dot(b_ds, b_k)
+    if D2 > 0:
+        b_dq2 = b_dq2 + tl.dot(b_ds, b_k2)
+    return b_dq, b_dq2
 
 
 @triton.jit
-def _dq_range(b_q, b_do, b_lse, b_delta, b_dq, k, v, subtree_end, q_cols, lo, hi, offs_m, offs_d,
-              T, i_kvh, scale_log2, HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+def _dq_range(b_q, b_q2, b_do, b_lse, b_delta, b_dq, b_dq2, k, v, subtree_end, q_cols, lo, hi,
+              rows_g, TK, i_kvh, scale_log2, HKV: tl.constexpr, D: tl.constexpr,
+              D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
               MASKED: tl.constexpr, INTERPRET: tl.constexpr):
     # visit list entries [lo, hi); the while loop is for the interpreter (interpreter_safe.py)
     if INTERPRET:
         idx = lo
         while idx < hi:
-            b_dq = _dq_block(b_q, b_do, b_lse, b_delta, b_dq, k, v, subtree_end,
-                             tl.load(q_cols + idx), offs_m, offs_d, T, i_kvh, scale_log2,
-                             HKV, D, BN, MASKED)
+            b_dq, b_dq2 = _dq_block(b_q, b_q2, b_do, b_lse, b_delta, b_dq, b_dq2, k, v,
+                                    subtree_end, tl.load(q_cols + idx), rows_g, TK, i_kvh,
+                                    scale_log2, HKV, D, D1, D2, DV, BN, MASKED)
             idx += 1
     else:
         for idx in range(lo, hi):
-            b_dq = _dq_block(b_q, b_do, b_lse, b_delta, b_dq, k, v, subtree_end,
-                             tl.load(q_cols + idx), offs_m, offs_d, T, i_kvh, scale_log2,
-                             HKV, D, BN, MASKED)
-    return b_dq
+            b_dq, b_dq2 = _dq_block(b_q, b_q2, b_do, b_lse, b_delta, b_dq, b_dq2, k, v,
+                                    subtree_end, tl.load(q_cols + idx), rows_g, TK, i_kvh,
+                                    scale_log2, HKV, D, D1, D2, DV, BN, MASKED)
+    return b_dq, b_dq2
 
 
 @triton.jit
 def tree_attn_bwd_dq_kernel(q, k, v, do, dq, lse, delta, subtree_end,
-                            q_ptr, q_cols, q_full, q_order, scale, scale_log2, T,
+                            q_ptr, q_cols, q_full, q_order, scale, scale_log2, TQ, TK, q_offset,
                             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                            D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, BMS: tl.constexpr,
-                            INTERPRET: tl.constexpr):
+                            HAS_OFFSET: tl.constexpr, INTERPRET: tl.constexpr):
     SUBS: tl.constexpr = BM // BMS
     pid = tl.program_id(0)
     i_h = pid % HQ
     sub = (pid // HQ) % SUBS
     i_m = tl.load(q_order + pid // (HQ * SUBS))
     i_kvh = i_h // (HQ // HKV)
-    offs_d = tl.arange(0, D)
-    offs_m = i_m * BM + sub * BMS + tl.arange(0, BMS)
-    m_valid = offs_m < T
+    offs_m = i_m * BM + sub * BMS + tl.arange(0, BMS)  # local query rows
+    rows_g = offs_m  # global rows, for the mask
+    if HAS_OFFSET:
+        rows_g = offs_m + q_offset
+    m_valid = offs_m < TQ
     rows_m = offs_m.to(tl.int64) * (HQ * D) + i_h * D
-    b_q = tl.load(q + rows_m[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
-    b_do = tl.load(do + rows_m[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
-    b_lse = tl.load(lse + i_h.to(tl.int64) * T + offs_m, mask=m_valid, other=0.0)
-    b_delta = tl.load(delta + i_h.to(tl.int64) * T + offs_m, mask=m_valid, other=0.0)
-    b_dq = tl.zeros([BMS, D], dtype=tl.float32)
+    b_q, b_q2 = query_rows(q, rows_m, m_valid, D1, D2, True)
+    offs_dv = tl.arange(0, DV)
+    rows_do = offs_m.to(tl.int64) * (HQ * DV) + i_h * DV
+    b_do = tl.load(do + rows_do[:, None] + offs_dv[None, :], mask=m_valid[:, None], other=0.0)
+    b_lse = tl.load(lse + i_h.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+    b_delta = tl.load(delta + i_h.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+    b_dq = tl.zeros([BMS, D1], dtype=tl.float32)
+    b_dq2 = 0.0  # dummy when D2 == 0
+    if D2 > 0:
+        b_dq2 = tl.zeros([BMS, D2], dtype=tl.float32)
     start = tl.load(q_ptr + i_m)
     stop = tl.load(q_ptr + i_m + 1)
     full_stop = start + tl.load(q_full + i_m)
-    b_dq = _dq_range(b_q, b_do, b_lse, b_delta, b_dq, k, v, subtree_end, q_cols, start,
-                     full_stop, offs_m, offs_d, T, i_kvh, scale_log2, HKV, D, BN, False,
-                     INTERPRET)
-    b_dq = _dq_range(b_q, b_do, b_lse, b_delta, b_dq, k, v, subtree_end, q_cols, full_stop,
-                     stop, offs_m, offs_d, T, i_kvh, scale_log2, HKV, D, BN, True, INTERPRET)
+    b_dq, b_dq2 = _dq_range(b_q, b_q2, b_do, b_lse, b_delta, b_dq, b_dq2, k, v, subtree_end,
+                            q_cols, start, full_stop, rows_g, TK, i_kvh, scale_log2, HKV, D, D1,
+                            D2, DV, BN, False, INTERPRET)
+    b_dq, b_dq2 = _dq_range(b_q, b_q2, b_do, b_lse, b_delta, b_dq, b_dq2, k, v, subtree_end,
+                            q_cols, full_stop, stop, rows_g, TK, i_kvh, scale_log2, HKV, D, D1,
+                            D2, DV, BN, True, INTERPRET)
+    offs_d = tl.arange(0, D1)
     tl.store(dq + rows_m[:, None] + offs_d[None, :], (b_dq * scale).to(dq.dtype.element_ty),
              mask=m_valid[:, None])
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        tl.store(dq + rows_m[:, None] + offs_d2[None, :], (b_dq2 * scale).to(dq.dtype.element_ty),
+                 mask=m_valid[:, None])
 
 
 @triton.jit
-def _dkdv_step(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows, first, count,
-               it, i_kvh, offs_d, T, scale_log2, HQ: tl.constexpr, HKV: tl.constexpr,
-               D: tl.constexpr, BM: tl.constexpr, BMS: tl.constexpr, MASKED: tl.constexpr):
+def _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows,
+               first, count, it, i_kvh, TQ, q_offset, scale_log2, HQ: tl.constexpr,
+               HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+               DV: tl.constexpr, BM: tl.constexpr, BMS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+               MASKED: tl.constexpr):
     # flat step `it` = (group head, visiting query block, sub-tile), sub-tile fastest
     G: tl.constexpr = HQ // HKV
     SUBS: tl.constexpr = BM // BMS
@@ -130,38 +145,45 @@ def _dkdv_step(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows,
     pair = it // SUBS
     i_h = i_kvh * G + pair // count
     i_m = tl.load(k_rows + first + pair % count)
-    offs_m = i_m * BM + sub * BMS + tl.arange(0, BMS)
+    offs_m = i_m * BM + sub * BMS + tl.arange(0, BMS)  # local query rows
     rows_m = offs_m.to(tl.int64) * (HQ * D) + i_h * D
-    head_row = i_h.to(tl.int64) * T
+    rows_do = offs_m.to(tl.int64) * (HQ * DV) + i_h * DV
+    offs_dv = tl.arange(0, DV)
+    head_row = i_h.to(tl.int64) * TQ
+    m_valid = offs_m < TQ
+    b_q, b_q2 = query_rows(q, rows_m, m_valid, D1, D2, MASKED)
     if MASKED:
-        m_valid = offs_m < T
-        b_q = tl.load(q + rows_m[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
-        b_do = tl.load(do + rows_m[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
+        b_do = tl.load(do + rows_do[:, None] + offs_dv[None, :], mask=m_valid[:, None], other=0.0)
         b_lse = tl.load(lse + head_row + offs_m, mask=m_valid, other=0.0)
         b_delta = tl.load(delta + head_row + offs_m, mask=m_valid, other=0.0)
     else:
-        b_q = tl.load(q + rows_m[:, None] + offs_d[None, :])
-        b_do = tl.load(do + rows_m[:, None] + offs_d[None, :])
+        b_do = tl.load(do + rows_do[:, None] + offs_dv[None, :])
         b_lse = tl.load(lse + head_row + offs_m)
         b_delta = tl.load(delta + head_row + offs_m)
     # [BMS, BN] probabilities of this query sub-tile against the key block
-    b_p = tl.exp2(tl.dot(b_q, tl.trans(b_k)) * scale_log2 - b_lse[:, None])
+    b_p = tl.exp2(scores(b_q, b_q2, b_k, b_k2, D2) * scale_log2 - b_lse[:, None])
     if MASKED:
-        visible = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < b_end[None, :])
-                   & (offs_m[:, None] < T))
+        rows_g = offs_m
+        if HAS_OFFSET:
+            rows_g = offs_m + q_offset
+        visible = ((offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < b_end[None, :])
+                   & (offs_m[:, None] < TQ))
         b_p = tl.where(visible, b_p, 0.0)
     b_dvt += tl.dot(tl.trans(b_do), b_p.to(b_do.dtype))
     b_dp = tl.dot(b_do, tl.trans(b_v))
-    b_ds = b_p * (b_dp - b_delta[:, None])
-    b_dkt += tl.dot(tl.trans(b_q), b_ds.to(b_q.dtype))
-    return b_dkt, b_dvt
+    b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
+    b_dkt += tl.dot(tl.trans(b_q), b_ds)
+    if D2 > 0:
+        b_dkt2 += tl.dot(tl.trans(b_q2), b_ds)
+    return b_dkt, b_dkt2, b_dvt
 
 
 @triton.jit
-def _dkdv_range(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows, first, count,
-                i_kvh, offs_d, T, scale_log2, HQ: tl.constexpr, HKV: tl.constexpr,
-                D: tl.constexpr, BM: tl.constexpr, BMS: tl.constexpr, MASKED: tl.constexpr,
-                INTERPRET: tl.constexpr):
+def _dkdv_range(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows,
+                first, count, i_kvh, TQ, q_offset, scale_log2, HQ: tl.constexpr,
+                HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                DV: tl.constexpr, BM: tl.constexpr, BMS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                MASKED: tl.constexpr, INTERPRET: tl.constexpr):
     # one flat loop: Triton software-pipelines only innermost loops, and a single loop body
     # keeps one set of pipeline buffers; the while loop is for the interpreter
     G: tl.constexpr = HQ // HKV
@@ -169,54 +191,67 @@ def _dkdv_range(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows
     if INTERPRET:
         it = count * 0
         while it < G * count * SUBS:
-            b_dkt, b_dvt = _dkdv_step(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end,
-                                      k_rows, first, count, it, i_kvh, offs_d, T, scale_log2,
-                                      HQ, HKV, D, BM, BMS, MASKED)
+            b_dkt, b_dkt2, b_dvt = _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse,
+                                              delta, offs_n, b_end, k_rows, first, count, it,
+                                              i_kvh, TQ, q_offset, scale_log2, HQ, HKV, D, D1, D2,
+                                              DV, BM, BMS, HAS_OFFSET, MASKED)
             it += 1
     else:
         for it in range(0, G * count * SUBS):
-            b_dkt, b_dvt = _dkdv_step(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end,
-                                      k_rows, first, count, it, i_kvh, offs_d, T, scale_log2,
-                                      HQ, HKV, D, BM, BMS, MASKED)
-    return b_dkt, b_dvt
+            b_dkt, b_dkt2, b_dvt = _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse,
+                                              delta, offs_n, b_end, k_rows, first, count, it,
+                                              i_kvh, TQ, q_offset, scale_log2, HQ, HKV, D, D1, D2,
+                                              DV, BM, BMS, HAS_OFFSET, MASKED)
+    return b_dkt, b_dkt2, b_dvt
 
 
 @triton.jit
 def tree_attn_bwd_dkdv_kernel(q, k, v, do, dk, dv, lse, delta, subtree_end,
-                              k_ptr, k_rows, k_full, k_order, scale, scale_log2, T,
+                              k_ptr, k_rows, k_full, k_order, scale, scale_log2, TQ, TK, q_offset,
                               HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                              D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
                               BM: tl.constexpr, BN: tl.constexpr, BMS: tl.constexpr,
-                              INTERPRET: tl.constexpr):
+                              HAS_OFFSET: tl.constexpr, INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     i_kvh = pid % HKV
     i_n = tl.load(k_order + pid // HKV)
-    offs_n = i_n * BN + tl.arange(0, BN)
-    offs_d = tl.arange(0, D)
-    n_valid = offs_n < T
-    rows_n = offs_n.to(tl.int64) * (HKV * D) + i_kvh * D
-    b_k = tl.load(k + rows_n[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
-    b_v = tl.load(v + rows_n[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
-    b_end = tl.load(subtree_end + offs_n, mask=n_valid, other=0)
-    # transposed accumulators [D, BN]
-    b_dkt = tl.zeros([D, BN], dtype=tl.float32)
-    b_dvt = tl.zeros([D, BN], dtype=tl.float32)
+    offs_n, b_k, b_k2, b_v, b_end = load_key_block(k, v, subtree_end, i_n, i_kvh, TK, HKV, D, D1,
+                                                   D2, DV, BN, True)
+    n_valid = offs_n < TK
+    # transposed accumulators [D1, BN] (+ [D2, BN]) and [DV, BN]
+    b_dkt = tl.zeros([D1, BN], dtype=tl.float32)
+    b_dkt2 = 0.0  # dummy when D2 == 0
+    if D2 > 0:
+        b_dkt2 = tl.zeros([D2, BN], dtype=tl.float32)
+    b_dvt = tl.zeros([DV, BN], dtype=tl.float32)
     start = tl.load(k_ptr + i_n)
     n_full = tl.load(k_full + i_n)
     n_partial = tl.load(k_ptr + i_n + 1) - start - n_full
-    b_dkt, b_dvt = _dkdv_range(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows,
-                               start, n_full, i_kvh, offs_d, T, scale_log2, HQ, HKV, D, BM, BMS,
-                               False, INTERPRET)
-    b_dkt, b_dvt = _dkdv_range(b_k, b_v, b_dkt, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows,
-                               start + n_full, n_partial, i_kvh, offs_d, T, scale_log2, HQ, HKV,
-                               D, BM, BMS, True, INTERPRET)
+    b_dkt, b_dkt2, b_dvt = _dkdv_range(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta,
+                                       offs_n, b_end, k_rows, start, n_full, i_kvh, TQ, q_offset,
+                                       scale_log2, HQ, HKV, D, D1, D2, DV, BM, BMS, HAS_OFFSET,
+                                       False, INTERPRET)
+    b_dkt, b_dkt2, b_dvt = _dkdv_range(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta,
+                                       offs_n, b_end, k_rows, start + n_full, n_partial, i_kvh, TQ,
+                                       q_offset, scale_log2, HQ, HKV, D, D1, D2, DV, BM, BMS,
+                                       HAS_OFFSET, True, INTERPRET)
     # store through transposed pointers (no tl.trans of the accumulators)
-    p_t = rows_n[None, :] + offs_d[:, None]
-    tl.store(dk + p_t, (b_dkt * scale).to(dk.dtype.element_ty), mask=n_valid[None, :])
-    tl.store(dv + p_t, b_dvt.to(dv.dtype.element_ty), mask=n_valid[None, :])
+    rows_k = offs_n.to(tl.int64) * (HKV * D) + i_kvh * D
+    rows_v = offs_n.to(tl.int64) * (HKV * DV) + i_kvh * DV
+    offs_d = tl.arange(0, D1)
+    tl.store(dk + rows_k[None, :] + offs_d[:, None], (b_dkt * scale).to(dk.dtype.element_ty),
+             mask=n_valid[None, :])
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        tl.store(dk + rows_k[None, :] + offs_d2[:, None], (b_dkt2 * scale).to(dk.dtype.element_ty),
+                 mask=n_valid[None, :])
+    offs_dv = tl.arange(0, DV)
+    tl.store(dv + rows_v[None, :] + offs_dv[:, None], b_dvt.to(dv.dtype.element_ty),
+             mask=n_valid[None, :])
 
 
 def bwd_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    """delta [HQ, T] fp32 = rowsum(o * do)."""
+    """delta [HQ, Tq] fp32 = rowsum(o * do)."""
     n_tokens, n_q_heads, head_dim = o.shape
     delta = torch.empty(n_q_heads, n_tokens, dtype=torch.float32, device=o.device)
     rows = 64 if head_dim <= 128 else 32
@@ -226,9 +261,10 @@ def bwd_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def _launch_args(q, k, index: BlockIndex, launch: dict) -> dict:
-    return dict(HQ=q.shape[1], HKV=k.shape[1], D=q.shape[2], BM=index.block_m, BN=index.block_n,
-                BMS=min(launch["block_ms"], index.block_m), INTERPRET=interpreting(),
+def _launch_args(q, k, v, index: BlockIndex, launch: dict) -> dict:
+    return dict(HQ=q.shape[1], HKV=k.shape[1], **head_dims(q, v), BM=index.block_m,
+                BN=index.block_n, BMS=min(launch["block_ms"], index.block_m),
+                HAS_OFFSET=k.shape[0] != q.shape[0], INTERPRET=interpreting(),
                 num_warps=launch["num_warps"], num_stages=launch["num_stages"])
 
 
@@ -236,12 +272,13 @@ def bwd_dq(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scale: float
            launch: dict) -> torch.Tensor:
     index = index.with_blocks(launch["block_m"], launch["block_n"])
     dq = torch.empty_like(q)
-    args = _launch_args(q, k, index, launch)
+    args = _launch_args(q, k, v, index, launch)
     grid = (index.num_query_blocks * (index.block_m // args["BMS"]) * q.shape[1],)
     if grid[0]:
         tree_attn_bwd_dq_kernel[grid](
             q, k, v, do, dq, lse, delta, subtree_end, index.q_ptr, index.q_cols, index.q_full,
-            index.q_order, scale, scale * LOG2E, q.shape[0], **args)
+            index.q_order, scale, scale * LOG2E, q.shape[0], k.shape[0], k.shape[0] - q.shape[0],
+            **args)
     return dq
 
 
@@ -254,14 +291,14 @@ def bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scale: flo
     if grid[0]:
         tree_attn_bwd_dkdv_kernel[grid](
             q, k, v, do, dk, dv, lse, delta, subtree_end, index.k_ptr, index.k_rows,
-            index.k_full, index.k_order, scale, scale * LOG2E, q.shape[0],
-            **_launch_args(q, k, index, launch))
+            index.k_full, index.k_order, scale, scale * LOG2E, q.shape[0], k.shape[0],
+            k.shape[0] - q.shape[0], **_launch_args(q, k, v, index, launch))
     return dk, dv
 
 
 def tree_attention_backward(q, k, v, o, do, lse, subtree_end, index: BlockIndex, scale: float,
                             config: KernelConfig):
-    """Gradients (dq, dk, dv) with the dtypes of q, k, v (launch shapes from ``config``)."""
+    """Gradients (dq [Tq], dk [Tk], dv [Tk]) with the dtypes of q, k, v (launch shapes from ``config``)."""
     do = do.contiguous()
     delta = bwd_delta(o, do)
     dq = bwd_dq(q, k, v, do, lse, delta, subtree_end, index, scale, config.dq)

@@ -7,6 +7,10 @@ of ``block_ms`` rows. Candidates were screened offline with ``tools/attention_re
 within Hopper's 227 KB) and timed on the H200; the fastest won even where it spills a few hundred
 bytes: what matters most is 128-row score tiles (n64 wgmma per warpgroup). See
 docs/tree_attention_kernels.md. Head dims 64 and 128 are checked on the GPU but not tuned.
+
+q/k and v head dims may differ (MLA): ``config_for(head_dim, value_dim)``. The q/k head dim is then any
+power of two or sum of two (each >= 16, the smallest dot), up to 256; 192 / 128 (Kimi Linear) has its
+own entry, other pairs use the config of the next tuned uniform head dim at or above both.
 """
 from __future__ import annotations
 
@@ -59,10 +63,29 @@ CONFIGS = {
     256: KernelConfig(),
 }
 
+# MLA: (q/k head dim, v head dim). Shared memory below is per program for bf16, q/k as two tiles 128 + 64.
+MLA_CONFIGS = {
+    (192, 128): KernelConfig(
+        # 128-row score tiles (n64 wgmma per warpgroup, the shape that won at 256); k + v are 40 KB per
+        # stage, so 3 stages fit beside the 48 KB q tile (168 KB), as at head dim 128
+        fwd=_launch(128, 64, 8, 3),
+        # 128-row sub-tile as at 256 (dq accumulator 128 x 192 fp32 = 96 registers a thread, less than
+        # 256's 128); q + do 80 KB, k + v 40 KB a stage: 2 stages fit (160 KB)
+        dq=_launch(128, 64, 8, 2, block_ms=128),
+        # 128-row sub-tile as at 256 (accumulators dk^T 192 x 64 + dv^T 128 x 64 fp32 = 80 registers a
+        # thread); q + do are 80 KB a stage, so a second stage (with k, v and the p/ds tiles) would not fit
+        dkdv=_launch(128, 64, 8, 1, block_ms=128)),
+}
+
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 # Launch shapes still in the running at head dim 256 (all fit in shared memory): bench/attention.py
 # times them and the GPU tests check each against the fp32 reference, so whichever wins can ship.
+CANDIDATES_MLA = {  # the same for q/k 192, v 128
+    "fwd": [MLA_CONFIGS[(192, 128)].fwd, _launch(128, 64, 8, 2), _launch(128, 128, 8, 1)],
+    "dq": [MLA_CONFIGS[(192, 128)].dq, _launch(128, 64, 8, 1, block_ms=128), _launch(128, 64, 8, 2, block_ms=64)],
+    "dkdv": [MLA_CONFIGS[(192, 128)].dkdv, _launch(128, 64, 8, 2, block_ms=64), _launch(64, 64, 8, 2, block_ms=64)],
+}
 CANDIDATES_256 = {
     "fwd": [_launch(128, 64, 8, 2), _launch(128, 128, 8, 1), _launch(128, 32, 8, 3)],
     "dq": [_launch(128, 64, 8, 1, block_ms=128), _launch(128, 32, 8, 2, block_ms=128)],
@@ -71,9 +94,28 @@ CANDIDATES_256 = {
 }
 
 
-def config_for(head_dim: int) -> KernelConfig:
-    """Config of the nearest tuned head dim at or above `head_dim` (a power of two <= 256)."""
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim D={head_dim} is not supported by the Triton kernels "
-                         f"(supported: {SUPPORTED_HEAD_DIMS})")
-    return CONFIGS[max(64, head_dim)]
+def config_for(head_dim: int, value_dim: int | None = None) -> KernelConfig:
+    """Config of q/k head dim `head_dim` and v head dim `value_dim` (default `head_dim`): for equal dims the
+    nearest tuned head dim at or above (a power of two <= 256); see the module docstring for MLA."""
+    if value_dim is None or value_dim == head_dim:
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head dim D={head_dim} is not supported by the Triton kernels "
+                             f"(supported: {SUPPORTED_HEAD_DIMS})")
+        return CONFIGS[max(64, head_dim)]
+    if not supports_head_dims(head_dim, value_dim):
+        raise ValueError(f"head dims D={head_dim} (q/k), Dv={value_dim} (v) are not supported by the Triton kernels "
+                         f"(Dv one of {SUPPORTED_HEAD_DIMS}; D one of them or a sum of two, each >= 16, <= 256)")
+    if (head_dim, value_dim) in MLA_CONFIGS:
+        return MLA_CONFIGS[(head_dim, value_dim)]
+    return CONFIGS[max(64, 1 << (max(head_dim, value_dim) - 1).bit_length())]
+
+
+def supports_head_dims(head_dim: int, value_dim: int | None = None) -> bool:
+    """Whether the Triton kernels take q/k head dim `head_dim` with v head dim `value_dim` (default equal)."""
+    if value_dim is None or value_dim == head_dim:
+        return head_dim in SUPPORTED_HEAD_DIMS
+    if value_dim not in SUPPORTED_HEAD_DIMS or not 16 <= head_dim <= 256:
+        return False
+    first = 1 << (head_dim.bit_length() - 1)
+    rest = head_dim - first
+    return rest == 0 or (rest >= 16 and rest & (rest - 1) == 0)

@@ -3,8 +3,17 @@
 One program per (query block, query head); programs are numbered heavy query blocks first
 (``q_order``), heads fastest. Each program runs two loops over its visit list: the full key
 blocks with no mask, then the partially masked ones with the per-element tree mask
-``j <= i < subtree_end[j]`` (which also masks rows/columns past T). Softmax runs in base 2 with
-``scale * log2(e)`` folded into the scores; the saved ``lse`` is in that base-2 domain.
+``j <= i < subtree_end[j]`` (which also masks rows/columns past the ends). Softmax runs in base 2
+with ``scale * log2(e)`` folded into the scores; the saved ``lse`` is in that base-2 domain.
+
+Queries may be the last ``TQ`` of the ``TK`` key rows (``HAS_OFFSET``): q, o and lse are indexed by
+local query rows, the mask by global ones (local + ``q_offset``). ``HAS_OFFSET`` is a compile-time
+flag, so the all-tokens case compiles to the same code as without the offset.
+
+Head dims: q/k have ``D = D1 + D2`` (``D2 = 0``, or both powers of two: 192 = 128 + 64 for MLA), v and
+o have ``DV``. A q/k head dim that is not a power of two is split into two tiles whose score dots
+accumulate into one (``tl.arange`` needs powers of two; padding 192 to 256 would waste a quarter of
+the score matmul). With ``D2 = 0`` the second tiles are never touched (their names hold dummies).
 """
 from __future__ import annotations
 
@@ -18,24 +27,83 @@ from ..interpreter_safe import interpreting
 LOG2E = 1.4426950408889634
 
 
+def split_head_dim(head_dim: int) -> tuple[int, int]:
+    """(D1, D2) with D1 + D2 = head_dim, D1 the largest power of two <= head_dim, D2 zero or a power
+    of two (ValueError otherwise): the two q/k tiles of the kernels."""
+    first = 1 << (head_dim.bit_length() - 1) if head_dim > 0 else 0
+    rest = head_dim - first
+    if head_dim <= 0 or (rest & (rest - 1)):
+        raise ValueError(f"head dim {head_dim} is not a power of two or a sum of two powers of two")
+    return first, rest
+
+
 @triton.jit
-def _attend_block(b_q, acc, m_i, l_i, k, v, subtree_end, i_n, offs_m, offs_d, T, i_kvh,
-                  scale_log2, HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                  MASKED: tl.constexpr):
+def load_key_block(k, v, subtree_end, i_n, i_kvh, TK, HKV: tl.constexpr, D: tl.constexpr,
+                   D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """Key block i_n of kv head i_kvh: (key rows, k [BN, D1], k tail [BN, D2] or dummy, v [BN, DV],
+    subtree_end [BN]; rows past TK are zeros and end 0 when MASKED, else the rows are all in range)."""
     offs_n = i_n * BN + tl.arange(0, BN)
-    rows_n = offs_n.to(tl.int64) * (HKV * D) + i_kvh * D
+    rows_k = offs_n.to(tl.int64) * (HKV * D) + i_kvh * D
+    rows_v = offs_n.to(tl.int64) * (HKV * DV) + i_kvh * DV
+    offs_d = tl.arange(0, D1)
+    offs_dv = tl.arange(0, DV)
     if MASKED:
-        in_range = offs_n < T
-        b_k = tl.load(k + rows_n[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        b_v = tl.load(v + rows_n[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        in_range = offs_n < TK
+        b_k = tl.load(k + rows_k[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        b_v = tl.load(v + rows_v[:, None] + offs_dv[None, :], mask=in_range[:, None], other=0.0)
         b_end = tl.load(subtree_end + offs_n, mask=in_range, other=0)
     else:
-        b_k = tl.load(k + rows_n[:, None] + offs_d[None, :])
-        b_v = tl.load(v + rows_n[:, None] + offs_d[None, :])
-    # [BM, BN] scores, base-2 scaled
-    b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
+        b_k = tl.load(k + rows_k[:, None] + offs_d[None, :])
+        b_v = tl.load(v + rows_v[:, None] + offs_dv[None, :])
+        b_end = offs_n  # dummy: unmasked blocks need no ends
+    b_k2 = 0.0  # dummy when D2 == 0
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        if MASKED:
+            b_k2 = tl.load(k + rows_k[:, None] + offs_d2[None, :], mask=in_range[:, None], other=0.0)
+        else:
+            b_k2 = tl.load(k + rows_k[:, None] + offs_d2[None, :])
+    return offs_n, b_k, b_k2, b_v, b_end
+
+
+@triton.jit
+def query_rows(q, rows, valid, D1: tl.constexpr, D2: tl.constexpr, MASKED: tl.constexpr):
+    """q-like tile at element offsets `rows` [R]: ([R, D1], [R, D2] or dummy); masked by `valid`."""
+    offs_d = tl.arange(0, D1)
     if MASKED:
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < b_end[None, :])
+        b_q = tl.load(q + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        b_q = tl.load(q + rows[:, None] + offs_d[None, :])
+    b_q2 = 0.0
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        if MASKED:
+            b_q2 = tl.load(q + rows[:, None] + offs_d2[None, :], mask=valid[:, None], other=0.0)
+        else:
+            b_q2 = tl.load(q + rows[:, None] + offs_d2[None, :])
+    return b_q, b_q2
+
+
+@triton.jit
+def scores(b_q, b_q2, b_k, b_k2, D2: tl.constexpr):
+    """q k^T [R, BN] in fp32 over both q/k tiles."""
+    b_s = tl.dot(b_q, tl.trans(b_k))
+    if D2 > 0:
+        b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+    return b_s
+
+
+@triton.jit
+def _attend_block(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end, i_n, rows_g, TK, i_kvh,
+                  scale_log2, HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr,
+                  D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr):
+    offs_n, b_k, b_k2, b_v, b_end = load_key_block(k, v, subtree_end, i_n, i_kvh, TK, HKV, D, D1,
+                                                   D2, DV, BN, MASKED)
+    # [BM, BN] scores, base-2 scaled
+    b_s = scores(b_q, b_q2, b_k, b_k2, D2) * scale_log2
+    if MASKED:
+        visible = (offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < b_end[None, :])
         b_s = tl.where(visible, b_s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(b_s, 1))
     b_p = tl.exp2(b_s - m_new[:, None])
@@ -46,41 +114,45 @@ def _attend_block(b_q, acc, m_i, l_i, k, v, subtree_end, i_n, offs_m, offs_d, T,
 
 
 @triton.jit
-def _attend_range(b_q, acc, m_i, l_i, k, v, subtree_end, q_cols, lo, hi, offs_m, offs_d, T,
-                  i_kvh, scale_log2, HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                  MASKED: tl.constexpr, INTERPRET: tl.constexpr):
+def _attend_range(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end, q_cols, lo, hi, rows_g, TK,
+                  i_kvh, scale_log2, HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr,
+                  D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     # visit list entries [lo, hi); see interpreter_safe.py for the while loop
     if INTERPRET:
         idx = lo
         while idx < hi:
-            acc, m_i, l_i = _attend_block(b_q, acc, m_i, l_i, k, v, subtree_end,
-                                          tl.load(q_cols + idx), offs_m, offs_d, T, i_kvh,
-                                          scale_log2, HKV, D, BN, MASKED)
+            acc, m_i, l_i = _attend_block(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end,
+                                          tl.load(q_cols + idx), rows_g, TK, i_kvh, scale_log2,
+                                          HKV, D, D1, D2, DV, BN, MASKED)
             idx += 1
     else:
         for idx in range(lo, hi):
-            acc, m_i, l_i = _attend_block(b_q, acc, m_i, l_i, k, v, subtree_end,
-                                          tl.load(q_cols + idx), offs_m, offs_d, T, i_kvh,
-                                          scale_log2, HKV, D, BN, MASKED)
+            acc, m_i, l_i = _attend_block(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end,
+                                          tl.load(q_cols + idx), rows_g, TK, i_kvh, scale_log2,
+                                          HKV, D, D1, D2, DV, BN, MASKED)
     return acc, m_i, l_i
 
 
 @triton.jit
 def tree_attn_fwd_kernel(q, k, v, o, lse, subtree_end, q_ptr, q_cols, q_full, q_order,
-                         scale_log2, T,
-                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr):
+                         scale_log2, TQ, TK, q_offset,
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr,
+                         D2: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         HAS_OFFSET: tl.constexpr, INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     i_h = pid % HQ
     i_m = tl.load(q_order + pid // HQ)
     i_kvh = i_h // (HQ // HKV)
-    offs_m = i_m * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    rows_m = offs_m.to(tl.int64) * (HQ * D) + i_h * D
-    m_valid = offs_m < T
-    # [BM, D]
-    b_q = tl.load(q + rows_m[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
-    acc = tl.zeros([BM, D], dtype=tl.float32)
+    offs_m = i_m * BM + tl.arange(0, BM)  # local query rows
+    rows_g = offs_m  # global rows, for the mask
+    if HAS_OFFSET:
+        rows_g = offs_m + q_offset
+    offs_dv = tl.arange(0, DV)
+    m_valid = offs_m < TQ
+    # [BM, D1] (+ [BM, D2])
+    b_q, b_q2 = query_rows(q, offs_m.to(tl.int64) * (HQ * D) + i_h * D, m_valid, D1, D2, True)
+    acc = tl.zeros([BM, DV], dtype=tl.float32)
     # finite "minus infinity" for the running max: a row whose first visited block masks all of
     # its keys must give exp2(-inf - m) = 0, not exp2(-inf - (-inf)) = nan
     m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
@@ -88,34 +160,43 @@ def tree_attn_fwd_kernel(q, k, v, o, lse, subtree_end, q_ptr, q_cols, q_full, q_
     start = tl.load(q_ptr + i_m)
     stop = tl.load(q_ptr + i_m + 1)
     full_stop = start + tl.load(q_full + i_m)
-    acc, m_i, l_i = _attend_range(b_q, acc, m_i, l_i, k, v, subtree_end, q_cols, start, full_stop,
-                                  offs_m, offs_d, T, i_kvh, scale_log2, HKV, D, BN, False,
-                                  INTERPRET)
-    acc, m_i, l_i = _attend_range(b_q, acc, m_i, l_i, k, v, subtree_end, q_cols, full_stop, stop,
-                                  offs_m, offs_d, T, i_kvh, scale_log2, HKV, D, BN, True,
-                                  INTERPRET)
-    # rows past T saw nothing (l_i = 0); keep them finite, they are not stored
+    acc, m_i, l_i = _attend_range(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end, q_cols, start,
+                                  full_stop, rows_g, TK, i_kvh, scale_log2, HKV, D, D1, D2, DV, BN,
+                                  False, INTERPRET)
+    acc, m_i, l_i = _attend_range(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end, q_cols, full_stop,
+                                  stop, rows_g, TK, i_kvh, scale_log2, HKV, D, D1, D2, DV, BN,
+                                  True, INTERPRET)
+    # rows past TQ saw nothing (l_i = 0); keep them finite, they are not stored
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     b_o = acc / l_safe[:, None]
-    tl.store(o + rows_m[:, None] + offs_d[None, :], b_o.to(o.dtype.element_ty),
+    rows_o = offs_m.to(tl.int64) * (HQ * DV) + i_h * DV
+    tl.store(o + rows_o[:, None] + offs_dv[None, :], b_o.to(o.dtype.element_ty),
              mask=m_valid[:, None])
-    tl.store(lse + i_h.to(tl.int64) * T + offs_m, m_i + tl.log2(l_safe), mask=m_valid)
+    tl.store(lse + i_h.to(tl.int64) * TQ + offs_m, m_i + tl.log2(l_safe), mask=m_valid)
+
+
+def head_dims(q: torch.Tensor, v: torch.Tensor) -> dict:
+    """The head-dim constexprs of the kernels: D (q/k), its tiles D1 + D2, DV (v/o)."""
+    first, rest = split_head_dim(q.shape[2])
+    return dict(D=q.shape[2], D1=first, D2=rest, DV=v.shape[2])
 
 
 def tree_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            subtree_end: torch.Tensor, index: BlockIndex, scale: float,
                            launch: dict):
-    """Returns o [T, HQ, D] (dtype of q) and lse [HQ, T] fp32 (base 2, scaled scores).
-    ``launch``: block_m, block_n, num_warps, num_stages (configs.py)."""
-    n_tokens, n_q_heads, head_dim = q.shape
+    """Returns o [Tq, HQ, Dv] (dtype of q) and lse [HQ, Tq] fp32 (base 2, scaled scores); q [Tq]
+    are the last Tq of the Tk = len(k) tokens. ``launch``: block_m, block_n, num_warps, num_stages."""
+    n_queries, n_q_heads, _ = q.shape
+    n_keys = k.shape[0]
     index = index.with_blocks(launch["block_m"], launch["block_n"])
-    o = torch.empty_like(q)
-    lse = torch.empty(n_q_heads, n_tokens, dtype=torch.float32, device=q.device)
+    o = q.new_empty(n_queries, n_q_heads, v.shape[2])
+    lse = torch.empty(n_q_heads, n_queries, dtype=torch.float32, device=q.device)
     grid = (index.num_query_blocks * n_q_heads,)
     if grid[0]:
         tree_attn_fwd_kernel[grid](
             q, k, v, o, lse, subtree_end, index.q_ptr, index.q_cols, index.q_full, index.q_order,
-            scale * LOG2E, n_tokens, HQ=n_q_heads, HKV=k.shape[1], D=head_dim,
-            BM=index.block_m, BN=index.block_n, INTERPRET=interpreting(),
+            scale * LOG2E, n_queries, n_keys, n_keys - n_queries, HQ=n_q_heads, HKV=k.shape[1],
+            **head_dims(q, v), BM=index.block_m, BN=index.block_n,
+            HAS_OFFSET=n_keys != n_queries, INTERPRET=interpreting(),
             num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     return o, lse

@@ -42,12 +42,15 @@ def uses_triton(q: torch.Tensor) -> bool:
     return q.is_cuda or interpreting()
 
 
-def _check_block_index(index: BlockIndex, subtree_end: torch.Tensor) -> None:
+def _check_block_index(index: BlockIndex, subtree_end: torch.Tensor, num_queries: int) -> None:
     if not isinstance(index, BlockIndex):
         raise ValueError(f"block_index must be a BlockIndex from build_block_index, got {type(index)}")
     if index.num_tokens != subtree_end.shape[0]:
         raise ValueError(f"block_index was built for T={index.num_tokens} tokens, "
                          f"but subtree_end has T={subtree_end.shape[0]}")
+    if index.num_queries != num_queries:
+        raise ValueError(f"block_index was built for Tq={index.num_queries} queries, but q has Tq={num_queries} "
+                         "rows (build_block_index(..., num_queries=Tq))")
     if index.device != subtree_end.device:
         raise ValueError(f"block_index is on {index.device}, subtree_end on {subtree_end.device}")
 
@@ -57,25 +60,28 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
                    config: KernelConfig | None = None) -> torch.Tensor:
     """Exact softmax attention with the tree mask ``j <= i < subtree_end[j]``.
 
-    q [T, HQ, D], k/v [T, HKV, D] (HQ % HKV == 0), subtree_end [T] int32 -> o [T, HQ, D].
-    ``block_index``: ``build_block_index(subtree_end, config.block_m, config.block_n).with_tiles(subtree_end,
-    config.tiles)`` uploaded to q's device, built once per microbatch and read by every layer; built here
-    (from a host copy of ``subtree_end``) if omitted.
-    ``config``: launch configuration override (benchmarks); default per head dim.
+    q [Tq, HQ, D], k [Tk, HKV, D], v [Tk, HKV, Dv] (HQ % HKV == 0, Tq <= Tk), subtree_end [Tk] int32
+    -> o [Tq, HQ, Dv]. The queries are the last Tq tokens (global row = local + Tk - Tq): the first
+    Tk - Tq keys are context (an earlier microbatch's ancestors, say) and get gradients too.
+    Dv may differ from D (MLA: 192 / 128).
+    ``block_index``: ``build_block_index(subtree_end, config.block_m, config.block_n, num_queries=Tq)
+    .with_tiles(subtree_end, config.tiles)`` uploaded to q's device, built once per microbatch and read by
+    every layer; built here (from a host copy of ``subtree_end``) if omitted.
+    ``config``: launch configuration override (benchmarks); default per head dims.
     """
     check_tree_attention_inputs(q, k, v, subtree_end)
     if not uses_triton(q):
         return tree_attention_reference_chunked(q, k, v, subtree_end, scale=scale)
-    default = config_for(q.shape[2])  # validates the head dim even when a config is given
+    default = config_for(q.shape[2], v.shape[2])  # validates the head dims even when a config is given
     config = config or default
     if interpreter_needs_fp32(q):  # the interpreter's 16-bit dots are wrong: fp32, autograd casts back
         out = tree_attention(q.float(), k.float(), v.float(), subtree_end, scale=scale,
                              block_index=block_index, config=config)
         return out.to(q.dtype)
     if block_index is None:  # standalone use: plan on the host, upload (a model's launch plan carries it)
-        block_index = build_block_index(subtree_end, config.block_m, config.block_n)
+        block_index = build_block_index(subtree_end, config.block_m, config.block_n, num_queries=q.shape[0])
     if not isinstance(block_index.q_ptr, torch.Tensor):  # a host index: its other tiles, then one upload
         block_index = to_device(block_index.with_tiles(subtree_end, config.tiles), q.device)
-    _check_block_index(block_index, subtree_end)
+    _check_block_index(block_index, subtree_end, q.shape[0])
     return TreeAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(),
                                        subtree_end.contiguous(), float(scale), block_index, config)
