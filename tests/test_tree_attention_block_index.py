@@ -9,12 +9,14 @@ from harts_compiler.codegen.kernels.tree_attention.reference import tree_mask
 from tree_layouts import anchor_tree, random_forest
 
 
-def brute_force_lists(subtree_end, block_m, block_n):
-    """Per query block: (full key blocks, partial key blocks), by scanning every element."""
+def brute_force_lists(subtree_end, block_m, block_n, num_queries=None):
+    """Per query block: (full key blocks, partial key blocks), by scanning every element; the queries are
+    the last `num_queries` tokens (all by default), their blocks counted from the first of them."""
     n_tokens = subtree_end.shape[0]
+    num_queries = n_tokens if num_queries is None else num_queries
     index = torch.arange(n_tokens)
-    mask = tree_mask(subtree_end, index, index)
-    n_q, n_k = -(-n_tokens // block_m), -(-n_tokens // block_n)
+    mask = tree_mask(subtree_end, index[n_tokens - num_queries:], index)
+    n_q, n_k = -(-num_queries // block_m), -(-n_tokens // block_n)
     lists = []
     for m in range(n_q):
         full, partial = [], []
@@ -37,9 +39,9 @@ def rows_of(ptr, cols, n_full):
     return out
 
 
-def check_index(subtree_end, block_m, block_n):
-    index = build_block_index(subtree_end, block_m, block_n)
-    expected = brute_force_lists(subtree_end, block_m, block_n)
+def check_index(subtree_end, block_m, block_n, num_queries=None):
+    index = build_block_index(subtree_end, block_m, block_n, num_queries=num_queries)
+    expected = brute_force_lists(subtree_end, block_m, block_n, num_queries)
     assert rows_of(index.q_ptr, index.q_cols, index.q_full) == expected
     transposed = [([], []) for _ in range(index.num_key_blocks)]
     for m, (full, partial) in enumerate(expected):
@@ -62,6 +64,20 @@ def check_index(subtree_end, block_m, block_n):
 def test_block_index_matches_brute_force_on_random_forests(seed, n_trees, block_m, block_n):
     layout = random_forest(np.random.default_rng(seed), n_trees=n_trees)
     check_index(layout.subtree_end_tensor(), block_m, block_n)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), block_m=st.sampled_from([1, 4, 8, 16]), block_n=st.sampled_from([1, 4, 16]),
+       context=st.floats(0.0, 1.0))
+def test_block_index_of_a_query_suffix_matches_brute_force(seed, block_m, block_n, context):
+    # queries are the last Tq tokens, Tq from 0 to T, the query grid starting at the first of them
+    layout = random_forest(np.random.default_rng(seed), n_trees=2)
+    num_queries = layout.num_tokens - int(context * layout.num_tokens)
+    check_index(layout.subtree_end_tensor(), block_m, block_n, num_queries)
+    index = build_block_index(layout.subtree_end_tensor(), block_m, block_n, num_queries=num_queries)
+    assert index.query_offset == layout.num_tokens - num_queries
+    other = index.with_tiles(layout.subtree_end_tensor(), [(2 * block_m, block_n)]).with_blocks(2 * block_m, block_n)
+    assert other.num_queries == num_queries and other.num_query_blocks == -(-num_queries // (2 * block_m))
 
 
 @pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16), (16, 32)])
