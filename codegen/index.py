@@ -48,6 +48,36 @@ class LinearRound:
         return self.row_src.size
 
 
+@dataclasses.dataclass
+class PieceContext:
+    """What a piece of a split tree reads from the pieces before it and keeps for the pieces after it
+    (codegen/pieces.py). Row spaces beyond the piece's own T tokens:
+
+    - attention keys: the context's Nc keys first, then the T own tokens (own `subtree_end` is in this space);
+    - conv inputs: conv_pred values in [T, T + conv_rows) are carried conv inputs (pre-conv rows);
+    - linear attention: row_src values in [T, T + replay_rows) are carried replay rows (q, k, v, g, beta as the
+      rounds read them); one extra round-0 sequence keeps them (its outputs are discarded, its gradients are 0);
+    - states: init_state -2-j starts a sequence from carried state j.
+    The `*_out` arrays list what later pieces read: own rows (K/V, conv inputs, replay rows) and bank ids."""
+
+    kv_subtree_end: np.ndarray  # [Nc] subtree end of each context key, in the key space
+    conv_rows: int
+    replay_rows: int
+    num_states: int
+    kv_out: np.ndarray  # own rows whose K/V later pieces read
+    conv_out: np.ndarray  # own rows whose conv inputs later pieces read
+    replay_out: np.ndarray  # own rows later pieces replay
+    state_out: np.ndarray  # bank ids of the states later pieces start from
+
+    def __post_init__(self):
+        for name in ("kv_subtree_end", "kv_out", "conv_out", "replay_out", "state_out"):
+            setattr(self, name, host_array(getattr(self, name)).reshape(-1))
+
+    @property
+    def num_keys(self) -> int:
+        return self.kv_subtree_end.size
+
+
 _TABLES = ("token_ids", "positions", "multiplicity", "conv_pred", "subtree_end", "target_src", "target_token",
            "row_target", "row_pred", "lengths")
 
@@ -71,6 +101,7 @@ class MicrobatchIndex:
     lengths: np.ndarray  # [rows]
     chunk_size: int
     conv_width: int
+    context: PieceContext | None = None  # a piece of a split tree: what it reads from earlier pieces
 
     def __post_init__(self):
         for name in _TABLES:
@@ -84,8 +115,10 @@ class MicrobatchIndex:
     def check(self) -> None:
         """Shape and coverage checks; raises ValueError naming the field. O(T log T)."""
         T, W = self.num_tokens, self.conv_width
+        ctx = self.context
+        conv_rows, replay_rows = (0, 0) if ctx is None else (ctx.conv_rows, ctx.replay_rows)
         expect = {
-            "token_ids": (T,), "positions": (T,), "multiplicity": (T,), "conv_pred": (T, W - 1),
+            "token_ids": (T,), "positions": (T,), "multiplicity": (T,), "conv_pred": (T + conv_rows, W - 1),
             "subtree_end": (T,), "lengths": (len(self.trajectory_ids),), "target_src": (self.target_src.size,),
             "target_token": (self.target_src.size,),
         }
@@ -96,8 +129,13 @@ class MicrobatchIndex:
         if self.row_target.shape != self.row_pred.shape or self.row_target.shape[0] != len(self.trajectory_ids):
             raise ValueError("MicrobatchIndex.row_target/row_pred: shapes disagree with trajectory_ids")
         own = np.concatenate([r.own_dst for r in self.rounds]) if self.rounds else np.zeros(0, np.int64)
-        if own.size != T or not np.array_equal(np.sort(own), np.arange(T)):
+        if own.size != T + replay_rows or not np.array_equal(np.sort(own), np.arange(T + replay_rows)):
             raise ValueError("MicrobatchIndex.rounds: own_dst must cover every compact token exactly once")
+        keys = T if ctx is None else T + ctx.num_keys
+        if self.subtree_end.size and (self.subtree_end.min() < 1 or self.subtree_end.max() > keys):
+            raise ValueError(f"MicrobatchIndex.subtree_end: values must lie in [1, {keys}]")
+        if self.conv_pred.size and self.conv_pred.max() >= T + conv_rows:
+            raise ValueError(f"MicrobatchIndex.conv_pred: values must be < {T + conv_rows}")
 
 
 def trajectory_index(

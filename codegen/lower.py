@@ -52,6 +52,20 @@ class LaunchTarget:
 
 
 @dataclasses.dataclass(frozen=True)
+class PieceLaunch:
+    """A piece's carried rows (codegen.index.PieceContext), as the runtime reads them: keys = `num_keys` context
+    keys then the own tokens; conv inputs and linear-attention rows beyond the own tokens come carried; the
+    carried states are the GDN plan's caller states and its returned states the ones later pieces read."""
+    num_keys: int
+    conv_rows: int
+    replay_rows: int
+    num_states: int
+    kv_out: np.ndarray      # own rows whose K/V later pieces read
+    conv_out: np.ndarray    # own rows whose conv inputs later pieces read
+    replay_out: np.ndarray  # own rows later pieces replay
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     """Everything one microbatch's forward and backward read, for one `LaunchTarget`."""
     target: LaunchTarget
@@ -61,8 +75,8 @@ class LaunchPlan:
     token_ids: np.ndarray        # [T] int64
     positions: np.ndarray        # [T] int64, RoPE positions
     multiplicity: np.ndarray     # [T] int64, trajectories through the token (MoE statistics)
-    conv_pred: np.ndarray        # [T, W-1] int64, path predecessors (-1 before position 0)
-    subtree_end: np.ndarray      # [T] int32, tree mask
+    conv_pred: np.ndarray        # [T (+ carried conv rows), W-1] int64, path predecessors (-1 before position 0)
+    subtree_end: np.ndarray      # [keys] int32, tree mask (keys = the own tokens, after a piece's context keys)
     lengths: np.ndarray          # [rows] int64
     # the embedding's backward: compact tokens grouped by id (stable), the distinct ids and their bounds
     embed_order: np.ndarray      # [T] int64
@@ -73,6 +87,7 @@ class LaunchPlan:
     conv: ConvIndex | None       # successor lists of the Triton conv's backward (None: torch path)
     attention: BlockIndex | None  # block lists at every tile of target.attention_tiles (None: torch path)
     windows: tuple[tuple[int, int, int], ...]  # torch attention path: (start, end, first open key) per block
+    piece: PieceLaunch | None = None  # a piece of a split tree: what it reads from / keeps for other pieces
 
     @property
     def num_tokens(self) -> int:
@@ -113,13 +128,25 @@ def lower(index: MicrobatchIndex, target: LaunchTarget) -> LaunchPlan:
     index = dataclasses.replace(index, rounds=[dataclasses.replace(r) for r in index.rounds])
     _check_target(index, target)
     index.check()
-    gdn = plan_tree_gdn(index.rounds, index.num_tokens, chunk_size=index.chunk_size, config=target.gdn_config)
-    subtree_end = index.subtree_end.astype(np.int32)
+    ctx = index.context
+    piece = None if ctx is None else PieceLaunch(
+        num_keys=ctx.num_keys, conv_rows=ctx.conv_rows, replay_rows=ctx.replay_rows, num_states=ctx.num_states,
+        kv_out=ctx.kv_out, conv_out=ctx.conv_out, replay_out=ctx.replay_out)
+    gdn = plan_tree_gdn(index.rounds, index.num_tokens + (0 if ctx is None else ctx.replay_rows),
+                        chunk_size=index.chunk_size, config=target.gdn_config,
+                        num_initial=0 if ctx is None else ctx.num_states,
+                        output_banks=() if ctx is None else ctx.state_out)
+    keys = index.subtree_end if ctx is None else np.concatenate([ctx.kv_subtree_end, index.subtree_end])
+    subtree_end = keys.astype(np.int32)
+    queries = None if ctx is None else index.num_tokens  # a piece's queries are the last T keys
     attention = None
     if target.attention_tiles:
         first = target.attention_tiles[0]
-        attention = build_block_index(subtree_end, *first).with_tiles(subtree_end, target.attention_tiles[1:])
-    windows = () if target.attention_tiles else query_windows(subtree_end, target.attention_query_block)
+        extra = {} if queries is None else {"num_queries": queries}
+        attention = build_block_index(subtree_end, *first, **extra).with_tiles(subtree_end,
+                                                                               target.attention_tiles[1:])
+    windows = () if target.attention_tiles else query_windows(subtree_end, target.attention_query_block,
+                                                              num_queries=queries)
     embed_order = np.argsort(index.token_ids, kind="stable").astype(np.int64)
     embed_ids, embed_counts = np.unique(index.token_ids[embed_order], return_counts=True)
     return LaunchPlan(
@@ -130,4 +157,4 @@ def lower(index: MicrobatchIndex, target: LaunchTarget) -> LaunchPlan:
         embed_bounds=np.r_[0, np.cumsum(embed_counts)].astype(np.int64), gdn=gdn,
         targets=target_plan_of(index, target.vocab_size, target.logprob_chunk_tokens),
         conv=prepare_conv_index(index.conv_pred) if target.conv_triton else None,
-        attention=attention, windows=windows)
+        attention=attention, windows=windows, piece=piece)

@@ -24,6 +24,16 @@ def build_microbatch_index(program, microbatch) -> MicrobatchIndex:
         raise ValueError("build_microbatch_index: the program must be laid out, sequenced and "
                          "scheduled (run the full pipeline)")
     trees = mbs.trees_of(int(m))
+    if program.pieces is not None and np.isin(trees, program.pieces.piece_tree).any():
+        raise ValueError(f"build_microbatch_index: microbatch {int(m)} holds a tree that runs as pieces, which "
+                         "read each other's carried state; run it with TreeModel(...)(microbatch) or "
+                         "build_piece_chain")
+    return build_trees_index(program, trees)
+
+
+def build_trees_index(program, trees: np.ndarray) -> MicrobatchIndex:
+    """The index of `trees` run together as one microbatch (concatenated in the given order)."""
+    forest, seqs = program.forest, program.sequences
     tree_len = forest.tree_end[trees] - forest.tree_start[trees]
     base = derive.exclusive_cumsum(tree_len)
     shift = np.zeros(forest.num_trees, np.int64)

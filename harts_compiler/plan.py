@@ -34,6 +34,19 @@ class PlannedMicrobatch:
         from harts_compiler.codegen.microbatch import build_microbatch_index
         return build_microbatch_index(self.program, self.index)
 
+    @property
+    def runs_as_pieces(self) -> bool:
+        """Whether this microbatch's tree is larger than the budget and runs as pieces (`cut-pieces`)."""
+        pieces = self.program.pieces
+        return pieces is not None and bool(np.isin(self.trees, pieces.piece_tree).any())
+
+    def build_chain(self):
+        """The `codegen.pieces.PieceChain` of a microbatch that runs as pieces (one tree, its pieces in order)."""
+        from harts_compiler.codegen.pieces import build_piece_chain
+        if not self.runs_as_pieces:
+            raise ValueError(f"microbatch {self.index} does not run as pieces: use build_index()")
+        return build_piece_chain(self.program, self.trees[0])
+
     def check_model(self, model) -> None:
         self.options.check_model(model)
 

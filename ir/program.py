@@ -93,6 +93,52 @@ class Sequences:
 
 
 @dataclass(frozen=True, eq=False)
+class Pieces:
+    """cut-pieces output: trees larger than the budget run as *pieces*, contiguous ranges of their compact
+    (preorder) tokens, piece p = [piece_start[p], piece_end[p]) of tree piece_tree[p]; a split tree's pieces
+    are consecutive, in compact order, and cover it. Trees without pieces run whole. A piece reads what it
+    needs of its path's earlier tokens (attention K/V, linear-attention states, conv inputs) from the
+    pieces before it: every token is computed once."""
+
+    budget: int
+    piece_tree: np.ndarray
+    piece_start: np.ndarray
+    piece_end: np.ndarray
+
+    @property
+    def num_pieces(self) -> int:
+        return int(self.piece_tree.size)
+
+    def of_tree(self, t: int) -> np.ndarray:
+        """Piece ids of tree t (empty when it runs whole)."""
+        return np.flatnonzero(self.piece_tree == t)
+
+    def verify(self, forest: Forest) -> None:
+        P = self.num_pieces
+        if self.piece_start.shape != (P,) or self.piece_end.shape != (P,):
+            raise IRError("Pieces: array shapes disagree")
+        if P == 0:
+            return
+        if self.piece_tree.min() < 0 or self.piece_tree.max() >= forest.num_trees:
+            raise IRError("Pieces: tree out of range")
+        if np.any(np.diff(self.piece_tree) < 0):
+            raise IRError("Pieces: pieces must be ordered by tree")
+        if np.any(self.piece_end <= self.piece_start):
+            raise IRError("Pieces: empty piece")
+        if self.budget and np.any(self.piece_end - self.piece_start > self.budget):
+            p = int(np.argmax(self.piece_end - self.piece_start > self.budget))
+            raise IRError(f"Pieces: piece {p} holds {int(self.piece_end[p] - self.piece_start[p])} tokens "
+                          f"> budget {self.budget}")
+        for t in np.unique(self.piece_tree).tolist():
+            mine = self.of_tree(t)
+            starts, ends = self.piece_start[mine], self.piece_end[mine]
+            if (mine.size < 2 or starts[0] != forest.tree_start[t] or ends[-1] != forest.tree_end[t]
+                    or not np.array_equal(starts[1:], ends[:-1])):
+                raise IRError(f"Pieces: the pieces of tree {forest.tree_ids[t]!r} must be two or more "
+                              "consecutive ranges covering it")
+
+
+@dataclass(frozen=True, eq=False)
 class Microbatches:
     """schedule output: microbatch m holds trees mb_trees[mb_tree_ptr[m]:mb_tree_ptr[m+1]] (laid
     out in that order) and runs on data-parallel rank mb_rank[m] as its slot mb_slot[m]. Ranks
@@ -113,7 +159,7 @@ class Microbatches:
     def trees_of(self, m: int) -> np.ndarray:
         return self.mb_trees[self.mb_tree_ptr[m]:self.mb_tree_ptr[m + 1]]
 
-    def verify(self, forest: Forest) -> None:
+    def verify(self, forest: Forest, pieces: "Pieces | None" = None) -> None:
         M = self.num_microbatches
         if self.mb_slot.shape != (M,) or self.mb_tree_ptr.shape != (M + 1,):
             raise IRError("Microbatches: array shapes disagree")
@@ -132,7 +178,14 @@ class Microbatches:
             raise IRError("Microbatches: empty microbatch")
         if self.microbatch_tokens:
             sizes = forest.tree_end - forest.tree_start
+            pieced = np.zeros(forest.num_trees, bool) if pieces is None else np.isin(
+                np.arange(forest.num_trees), pieces.piece_tree)
             for m in range(M):
+                if pieced[self.trees_of(m)].any():
+                    if self.trees_of(m).size != 1:
+                        raise IRError(f"Microbatches: microbatch {m} holds a tree that runs as pieces and "
+                                      "other trees")
+                    continue  # its pieces are checked against the budget by Pieces.verify
                 total = int(sizes[self.trees_of(m)].sum())
                 if total > self.microbatch_tokens:
                     raise IRError(f"Microbatches: microbatch {m} holds {total} compact tokens "
@@ -144,6 +197,7 @@ class Program:
     trajectories: Trajectories | None = None
     forest: Forest | None = None
     sequences: Sequences | None = None
+    pieces: Pieces | None = None
     microbatches: Microbatches | None = None
     # (pass name, milliseconds) of every pass that produced this program, in order.
     provenance: tuple[tuple[str, float], ...] = ()
@@ -185,11 +239,16 @@ class Program:
                 raise IRError("Program: sequences need a laid-out forest")
             if not (same("sequences") and same("forest")):
                 self.sequences.verify(self.forest)
+        if self.pieces is not None:
+            if self.sequences is None:
+                raise IRError("Program: pieces need sequences")
+            if not (same("pieces") and same("forest")):
+                self.pieces.verify(self.forest)
         if self.microbatches is not None:
             if self.forest is None or not self.forest.laid_out:
                 raise IRError("Program: microbatches need a laid-out forest")
-            if not (same("microbatches") and same("forest")):
-                self.microbatches.verify(self.forest)
+            if not (same("microbatches") and same("forest") and same("pieces")):
+                self.microbatches.verify(self.forest, self.pieces)
         if self.forest is None and self.trajectories is None:
             raise IRError("Program: empty (neither trajectories nor forest)")
 

@@ -20,6 +20,12 @@ to an arrays file beside the text (`arrays "NAME.npz" sha256=...` header, `token
     seq tree=0 round=0 sigma=0 own=0:3 init=-1@0 replay=[] exports=[]
     microbatches dp_size=1 microbatch_tokens=0 count=1
     mb rank=0 slot=0 trees=[0]
+
+A tree larger than the budget runs as pieces (`cut-pieces`), one record each, before the microbatches:
+
+    pieces budget=4096 count=2
+    piece tree=0 own=0:4096
+    piece tree=0 own=4096:7000
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ import numpy as np
 from . import derive
 from .errors import IRError
 from .forest import Forest
-from .program import Microbatches, Program, Sequences, Trajectories
+from .program import Microbatches, Pieces, Program, Sequences, Trajectories
 from .text_checks import check_fields, check_records
 
 VERSION = 1
@@ -115,6 +121,11 @@ def format_program(program: Program, arrays_name: str | None = None,
                          f"own={int(q.seq_own_start[s])}:{int(q.seq_own_end[s])} "
                          f"init={int(q.seq_init_seq[s])}@{int(q.seq_init_offset[s])} "
                          f"replay={_ints(q.replay_of(s))} exports={_ints(q.exports_of(s))}")
+    pc = program.pieces
+    if pc is not None:
+        lines.append(f"pieces budget={pc.budget} count={pc.num_pieces}")
+        for p in range(pc.num_pieces):
+            lines.append(f"piece tree={int(pc.piece_tree[p])} own={int(pc.piece_start[p])}:{int(pc.piece_end[p])}")
     m = program.microbatches
     if m is not None:
         lines.append(f"microbatches dp_size={m.dp_size} microbatch_tokens={m.microbatch_tokens} "
@@ -206,6 +217,12 @@ def _build(records: dict, arrays: dict | None) -> Program:
                              groups=[r["group"] for r in trajs])
     forest = _build_forest(records, arrays) if "forest" in records else None
     sequences = _build_sequences(records) if "sequences" in records else None
+    pieces = None
+    if "pieces" in records:
+        rows = records.get("piece", [])
+        pieces = Pieces(budget=records["pieces"][0]["budget"], piece_tree=_col(rows, "tree"),
+                        piece_start=np.asarray([r["own"][0] for r in rows], np.int64),
+                        piece_end=np.asarray([r["own"][1] for r in rows], np.int64))
     microbatches = None
     if "microbatches" in records:
         head, mbs = records["microbatches"][0], records.get("mb", [])
@@ -215,7 +232,7 @@ def _build(records: dict, arrays: dict | None) -> Program:
             dp_size=head["dp_size"], microbatch_tokens=head["microbatch_tokens"],
             mb_rank=_col(mbs, "rank"), mb_slot=_col(mbs, "slot"), mb_tree_ptr=ptr,
             mb_trees=np.concatenate([r["trees"] for r in mbs]) if mbs else np.zeros(0, np.int64))
-    return Program(trajectories=batch, forest=forest, sequences=sequences,
+    return Program(trajectories=batch, forest=forest, sequences=sequences, pieces=pieces,
                    microbatches=microbatches, provenance=provenance, notes=notes)
 
 

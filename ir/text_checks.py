@@ -30,11 +30,13 @@ SCHEMA: dict[str, dict[str, tuple[str, bool]]] = {
     "sequences": {"chunk_size": (INT, True), "count": (INT, True), "tree_rounds": (LIST, True)},
     "seq": {"tree": (INT, True), "round": (INT, True), "sigma": (INT, True), "own": (PAIR, True),
             "init": (PAIR, True), "replay": (LIST, True), "exports": (LIST, True)},
+    "pieces": {"budget": (INT, True), "count": (INT, True)},
+    "piece": {"tree": (INT, True), "own": (PAIR, True)},
     "microbatches": {"dp_size": (INT, True), "microbatch_tokens": (INT, True), "count": (INT, True)},
     "mb": {"rank": (INT, True), "slot": (INT, True), "trees": (LIST, True)},
 }
 HEADERS = {"traj": "trajectories", "tree": "forest", "node": "forest", "end": "forest", "seq": "sequences",
-           "mb": "microbatches"}
+           "mb": "microbatches", "piece": "pieces"}
 
 
 def _is(value, kind: str) -> bool:
@@ -81,6 +83,12 @@ def check_records(records: dict[str, list[dict]], arrays: dict) -> None:
     if "sequences" in records:
         _check_count(records, "sequences", "count", "seq")
         _check_sequences(records)
+    if "pieces" in records:
+        _check_count(records, "pieces", "count", "piece")
+        _in_range(records["pieces"][0], "budget", 0, None)
+        trees = _num_trees(records)
+        for piece in records.get("piece", []):
+            _in_range(piece, "tree", 0, trees)
     if "microbatches" in records:
         _check_count(records, "microbatches", "count", "mb")
         head = records["microbatches"][0]

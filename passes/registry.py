@@ -6,16 +6,14 @@ from .layout import Layout
 from .prefix_compress import PrefixCompress
 from .replay_min import ReplayMin
 from .schedule import Schedule
-from .split_oversize import SplitOversize
+from .cut_pieces import CutPieces
 
 # name -> (pass class, {pass field: CompileOptions attribute})
 PASSES: dict[str, tuple[type[Pass], dict[str, str]]] = {
     "prefix-compress": (PrefixCompress, {}),
     "layout": (Layout, {"conv_width": "conv_width"}),
-    "split-oversize": (SplitOversize, {"microbatch_tokens": "microbatch_tokens",
-                                       "time_limit_s": "split_time_limit_s",
-                                       "seed": "schedule_seed"}),
     "replay-min": (ReplayMin, {"chunk_size": "chunk_size"}),
+    "cut-pieces": (CutPieces, {"microbatch_tokens": "microbatch_tokens"}),
     "schedule": (Schedule, {"microbatch_tokens": "microbatch_tokens", "dp_size": "dp_size",
                             "objective": "objective", "time_limit_s": "schedule_time_limit_s",
                             "seed": "schedule_seed", "workers": "schedule_workers",

@@ -58,11 +58,16 @@ class Schedule(Pass):
         self.require(self.dp_size >= 1, "dp_size >= 1")
         self.require(self.objective in OBJECTIVES, f"objective in {OBJECTIVES}")
         sizes = forest.tree_end - forest.tree_start
-        if budget and sizes.size and sizes.max() > budget:
-            too_big = np.flatnonzero(sizes > budget)[:5].tolist()
+        pieced = np.zeros(sizes.size, bool)
+        if program.pieces is not None:
+            pieced[program.pieces.piece_tree] = True
+        if budget and sizes.size and sizes[~pieced].max(initial=0) > budget:
+            too_big = np.flatnonzero((sizes > budget) & ~pieced)[:5].tolist()
             raise InputError([f"tree {forest.tree_ids[t]!r}: {int(sizes[t])} compact tokens exceed "
-                              f"--microbatch-tokens {budget} (run split-oversize first)"
+                              f"--microbatch-tokens {budget} (run cut-pieces first)"
                               for t in too_big])
+        # a tree that runs as pieces fills its (rank, slot) alone: each of its pieces is up to a budget
+        sizes = np.where(pieced, budget, sizes)
         try:
             model = (default_cost_model() if self.cost_model == "default"
                      else load_cost_model(self.cost_model))

@@ -37,12 +37,14 @@ def windowed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     [lo, e), lo = the first key still open at s (subtree_end > s). Many trees or trajectories in
     one microbatch (the trajectory-wise baseline) then cost O(T * tree length), not O(T^2).
     Masked keys contribute exact zeros, so the result is the reference's up to summation order.
-    `windows`: `tree_attention.query_windows(subtree_end, query_block)` (host), computed with the plan.
+    `windows`: `tree_attention.query_windows(subtree_end, query_block, num_queries)` (host), computed with the
+    plan; the queries are the last q.shape[0] keys (a piece of a split tree has context keys before them).
     """
     check_tree_attention_inputs(q, k, v, subtree_end)
-    T, HQ, _ = q.shape
+    Tq, HQ, _ = q.shape
+    q0 = k.shape[0] - Tq
     group = HQ // k.shape[1]
-    positions = torch.arange(T, device=q.device)
+    positions = torch.arange(k.shape[0], device=q.device)
     # under autograd each block is checkpointed, so only one block's [HQ, M, N] scores are alive
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
 
@@ -52,13 +54,13 @@ def windowed_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         v_heads = v_rows.transpose(0, 1).repeat_interleave(group, dim=0)
         scores = torch.matmul(q_rows.transpose(0, 1), k_heads.transpose(1, 2)) * scale
         probs = torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
-        return torch.matmul(probs, v_heads).transpose(0, 1)  # [M, HQ, D]
+        return torch.matmul(probs, v_heads).transpose(0, 1)  # [M, HQ, Dv]
 
     outputs = []
     for start, end, lo in windows:
-        args = (q[start:end], k[lo:end], v[lo:end], positions[start:end], positions[lo:end])
+        args = (q[start - q0:end - q0], k[lo:end], v[lo:end], positions[start:end], positions[lo:end])
         outputs.append(checkpoint(block, *args, use_reentrant=False) if needs_grad else block(*args))
-    return torch.cat(outputs) if outputs else q.new_empty(q.shape)
+    return torch.cat(outputs) if outputs else q.new_empty((Tq, HQ, v.shape[-1]))
 
 
 class GatedAttention(nn.Module):
@@ -86,6 +88,9 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         cos, sin = ctx.rope(x.dtype)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        carry = ctx.layer_carry(self.layer_idx)
+        if carry is not None:  # a piece: the context's K/V in front, its queries are the last T keys
+            k, v = carry.attention_keys(k, v)
         out = tree_attention(q, k, v, ctx.plan, scale=self.scaling)
         out = out.reshape(T, -1) * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -66,7 +66,8 @@ class GatedDeltaNet(nn.Module):
         """x [T, hidden] (normed) -> [T, hidden]. ctx: the per-forward `ExecutionContext`."""
         T = x.shape[0]
         mixed, z, b, a = self._project(x)
-        mixed = tree_causal_conv(mixed, self.conv1d.weight.squeeze(1), ctx.plan, activation="silu")
+        carry = ctx.layer_carry(self.layer_idx)
+        mixed = tree_causal_conv(mixed, self.conv1d.weight.squeeze(1), ctx.plan, activation="silu", carry=carry)
         mixed = mixed.to(x.dtype)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
@@ -78,6 +79,6 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias)
         # gated_delta_rule_rounds = linear_attention_rounds(rule="gdn"), under the name bench/breakdown.py times
         o = gated_delta_rule_rounds(q, k, v, g, beta, ctx.plan, scale=self.head_k_dim ** -0.5, state_dtype=wide,
-                                    use_qk_l2norm=True, kernel=ctx.gdn_kernel)
+                                    use_qk_l2norm=True, kernel=ctx.gdn_kernel, carry=carry)
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(T, self.value_dim))

@@ -78,11 +78,14 @@ class KimiDeltaAttention(nn.Module):
         """x [T, hidden] (normed) -> [T, hidden]. ctx: the per-forward `ExecutionContext`."""
         T, heads = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        mixed = tree_causal_conv(mixed, self.conv1d.weight.squeeze(1), ctx.plan, activation="silu").to(x.dtype)
+        carry = ctx.layer_carry(self.layer_idx)
+        mixed = tree_causal_conv(mixed, self.conv1d.weight.squeeze(1), ctx.plan, activation="silu",
+                                 carry=carry).to(x.dtype)
         q, k, v = (t.reshape(heads) for t in torch.split(mixed, [self.qkv_dim] * 3, dim=-1))
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
         o = linear_attention_rounds(q, k, v, g, beta, ctx.plan, rule="kda", scale=self.head_dim ** -0.5,
-                                    state_dtype=compute_dtype(x.dtype), use_qk_l2norm=True, kernel=ctx.kda_kernel)
+                                    state_dtype=compute_dtype(x.dtype), use_qk_l2norm=True, kernel=ctx.kda_kernel,
+                                    carry=carry)
         gate = (self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))).view(heads)
         return self.o_proj(self.o_norm(o, gate).reshape(T, self.qkv_dim))

@@ -67,6 +67,9 @@ class MultiLatentAttention(nn.Module):
             v = F.pad(v, (0, pad))
         elif pad < 0:  # v wider than q/k: zero columns of q and k leave every score as it is
             q, k = F.pad(q, (0, -pad)), F.pad(k, (0, -pad))
+        carry = ctx.layer_carry(self.layer_idx)
+        if carry is not None:
+            k, v = carry.attention_keys(k, v)
         out = tree_attention(q, k, v.contiguous(), ctx.plan, scale=self.scaling)[..., :self.v_dim]
         if hasattr(self, "g_proj"):  # as transformers: the gate in fp32 (wider for fp64), then the model dtype
             out = out * torch.sigmoid(self.g_proj(x).to(compute_dtype(x.dtype))).to(x.dtype).unsqueeze(-1)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from harts_compiler.codegen import LaunchPlan, LaunchTarget, MicrobatchIndex, PlanMismatchError, lower
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
 from harts_compiler.codegen.kernels.logprobs import token_logprobs
+from harts_compiler.codegen.pieces import PieceChain
 
 from .attention import GatedAttention
 from .backend import select_backend
@@ -34,6 +35,7 @@ from .layers import DenseMLP, RMSNorm, ZeroCentredRMSNorm, rope_tables
 from .mla import MultiLatentAttention
 from .moe import RouterStats, SparseMoeBlock, load_balancing_loss
 from .ops.embedding import embed_tokens
+from .pieces import run_piece_chain
 
 
 class InvalidBatchError(ValueError):
@@ -58,7 +60,12 @@ class ExecutionContext:
     config: ModelConfig
     gdn_kernel: Callable | None = None  # a reference GDN kernel for the torch path (tests: the token-loop oracle)
     kda_kernel: Callable | None = None  # the same for KDA layers
+    carries: dict | None = None  # a piece of a split tree: layer -> its `ops.carry.LayerCarry`
     _rope: dict = dataclasses.field(default_factory=dict)
+
+    def layer_carry(self, layer: int):
+        """The carried tensors of `layer` in a piece forward (None for a whole microbatch)."""
+        return None if self.carries is None else self.carries[layer]
 
     def rope(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._rope:
@@ -87,6 +94,7 @@ class DecoderLayer(nn.Module):
             self.mixer_name = "linear_attn" if linear else "self_attn"
             setattr(self, self.mixer_name, GatedDeltaNet(config) if linear else GatedAttention(config))
             moe = SparseMoeBlock
+        getattr(self, self.mixer_name).layer_idx = layer  # a piece's carried tensors are kept per layer
         self.mlp = moe(config) if self.is_moe else DenseMLP(config.hidden_size, config.intermediate_size)
         norm = _norm_class(config)
         self.input_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
@@ -190,10 +198,31 @@ class TreeModel(nn.Module):
 
     def forward(self, batch, *, activation_checkpointing: bool | None = None,
                 gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None) -> TreeOutput:
-        """Run one microbatch (see `launch_plan` for what `batch` may be). `gdn_kernel` / `kda_kernel`: a reference
-        kernel (same signature as `chunk_gated_delta_rule_reference`) for the GDN / KDA layers."""
+        """Run one microbatch (see `launch_plan` for what `batch` may be; a microbatch whose tree runs as pieces,
+        or its `codegen.pieces.PieceChain`, runs its pieces in order and returns whole rows). `gdn_kernel` /
+        `kda_kernel`: a reference kernel (same signature as `chunk_gated_delta_rule_reference`) for the GDN / KDA
+        layers."""
+        options = dict(activation_checkpointing=activation_checkpointing, gdn_kernel=gdn_kernel,
+                       kda_kernel=kda_kernel)
+        chain = batch if isinstance(batch, PieceChain) else None
+        if chain is None and getattr(batch, "runs_as_pieces", False):
+            batch.check_model(self)
+            chain = batch.build_chain()
+        if chain is not None:
+            return run_piece_chain(self, chain, **options)
         plan = self.launch_plan(batch, reference_gdn=gdn_kernel is not None or kda_kernel is not None)
-        ctx = ExecutionContext(plan=plan, config=self.config, gdn_kernel=gdn_kernel, kda_kernel=kda_kernel)
+        if plan.piece is not None:
+            raise InvalidBatchError("this microbatch is one piece of a split tree: it reads carried tensors from "
+                                    "the pieces before it; run the whole microbatch (or its PieceChain)")
+        logprobs, entropy, router_stats = self.run_plan(plan, **options)
+        return tree_output(plan.trajectory_ids, logprobs, entropy, plan.lengths, router_stats, self.config)
+
+    def run_plan(self, plan: LaunchPlan, *, activation_checkpointing: bool | None = None,
+                 gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None, carries=None):
+        """One uploaded launch plan through every layer: (logprobs rows, entropy rows, router statistics).
+        `carries`: layer -> LayerCarry for a piece of a split tree (`runtime.pieces`)."""
+        ctx = ExecutionContext(plan=plan, config=self.config, gdn_kernel=gdn_kernel, kda_kernel=kda_kernel,
+                               carries=carries)
         use_checkpoint = self.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         use_checkpoint = use_checkpoint and torch.is_grad_enabled()
 
@@ -209,8 +238,12 @@ class TreeModel(nn.Module):
                 router_stats.append(stats)
         x = self.model.norm(x)
         logprobs, entropy = token_logprobs(x, self.lm_head.weight, plan.targets, use_triton=plan.target.logprobs_triton)
+        return logprobs, entropy, router_stats
 
-        aux_loss = load_balancing_loss(router_stats, self.config.num_experts)
-        expert_load = torch.stack([s.assigned for s in router_stats]).detach() if router_stats else None
-        return TreeOutput(trajectory_ids=list(plan.trajectory_ids), logprobs=logprobs, entropy=entropy,
-                          lengths=plan.lengths, aux_loss=aux_loss, expert_load=expert_load)
+
+def tree_output(trajectory_ids, logprobs, entropy, lengths, router_stats, config: ModelConfig) -> TreeOutput:
+    """The TreeOutput of rows and a forward's router statistics (the aux loss over all of them)."""
+    aux_loss = load_balancing_loss(router_stats, config.num_experts)
+    expert_load = torch.stack([s.assigned for s in router_stats]).detach() if router_stats else None
+    return TreeOutput(trajectory_ids=list(trajectory_ids), logprobs=logprobs, entropy=entropy,
+                      lengths=lengths, aux_loss=aux_loss, expert_load=expert_load)

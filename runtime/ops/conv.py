@@ -15,8 +15,14 @@ from harts_compiler.codegen.kernels.causal_conv import tree_causal_conv_referenc
 
 
 def tree_causal_conv(x: torch.Tensor, weight: torch.Tensor, plan: LaunchPlan,
-                     activation: str | None = "silu") -> torch.Tensor:
-    """x [T, Ch], weight [Ch, W] -> y [T, Ch] (dtype of weight, like F.conv1d)."""
+                     activation: str | None = "silu", carry=None) -> torch.Tensor:
+    """x [T, Ch], weight [Ch, W] -> y [T, Ch] (dtype of weight, like F.conv1d). `carry`: the layer's
+    `ops.carry.LayerCarry` in a piece (carried conv inputs after the own rows; their outputs are dropped)."""
+    T = x.shape[0]
+    if carry is not None:
+        x = carry.conv_inputs(x)
     if plan.target.conv_triton:
-        return conv_kernel(x, weight, plan.conv_pred, activation, index=plan.conv)
-    return tree_causal_conv_reference(x, weight, plan.conv_pred, activation)
+        y = conv_kernel(x, weight, plan.conv_pred, activation, index=plan.conv)
+    else:
+        y = tree_causal_conv_reference(x, weight, plan.conv_pred, activation)
+    return y if carry is None else y[:T]

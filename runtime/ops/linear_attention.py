@@ -20,26 +20,40 @@ RULES = ("gdn", "kda")
 
 def linear_attention_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             plan: LaunchPlan, *, rule: str, scale: float, state_dtype: torch.dtype,
-                            use_qk_l2norm: bool = True, kernel=None) -> torch.Tensor:
+                            use_qk_l2norm: bool = True, kernel=None, carry=None) -> torch.Tensor:
     """Compact q, k [T, HK, K], v [T, HV, V], g [T, HV] (gdn) or [T, HV, K] (kda), beta [T, HV] -> o [T, HV, V]
-    (dtype of v). `kernel`: a reference kernel of the rule for the torch path (tests pass the token loops)."""
+    (dtype of v). `kernel`: a reference kernel of the rule for the torch path (tests pass the token loops).
+    `carry`: the layer's `ops.carry.LayerCarry` in a piece of a split tree (carried rows and states in, the
+    states later pieces start from out)."""
     if rule not in RULES:
         raise ValueError(f"linear_attention_rounds: rule={rule!r} is not one of {RULES}")
+    T = q.shape[0]
+    initial = None
+    if carry is not None:
+        (q, k, v, g, beta), initial = carry.linear_inputs(q, k, v, g, beta)
     extra = {} if kernel is None else {"kernel": kernel}
-    if rule == "gdn":
-        if plan.target.gdn_triton:
-            return gated_delta_rule(q, k, v, g, beta, scale=scale, plan=plan.gdn, use_qk_l2norm=use_qk_l2norm)[0]
-        return plan_gated_delta_rule_reference(q, k, v, g, beta, scale=scale, plan=plan.gdn, state_dtype=state_dtype,
-                                               use_qk_l2norm=use_qk_l2norm, **extra)[0]
-    if plan.target.gdn_triton:
+    if rule == "gdn" and plan.target.gdn_triton:
+        o, states = gated_delta_rule(q, k, v, g, beta, scale=scale, plan=plan.gdn, initial_states=initial,
+                                     use_qk_l2norm=use_qk_l2norm)
+    elif rule == "gdn":
+        o, states = plan_gated_delta_rule_reference(q, k, v, g, beta, scale=scale, plan=plan.gdn,
+                                                    initial_states=initial, state_dtype=state_dtype,
+                                                    use_qk_l2norm=use_qk_l2norm, **extra)
+    elif plan.target.gdn_triton:
         raise ValueError("linear_attention_rounds: the plan was lowered for the Triton GDN kernels, which take a "
                          "decay per head; lower KDA models with model.launch_target()")
-    return plan_kimi_delta_attention_reference(q, k, v, g, beta, scale=scale, plan=plan.gdn, state_dtype=state_dtype,
-                                               use_qk_l2norm=use_qk_l2norm, **extra)[0]
+    else:
+        o, states = plan_kimi_delta_attention_reference(q, k, v, g, beta, scale=scale, plan=plan.gdn,
+                                                        initial_states=initial, state_dtype=state_dtype,
+                                                        use_qk_l2norm=use_qk_l2norm, **extra)
+    if carry is not None:
+        carry.keep_states(states)
+        o = o[:T]  # the carried replay rows' outputs are not this piece's
+    return o
 
 
 def gated_delta_rule_rounds(q, k, v, g, beta, plan: LaunchPlan, *, scale: float, state_dtype: torch.dtype,
-                            use_qk_l2norm: bool = True, kernel=None) -> torch.Tensor:
+                            use_qk_l2norm: bool = True, kernel=None, carry=None) -> torch.Tensor:
     """`linear_attention_rounds` with rule="gdn"."""
     return linear_attention_rounds(q, k, v, g, beta, plan, rule="gdn", scale=scale, state_dtype=state_dtype,
-                                   use_qk_l2norm=use_qk_l2norm, kernel=kernel)
+                                   use_qk_l2norm=use_qk_l2norm, kernel=kernel, carry=carry)

@@ -70,7 +70,7 @@ def _groups(keys: np.ndarray, values: np.ndarray):
     return distinct, values[order], counts
 
 
-def _checked_round(r: int, rnd, num_tokens: int, chunk_size: int) -> dict:
+def _checked_round(r: int, rnd, num_tokens: int, chunk_size: int, num_initial: int) -> dict:
     """One round's arrays as int64, checked on their own."""
     a = {}
     for field in ROUND_FIELDS:
@@ -91,20 +91,22 @@ def _checked_round(r: int, rnd, num_tokens: int, chunk_size: int) -> dict:
         raise ValueError(f"GDN plan: rounds[{r}].own_rows keeps a row twice")
     if a["export_seq"].size != a["export_bank"].size:
         raise ValueError(f"GDN plan: rounds[{r}].export_seq and export_bank differ in length")
-    if a["init_state"].size != cu.size - 1 or np.any(a["init_state"] < -1):
-        raise ValueError(f"GDN plan: rounds[{r}].init_state must hold a bank id or -1 for each of its "
-                         f"{cu.size - 1} sequences")
+    if a["init_state"].size != cu.size - 1 or np.any(a["init_state"] < -1 - num_initial):
+        raise ValueError(f"GDN plan: rounds[{r}].init_state must hold a bank id, -1 (zeros) or -2-j (the "
+                         f"caller's state j < {num_initial}) for each of its {cu.size - 1} sequences")
     check_exports(a["export_seq"], a["export_offset"], np.diff(cu).tolist(), chunk_size,
                   who=f"GDN plan: rounds[{r}]")
     return a
 
 
 def plan_tree_gdn(rounds, num_tokens: int, *, chunk_size: int = CHUNK_SIZE,
-                  config: GDNKernelConfig | None = None) -> TreeGDNPlan:
+                  config: GDNKernelConfig | None = None, num_initial: int = 0, output_banks=()) -> TreeGDNPlan:
     """Lay `rounds` out as one varlen index and check the plan's invariants (errors name round and field).
     Any chunk size (the plain-torch reference runs them all; the Triton kernels need CHUNK_SIZE).
+    `num_initial`: states the caller passes in (a sequence with init_state -2-j starts from state j);
+    `output_banks`: bank ids of exported states returned to the caller (a piece's carried states).
     O(rows + chunks + sequences log sequences)."""
-    checked = [_checked_round(r, rnd, num_tokens, chunk_size) for r, rnd in enumerate(rounds)]
+    checked = [_checked_round(r, rnd, num_tokens, chunk_size, num_initial) for r, rnd in enumerate(rounds)]
     bounds, export_seq, export_offset, export_bank, row_src = [0], [], [], [], []
     own_pick = np.full(num_tokens, -1, dtype=np.int64)
     seq_base, row_base = 0, 0
@@ -133,12 +135,18 @@ def plan_tree_gdn(rounds, num_tokens: int, *, chunk_size: int = CHUNK_SIZE,
         late = [int(b) for b in a["init_state"] if b >= 0 and int(b) not in exported]
         if late:
             raise ValueError(f"GDN plan: rounds[{r}].init_state: bank id {late[0]} is exported by no earlier round")
-        round_slots.append(np.array([slot_of_bank[int(b)] if b >= 0 else -1 for b in a["init_state"]], np.int64))
+        round_slots.append(np.array([slot_of_bank[int(b)] if b >= 0 else
+                                     (-1 if b == -1 else index.num_slots + (-2 - int(b))) for b in a["init_state"]],
+                                    np.int64))
         parent.extend(exporter[int(b)] if b >= 0 else -1 for b in a["init_state"])
         exported.update(int(b) for b in a["export_bank"])
+    missing = [int(b) for b in output_banks if int(b) not in slot_of_bank]
+    if missing:
+        raise ValueError(f"GDN plan: output bank id {missing[0]} is exported by no round")
     src_all = np.concatenate(row_src) if row_src else np.zeros(0, np.int64)
     return _assemble(num_tokens, index, own_pick, src_all, round_slots, np.asarray(parent, np.int64),
-                     num_initial=0, output_slots=np.zeros(0, np.int64))
+                     num_initial=num_initial,
+                     output_slots=np.asarray([slot_of_bank[int(b)] for b in output_banks], np.int64))
 
 
 def plan_single_call(seq_lengths, export_seq=(), export_offset=(), *, chunk_size: int = CHUNK_SIZE,

@@ -218,7 +218,8 @@ def target_plan_of(index, vocab: int, chunk_tokens: int = 4096) -> TargetPlan:
     tables = [np.asarray(getattr(index, name).cpu() if hasattr(getattr(index, name), "cpu") else getattr(index, name))
               for name in ("target_src", "target_token", "row_target", "row_pred", "lengths")]
     num_tokens = len(index.token_ids)
-    check_targets(*tables, num_tokens, vocab)
+    # a piece of a split tree computes only the positions its own tokens predict: partial rows
+    check_targets(*tables, num_tokens, vocab, partial_rows=getattr(index, "context", None) is not None)
     return plan_targets(*tables[:4], num_tokens, chunk_tokens)
 
 

@@ -24,8 +24,10 @@ class TargetPlan:
     row_needed: np.ndarray        # [rows, max_len] position in `needed` of the token predicting (row, p), or -1
 
 
-def check_targets(target_src, target_token, row_target, row_pred, lengths, num_tokens: int, vocab: int) -> None:
-    """Range and consistency checks of the target tables; ValueError names the field. O(P log P + rows x len)."""
+def check_targets(target_src, target_token, row_target, row_pred, lengths, num_tokens: int, vocab: int, *,
+                  partial_rows: bool = False) -> None:
+    """Range and consistency checks of the target tables; ValueError names the field. O(P log P + rows x len).
+    `partial_rows`: rows may leave positions to other pieces of their tree (valid only inside 1 <= p < length)."""
     for name, table in (("target_src", target_src), ("target_token", target_token), ("row_target", row_target),
                         ("row_pred", row_pred), ("lengths", lengths)):
         if not np.issubdtype(np.asarray(table).dtype, np.integer):
@@ -47,8 +49,9 @@ def check_targets(target_src, target_token, row_target, row_pred, lengths, num_t
         problems.append("row_pred disagrees with target_src[row_target]")
     max_len = row_target.shape[1] if row_target.ndim == 2 else 0
     expected = (np.arange(max_len)[None, :] >= 1) & (np.arange(max_len)[None, :] < lengths[:, None])
-    if valid.shape != expected.shape or not np.array_equal(valid, expected):
-        problems.append("row_target is not valid exactly at 1 <= p < lengths[row]")
+    if valid.shape != expected.shape or not np.array_equal(valid, expected & valid if partial_rows else expected):
+        where = "only inside" if partial_rows else "exactly at"
+        problems.append(f"row_target is not valid {where} 1 <= p < lengths[row]")
     if np.unique(src * max(vocab, 1) + tok).size != n_targets:
         problems.append("target_src/target_token hold repeated (src, token) pairs")
     if problems:

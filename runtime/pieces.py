@@ -1,0 +1,124 @@
+"""Running a split tree's pieces: each piece's forward reads the carried tensors of the pieces before it.
+
+`run_piece_chain` runs the pieces of one tree in order (codegen/pieces.py builds their tables). Per layer, a
+piece's mixers read from earlier pieces the context's attention K/V, the conv inputs before their first
+tokens, the replay rows and the linear-attention states their sequences start from (`ops.carry.LayerCarry`),
+and keep what later pieces read. The carried tensors are the producing pieces' own tensors, so one backward of
+the assembled output sends every later piece's gradient into the piece that made the tensor, and each piece's
+backward runs once with the sum: every token is computed once, forward and backward, and the result is the
+unsplit tree's (hence trajectory-wise training's).
+
+The output is the tree's whole rows (a trajectory's log-probs are computed by the pieces its tokens lie in and
+summed into one row: each position by exactly one piece), with the MoE statistics and aux loss over all its
+pieces' tokens, each counted once per trajectory, exactly as for the unsplit tree.
+
+Memory: every piece keeps its autograd graph until the backward (with activation checkpointing, its layer
+inputs), while the activations inside a layer are bounded by the piece's tokens (the microbatch budget).
+"""
+from __future__ import annotations
+
+import torch
+
+from .moe import RouterStats
+from .ops.carry import LayerCarry
+
+_KINDS = ("kv", "conv", "replay")
+
+
+def _gather(kept: list[dict], layer: int, kind: str, producers: torch.Tensor, rows: torch.Tensor, groups):
+    """The carried rows of one kind for one layer, in the piece's order, from the producing pieces' kept
+    tensors (context rows come from earlier pieces in increasing order: one slice per producer)."""
+    parts = []
+    for q, lo, hi in groups:
+        source = kept[q][layer][kind]
+        index = rows[lo:hi]
+        parts.append(tuple(t[index] for t in source) if isinstance(source, tuple) else source[index])
+    if not parts:
+        return None
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(column) for column in zip(*parts))
+    return torch.cat(parts)
+
+
+def _groups(producers) -> list[tuple[int, int, int]]:
+    """Runs of equal producer in a non-decreasing producer list: (producer, start, end)."""
+    out, start = [], 0
+    values = producers.tolist()
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            out.append((values[start], start, i))
+            start = i
+    return [run for run in out if run[2] > run[1]]
+
+
+def _layer_inputs(kept: list[dict], layer: int, links, device, layer_kinds: set[str]) -> dict:
+    inputs = {}
+    for kind in _KINDS:
+        if kind not in layer_kinds:
+            continue
+        producers, rows = getattr(links, kind)
+        if producers.size:
+            inputs[kind] = _gather(kept, layer, kind, producers, torch.as_tensor(rows, device=device),
+                                   _groups(producers))
+    if "states" in layer_kinds:
+        producers, rows = links.state
+        if producers.size:
+            inputs["states"] = torch.stack([kept[q][layer]["states"][r] for q, r in
+                                            zip(producers.tolist(), rows.tolist())])
+    return inputs
+
+
+def _layer_kinds(model) -> list[set[str]]:
+    """Which carried kinds each decoder layer reads and keeps."""
+    kinds = []
+    for layer in model.model.layers:
+        linear = layer.layer_type == "linear_attention"
+        kinds.append({"conv", "replay", "states"} if linear else {"kv"})
+    return kinds
+
+
+def _sum_stats(per_piece: list[list[RouterStats]]) -> list[RouterStats]:
+    """Per MoE layer, the routing sums over all pieces (each is a sum over that piece's tokens)."""
+    if not per_piece or not per_piece[0]:
+        return []
+    layers = []
+    for column in zip(*per_piece):
+        prob = None if column[0].prob_sum is None else sum(s.prob_sum for s in column)
+        layers.append(RouterStats(assigned=sum(s.assigned for s in column), prob_sum=prob,
+                                  weight=sum(s.weight for s in column)))
+    return layers
+
+
+def run_piece_chain(model, chain, **options):
+    """Forward every piece of `chain` (a `codegen.pieces.PieceChain`) on `model`: the tree's TreeOutput."""
+    from .model import tree_output  # model.py dispatches here: import at call time
+
+    kinds = _layer_kinds(model)
+    kept: list[dict] = []
+    rows_lp, rows_ent, stats = [], [], []
+    position = {tid: j for j, tid in enumerate(chain.trajectory_ids)}
+    for index, links in zip(chain.indices, chain.links):
+        plan = model.launch_plan(index, reference_gdn=options.get("gdn_kernel") is not None
+                                 or options.get("kda_kernel") is not None)
+        carries = {i: LayerCarry(plan.piece, _layer_inputs(kept, i, links, plan.positions.device, kinds[i]))
+                   for i in range(len(kinds))}
+        logprobs, entropy, router_stats = model.run_plan(plan, carries=carries, **options)
+        kept.append({i: carry.kept for i, carry in carries.items()})
+        rows = torch.as_tensor([position[t] for t in plan.trajectory_ids], dtype=torch.long, device=logprobs.device)
+        rows_lp.append((rows, logprobs))
+        rows_ent.append((rows, entropy))
+        stats.append(router_stats)
+    n, width = len(chain.trajectory_ids), int(chain.lengths.max(initial=0))
+    logprobs = _assemble(rows_lp, n, width)
+    entropy = _assemble(rows_ent, n, width)
+    lengths = torch.as_tensor(chain.lengths, device=logprobs.device)
+    return tree_output(chain.trajectory_ids, logprobs, entropy, lengths, _sum_stats(stats), model.config)
+
+
+def _assemble(parts, n: int, width: int) -> torch.Tensor:
+    """Whole rows from the pieces' partial rows (each position is computed by exactly one piece, 0 elsewhere)."""
+    first = parts[0][1]
+    out = first.new_zeros((n, width))
+    for rows, values in parts:
+        out = out.index_add(0, rows, torch.nn.functional.pad(values, (0, width - values.shape[1])))
+    return out
