@@ -1,0 +1,127 @@
+"""Jit helpers of the sub-chunk decomposition: a 64-row chunk is four 16-row blocks, and every product that
+carries the per-channel decay exp(gc_i - gc_j) (j <= i, gc the in-chunk cumsum of g) is computed so that no
+factor exceeds 1:
+
+- off-diagonal blocks (I > J) split the decay at a reference row n between the two blocks, as fla does:
+  exp(gc_i - gc_j) = exp(gc_i - gc_n) exp(gc_n - gc_j) with both exponents <= 0, so each factor scales a
+  [16, BK] tile of q or k and a tensor-core dot sums over the channels;
+- diagonal blocks take exp(gc_i - gc_j) elementwise ([16, 16, BK] products), with no split at all.
+
+Every exponent goes through `_exp_gate_gap` (exp(min(x, 0))): on valid rows the gap is <= 0 exactly (gc is a
+running sum of g <= 0), in padding lanes (gc loads 0) it would overflow and meet a zero operand (NaN).
+"""
+import triton
+import triton.language as tl
+
+from ..chunk_gdn.gates import _exp_gate_gap, _input_rows
+
+
+@triton.jit
+def _block_rows(row_src, row0, row_end, sub, shift, GATHER: tl.constexpr):
+    """Packed rows of block `sub` (16 rows from row0 + 16 sub): (rows, mask inside the sequence, input rows)."""
+    rows = row0 + sub * 16 + tl.arange(0, 16)
+    m = rows < row_end
+    return rows, m, _input_rows(row_src, rows, m, shift, GATHER)
+
+
+@triton.jit
+def _tile(x, rows, m, row_stride, col0, o_k):
+    """[16, BK] fp32 tile of x at rows `rows` (masked rows 0), columns col0 + o_k."""
+    return tl.load(x + rows[:, None].to(tl.int64) * row_stride + col0 + o_k[None, :], mask=m[:, None],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tile_t(x, rows, m, row_stride, col0, o_k):
+    """The same tile transposed, loaded transposed ([BK, 16]), not a transposed register tile."""
+    return tl.load(x + rows[None, :].to(tl.int64) * row_stride + col0 + o_k[:, None], mask=m[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _first_row(b_x):
+    """Row 0 of a [16, BK] tile as [BK]."""
+    return tl.sum(tl.where((tl.arange(0, 16) == 0)[:, None], b_x, 0.0), 0)
+
+
+@triton.jit
+def _last_row(b_x):
+    """Row 15 of a [16, BK] tile as [BK]."""
+    return tl.sum(tl.where((tl.arange(0, 16) == 15)[:, None], b_x, 0.0), 0)
+
+
+@triton.jit
+def _diag_decay(b_gc):
+    """[16, 16, BK]: exp(gc_i - gc_j) of one block (1 where j > i: the callers mask those entries away)."""
+    return _exp_gate_gap(b_gc[:, None, :] - b_gc[None, :, :])
+
+
+@triton.jit
+def _diag_products(b_a, b_b, b_e3):
+    """[16, 16]: sum_d a_i[d] b_j[d] exp(gc_i[d] - gc_j[d]) inside one block (every (i, j); callers mask)."""
+    return tl.sum(b_a[:, None, :] * b_b[None, :, :] * b_e3, 2)
+
+
+@triton.jit
+def _diag_rows(b_dm, b_y, b_e3):
+    """[16, BK]: X_i = sum_j dm_ij y_j exp(gc_i - gc_j) inside one block (dm already masked)."""
+    return tl.sum(b_dm[:, :, None] * b_y[None, :, :] * b_e3, 1)
+
+
+@triton.jit
+def _diag_cols(b_dm, b_x, b_e3):
+    """[16, BK]: Z_j = sum_i dm_ij x_i exp(gc_i - gc_j) inside one block (dm already masked)."""
+    return tl.sum(b_dm[:, :, None] * b_x[:, None, :] * b_e3, 0)
+
+
+@triton.jit
+def _to_ref(b_x, b_gc, b_ref):
+    """x exp(gc - ref) for rows at or after the reference row (factor <= 1)."""
+    return b_x * _exp_gate_gap(b_gc - b_ref[None, :])
+
+
+@triton.jit
+def _from_ref(b_x, b_gc, b_ref):
+    """x exp(ref - gc) for rows at or before the reference row (factor <= 1)."""
+    return b_x * _exp_gate_gap(b_ref[None, :] - b_gc)
+
+
+@triton.jit
+def _dot(a, b):
+    """fp32 tiles through the tensor cores (tf32 on the GPU, as fla's intra-chunk kernels; exact fp32 in the
+    CPU interpreter)."""
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _off_rows(b_dm, b_y, b_gcj, b_gci, b_ref):
+    """X_I += [16, BK]: sum_{j in J} dm_ij y_j exp(gc_i - gc_j) for a block J before I, split at I's first row."""
+    return _to_ref(_dot(b_dm, _from_ref(b_y, b_gcj, b_ref)), b_gci, b_ref)
+
+
+@triton.jit
+def _off_cols(b_dmt, b_x, b_gci, b_gcj, b_ref):
+    """Z_J += [16, BK]: sum_{i in I} dm_ij x_i exp(gc_i - gc_j) for a block I after J, split at J's last row;
+    b_dmt is dm_IJ loaded transposed."""
+    return _from_ref(_dot(b_dmt, _to_ref(b_x, b_gci, b_ref)), b_gcj, b_ref)
+
+
+@triton.jit
+def _store_block(x, rows, m, i_h, col0, b_x, HV: tl.constexpr, W: tl.constexpr):
+    """A [16, 16] block into rows `rows`, columns col0.. of x [R, HV, W]."""
+    o_i = tl.arange(0, 16)
+    tl.store(x + (rows[:, None].to(tl.int64) * HV + i_h) * W + col0 + o_i[None, :], b_x, mask=m[:, None])
+
+
+@triton.jit
+def _load_block(x, rows, m, i_h, col0, HV: tl.constexpr, W: tl.constexpr):
+    o_i = tl.arange(0, 16)
+    return tl.load(x + (rows[:, None].to(tl.int64) * HV + i_h) * W + col0 + o_i[None, :], mask=m[:, None], other=0.0)
+
+
+@triton.jit
+def _load_block_t(x, rows_i, m_i, i_h, col0, HV: tl.constexpr, W: tl.constexpr):
+    """Block (I, J) of x [R, HV, W] transposed: element (j, i) = x[rows_i[i], col0 + j]."""
+    o_j = tl.arange(0, 16)
+    return tl.load(x + (rows_i[None, :].to(tl.int64) * HV + i_h) * W + col0 + o_j[:, None], mask=m_i[None, :],
+                   other=0.0)

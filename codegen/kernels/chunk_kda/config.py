@@ -1,0 +1,45 @@
+"""Launch parameters of the KDA chunk-parallel kernels (the scans and lanes follow the plan's GDNKernelConfig).
+
+Fixed, never autotuned: the same chunk then runs the same code in any call, which keeps tree mode bitwise
+equal to trajectory-wise training. The values are first choices for K = V = 128 on the H200, not yet tuned
+(docs/kda_kernels.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _power_of_two(value: int, least: int) -> bool:
+    return value >= least and value & (value - 1) == 0
+
+
+@dataclass(frozen=True)
+class KDAKernelConfig:
+    # key columns per step of the sub-chunk kernels (forward A / T, backward intra): their diagonal 16x16
+    # blocks hold [16, 16, block_k] fp32 products, 32 columns keep that at 64 registers a thread at 4 warps
+    intra_block_k: int = 32
+    # forward intra (A, T): 4 warps hold the twenty [16, 16] accumulators and the diagonal products
+    intra_fwd_warps: int = 4
+    # w, u, kg: [64, 64] dots, as GDN's wy_wu_warps
+    wu_warps: int = 4
+    # output: 64 state columns per program at 4 warps (GDN's out kernel)
+    out_block_v: int = 64
+    out_warps: int = 4
+    # backward prologue (dv_local, qg): [64, 64] dots over all of V, 8 warps as GDN's dv_local
+    bwd_prep_warps: int = 8
+    # backward inter-chunk kernel (dq, dk, dw over all K at once): 8 warps hold three [64, K] fp32 tiles
+    bwd_inter_warps: int = 8
+    bwd_block_v: int = 64
+    # WY backward: 4 warps, walking K and V in 64-column blocks (GDN's wy_bwd_warps)
+    wy_bwd_warps: int = 4
+    # backward intra (sub-chunk blocks of dAqk and dAkk)
+    intra_bwd_warps: int = 4
+
+    def __post_init__(self):
+        for field in ("intra_block_k", "out_block_v", "bwd_block_v"):
+            if not _power_of_two(getattr(self, field), 16):
+                raise ValueError(f"KDAKernelConfig.{field} must be a power of two >= 16, got {getattr(self, field)}")
+        for field in ("intra_fwd_warps", "wu_warps", "out_warps", "bwd_prep_warps", "bwd_inter_warps",
+                      "wy_bwd_warps", "intra_bwd_warps"):
+            if not _power_of_two(getattr(self, field), 1):
+                raise ValueError(f"KDAKernelConfig.{field} must be a power of two, got {getattr(self, field)}")

@@ -1,0 +1,202 @@
+"""Backward, chunk-parallel part 2: through the two decayed attention matrices, then the gate's reverse cumsum.
+
+With E_ij[d] = exp(gc_i[d] - gc_j[d]) and the stored dAqk (lower, diagonal included) and dAkk (strictly lower,
+before beta), per 16-row block, K columns a step:
+  Aqk_ij = sum_d q_i k_j E_ij:         Xq_i = sum_j dAqk_ij k_j E_ij,  Zq_j = sum_i dAqk_ij q_i E_ij
+  Akk_ij = beta_i sum_d k_i k_j E_ij:  Xk_i = sum_j dAkk_ij k_j E_ij,  Zk_j = sum_i dAkk_ij beta_i k_i E_ij
+  dq += Xq,  dk += Zq + beta Xk + Zk,  dbeta += sum_d k Xk,  dgc += q Xq - k Zq + beta k Xk - k Zk
+  dg = reverse cumsum of dgc inside the chunk.
+X terms of a block I split the decay at I's first row, Z terms of a block J at J's last row (blocks.py), so
+every factor is at most 1. The kernel writes the final dq, dk, dg, dbeta: kept rows at their compact tokens,
+replayed rows into the side buffers.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..chunk_gdn.gates import _chunk_shift, _kept_rows
+from .blocks import (_block_rows, _diag_cols, _diag_decay, _diag_rows, _first_row, _last_row, _load_block,
+                     _off_cols, _off_rows, _tile)
+
+
+@triton.jit
+def _x_terms(dq_ij, dk_ij, k_j, gc_j, gc_i, ref):
+    """(Xq, Xk) contributions of block J < I to block I."""
+    return _off_rows(dq_ij, k_j, gc_j, gc_i, ref), _off_rows(dk_ij, k_j, gc_j, gc_i, ref)
+
+
+@triton.jit
+def _z_terms(dq_ij, dk_ij, q_i, kb_i, gc_i, gc_j, ref):
+    """(Zq, Zk) contributions of block I > J to block J (dq_ij, dk_ij: the (I, J) blocks, transposed here)."""
+    return _off_cols(tl.trans(dq_ij), q_i, gc_i, gc_j, ref), _off_cols(tl.trans(dk_ij), kb_i, gc_i, gc_j, ref)
+
+
+@triton.jit
+def _finish_block(dq, dk, dg, side_dk, side_dg, dq_p, dk_p, dgc_p, rows, m, kept, m_keep, i_h, o_k, q_i, k_i, b_i,
+                  xq, xk, zq, zk, carry, HV: tl.constexpr, K: tl.constexpr, GATHER: tl.constexpr):
+    """Block I's final dq, dk, dg columns (dg: reverse cumsum continuing from `carry`, the sum of the later
+    blocks' dgc); returns (sum_d k Xk per row [16], carry after this block)."""
+    p = (rows[:, None].to(tl.int64) * HV + i_h) * K + o_k[None, :]
+    b_dq = tl.load(dq_p + p, mask=m[:, None], other=0.0) + xq
+    kb_xk = b_i[:, None] * xk
+    b_dk = tl.load(dk_p + p, mask=m[:, None], other=0.0) + zq + kb_xk + zk
+    b_dgc = tl.load(dgc_p + p, mask=m[:, None], other=0.0) + q_i * xq - k_i * zq + k_i * kb_xk - k_i * zk
+    b_dgc = tl.where(m[:, None], b_dgc, 0.0)
+    b_sum = tl.sum(b_dgc, 0)
+    b_dg = carry[None, :] + b_sum[None, :] - tl.cumsum(b_dgc, 0) + b_dgc
+    p_kept = (kept[:, None].to(tl.int64) * HV + i_h) * K + o_k[None, :]
+    tl.store(dq + p_kept, b_dq, mask=m_keep[:, None])  # a replayed row's dq is 0 (its do is 0): not kept
+    tl.store(dk + p_kept, b_dk, mask=m_keep[:, None])
+    tl.store(dg + p_kept, b_dg, mask=m_keep[:, None])
+    if GATHER:
+        p_side = ((-1 - kept)[:, None].to(tl.int64) * HV + i_h) * K + o_k[None, :]
+        m_side = m & ~m_keep
+        tl.store(side_dk + p_side, b_dk, mask=m_side[:, None])
+        tl.store(side_dg + p_side, b_dg, mask=m_side[:, None])
+    return tl.sum(k_i * xk, 1), carry + b_sum
+
+
+@triton.jit
+def _store_dbeta(dbeta, side_dbeta, dbeta_p, rows, m, kept, m_keep, i_h, b_acc, HV: tl.constexpr,
+                 GATHER: tl.constexpr):
+    b_db = tl.load(dbeta_p + rows.to(tl.int64) * HV + i_h, mask=m, other=0.0) + b_acc
+    tl.store(dbeta + kept.to(tl.int64) * HV + i_h, b_db, mask=m_keep)
+    if GATHER:
+        tl.store(side_dbeta + (-1 - kept).to(tl.int64) * HV + i_h, b_db, mask=m & ~m_keep)
+
+
+@triton.jit
+def _intra_bwd_chunk(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, dq, dk, dg, dbeta, side_dk, side_dg,
+                     side_dbeta, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK: tl.constexpr,
+                     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
+    i_ch = tl.program_id(0)
+    i_c, i_h = i_ch // HV, i_ch % HV
+    i_hk = i_h // (HV // HK)
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    r0, m0, s0 = _block_rows(row_src, row0, row_end, 0, shift, GATHER)
+    r1, m1, s1 = _block_rows(row_src, row0, row_end, 1, shift, GATHER)
+    r2, m2, s2 = _block_rows(row_src, row0, row_end, 2, shift, GATHER)
+    r3, m3, s3 = _block_rows(row_src, row0, row_end, 3, shift, GATHER)
+    o0, n0 = _kept_rows(row_own, r0, m0, shift, GATHER)
+    o1, n1 = _kept_rows(row_own, r1, m1, shift, GATHER)
+    o2, n2 = _kept_rows(row_own, r2, m2, shift, GATHER)
+    o3, n3 = _kept_rows(row_own, r3, m3, shift, GATHER)
+    b0 = tl.load(beta + s0 * HV + i_h, mask=m0, other=0.0).to(tl.float32)
+    b1 = tl.load(beta + s1 * HV + i_h, mask=m1, other=0.0).to(tl.float32)
+    b2 = tl.load(beta + s2 * HV + i_h, mask=m2, other=0.0).to(tl.float32)
+    b3 = tl.load(beta + s3 * HV + i_h, mask=m3, other=0.0).to(tl.float32)
+    db0 = tl.zeros([16], dtype=tl.float32)
+    db1 = tl.zeros([16], dtype=tl.float32)
+    db2 = tl.zeros([16], dtype=tl.float32)
+    db3 = tl.zeros([16], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        g0 = _tile(gc + i_h * K, r0, m0, HV * K, 0, o_k)
+        g1 = _tile(gc + i_h * K, r1, m1, HV * K, 0, o_k)
+        g2 = _tile(gc + i_h * K, r2, m2, HV * K, 0, o_k)
+        g3 = _tile(gc + i_h * K, r3, m3, HV * K, 0, o_k)
+        k0 = _tile(k, s0, m0, HK * K, i_hk * K, o_k)
+        k1 = _tile(k, s1, m1, HK * K, i_hk * K, o_k)
+        k2 = _tile(k, s2, m2, HK * K, i_hk * K, o_k)
+        k3 = _tile(k, s3, m3, HK * K, i_hk * K, o_k)
+        q0 = _tile(q, s0, m0, HK * K, i_hk * K, o_k)
+        q1 = _tile(q, s1, m1, HK * K, i_hk * K, o_k)
+        q2 = _tile(q, s2, m2, HK * K, i_hk * K, o_k)
+        q3 = _tile(q, s3, m3, HK * K, i_hk * K, o_k)
+        kb0 = k0 * b0[:, None]
+        kb1 = k1 * b1[:, None]
+        kb2 = k2 * b2[:, None]
+        kb3 = k3 * b3[:, None]
+        # diagonal blocks, elementwise
+        e3 = _diag_decay(g0)
+        dqb = _load_block(dAqk, r0, m0, i_h, 0, HV, BT)
+        dkb = _load_block(dAkk, r0, m0, i_h, 0, HV, BT)
+        xq0, xk0, zq0, zk0 = (_diag_rows(dqb, k0, e3), _diag_rows(dkb, k0, e3), _diag_cols(dqb, q0, e3),
+                              _diag_cols(dkb, kb0, e3))
+        e3 = _diag_decay(g1)
+        dqb = _load_block(dAqk, r1, m1, i_h, 16, HV, BT)
+        dkb = _load_block(dAkk, r1, m1, i_h, 16, HV, BT)
+        xq1, xk1, zq1, zk1 = (_diag_rows(dqb, k1, e3), _diag_rows(dkb, k1, e3), _diag_cols(dqb, q1, e3),
+                              _diag_cols(dkb, kb1, e3))
+        e3 = _diag_decay(g2)
+        dqb = _load_block(dAqk, r2, m2, i_h, 32, HV, BT)
+        dkb = _load_block(dAkk, r2, m2, i_h, 32, HV, BT)
+        xq2, xk2, zq2, zk2 = (_diag_rows(dqb, k2, e3), _diag_rows(dkb, k2, e3), _diag_cols(dqb, q2, e3),
+                              _diag_cols(dkb, kb2, e3))
+        e3 = _diag_decay(g3)
+        dqb = _load_block(dAqk, r3, m3, i_h, 48, HV, BT)
+        dkb = _load_block(dAkk, r3, m3, i_h, 48, HV, BT)
+        xq3, xk3, zq3, zk3 = (_diag_rows(dqb, k3, e3), _diag_rows(dkb, k3, e3), _diag_cols(dqb, q3, e3),
+                              _diag_cols(dkb, kb3, e3))
+        # off-diagonal blocks (I, J), I > J: X of I split at I's first row, Z of J at J's last row
+        n_1, n_2, n_3 = _first_row(g1), _first_row(g2), _first_row(g3)
+        l_0, l_1, l_2 = _last_row(g0), _last_row(g1), _last_row(g2)
+        dqb = _load_block(dAqk, r1, m1, i_h, 0, HV, BT)   # (1, 0)
+        dkb = _load_block(dAkk, r1, m1, i_h, 0, HV, BT)
+        xq, xk = _x_terms(dqb, dkb, k0, g0, g1, n_1)
+        xq1, xk1 = xq1 + xq, xk1 + xk
+        zq, zk = _z_terms(dqb, dkb, q1, kb1, g1, g0, l_0)
+        zq0, zk0 = zq0 + zq, zk0 + zk
+        dqb = _load_block(dAqk, r2, m2, i_h, 0, HV, BT)   # (2, 0)
+        dkb = _load_block(dAkk, r2, m2, i_h, 0, HV, BT)
+        xq, xk = _x_terms(dqb, dkb, k0, g0, g2, n_2)
+        xq2, xk2 = xq2 + xq, xk2 + xk
+        zq, zk = _z_terms(dqb, dkb, q2, kb2, g2, g0, l_0)
+        zq0, zk0 = zq0 + zq, zk0 + zk
+        dqb = _load_block(dAqk, r2, m2, i_h, 16, HV, BT)  # (2, 1)
+        dkb = _load_block(dAkk, r2, m2, i_h, 16, HV, BT)
+        xq, xk = _x_terms(dqb, dkb, k1, g1, g2, n_2)
+        xq2, xk2 = xq2 + xq, xk2 + xk
+        zq, zk = _z_terms(dqb, dkb, q2, kb2, g2, g1, l_1)
+        zq1, zk1 = zq1 + zq, zk1 + zk
+        dqb = _load_block(dAqk, r3, m3, i_h, 0, HV, BT)   # (3, 0)
+        dkb = _load_block(dAkk, r3, m3, i_h, 0, HV, BT)
+        xq, xk = _x_terms(dqb, dkb, k0, g0, g3, n_3)
+        xq3, xk3 = xq3 + xq, xk3 + xk
+        zq, zk = _z_terms(dqb, dkb, q3, kb3, g3, g0, l_0)
+        zq0, zk0 = zq0 + zq, zk0 + zk
+        dqb = _load_block(dAqk, r3, m3, i_h, 16, HV, BT)  # (3, 1)
+        dkb = _load_block(dAkk, r3, m3, i_h, 16, HV, BT)
+        xq, xk = _x_terms(dqb, dkb, k1, g1, g3, n_3)
+        xq3, xk3 = xq3 + xq, xk3 + xk
+        zq, zk = _z_terms(dqb, dkb, q3, kb3, g3, g1, l_1)
+        zq1, zk1 = zq1 + zq, zk1 + zk
+        dqb = _load_block(dAqk, r3, m3, i_h, 32, HV, BT)  # (3, 2)
+        dkb = _load_block(dAkk, r3, m3, i_h, 32, HV, BT)
+        xq, xk = _x_terms(dqb, dkb, k2, g2, g3, n_3)
+        xq3, xk3 = xq3 + xq, xk3 + xk
+        zq, zk = _z_terms(dqb, dkb, q3, kb3, g3, g2, l_2)
+        zq2, zk2 = zq2 + zq, zk2 + zk
+        # the blocks from last to first: dg's reverse cumsum carries the later blocks' sums
+        carry = tl.zeros([BK], dtype=tl.float32)
+        d, carry = _finish_block(dq, dk, dg, side_dk, side_dg, dq_p, dk_p, dgc_p, r3, m3, o3, n3, i_h, o_k, q3, k3,
+                                 b3, xq3, xk3, zq3, zk3, carry, HV, K, GATHER)
+        db3 += d
+        d, carry = _finish_block(dq, dk, dg, side_dk, side_dg, dq_p, dk_p, dgc_p, r2, m2, o2, n2, i_h, o_k, q2, k2,
+                                 b2, xq2, xk2, zq2, zk2, carry, HV, K, GATHER)
+        db2 += d
+        d, carry = _finish_block(dq, dk, dg, side_dk, side_dg, dq_p, dk_p, dgc_p, r1, m1, o1, n1, i_h, o_k, q1, k1,
+                                 b1, xq1, xk1, zq1, zk1, carry, HV, K, GATHER)
+        db1 += d
+        d, carry = _finish_block(dq, dk, dg, side_dk, side_dg, dq_p, dk_p, dgc_p, r0, m0, o0, n0, i_h, o_k, q0, k0,
+                                 b0, xq0, xk0, zq0, zk0, carry, HV, K, GATHER)
+        db0 += d
+    _store_dbeta(dbeta, side_dbeta, dbeta_p, r0, m0, o0, n0, i_h, db0, HV, GATHER)
+    _store_dbeta(dbeta, side_dbeta, dbeta_p, r1, m1, o1, n1, i_h, db1, HV, GATHER)
+    _store_dbeta(dbeta, side_dbeta, dbeta_p, r2, m2, o2, n2, i_h, db2, HV, GATHER)
+    _store_dbeta(dbeta, side_dbeta, dbeta_p, r3, m3, o3, n3, i_h, db3, HV, GATHER)
+
+
+@triton.jit
+def _intra_bwd_kernel(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, dq, dk, dg, dbeta, side_dk, side_dg,
+                      side_dbeta, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, HK: tl.constexpr,
+                      HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
+    if affine:
+        _intra_bwd_chunk(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, dq, dk, dg, dbeta, side_dk, side_dg,
+                         side_dbeta, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, K, BT, BK, False)
+    else:
+        _intra_bwd_chunk(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, dq, dk, dg, dbeta, side_dk, side_dg,
+                         side_dbeta, chunk_row_start, chunk_row_end, row_src, row_own, 0, HK, HV, K, BT, BK, GATHER)

@@ -1,0 +1,242 @@
+"""Forward, chunk-local part: per-channel gate cumsum, the chunk's two decayed attention matrices, the WY
+inverse, and the operands of the state scan.
+
+Per chunk (BT = 64 rows) and value head, with gc = in-chunk cumsum of g [BT, K] (fp32) and
+E_ij[d] = exp(gc_i[d] - gc_j[d]):
+  Akk = strictly_lower( beta_i sum_d k_i[d] k_j[d] E_ij[d] )      [BT, BT]
+  Aqk = lower( sum_d q_i[d] k_j[d] E_ij[d] )  (diagonal included)  [BT, BT] fp32, for o and dv_local
+  T   = (I + Akk)^-1                                              [BT, BT] fp32, kept for the backward
+  w   = T (beta exp(gc) k),  u = T (beta v),  kg = exp(gl - gc) k   (gl: gc of the chunk's last row)
+Two kernels, as GDN's wy_fwd: the first builds Akk and Aqk from 16-row blocks (blocks.py: off-diagonal blocks
+by dots split at a reference row, diagonal ones elementwise), inverts Akk in registers with GDN's 16x16
+forward substitution and block merge, and stores gc, T, Aqk; the second computes w, u and kg from T.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..chunk_gdn.gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows
+from ..chunk_gdn.index import chunk_shift_table, row_tables
+from ..chunk_gdn.wy_fwd import _inverse_unit_lower16, _merge_inverse, _store_inverse
+from .blocks import _block_rows, _diag_decay, _diag_products, _dot, _first_row, _from_ref, _tile, _to_ref
+
+
+@triton.jit
+def _strict(b_a, b_beta):
+    """beta_i times a diagonal block's strictly lower part."""
+    o_i = tl.arange(0, 16)
+    return tl.where(o_i[:, None] > o_i[None, :], b_a * b_beta[:, None], 0.0)
+
+
+@triton.jit
+def _lower(b_a):
+    o_i = tl.arange(0, 16)
+    return tl.where(o_i[:, None] >= o_i[None, :], b_a, 0.0)
+
+
+@triton.jit
+def _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, row_src, shift, HK: tl.constexpr,
+                     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (HV // HK)
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    r0, m0, s0 = _block_rows(row_src, row0, row_end, 0, shift, GATHER)
+    r1, m1, s1 = _block_rows(row_src, row0, row_end, 1, shift, GATHER)
+    r2, m2, s2 = _block_rows(row_src, row0, row_end, 2, shift, GATHER)
+    r3, m3, s3 = _block_rows(row_src, row0, row_end, 3, shift, GATHER)
+    a00 = tl.zeros([16, 16], dtype=tl.float32)  # Akk blocks (before beta)
+    a10 = tl.zeros([16, 16], dtype=tl.float32)
+    a11 = tl.zeros([16, 16], dtype=tl.float32)
+    a20 = tl.zeros([16, 16], dtype=tl.float32)
+    a21 = tl.zeros([16, 16], dtype=tl.float32)
+    a22 = tl.zeros([16, 16], dtype=tl.float32)
+    a30 = tl.zeros([16, 16], dtype=tl.float32)
+    a31 = tl.zeros([16, 16], dtype=tl.float32)
+    a32 = tl.zeros([16, 16], dtype=tl.float32)
+    a33 = tl.zeros([16, 16], dtype=tl.float32)
+    p00 = tl.zeros([16, 16], dtype=tl.float32)  # Aqk blocks
+    p10 = tl.zeros([16, 16], dtype=tl.float32)
+    p11 = tl.zeros([16, 16], dtype=tl.float32)
+    p20 = tl.zeros([16, 16], dtype=tl.float32)
+    p21 = tl.zeros([16, 16], dtype=tl.float32)
+    p22 = tl.zeros([16, 16], dtype=tl.float32)
+    p30 = tl.zeros([16, 16], dtype=tl.float32)
+    p31 = tl.zeros([16, 16], dtype=tl.float32)
+    p32 = tl.zeros([16, 16], dtype=tl.float32)
+    p33 = tl.zeros([16, 16], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        # gc: each block's column cumsum continues from the rows before it (padding rows add g = 0)
+        g0 = _tile(g, s0, m0, HV * K, i_h * K, o_k)
+        g1 = _tile(g, s1, m1, HV * K, i_h * K, o_k)
+        g2 = _tile(g, s2, m2, HV * K, i_h * K, o_k)
+        g3 = _tile(g, s3, m3, HV * K, i_h * K, o_k)
+        gc0 = tl.cumsum(g0, 0)
+        c1 = tl.sum(g0, 0)
+        gc1 = c1[None, :] + tl.cumsum(g1, 0)
+        c2 = c1 + tl.sum(g1, 0)
+        gc2 = c2[None, :] + tl.cumsum(g2, 0)
+        c3 = c2 + tl.sum(g2, 0)
+        gc3 = c3[None, :] + tl.cumsum(g3, 0)
+        p_gc = gc + i_h * K + o_k[None, :]
+        tl.store(p_gc + r0[:, None].to(tl.int64) * (HV * K), gc0, mask=m0[:, None])
+        tl.store(p_gc + r1[:, None].to(tl.int64) * (HV * K), gc1, mask=m1[:, None])
+        tl.store(p_gc + r2[:, None].to(tl.int64) * (HV * K), gc2, mask=m2[:, None])
+        tl.store(p_gc + r3[:, None].to(tl.int64) * (HV * K), gc3, mask=m3[:, None])
+        k0 = _tile(k, s0, m0, HK * K, i_hk * K, o_k)
+        k1 = _tile(k, s1, m1, HK * K, i_hk * K, o_k)
+        k2 = _tile(k, s2, m2, HK * K, i_hk * K, o_k)
+        k3 = _tile(k, s3, m3, HK * K, i_hk * K, o_k)
+        q0 = _tile(q, s0, m0, HK * K, i_hk * K, o_k)
+        q1 = _tile(q, s1, m1, HK * K, i_hk * K, o_k)
+        q2 = _tile(q, s2, m2, HK * K, i_hk * K, o_k)
+        q3 = _tile(q, s3, m3, HK * K, i_hk * K, o_k)
+        # diagonal blocks, elementwise
+        e3 = _diag_decay(gc0)
+        a00 += _diag_products(k0, k0, e3)
+        p00 += _diag_products(q0, k0, e3)
+        e3 = _diag_decay(gc1)
+        a11 += _diag_products(k1, k1, e3)
+        p11 += _diag_products(q1, k1, e3)
+        e3 = _diag_decay(gc2)
+        a22 += _diag_products(k2, k2, e3)
+        p22 += _diag_products(q2, k2, e3)
+        e3 = _diag_decay(gc3)
+        a33 += _diag_products(k3, k3, e3)
+        p33 += _diag_products(q3, k3, e3)
+        # off-diagonal blocks (I, J), I > J, split at block I's first row n
+        n1 = _first_row(gc1)
+        kn = _to_ref(k1, gc1, n1)
+        qn = _to_ref(q1, gc1, n1)
+        kr = tl.trans(_from_ref(k0, gc0, n1))
+        a10 += _dot(kn, kr)
+        p10 += _dot(qn, kr)
+        n2 = _first_row(gc2)
+        kn = _to_ref(k2, gc2, n2)
+        qn = _to_ref(q2, gc2, n2)
+        kr = tl.trans(_from_ref(k0, gc0, n2))
+        a20 += _dot(kn, kr)
+        p20 += _dot(qn, kr)
+        kr = tl.trans(_from_ref(k1, gc1, n2))
+        a21 += _dot(kn, kr)
+        p21 += _dot(qn, kr)
+        n3 = _first_row(gc3)
+        kn = _to_ref(k3, gc3, n3)
+        qn = _to_ref(q3, gc3, n3)
+        kr = tl.trans(_from_ref(k0, gc0, n3))
+        a30 += _dot(kn, kr)
+        p30 += _dot(qn, kr)
+        kr = tl.trans(_from_ref(k1, gc1, n3))
+        a31 += _dot(kn, kr)
+        p31 += _dot(qn, kr)
+        kr = tl.trans(_from_ref(k2, gc2, n3))
+        a32 += _dot(kn, kr)
+        p32 += _dot(qn, kr)
+
+    b0 = tl.load(beta + s0 * HV + i_h, mask=m0, other=0.0).to(tl.float32)
+    b1 = tl.load(beta + s1 * HV + i_h, mask=m1, other=0.0).to(tl.float32)
+    b2 = tl.load(beta + s2 * HV + i_h, mask=m2, other=0.0).to(tl.float32)
+    b3 = tl.load(beta + s3 * HV + i_h, mask=m3, other=0.0).to(tl.float32)
+    t00 = _inverse_unit_lower16(_strict(a00, b0))
+    t11 = _inverse_unit_lower16(_strict(a11, b1))
+    t22 = _inverse_unit_lower16(_strict(a22, b2))
+    t33 = _inverse_unit_lower16(_strict(a33, b3))
+    t10, t20, t21, t30, t31, t32 = _merge_inverse(
+        t00, t11, t22, t33, a10 * b1[:, None], a20 * b2[:, None], a21 * b2[:, None], a30 * b3[:, None],
+        a31 * b3[:, None], a32 * b3[:, None])
+    _store_inverse(T, row0, row_end, i_h, t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, HV, BT)
+    _store_inverse(Aqk, row0, row_end, i_h, _lower(p00), p10, _lower(p11), p20, p21, _lower(p22), p30, p31, p32,
+                   _lower(p33), HV, BT)
+
+
+@triton.jit
+def _intra_fwd_kernel(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, row_src, chunk_shift,
+                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      GATHER: tl.constexpr):
+    """Chunks without replayed rows run the plain-row code at row + their shift, the others through the row
+    maps (GATHER) or on plain rows (GDN's dispatch)."""
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0), GATHER)
+    if affine:
+        _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, BT,
+                         BK, False)
+    else:
+        _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, BT, BK,
+                         GATHER)
+
+
+@triton.jit
+def _wu_chunk(k, v, beta, gc, T, w, u, kg, chunk_row_start, chunk_row_end, row_src, shift, HK: tl.constexpr,
+              HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, GATHER: tl.constexpr):
+    """w = T (beta exp(gc) k), kg = exp(gl - gc) k [BT, K]; u = T (beta v) [BT, V], BK / BV columns a step."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (HV // HK)
+    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
+    src = _input_rows(row_src, rows, m_t, shift, GATHER)
+    rows64 = rows.to(tl.int64)
+    o_t = tl.arange(0, BT)
+    dt = k.dtype.element_ty
+    # T rounds to the inputs' dtype once, for every dot (GDN's wy_fwd)
+    b_t = tl.load(T + (rows64[:, None] * HV + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0).to(dt)
+    b_b = tl.load(beta + src * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    last = (row_end - 1).to(tl.int64)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k + src[:, None].to(tl.int64) * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None],
+                      other=0.0).to(tl.float32)
+        p_gc = gc + (rows64[:, None] * HV + i_h) * K + o_k[None, :]
+        b_gc = tl.load(p_gc, mask=m_t[:, None], other=0.0)
+        b_gl = tl.load(gc + (last * HV + i_h) * K + o_k)
+        b_w = tl.dot(b_t, (b_k * tl.exp(b_gc) * b_b[:, None]).to(dt))
+        p_out = (rows64[:, None] * HV + i_h) * K + o_k[None, :]
+        tl.store(w + p_out, b_w.to(w.dtype.element_ty), mask=m_t[:, None])
+        b_kg = b_k * _exp_gate_gap(b_gl[None, :] - b_gc)
+        tl.store(kg + p_out, b_kg.to(kg.dtype.element_ty), mask=m_t[:, None])
+    for i_v in range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_v = tl.load(v + (src[:, None].to(tl.int64) * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+        b_u = tl.dot(b_t.to(b_v.dtype), (b_v * b_b[:, None]).to(b_v.dtype))
+        tl.store(u + (rows64[:, None] * HV + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def _wu_kernel(k, v, beta, gc, T, w, u, kg, chunk_row_start, chunk_row_end, row_src, chunk_shift, HK: tl.constexpr,
+               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, GATHER: tl.constexpr):
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0), GATHER)
+    if affine:
+        _wu_chunk(k, v, beta, gc, T, w, u, kg, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, V, BT, BK,
+                  BV, False)
+    else:
+        _wu_chunk(k, v, beta, gc, T, w, u, kg, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, V, BT, BK, BV,
+                  GATHER)
+
+
+def intra_fwd(q, k, v, g, beta, index, config, rows=None):
+    """gc [R, HV, K] fp32, T and Aqk [R, HV, BT] fp32, w and kg [R, HV, K] (k's dtype), u [R, HV, V] (v's dtype)
+    over the R packed rows of `index`; with `rows` (index.PackedRows) q, k, v, g, beta are compact and read
+    through `rows.src`. `config`: KDAKernelConfig."""
+    _, hk, kd = k.shape
+    hv, vd = v.shape[1], v.shape[2]
+    n_rows = rows.src.numel() if rows is not None else k.shape[0]
+    BT = index.chunk_size
+    dev = k.device
+    gc = torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32)
+    T = torch.empty(n_rows, hv, BT, device=dev, dtype=torch.float32)
+    Aqk = torch.empty_like(T)
+    w = torch.empty(n_rows, hv, kd, device=dev, dtype=k.dtype)
+    kg = torch.empty_like(w)
+    u = torch.empty(n_rows, hv, vd, device=dev, dtype=v.dtype)
+    if not index.num_chunks:
+        return gc, T, Aqk, w, u, kg
+    grid = (index.num_chunks, hv)
+    tables = (index.chunk_row_start, index.chunk_row_end, row_tables(index, rows)[0], chunk_shift_table(index, rows))
+    gather = rows is not None
+    _intra_fwd_kernel[grid](q, k, g, beta, gc, T, Aqk, *tables, HK=hk, HV=hv, K=kd, BT=BT,
+                            BK=min(config.intra_block_k, kd), GATHER=gather, num_warps=config.intra_fwd_warps)
+    _wu_kernel[grid](k, v, beta, gc, T, w, u, kg, *tables, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd),
+                     BV=min(64, vd), GATHER=gather, num_warps=config.wu_warps)
+    return gc, T, Aqk, w, u, kg
