@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import InputError
 
@@ -13,8 +13,8 @@ GDN_CHUNK_SIZE = 64
 
 class CompileOptions(BaseModel):
     """chunk_size: linear-attention chunk C; conv_width: short-conv width W;
-    microbatch_tokens: compact-token budget per microbatch (None = one microbatch per rank);
-    larger trees are split into parts that recompute their root path (`split-oversize`);
+    microbatch_tokens: compact-token budget per microbatch (None = one microbatch per rank), at least one chunk;
+    larger trees run as pieces that carry their path's state to each other (`cut-pieces`);
     dp_size: data-parallel ranks; vocab_size: reject tokens >= this when given;
     verify: run every IR verifier between passes (cheap, O(T)).
     split_time_limit_s: CP-SAT time for improving the greedy cuts of oversize trees (0 = greedy).
@@ -44,6 +44,13 @@ class CompileOptions(BaseModel):
     cost_model: str | None = None
     linear_layers: int | None = Field(None, ge=0)
     full_layers: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _budget_holds_a_chunk(self):
+        if self.microbatch_tokens is not None and self.microbatch_tokens < self.chunk_size:
+            raise ValueError(f"microbatch_tokens={self.microbatch_tokens} is smaller than one chunk "
+                             f"(chunk_size={self.chunk_size})")
+        return self
 
     @classmethod
     def for_model(cls, model, **overrides) -> "CompileOptions":

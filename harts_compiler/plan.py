@@ -97,17 +97,21 @@ class Plan:
             "compact_tokens": compact,
             "compression": round(traj_tokens / compact, 4) if compact else 0.0,
             "replay_tokens": seqs.replay_tokens if seqs is not None else 0,
+            "cut_replay_rows": 0,
             "sequences": seqs.num_sequences if seqs is not None else 0,
             "rounds": int(seqs.tree_rounds.max(initial=0)) if seqs is not None else 0,
             "passes": [{"name": name, "ms": round(ms, 3)} for name, ms in self.program.provenance],
             "identity": self.identity,
         }
-        # What split-oversize and schedule reported (parts and recomputed tokens; the solver's
-        # status, objective, lower bound and time); absent when the pass did not run / split.
-        for key, pass_name in (("split", "split-oversize"), ("schedule", "schedule")):
+        # What cut-pieces and schedule reported (pieces, context tokens and replay rows at cuts; the solver's
+        # status, objective, lower bound and time); absent when the pass did not run / cut nothing.
+        for key, pass_name in (("pieces", "cut-pieces"), ("schedule", "schedule")):
             note = self.program.note(pass_name)
             if note is not None:
                 stats[key] = note
+        stats["cut_replay_rows"] = stats.get("pieces", {}).get("cut_replay_rows", 0)
+        # every row the step computes: each distinct token once, plus the linear-attention replay rows
+        stats["planned_tokens"] = compact + stats["replay_tokens"] + stats["cut_replay_rows"]
         stats["microbatches"] = ([mb.summary() for mb in self.microbatches()]
                                  if self.program.microbatches is not None else [])
         return stats
