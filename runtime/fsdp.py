@@ -10,6 +10,11 @@ normalisers already, so the batch gradient is the plain sum of the ranks' gradie
 (`set_gradient_divide_factor(1.0)`; FSDP2's default would divide by the world size).
 
 `ignored_params` leaves parameters out of the sharding (each rank keeps and updates its own copy).
+
+Expert parallelism (`runtime.expert_parallel.shard_expert_parallel`) passes `expert_mesh`: each MoE
+block's experts (DTensors sharded over "ep" already) get their own `fully_shard` over that mesh first,
+so the decoder layer's `fully_shard` leaves them out and their gradients are summed over the ranks that
+hold the same experts only.
 """
 from __future__ import annotations
 
@@ -31,13 +36,14 @@ def mixed_precision(param_dtype: torch.dtype | None = torch.bfloat16,
 
 def shard_model(model, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None,
                 cpu_offload: bool = False, reshard_after_forward: bool = True,
-                ignored_params: set | None = None):
+                ignored_params: set | None = None, expert_mesh: DeviceMesh | None = None):
     """Apply `fully_shard` to every decoder layer of `model` and then to `model` itself, in place.
 
     `reshard_after_forward=False` keeps each layer's gathered parameters from its forward to its
     backward (one all-gather per layer and slot instead of two, at the memory of an unsharded
     model). `cpu_offload` keeps the sharded parameters, gradients and optimizer state in host
-    memory (FSDP2's `CPUOffloadPolicy`). Returns the model (now also an `FSDPModule`)."""
+    memory (FSDP2's `CPUOffloadPolicy`). `expert_mesh`: the mesh the expert-parallel experts are
+    sharded over (module docstring). Returns the model (now also an `FSDPModule`)."""
     if isinstance(model, FSDPModule):
         raise ValueError("shard_model: the model is sharded already")
     if mesh.ndim != 1:
@@ -45,6 +51,10 @@ def shard_model(model, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | No
     options = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                    offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     ignored = set(ignored_params or ())
+    if expert_mesh is not None:
+        from .expert_parallel import expert_modules
+        for experts in expert_modules(model):  # before the layers: a layer leaves out what a child holds
+            fully_shard(experts, reshard_after_forward=reshard_after_forward, **dict(options, mesh=expert_mesh))
     for layer in model.model.layers:
         layer_ignored = {p for p in layer.parameters() if p in ignored}
         fully_shard(layer, reshard_after_forward=reshard_after_forward, ignored_params=layer_ignored or None,

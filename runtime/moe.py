@@ -59,36 +59,66 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
-        top_k = top_index.shape[1]
-        flat_expert = top_index.reshape(-1)
-        # assignments sorted by expert (stable: tokens in order within an expert)
-        order = torch.argsort(flat_expert, stable=True)
-        token_of = order // top_k
-        # scatter_add, not bincount: bincount sizes its output from the data, a device read on CUDA
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, flat_expert, torch.ones_like(flat_expert))
-        xs = x[token_of]
-        if x.is_cuda and _grouped_mm is not None and x.dtype == torch.bfloat16:
-            offsets = torch.cumsum(counts, 0).to(torch.int32)
-            gate_up = _grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets)
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = _grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
-        else:  # a plain loop over the experts that received tokens
-            pieces, start = [], 0
-            for expert, count in enumerate(counts.tolist()):
-                if count == 0:
-                    continue
-                rows = xs[start:start + count]
-                gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
-                pieces.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
-                start += count
-            hidden = torch.cat(pieces) if pieces else xs
-        hidden = hidden * top_weight.reshape(-1)[order, None]
-        # back to (token, slot) order, then the k slots summed in a fixed order: index_add over token_of
-        # adds with atomics on CUDA (bf16 ones at that), in an order that varies from run to run (the
-        # backward still gathers through x[token_of], whose gradient PyTorch accumulates with atomics)
-        slots = torch.index_copy(torch.empty_like(hidden), 0, order, hidden)
-        return slots.view(x.shape[0], top_k, hidden.shape[-1]).sum(1).to(x.dtype)
+        routing = sort_by_expert(top_index, self.num_experts)
+        hidden = expert_ffn(x[routing.token_of], self.gate_up_proj, self.down_proj, routing.counts)
+        return combine_slots(hidden, routing, top_weight, x.dtype)
+
+
+@dataclasses.dataclass
+class ExpertRouting:
+    """A microbatch's (token, slot) assignments sorted by expert (stable: tokens in order within an expert)."""
+
+    order: torch.Tensor  # [T*k]: flat (token, slot) index of each sorted assignment
+    token_of: torch.Tensor  # [T*k]: its token
+    counts: torch.Tensor  # [E]: assignments per expert (long)
+    num_tokens: int
+    top_k: int
+
+
+def sort_by_expert(top_index: torch.Tensor, num_experts: int) -> ExpertRouting:
+    top_k = top_index.shape[1]
+    flat_expert = top_index.reshape(-1)
+    order = torch.argsort(flat_expert, stable=True)
+    # scatter_add, not bincount: bincount sizes its output from the data, a device read on CUDA
+    counts = torch.zeros(num_experts, dtype=torch.long, device=top_index.device).scatter_add_(
+        0, flat_expert, torch.ones_like(flat_expert))
+    return ExpertRouting(order=order, token_of=order // top_k, counts=counts, num_tokens=top_index.shape[0],
+                         top_k=top_k)
+
+
+def expert_ffn(xs: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+               counts: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert over its rows: xs [N, H] grouped by expert, counts[e] rows for expert e of
+    gate_up_proj [E, 2I, H] / down_proj [E, H, I] -> [N, H]."""
+    if xs.is_cuda and _grouped_mm is not None and xs.dtype == torch.bfloat16:
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        gate_up = _grouped_mm(xs, gate_up_proj.transpose(1, 2), offs=offsets)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return _grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
+    pieces, start = [], 0  # a plain loop over the experts that received rows
+    for expert, count in enumerate(counts.tolist()):
+        if count == 0:
+            continue
+        rows = xs[start:start + count]
+        gate, up = F.linear(rows, gate_up_proj[expert]).chunk(2, dim=-1)
+        pieces.append(F.linear(F.silu(gate) * up, down_proj[expert]))
+        start += count
+    if pieces:
+        return torch.cat(pieces)
+    # no rows: an empty result that still depends on the weights, so that their gradient exists (exact
+    # zeros) on every rank: FSDP2 reduce-scatters only the gradients a rank has, and all ranks must agree
+    return xs + 0.0 * (gate_up_proj.sum() + down_proj.sum())
+
+
+def combine_slots(hidden: torch.Tensor, routing: ExpertRouting, top_weight: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Expert outputs in sorted order [T*k, H] -> routing-weighted sum over each token's k slots [T, H]."""
+    hidden = hidden * top_weight.reshape(-1)[routing.order, None]
+    # back to (token, slot) order, then the k slots summed in a fixed order: index_add over token_of
+    # adds with atomics on CUDA (bf16 ones at that), in an order that varies from run to run (the
+    # backward still gathers through x[token_of], whose gradient PyTorch accumulates with atomics)
+    slots = torch.index_copy(torch.empty_like(hidden), 0, routing.order, hidden)
+    return slots.view(routing.num_tokens, routing.top_k, hidden.shape[-1]).sum(1).to(dtype)
 
 
 class SparseMoeBlock(nn.Module):
