@@ -147,7 +147,9 @@ def _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta, offs_n, 
     i_m = tl.load(k_rows + first + pair % count)
     offs_m = i_m * BM + sub * BMS + tl.arange(0, BMS)  # local query rows
     rows_m = offs_m.to(tl.int64) * (HQ * D) + i_h * D
-    rows_do = offs_m.to(tl.int64) * (HQ * DV) + i_h * DV
+    rows_do = rows_m
+    if DV != D:
+        rows_do = offs_m.to(tl.int64) * (HQ * DV) + i_h * DV
     offs_dv = tl.arange(0, DV)
     head_row = i_h.to(tl.int64) * TQ
     m_valid = offs_m < TQ
@@ -171,10 +173,10 @@ def _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta, offs_n, 
         b_p = tl.where(visible, b_p, 0.0)
     b_dvt += tl.dot(tl.trans(b_do), b_p.to(b_do.dtype))
     b_dp = tl.dot(b_do, tl.trans(b_v))
-    b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
-    b_dkt += tl.dot(tl.trans(b_q), b_ds)
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    b_dkt += tl.dot(tl.trans(b_q), b_ds.to(b_q.dtype))
     if D2 > 0:
-        b_dkt2 += tl.dot(tl.trans(b_q2), b_ds)
+        b_dkt2 += tl.dot(tl.trans(b_q2), b_ds.to(b_q.dtype))
     return b_dkt, b_dkt2, b_dvt
 
 
@@ -237,17 +239,14 @@ def tree_attn_bwd_dkdv_kernel(q, k, v, do, dk, dv, lse, delta, subtree_end,
                                        HAS_OFFSET, True, INTERPRET)
     # store through transposed pointers (no tl.trans of the accumulators)
     rows_k = offs_n.to(tl.int64) * (HKV * D) + i_kvh * D
-    rows_v = offs_n.to(tl.int64) * (HKV * DV) + i_kvh * DV
-    offs_d = tl.arange(0, D1)
-    tl.store(dk + rows_k[None, :] + offs_d[:, None], (b_dkt * scale).to(dk.dtype.element_ty),
-             mask=n_valid[None, :])
+    p_t = rows_k[None, :] + tl.arange(0, D1)[:, None]
+    tl.store(dk + p_t, (b_dkt * scale).to(dk.dtype.element_ty), mask=n_valid[None, :])
     if D2 > 0:
-        offs_d2 = D1 + tl.arange(0, D2)
-        tl.store(dk + rows_k[None, :] + offs_d2[:, None], (b_dkt2 * scale).to(dk.dtype.element_ty),
-                 mask=n_valid[None, :])
-    offs_dv = tl.arange(0, DV)
-    tl.store(dv + rows_v[None, :] + offs_dv[:, None], b_dvt.to(dv.dtype.element_ty),
-             mask=n_valid[None, :])
+        p_t2 = rows_k[None, :] + (D1 + tl.arange(0, D2))[:, None]
+        tl.store(dk + p_t2, (b_dkt2 * scale).to(dk.dtype.element_ty), mask=n_valid[None, :])
+    if DV != D:
+        p_t = (offs_n.to(tl.int64) * (HKV * DV) + i_kvh * DV)[None, :] + tl.arange(0, DV)[:, None]
+    tl.store(dv + p_t, b_dvt.to(dv.dtype.element_ty), mask=n_valid[None, :])
 
 
 def bwd_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:

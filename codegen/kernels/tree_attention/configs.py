@@ -67,13 +67,13 @@ CONFIGS = {
 MLA_CONFIGS = {
     (192, 128): KernelConfig(
         # 128-row score tiles (n64 wgmma per warpgroup, the shape that won at 256); k + v are 40 KB per
-        # stage, so 3 stages fit beside the 48 KB q tile (168 KB), as at head dim 128
+        # stage, so 3 stages fit beside the 48 KB q tile (sm_90 compile: 173 KB, no spills), as at head dim 128
         fwd=_launch(128, 64, 8, 3),
         # 128-row sub-tile as at 256 (dq accumulator 128 x 192 fp32 = 96 registers a thread, less than
-        # 256's 128); q + do 80 KB, k + v 40 KB a stage: 2 stages fit (160 KB)
+        # 256's 128); q + do 80 KB, k + v 40 KB a stage: 2 stages fit (sm_90 compile: 164 KB, no spills)
         dq=_launch(128, 64, 8, 2, block_ms=128),
-        # 128-row sub-tile as at 256 (accumulators dk^T 192 x 64 + dv^T 128 x 64 fp32 = 80 registers a
-        # thread); q + do are 80 KB a stage, so a second stage (with k, v and the p/ds tiles) would not fit
+        # 128-row sub-tile, one stage, as won at 256 (sm_90 compile: 139 KB, 5 spilled registers; two
+        # stages fit in 181 KB but spill 24)
         dkdv=_launch(128, 64, 8, 1, block_ms=128)),
 }
 
@@ -84,7 +84,8 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 CANDIDATES_MLA = {  # the same for q/k 192, v 128
     "fwd": [MLA_CONFIGS[(192, 128)].fwd, _launch(128, 64, 8, 2), _launch(128, 128, 8, 1)],
     "dq": [MLA_CONFIGS[(192, 128)].dq, _launch(128, 64, 8, 1, block_ms=128), _launch(128, 64, 8, 2, block_ms=64)],
-    "dkdv": [MLA_CONFIGS[(192, 128)].dkdv, _launch(128, 64, 8, 2, block_ms=64), _launch(64, 64, 8, 2, block_ms=64)],
+    "dkdv": [MLA_CONFIGS[(192, 128)].dkdv, _launch(128, 64, 8, 2, block_ms=128), _launch(128, 32, 8, 2, block_ms=128),
+             _launch(128, 64, 8, 2, block_ms=64)],
 }
 CANDIDATES_256 = {
     "fwd": [_launch(128, 64, 8, 2), _launch(128, 128, 8, 1), _launch(128, 32, 8, 3)],
