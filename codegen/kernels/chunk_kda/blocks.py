@@ -7,13 +7,15 @@ factor exceeds 1:
   [16, BK] tile of q or k and a tensor-core dot sums over the channels;
 - diagonal blocks take exp(gc_i - gc_j) elementwise ([16, 16, BK] products), with no split at all.
 
-Every exponent goes through `_exp_gate_gap` (exp(min(x, 0))): on valid rows the gap is <= 0 exactly (gc is a
-running sum of g <= 0), in padding lanes (gc loads 0) it would overflow and meet a zero operand (NaN).
+Every exponent is clamped as in GDN's `_exp_gate_gap` (exp(min(x, 0))): on valid rows the gap is <= 0 exactly
+(gc is a running sum of g <= 0), in padding lanes (gc loads 0) it would overflow and meet a zero operand (NaN).
+Dots of these fp32 tiles run through the tensor cores (tf32 on the GPU, as fla's intra-chunk kernels; exact
+fp32 in the CPU interpreter).
 """
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import _exp_gate_gap, _input_rows
+from ..chunk_gdn.gates import _input_rows
 
 
 @triton.jit
@@ -39,21 +41,9 @@ def _tile_t(x, rows, m, row_stride, col0, o_k):
 
 
 @triton.jit
-def _first_row(b_x):
-    """Row 0 of a [16, BK] tile as [BK]."""
-    return tl.sum(tl.where((tl.arange(0, 16) == 0)[:, None], b_x, 0.0), 0)
-
-
-@triton.jit
-def _last_row(b_x):
-    """Row 15 of a [16, BK] tile as [BK]."""
-    return tl.sum(tl.where((tl.arange(0, 16) == 15)[:, None], b_x, 0.0), 0)
-
-
-@triton.jit
 def _diag_decay(b_gc):
     """[16, 16, BK]: exp(gc_i - gc_j) of one block (1 where j > i: the callers mask those entries away)."""
-    return _exp_gate_gap(b_gc[:, None, :] - b_gc[None, :, :])
+    return tl.exp(tl.minimum(b_gc[:, None, :] - b_gc[None, :, :], 0.0))
 
 
 @triton.jit
@@ -76,34 +66,33 @@ def _diag_cols(b_dm, b_x, b_e3):
 
 @triton.jit
 def _to_ref(b_x, b_gc, b_ref):
-    """x exp(gc - ref) for rows at or after the reference row (factor <= 1)."""
-    return b_x * _exp_gate_gap(b_gc - b_ref[None, :])
+    """x exp(gc - ref) for rows at or after the reference row (factor <= 1; `_exp_gate_gap` written out)."""
+    return b_x * tl.exp(tl.minimum(b_gc - b_ref[None, :], 0.0))
 
 
 @triton.jit
 def _from_ref(b_x, b_gc, b_ref):
     """x exp(ref - gc) for rows at or before the reference row (factor <= 1)."""
-    return b_x * _exp_gate_gap(b_ref[None, :] - b_gc)
-
-
-@triton.jit
-def _dot(a, b):
-    """fp32 tiles through the tensor cores (tf32 on the GPU, as fla's intra-chunk kernels; exact fp32 in the
-    CPU interpreter)."""
-    return tl.dot(a, b)
+    return b_x * tl.exp(tl.minimum(b_ref[None, :] - b_gc, 0.0))
 
 
 @triton.jit
 def _off_rows(b_dm, b_y, b_gcj, b_gci, b_ref):
-    """X_I += [16, BK]: sum_{j in J} dm_ij y_j exp(gc_i - gc_j) for a block J before I, split at I's first row."""
-    return _to_ref(_dot(b_dm, _from_ref(b_y, b_gcj, b_ref)), b_gci, b_ref)
+    """X_I += [16, BK]: sum_{j in J} dm_ij y_j exp(gc_i - gc_j) for a block J before I, split at a row between
+    them (gc of that row: b_ref).
+    (The factors are written out rather than calls of _to_ref / _from_ref: each device-function call costs the
+    CPU interpreter a re-patch of triton.language, about a millisecond.)"""
+    b_yr = b_y * tl.exp(tl.minimum(b_ref[None, :] - b_gcj, 0.0))
+    return tl.dot(b_dm, b_yr) * tl.exp(tl.minimum(b_gci - b_ref[None, :], 0.0))
 
 
 @triton.jit
 def _off_cols(b_dmt, b_x, b_gci, b_gcj, b_ref):
-    """Z_J += [16, BK]: sum_{i in I} dm_ij x_i exp(gc_i - gc_j) for a block I after J, split at J's last row;
-    b_dmt is dm_IJ loaded transposed."""
-    return _from_ref(_dot(b_dmt, _to_ref(b_x, b_gci, b_ref)), b_gcj, b_ref)
+    """Z_J += [16, BK]: sum_{i in I} dm_ij x_i exp(gc_i - gc_j) for a block I after J, split at a row between
+    them;
+    b_dmt is dm_IJ transposed."""
+    b_xr = b_x * tl.exp(tl.minimum(b_gci - b_ref[None, :], 0.0))
+    return tl.dot(b_dmt, b_xr) * tl.exp(tl.minimum(b_ref[None, :] - b_gcj, 0.0))
 
 
 @triton.jit

@@ -6,9 +6,9 @@ before beta), per 16-row block, K columns a step:
   Akk_ij = beta_i sum_d k_i k_j E_ij:  Xk_i = sum_j dAkk_ij k_j E_ij,  Zk_j = sum_i dAkk_ij beta_i k_i E_ij
   dq += Xq,  dk += Zq + beta Xk + Zk,  dbeta += sum_d k Xk,  dgc += q Xq - k Zq + beta k Xk - k Zk
   dg = reverse cumsum of dgc inside the chunk.
-X terms of a block I split the decay at I's first row, Z terms of a block J at J's last row (blocks.py), so
-every factor is at most 1. The kernel writes the final dq, dk, dg, dbeta: kept rows at their compact tokens,
-replayed rows into the side buffers.
+X terms of a block I split the decay at the last row of block I - 1, Z terms of a block J at J's last row
+(blocks.py), so every factor is at most 1. The kernel writes the final dq, dk, dg, dbeta: kept rows at their
+compact tokens, replayed rows into the side buffers.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..chunk_gdn.gates import _chunk_shift, _kept_rows
-from .blocks import (_block_rows, _diag_cols, _diag_decay, _diag_rows, _first_row, _last_row, _load_block,
+from .blocks import (_block_rows, _diag_cols, _diag_decay, _diag_rows, _load_block,
                      _off_cols, _off_rows, _tile)
 
 
@@ -130,42 +130,45 @@ def _intra_bwd_chunk(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, dq,
         dkb = _load_block(dAkk, r3, m3, i_h, 48, HV, BT)
         xq3, xk3, zq3, zk3 = (_diag_rows(dqb, k3, e3), _diag_rows(dkb, k3, e3), _diag_cols(dqb, q3, e3),
                               _diag_cols(dkb, kb3, e3))
-        # off-diagonal blocks (I, J), I > J: X of I split at I's first row, Z of J at J's last row
-        n_1, n_2, n_3 = _first_row(g1), _first_row(g2), _first_row(g3)
-        l_0, l_1, l_2 = _last_row(g0), _last_row(g1), _last_row(g2)
+        # off-diagonal blocks (I, J), I > J: X of I split at the last row of block I - 1, Z of J at J's last row
+        # split points: gc of each block's last row (a padding row loads 0: every later row is padding then)
+        p_l = gc + i_h * K + o_k
+        l_0 = tl.load(p_l + (row0 + 15).to(tl.int64) * (HV * K), mask=(o_k * 0 + row0 + 15) < row_end, other=0.0)
+        l_1 = tl.load(p_l + (row0 + 31).to(tl.int64) * (HV * K), mask=(o_k * 0 + row0 + 31) < row_end, other=0.0)
+        l_2 = tl.load(p_l + (row0 + 47).to(tl.int64) * (HV * K), mask=(o_k * 0 + row0 + 47) < row_end, other=0.0)
         dqb = _load_block(dAqk, r1, m1, i_h, 0, HV, BT)   # (1, 0)
         dkb = _load_block(dAkk, r1, m1, i_h, 0, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k0, g0, g1, n_1)
+        xq, xk = _x_terms(dqb, dkb, k0, g0, g1, l_0)
         xq1, xk1 = xq1 + xq, xk1 + xk
         zq, zk = _z_terms(dqb, dkb, q1, kb1, g1, g0, l_0)
         zq0, zk0 = zq0 + zq, zk0 + zk
         dqb = _load_block(dAqk, r2, m2, i_h, 0, HV, BT)   # (2, 0)
         dkb = _load_block(dAkk, r2, m2, i_h, 0, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k0, g0, g2, n_2)
+        xq, xk = _x_terms(dqb, dkb, k0, g0, g2, l_1)
         xq2, xk2 = xq2 + xq, xk2 + xk
         zq, zk = _z_terms(dqb, dkb, q2, kb2, g2, g0, l_0)
         zq0, zk0 = zq0 + zq, zk0 + zk
         dqb = _load_block(dAqk, r2, m2, i_h, 16, HV, BT)  # (2, 1)
         dkb = _load_block(dAkk, r2, m2, i_h, 16, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k1, g1, g2, n_2)
+        xq, xk = _x_terms(dqb, dkb, k1, g1, g2, l_1)
         xq2, xk2 = xq2 + xq, xk2 + xk
         zq, zk = _z_terms(dqb, dkb, q2, kb2, g2, g1, l_1)
         zq1, zk1 = zq1 + zq, zk1 + zk
         dqb = _load_block(dAqk, r3, m3, i_h, 0, HV, BT)   # (3, 0)
         dkb = _load_block(dAkk, r3, m3, i_h, 0, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k0, g0, g3, n_3)
+        xq, xk = _x_terms(dqb, dkb, k0, g0, g3, l_2)
         xq3, xk3 = xq3 + xq, xk3 + xk
         zq, zk = _z_terms(dqb, dkb, q3, kb3, g3, g0, l_0)
         zq0, zk0 = zq0 + zq, zk0 + zk
         dqb = _load_block(dAqk, r3, m3, i_h, 16, HV, BT)  # (3, 1)
         dkb = _load_block(dAkk, r3, m3, i_h, 16, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k1, g1, g3, n_3)
+        xq, xk = _x_terms(dqb, dkb, k1, g1, g3, l_2)
         xq3, xk3 = xq3 + xq, xk3 + xk
         zq, zk = _z_terms(dqb, dkb, q3, kb3, g3, g1, l_1)
         zq1, zk1 = zq1 + zq, zk1 + zk
         dqb = _load_block(dAqk, r3, m3, i_h, 32, HV, BT)  # (3, 2)
         dkb = _load_block(dAkk, r3, m3, i_h, 32, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k2, g2, g3, n_3)
+        xq, xk = _x_terms(dqb, dkb, k2, g2, g3, l_2)
         xq3, xk3 = xq3 + xq, xk3 + xk
         zq, zk = _z_terms(dqb, dkb, q3, kb3, g3, g2, l_2)
         zq2, zk2 = zq2 + zq, zk2 + zk
