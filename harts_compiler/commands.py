@@ -28,13 +28,12 @@ def format_summary(plan) -> str:
         f"rounds (max per tree) {stats['rounds']}",
         "passes             " + ", ".join(f"{p['name']} {p['ms']:.1f} ms" for p in stats["passes"]),
     ]
-    if "split" in stats:
-        split = stats["split"]
-        lines.append(f"split              {split['split_trees']:,} trees over the budget -> "
-                     f"{split['parts']:,} parts, {split['recomputed_tokens']:,} recomputed tokens "
-                     f"({100 * split['recomputed_fraction']:.1f}%); proven optimal "
-                     f"{split['trees_optimal']}, improved {split['trees_improved']}, greedy "
-                     f"{split['trees_greedy']} ({1e3 * split['solver_time_s']:.0f} ms)")
+    if "pieces" in stats:
+        pieces = stats["pieces"]
+        lines.append(f"pieces             {pieces['split_trees']:,} trees over the budget -> "
+                     f"{pieces['pieces']:,} pieces of <= {pieces['max_piece_tokens']:,} tokens; carried context "
+                     f"{pieces['context_tokens']:,} tokens, {pieces['cut_replay_rows']:,} replay rows at cuts "
+                     "(no token computed twice)")
     if "schedule" in stats:
         sched = stats["schedule"]
         lines.append(f"schedule           {sched['status']} ({STATUS_MEANING.get(sched['status'], '?')}; "

@@ -16,8 +16,6 @@ COMPILE_FLAGS = {
                     "or max_rank_total"),
     "--schedule-time-limit": ("schedule_time_limit_s", float, "SECONDS",
                               "CP-SAT planner time limit (the greedy plan is the fallback)"),
-    "--split-time-limit": ("split_time_limit_s", float, "SECONDS",
-                           "CP-SAT time for improving the cuts of trees over the budget (0 = the greedy cuts)"),
     "--cost-model": ("cost_model", str, "JSON", "fitted cost model (default: the repository's fit, else guesses)"),
     "--linear-layers": ("linear_layers", int, "N", "the model's linear-attention layers (cost model)"),
     "--full-layers": ("full_layers", int, "N", "the model's full-attention layers (cost model)"),

@@ -17,7 +17,6 @@ class CompileOptions(BaseModel):
     larger trees run as pieces that carry their path's state to each other (`cut-pieces`);
     dp_size: data-parallel ranks; vocab_size: reject tokens >= this when given;
     verify: run every IR verifier between passes (cheap, O(T)).
-    split_time_limit_s: CP-SAT time for improving the greedy cuts of oversize trees (0 = greedy).
     Schedule (`passes/schedule.py`): objective `sum_of_slot_max` (ranks run slots in lockstep)
     or `max_rank_total`; schedule_time_limit_s: the CP-SAT planner's time limit (the greedy plan
     is the fallback); schedule_seed / schedule_workers: fixed so the same input gives the same
@@ -38,7 +37,6 @@ class CompileOptions(BaseModel):
     verify: bool = True
     objective: Literal["sum_of_slot_max", "max_rank_total"] = "sum_of_slot_max"
     schedule_time_limit_s: float = Field(0.2, ge=0, le=600)
-    split_time_limit_s: float = Field(0.5, ge=0, le=600)
     schedule_seed: int = Field(0, ge=0)
     schedule_workers: int = Field(1, ge=1, le=64)
     cost_model: str | None = None

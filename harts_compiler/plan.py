@@ -37,8 +37,7 @@ class PlannedMicrobatch:
     @property
     def runs_as_pieces(self) -> bool:
         """Whether this microbatch's tree is larger than the budget and runs as pieces (`cut-pieces`)."""
-        pieces = self.program.pieces
-        return pieces is not None and bool(np.isin(self.trees, pieces.piece_tree).any())
+        return bool(self.piece_tokens)
 
     def build_chain(self):
         """The `codegen.pieces.PieceChain` of a microbatch that runs as pieces (one tree, its pieces in order)."""
@@ -52,7 +51,16 @@ class PlannedMicrobatch:
 
     def summary(self) -> dict:
         return {"rank": self.rank, "slot": self.slot, "compact_tokens": self.compact_tokens,
-                "trajectories": self.trajectories, "rounds": self.rounds}
+                "trajectories": self.trajectories, "rounds": self.rounds, "pieces": self.piece_tokens}
+
+    @property
+    def piece_tokens(self) -> list[int]:
+        """Own tokens of each piece when this microbatch's tree runs as pieces, else []."""
+        pieces = self.program.pieces
+        if pieces is None:
+            return []
+        mine = np.flatnonzero(np.isin(pieces.piece_tree, self.trees))
+        return (pieces.piece_end[mine] - pieces.piece_start[mine]).tolist()
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from harts_compiler.objectives import LossOutput, loss_mask
 
+from harts_compiler.codegen import trajectory_index
+
 from .dp_inputs import GlobalNormalisers, TrajectoryInputs
 from .dp_objective import LossContext, LossFn, PPOObjective
+from .pieces import run_piece_chain_detached
 
 SYNC_MODES = ("step", "slot")
 
@@ -169,7 +172,9 @@ def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | 
                          "TrajectoryInputs.for_plan(plan, ...))")
     normalisers = inputs.normalisers()
     schedule = slot_schedule(plan, rank)
-    padding = padding_microbatch(plan) if world_size > 1 and None in schedule else None
+    forwards = slot_forwards(plan)
+    lockstep = world_size > 1
+    padding = padding_index(plan) if lockstep else None
     device = _parameter_device(model)
     sync_device = (lambda: torch.cuda.synchronize(device)) if (
         time_device and device.type == "cuda") else (lambda: None)
@@ -185,15 +190,17 @@ def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | 
             if sharded:  # "step": one reduce-scatter, in the last slot's backward
                 model.set_requires_gradient_sync(sync == "slot" or slot == len(schedule) - 1)
             metrics = SlotMetrics(slot=slot, microbatch=-1 if microbatch is None else microbatch.index)
+            pads = forwards[slot] - (0 if microbatch is None else microbatch_forwards(microbatch))
             if microbatch is not None:
                 value, stats = _run_microbatch(model, microbatch, inputs, normalisers, loss_fn,
-                                               metrics, device, sync_device, forward_kwargs)
+                                               metrics, device, sync_device, forward_kwargs,
+                                               pads=pads if lockstep else 0, padding=padding)
                 local_loss += value
                 counts += torch.tensor([metrics.trajectories, metrics.loss_tokens],
                                        dtype=torch.float64, device=device)
                 loss_metrics.append(stats)
-            elif padding is not None:
-                _run_padding(model, padding, forward_kwargs)
+            elif lockstep:
+                _run_padding(model, padding, pads, forward_kwargs)
                 metrics.padding = True
             slots.append(metrics)
     finally:
@@ -219,18 +226,37 @@ def data_parallel_step(model, plan, inputs: TrajectoryInputs, loss_fn: LossFn | 
                       loss_metrics=loss_metrics)
 
 
-def padding_microbatch(plan):
-    """What a rank runs in an empty slot so that it joins FSDP2's (and expert parallelism's)
-    collectives: the plan's smallest microbatch (the same on every rank: the plan is)."""
-    microbatches = plan.microbatches()
-    return min(microbatches, key=lambda mb: (mb.compact_tokens, mb.index))
+def microbatch_forwards(microbatch) -> int:
+    """Forwards (and backwards) a microbatch runs: one per piece when its tree runs as pieces, else one."""
+    return max(len(microbatch.piece_tokens), 1)
 
 
-def _run_padding(model, microbatch, forward_kwargs) -> None:
-    """Forward and backward through every parameter with a zero loss: the collectives run, the
-    gradients get exact zeros."""
-    output = model(microbatch.build_index(), **forward_kwargs)
-    (output.logprobs.sum() * 0.0).backward()
+def slot_forwards(plan) -> list[int]:
+    """Per slot, the most forwards any rank's microbatch runs there: every rank runs that many (padding
+    forwards fill the difference), then as many backwards, so FSDP2's collectives line up."""
+    schedules = [slot_schedule(plan, r) for r in range(plan.program.microbatches.dp_size)]
+    return [max((microbatch_forwards(mb) for mb in column if mb is not None), default=1)
+            for column in zip(*schedules)]
+
+
+def padding_index(plan):
+    """What a rank runs to join a slot's collectives without work of its own (FSDP2's, expert
+    parallelism's): the index of the plan's smallest microbatch that runs whole (the same on every rank:
+    the plan is), or a two-token trajectory when every microbatch runs as pieces."""
+    whole = [mb for mb in plan.microbatches() if not mb.runs_as_pieces]
+    if whole:
+        return min(whole, key=lambda mb: (mb.compact_tokens, mb.index)).build_index()
+    return trajectory_index([[0, 0]], chunk_size=plan.options.chunk_size, conv_width=plan.options.conv_width)
+
+
+def _padding_forwards(model, index, count: int, forward_kwargs) -> list[torch.Tensor]:
+    """`count` forwards through every parameter, each with a zero loss to backward later (exact zeros)."""
+    return [model(index, **forward_kwargs).logprobs.sum() * 0.0 for _ in range(count)]
+
+
+def _run_padding(model, index, count: int, forward_kwargs) -> None:
+    for loss in reversed(_padding_forwards(model, index, count, forward_kwargs)):
+        loss.backward()
 
 
 def _parameter_device(model) -> torch.device:
@@ -244,14 +270,22 @@ def _parameter_device(model) -> torch.device:
 
 
 def _run_microbatch(model, microbatch, inputs, normalisers, loss_fn, metrics, device,
-                    sync_device, forward_kwargs) -> tuple[torch.Tensor, dict]:
+                    sync_device, forward_kwargs, *, pads: int = 0, padding=None) -> tuple[torch.Tensor, dict]:
+    """Forward, loss, backward of one microbatch, then `pads` padding forwards; the backwards run in reverse
+    (padding, then the microbatch's; a tree in pieces backwards piece by piece, last first)."""
     start = time.perf_counter()
     microbatch.check_model(model)
-    index = microbatch.build_index()  # host tables; the model lowers and uploads them in its forward
+    pieced = microbatch.runs_as_pieces
+    # host tables; the model lowers and uploads them in its forward
+    index = microbatch.build_chain() if pieced else microbatch.build_index()
     metrics.index_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    output = model(index, **forward_kwargs)
+    if pieced:  # whole rows for the loss; each piece's backward runs on its own below
+        output, piece_backward = run_piece_chain_detached(model, index, **forward_kwargs)
+    else:
+        output, piece_backward = model(index, **forward_kwargs), None
+    padding_losses = _padding_forwards(model, padding, pads, forward_kwargs)
     rows = inputs.rows_for(output.trajectory_ids, output.logprobs.shape[1],
                            dtype=output.logprobs.dtype, device=device)
     # both token counts in one host transfer per microbatch
@@ -266,7 +300,11 @@ def _run_microbatch(model, microbatch, inputs, normalisers, loss_fn, metrics, de
     metrics.forward_s = time.perf_counter() - start
 
     start = time.perf_counter()
+    for padding_loss in reversed(padding_losses):
+        padding_loss.backward()
     loss.backward()
+    if piece_backward is not None:
+        piece_backward.run()
     sync_device()
     metrics.backward_s = time.perf_counter() - start
 

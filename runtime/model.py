@@ -50,6 +50,7 @@ class TreeOutput:
     lengths: torch.Tensor  # [rows]
     aux_loss: torch.Tensor | None  # MoE load-balancing loss, trajectory-wise semantics; None without MoE
     expert_load: torch.Tensor | None = None  # [moe_layers, E] top-k assignments counted once per trajectory
+    router_stats: list | None = None  # per MoE layer, the routing sums the aux loss is made of (RouterStats)
 
 
 @dataclasses.dataclass
@@ -197,11 +198,12 @@ class TreeModel(nn.Module):
         return plan if plan.device == device else plan.to(device)
 
     def forward(self, batch, *, activation_checkpointing: bool | None = None,
-                gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None) -> TreeOutput:
+                gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None, carries=None) -> TreeOutput:
         """Run one microbatch (see `launch_plan` for what `batch` may be; a microbatch whose tree runs as pieces,
         or its `codegen.pieces.PieceChain`, runs its pieces in order and returns whole rows). `gdn_kernel` /
         `kda_kernel`: a reference kernel (same signature as `chunk_gated_delta_rule_reference`) for the GDN / KDA
-        layers."""
+        layers. `carries`: layer -> LayerCarry when `batch` is one piece of a split tree (`runtime.pieces` passes
+        them; the output then holds that piece's partial rows)."""
         options = dict(activation_checkpointing=activation_checkpointing, gdn_kernel=gdn_kernel,
                        kda_kernel=kda_kernel)
         chain = batch if isinstance(batch, PieceChain) else None
@@ -211,10 +213,11 @@ class TreeModel(nn.Module):
         if chain is not None:
             return run_piece_chain(self, chain, **options)
         plan = self.launch_plan(batch, reference_gdn=gdn_kernel is not None or kda_kernel is not None)
-        if plan.piece is not None:
+        if (plan.piece is None) != (carries is None):
             raise InvalidBatchError("this microbatch is one piece of a split tree: it reads carried tensors from "
-                                    "the pieces before it; run the whole microbatch (or its PieceChain)")
-        logprobs, entropy, router_stats = self.run_plan(plan, **options)
+                                    "the pieces before it; run the whole microbatch (or its PieceChain)"
+                                    if carries is None else "carried tensors were given for a whole microbatch")
+        logprobs, entropy, router_stats = self.run_plan(plan, carries=carries, **options)
         return tree_output(plan.trajectory_ids, logprobs, entropy, plan.lengths, router_stats, self.config)
 
     def run_plan(self, plan: LaunchPlan, *, activation_checkpointing: bool | None = None,
@@ -246,4 +249,4 @@ def tree_output(trajectory_ids, logprobs, entropy, lengths, router_stats, config
     aux_loss = load_balancing_loss(router_stats, config.num_experts)
     expert_load = torch.stack([s.assigned for s in router_stats]).detach() if router_stats else None
     return TreeOutput(trajectory_ids=list(trajectory_ids), logprobs=logprobs, entropy=entropy,
-                      lengths=lengths, aux_loss=aux_loss, expert_load=expert_load)
+                      lengths=lengths, aux_loss=aux_loss, expert_load=expert_load, router_stats=router_stats)

@@ -90,20 +90,75 @@ def _sum_stats(per_piece: list[list[RouterStats]]) -> list[RouterStats]:
 
 
 def run_piece_chain(model, chain, **options):
-    """Forward every piece of `chain` (a `codegen.pieces.PieceChain`) on `model`: the tree's TreeOutput."""
+    """Forward every piece of `chain` (a `codegen.pieces.PieceChain`) on `model`: the tree's TreeOutput, one
+    autograd graph (the carried tensors link the pieces): `loss.backward()` runs every piece's backward once."""
+    return _forward_chain(model, chain, detached=False, options=options)[0]
+
+
+def run_piece_chain_detached(model, chain, **options):
+    """The same forward with every carried tensor and every piece output cut into leaves: (TreeOutput over the
+    leaves, `PieceBackward`). `loss.backward()` then only reaches the leaves; `PieceBackward.run()` runs the
+    pieces' backwards one by one, last piece first, each once with its outputs' and carried tensors' gradients
+    (what its later pieces sent back) injected. Every rank of a data-parallel step thus runs k forwards then k
+    backwards for a k-piece tree, in a fixed order (FSDP2's collectives need that: `distributed.py`)."""
+    out, pieces = _forward_chain(model, chain, detached=True, options=options)
+    return out, PieceBackward(pieces)
+
+
+class PieceBackward:
+    """The pending backwards of a detached chain (see `run_piece_chain_detached`)."""
+
+    def __init__(self, pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]):
+        self.pieces = pieces  # per piece: (output, its leaf) pairs
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def run(self) -> None:
+        while self.pieces:
+            pairs = self.pieces.pop()
+            outputs, grads = [], []
+            for output, leaf in pairs:
+                if leaf.grad is not None:
+                    outputs.append(output)
+                    grads.append(leaf.grad)
+            if not outputs:  # nothing reached this piece: a zero backward still runs (lockstep collectives)
+                outputs, grads = [pairs[0][0]], [torch.zeros_like(pairs[0][0])]
+            torch.autograd.backward(outputs, grads)
+
+
+def _forward_chain(model, chain, *, detached: bool, options: dict):
     from .model import tree_output  # model.py dispatches here: import at call time
 
     kinds = _layer_kinds(model)
     kept: list[dict] = []
+    pending: list[list] = []  # detached: per piece, (output, leaf) pairs
     rows_lp, rows_ent, stats = [], [], []
     position = {tid: j for j, tid in enumerate(chain.trajectory_ids)}
+
+    def leaf(pairs, tensor):
+        if not detached or not tensor.requires_grad:
+            return tensor
+        cut = tensor.detach().requires_grad_()
+        pairs.append((tensor, cut))
+        return cut
+
     for index, links in zip(chain.indices, chain.links):
         plan = model.launch_plan(index, reference_gdn=options.get("gdn_kernel") is not None
                                  or options.get("kda_kernel") is not None)
         carries = {i: LayerCarry(plan.piece, _layer_inputs(kept, i, links, plan.positions.device, kinds[i]))
                    for i in range(len(kinds))}
-        logprobs, entropy, router_stats = model.run_plan(plan, carries=carries, **options)
-        kept.append({i: carry.kept for i, carry in carries.items()})
+        piece_out = model(plan, carries=carries, **options)  # the root module's forward: FSDP2's hooks run per piece
+        logprobs, entropy, router_stats = piece_out.logprobs, piece_out.entropy, piece_out.router_stats or []
+        pairs: list = []
+        kept.append({i: {kind: (tuple(leaf(pairs, t) for t in value) if isinstance(value, tuple)
+                                else leaf(pairs, value)) for kind, value in carry.kept.items()}
+                     for i, carry in carries.items()})
+        logprobs, entropy = leaf(pairs, logprobs), leaf(pairs, entropy)
+        router_stats = [RouterStats(assigned=s.assigned, weight=s.weight,
+                                    prob_sum=None if s.prob_sum is None else leaf(pairs, s.prob_sum))
+                        for s in router_stats]
+        pending.append(pairs)
         rows = torch.as_tensor([position[t] for t in plan.trajectory_ids], dtype=torch.long, device=logprobs.device)
         rows_lp.append((rows, logprobs))
         rows_ent.append((rows, entropy))
@@ -112,7 +167,8 @@ def run_piece_chain(model, chain, **options):
     logprobs = _assemble(rows_lp, n, width)
     entropy = _assemble(rows_ent, n, width)
     lengths = torch.as_tensor(chain.lengths, device=logprobs.device)
-    return tree_output(chain.trajectory_ids, logprobs, entropy, lengths, _sum_stats(stats), model.config)
+    out = tree_output(chain.trajectory_ids, logprobs, entropy, lengths, _sum_stats(stats), model.config)
+    return out, pending
 
 
 def _assemble(parts, n: int, width: int) -> torch.Tensor:

@@ -21,8 +21,8 @@ def test_compile_json_keys(batch_file, capsys):
     for key in ("trajectories", "trajectory_tokens", "compact_tokens", "compression",
                 "replay_tokens", "passes", "microbatches"):
         assert key in stats
-    assert [p["name"] for p in stats["passes"]] == ["prefix-compress", "layout", "split-oversize",
-                                                    "replay-min", "schedule"]
+    assert [p["name"] for p in stats["passes"]] == ["prefix-compress", "layout", "replay-min", "cut-pieces",
+                                                    "schedule"]
     assert all(p["ms"] >= 0 for p in stats["passes"])
     batch = hc.TreeBatch.load(batch_file)
     assert stats["trajectories"] == len(batch)
@@ -32,30 +32,30 @@ def test_compile_json_keys(batch_file, capsys):
     assert {m["rank"] for m in mbs} <= {0, 1}
     assert sum(m["compact_tokens"] for m in mbs) == stats["compact_tokens"]
     assert sum(m["trajectories"] for m in mbs) == stats["trajectories"]
-    assert all(set(m) == {"rank", "slot", "compact_tokens", "trajectories", "rounds"} for m in mbs)
+    assert all(set(m) == {"rank", "slot", "compact_tokens", "trajectories", "rounds", "pieces"} for m in mbs)
 
 
-def test_compile_split_and_schedule_flags(batch_file, capsys):
-    """A budget below the largest tree splits it; the schedule's solver report is in --json."""
+def test_compile_pieces_and_schedule_flags(batch_file, capsys):
+    """A budget below the largest tree runs it as pieces; the schedule's solver report is in --json."""
     whole = hc.compile(hc.TreeBatch.load(batch_file)).program.forest
     sizes = whole.tree_end - whole.tree_start
     budget = int(max(sizes.max() // 2, whole.traj_length.max()))
     assert budget < sizes.max()
     argv = ["compile", str(batch_file), "--json", "--dp-size", "2", "--microbatch-tokens",
-            str(budget), "--objective", "max_rank_total", "--schedule-time-limit", "0.1",
-            "--split-time-limit", "0"]
+            str(budget), "--objective", "max_rank_total", "--schedule-time-limit", "0.1"]
     assert main(argv) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats["split"]["parts"] > stats["split"]["split_trees"] >= 1
-    assert stats["split"]["trees_greedy"] == stats["split"]["split_trees"]  # no solver time
-    assert stats["compact_tokens"] == whole.num_tokens + stats["split"]["recomputed_tokens"]
+    assert stats["pieces"]["pieces"] > stats["pieces"]["split_trees"] >= 1
+    assert stats["compact_tokens"] == whole.num_tokens  # pieces compute every token once
+    assert stats["planned_tokens"] == whole.num_tokens + stats["replay_tokens"] + stats["cut_replay_rows"]
     schedule = stats["schedule"]
     assert schedule["objective_kind"] == "max_rank_total"
     assert {"status", "objective", "lower_bound", "wall_time_s"} <= set(schedule)
-    assert all(m["compact_tokens"] <= budget for m in stats["microbatches"])
+    assert all(max(m["pieces"] or [m["compact_tokens"]]) <= budget for m in stats["microbatches"])
+    assert any(m["pieces"] for m in stats["microbatches"])
     assert main(["compile", str(batch_file), "--microbatch-tokens", str(budget)]) == 0
     text = capsys.readouterr().out
-    assert "recomputed tokens" in text and "schedule" in text
+    assert "no token computed twice" in text and "schedule" in text
     assert main(["compile", str(batch_file), "--objective", "fastest"]) == 2
     assert "objective" in capsys.readouterr().err
 
@@ -68,10 +68,10 @@ def test_compile_summary_dump_and_plan(batch_file, tmp_path, capsys):
     assert "compression" in text and "rank 0 slot 0" in text
     names = sorted(p.name for p in dump.glob("*.hir"))
     assert names == ["00-input.hir", "01-prefix-compress.hir", "02-layout.hir",
-                     "03-split-oversize.hir", "04-replay-min.hir", "05-schedule.hir"]
+                     "03-replay-min.hir", "04-cut-pieces.hir", "05-schedule.hir"]
     plan = hc.Plan.load(out)
     assert plan.stats["compact_tokens"] == hc.compile(hc.TreeBatch.load(batch_file)).stats["compact_tokens"]
-    assert main(["ir", str(dump / "04-replay-min.hir")]) == 0
+    assert main(["ir", str(dump / "03-replay-min.hir")]) == 0
     printed = capsys.readouterr().out
     assert "valid (sequenced)" in printed and "seq tree=" in printed
 

@@ -3,7 +3,7 @@
 The reference runs the batch trajectory-wise in one process and computes the loss with
 `ppo_clip_loss`'s own local normalisers from hand-built full-batch tensors, so it shares neither
 the gather of per-trajectory inputs nor the global normalisers with the code under test.
-The batch has one tree over the budget, which `split-oversize` cuts into parts (asserted). The
+The batch has one tree over the budget, which `cut-pieces` runs as pieces (asserted). The
 sharded multi-process runs are in tests/test_fsdp.py, which reuses this reference.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ def compile_plan(token_lists, dp_size: int):
     options = harts_compiler.CompileOptions(chunk_size=CHUNK, conv_width=4, dp_size=dp_size,
                                             microbatch_tokens=BUDGET)
     plan = harts_compiler.compile(batch, options)
-    assert plan.program.note("split-oversize")["parts"] >= 2  # the oversize tree was split
+    assert plan.program.note("cut-pieces")["pieces"] >= 2  # the oversize tree runs as pieces
     return plan
 
 

@@ -38,7 +38,7 @@ def stage_dumps(tmp_path, batch, options, inline_limit=4096):
 
 
 @pytest.mark.parametrize("stage", ["00-input", "01-prefix-compress", "02-layout",
-                                   "03-split-oversize", "04-replay-min", "05-schedule"])
+                                   "03-replay-min", "04-cut-pieces", "05-schedule"])
 def test_golden_files(tmp_path, stage):
     """The compiler's output on tests/golden/small.jsonl equals the golden dump of each stage;
     the golden text parses, verifies and prints back identically.
@@ -78,7 +78,7 @@ def test_every_stage_round_trips(tmp_path):
     dumps, plan = stage_dumps(tmp_path, random_batch(5, n_traj=30, max_len=200),
                               hc.CompileOptions(chunk_size=8, microbatch_tokens=300, dp_size=3))
     assert len(dumps) == 6
-    assert plan.program.forest.tree_source is not None  # the split stage is exercised
+    assert plan.program.pieces is not None  # the pieces stage is exercised
     for path in dumps:
         program = read_hir(path)
         program.verify()

@@ -78,7 +78,7 @@ def test_time_limit_is_honoured():
     rng = np.random.default_rng(5)
     sizes = rng.integers(5, 300, 400).tolist()
     program = hc.compile(batch_of_trees(sizes), hc.CompileOptions(microbatch_tokens=900),
-                         passes=["prefix-compress", "layout", "split-oversize", "replay-min"]).program
+                         passes=["prefix-compress", "layout", "replay-min", "cut-pieces"]).program
     Schedule(microbatch_tokens=900, dp_size=8, time_limit_s=0.05).run(program)  # OR-Tools import
     for limit in (0.05, 0.3):
         start = time.perf_counter()
@@ -101,11 +101,11 @@ def test_objective_option_and_cli_validation():
         hc.compile(batch_of_trees(sizes), hc.CompileOptions(cost_model="/nonexistent/no-such.json"))
 
 
-def test_tree_over_budget_without_split_is_a_clear_error():
+def test_tree_over_budget_without_pieces_is_a_clear_error():
     sizes = [30, 10]
     program = hc.compile(batch_of_trees(sizes), passes=["prefix-compress", "layout",
                                                         "replay-min"]).program
-    with pytest.raises(hc.InputError, match="run split-oversize"):
+    with pytest.raises(hc.InputError, match="run cut-pieces"):
         Schedule(microbatch_tokens=20).run(program)
 
 
@@ -114,7 +114,7 @@ def test_first_fit_helper():
 
 
 def test_registry_is_the_pipeline_order():
-    assert list(PASSES) == ["prefix-compress", "layout", "split-oversize", "replay-min", "schedule"]
+    assert list(PASSES) == ["prefix-compress", "layout", "replay-min", "cut-pieces", "schedule"]
     pipeline = build_pipeline(hc.CompileOptions(chunk_size=8, conv_width=3, dp_size=4,
                                                 microbatch_tokens=99, objective="max_rank_total"))
     assert [p.name for p in pipeline] == list(PASSES)

@@ -151,7 +151,7 @@ def test_unscheduled_dump(batch_file, tmp_path, capsys):
     """A dump after replay-min (no schedule) shows its trees and rounds and says there is no table; its chunk
     size is the sequences' own (a dump carries no options)."""
     plan = hc.compile(hc.TreeBatch.load(batch_file), hc.CompileOptions(chunk_size=CHUNK),
-                      passes=["prefix-compress", "layout", "split-oversize", "replay-min"])
+                      passes=["prefix-compress", "layout", "replay-min"])
     saved = plan.dump_ir(tmp_path / "dump")  # the form --dump-ir writes: no options header
     code, out, _ = run(["show", str(saved), "--png", str(tmp_path / "sequenced.png")], capsys)
     assert code == 0 and "not scheduled" in out and f"chunk size {CHUNK}" in out
