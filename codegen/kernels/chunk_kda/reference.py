@@ -36,13 +36,18 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def validate_kda_inputs(q, k, v, g, beta, **kwargs):
-    """GDN's checks, with g [R, HV, K] (one log decay per key channel) instead of [R, HV]."""
+def check_kda_gate(q, v, g, *, who: str) -> None:
+    """g must be [R, HV, K]: one log decay per row, value head and key channel (`who` names the caller)."""
     if not isinstance(g, torch.Tensor) or g.dim() != 3 or g.shape[0] != v.shape[0] or g.shape[1] != v.shape[1] \
             or g.shape[2] != q.shape[-1]:
         shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
-        raise ValueError(f"chunk_kimi_delta_attention: `g` has shape {shape}, expected "
+        raise ValueError(f"{who}: `g` has shape {shape}, expected "
                          f"[{v.shape[0]}, {v.shape[1]}, {q.shape[-1]}] (rows, value heads, key dim)")
+
+
+def validate_kda_inputs(q, k, v, g, beta, **kwargs):
+    """GDN's checks, with g [R, HV, K] (one log decay per key channel) instead of [R, HV]."""
+    check_kda_gate(q, v, g, who="chunk_kimi_delta_attention")
     return validate_gdn_inputs(q, k, v, g[..., 0], beta, **kwargs)
 
 

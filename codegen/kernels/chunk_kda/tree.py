@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..chunk_gdn.config import triton_supports
+from ..chunk_gdn.inputs import validate_gdn_tensors
 from ..chunk_gdn.l2norm import l2norm_fused
 from ..chunk_gdn.lanes import LaneStreams
 from ..chunk_gdn.tree import _group_sum
@@ -27,6 +28,7 @@ from ..segment_add import segment_add
 from .chunk_bwd import chunk_bwd
 from .config import KDAKernelConfig
 from .intra_fwd import intra_fwd
+from .reference import check_kda_gate
 from .state_bwd import bwd_prep, scan_bwd
 from .state_fwd import output_fwd, scan_fwd
 
@@ -103,11 +105,9 @@ class TreeKimiDeltaAttentionFunction(torch.autograd.Function):
 
 def validate_kda_tensors(q, k, v, g, beta, *, who: str):
     """Types and shapes of q, k [T, HK, K], v [T, HV, V], g [T, HV, K], beta [T, HV]: (T, HK, HV, K, V)."""
-    from ..chunk_gdn.inputs import validate_gdn_tensors
-    if not isinstance(g, torch.Tensor) or g.dim() != 3 or tuple(g.shape) != (v.shape[0], v.shape[1], q.shape[-1]):
-        shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
-        raise ValueError(f"{who}: `g` has shape {shape}, expected [{v.shape[0]}, {v.shape[1]}, {q.shape[-1]}] "
-                         "(rows, value heads, key dim)")
+    if not all(isinstance(t, torch.Tensor) for t in (q, v)):
+        return validate_gdn_tensors(q, k, v, g, beta, who=who)  # names the argument that is not a tensor
+    check_kda_gate(q, v, g, who=who)
     return validate_gdn_tensors(q, k, v, g[..., 0], beta, who=who)
 
 
