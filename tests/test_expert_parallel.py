@@ -1,7 +1,8 @@
 """Expert parallelism (`runtime/expert_parallel.py`) == one process, exactly.
 
 Two spawned gloo ranks shard fp64 tiny MoE models with `shard_expert_parallel` on a ("dp", "ep") =
-(1, 2) mesh (each rank holds half the routed experts, tokens cross ranks by all-to-all) and run the
+(1, 2) mesh (each rank holds half the routed experts, tokens cross ranks by all-to-all; and once on
+(2, 1), where FSDP2 shards the experts over "dp" and sums their gradients there) and run the
 plan `harts compile --dp-size 2` saved, through the unchanged `data_parallel_step`. The gradients,
 gathered with `full_tensor()`, and the loss (with the MoE aux loss, whose router statistics stay on the
 token's rank) must equal the single-process trajectory-wise reference of tests/test_distributed.py to
@@ -27,10 +28,12 @@ from test_runtime_tree import rel, tiny_model
 TOL = 1e-12
 CHILD_TIMEOUT_S = 150
 WORLD = 2
-# (preset, objective, sync): Qwen3-Next's SparseMoeBlock with its aux loss; Kimi's grouped-routing block
+# (preset, objective, sync, ep): Qwen3-Next's SparseMoeBlock with its aux loss; Kimi's grouped-routing
+# block; and the (dp, ep) = (2, 1) mesh, where the experts' own fully_shard sums their gradients over "dp"
 RUNS = [
-    ("tiny-qwen3-next", PPOObjective(aggregation="token-mean", kl_coef=0.1, aux_loss_coef=0.5), "step"),
-    ("tiny-kimi-linear", PPOObjective(aggregation="seq-mean-token-sum"), "slot"),
+    ("tiny-qwen3-next", PPOObjective(aggregation="token-mean", kl_coef=0.1, aux_loss_coef=0.5), "step", 2),
+    ("tiny-kimi-linear", PPOObjective(aggregation="seq-mean-token-sum"), "slot", 2),
+    ("tiny-qwen3-next", PPOObjective(aggregation="seq-mean-token-mean", aux_loss_coef=0.5), "slot", 1),
 ]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -58,16 +61,17 @@ def _worker(rank, world_size, port, plan_path, inputs_per_run, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
-        mesh = expert_parallel_mesh(world_size, WORLD, "cpu")
+        meshes = {ep: expert_parallel_mesh(world_size, ep, "cpu") for ep in {run[-1] for run in RUNS}}
         results = []
-        for (preset, objective, sync), inputs in zip(RUNS, inputs_per_run):
-            model = shard_expert_parallel(copy.deepcopy(tiny_model(torch.float64, preset)), mesh)
+        for (preset, objective, sync, ep), inputs in zip(RUNS, inputs_per_run):
+            model = shard_expert_parallel(copy.deepcopy(tiny_model(torch.float64, preset)), meshes[ep])
             step = data_parallel_step(model, plan, inputs, objective, sync=sync, gather_metrics=True)
             experts = expert_modules(model)[0]
             results.append(dict(
                 loss=step.loss, grads=fsdp.full_gradients(model), all_ranks=step.all_ranks,
                 bytes=fsdp.parameter_bytes(model), local_experts=experts.gate_up_proj.to_local().detach().clone()))
-        model = shard_expert_parallel(copy.deepcopy(tiny_model(torch.float64, RUNS[0][0])), mesh)
+            del model, step  # before the next layout's collectives
+        model = shard_expert_parallel(copy.deepcopy(tiny_model(torch.float64, RUNS[0][0])), meshes[WORLD])
         checkpoint.save_checkpoint(f"{out_dir}/dcp", model)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -77,7 +81,7 @@ def _worker(rank, world_size, port, plan_path, inputs_per_run, out_dir):
 def test_expert_parallel_step_gives_the_gradients_of_one_process(tmp_path):
     plan_path, plan, token_lists = plan_with_an_empty_slot(tmp_path)
     references, inputs_per_run = [], []
-    for preset, objective, _ in RUNS:
+    for preset, objective, *_ in RUNS:
         model = tiny_model(torch.float64, preset)
         data = loss_data(model, token_lists)
         inputs_per_run.append(TrajectoryInputs.for_plan(plan, **data))
@@ -85,15 +89,16 @@ def test_expert_parallel_step_gives_the_gradients_of_one_process(tmp_path):
 
     ranks = run_ranks(_worker, WORLD, (str(plan_path), inputs_per_run, str(tmp_path)), tmp_path,
                       timeout_s=CHILD_TIMEOUT_S)
-    for run, ((preset, objective, sync), (want_loss, want_grads)) in enumerate(zip(RUNS, references)):
+    for run, ((preset, objective, sync, ep), (want_loss, want_grads)) in enumerate(zip(RUNS, references)):
         for rank, results in enumerate(ranks):
             got = results[run]
-            what = f"{preset} ep={WORLD} sync={sync} rank {rank}"
+            what = f"{preset} ep={ep} sync={sync} rank {rank}"
             assert abs(got["loss"] - want_loss) <= TOL * abs(want_loss), what
             worst = max((rel(got["grads"][n], want_grads[n]), n) for n in want_grads)
             assert worst[0] < TOL, f"{what}: gradient of {worst[1]} rel {worst[0]:.3g}"
             assert any("experts" in n and got["grads"][n].abs().max() > 0 for n in want_grads), what
-        # each rank holds its own half of the experts: the shards are the two halves of the full tensor
+        # ep=2: each rank holds its own half of the experts (the two halves of the full tensor); ep=1: FSDP's
+        # dim-0 shards of all the experts
         full = expert_modules(tiny_model(torch.float64, preset))[0].gate_up_proj
         halves = [results[run]["local_experts"] for results in ranks]
         assert all(h.shape[0] == full.shape[0] // WORLD for h in halves)
