@@ -130,3 +130,21 @@ def test_gdn_batch_plans_the_gdn_tree_cases_with_the_compiler(tmp_path):
     assert "'rounds': 2" in row and "'sequences': [[6, 36]]" in row, row
     assert "'compact': 77518" in row and "'trajectory_tokens': 188513" in row, row
     assert f"'chunk_ratio': {2963 / 1248}" in row, row
+
+
+def test_attention_tiny_cpu(tmp_path, monkeypatch):
+    # the plain-torch path (the kernels have their own interpreter tests): the script must run and report
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = run_bench("attention.py", tmp_path)
+    payload = json.loads((tmp_path / "attention.json").read_text())
+    assert set(payload["table"]) == {"gqa", "mla"}
+    for shape, rows in payload["table"].items():
+        assert {row["case"] for row in rows} == {"P64 B3 L48", "single 256", "P64 ctx + B3 L48"}, shape
+        for row in rows:
+            assert row["ours_fwd"] > 0 and row["ours_bwd_tflops"] > 0 and row["flash_fwd_of_ideal"] > 0, row
+        suffix = next(row for row in rows if "ctx" in row["case"])
+        assert suffix["queries"] < suffix["compact"] and suffix["ideal"] == 1.0  # no query shares work
+        assert rows[0]["ideal"] > 1
+        errors = payload["errors"][shape]
+        assert len(errors) == 2 and all(max(e["ours"]) < 1e-5 for e in errors), errors
+    assert "fwd of ideal (cuDNN)" in result.stdout
