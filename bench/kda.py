@@ -1,0 +1,138 @@
+"""Kimi Delta Attention kernels on the H200: trajectory-wise fwd+bwd ms of ours against fla's chunk_kda
+(fla-core 0.6.0, `from fla.ops.kda import chunk_kda`), and both one's errors against the fp32 reference, in one
+run. H = 32 heads, K = V = 128 (Kimi Linear), bf16 q, k, v, beta, fp32 g (a log decay per key channel,
+logsigmoid of N(0, 1)), l2norm in the kernel, an fp32 initial state per sequence that takes gradients.
+
+    PYTHONUNBUFFERED=1 python bench/kda.py [--cases 8x8192 1x32768 64x1024] [--no-fla] [--heads-checked 2] \
+        2>&1 | tee $OUT/kda.log
+    TRITON_INTERPRET=1 python bench/kda.py --device cpu --tiny --no-fla      (a CPU smoke run, ~1 minute)
+
+Errors are norm-relative per output / gradient, on the first --heads-checked heads (heads are independent,
+and the fp32 reference materialises [chunks, heads, 64, 64, K] decay tensors). Needs CUDA; without fla (not
+importable) only our columns are printed. A fresh machine compiles our kernels (and autotunes fla's) before the
+first numbers: give the call ~5 minutes.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from common import kernel_ms
+from harts_compiler.codegen.kernels.chunk_gdn import plan_single_call
+from harts_compiler.codegen.kernels.chunk_kda import chunk_kimi_delta_attention_reference, kimi_delta_attention
+from harts_compiler.codegen.kernels.upload import to_device
+
+CASES = {"8x8192": [8192] * 8, "1x32768": [32768], "64x1024": [1024] * 64}
+TINY = {"8x8192": [80] * 2, "1x32768": [130], "64x1024": [64] * 3}  # --tiny: the same shapes of case, CPU-sized
+NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+
+
+def load_fla_kda():
+    """fla's chunk_kda behind our single-call signature (packed rows, no mid-sequence exports), or None."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception as exc:  # noqa: BLE001 - fla is an optional anchor
+        print(f"fla unavailable: {exc!r}")
+        return None
+
+    def call(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm=False):
+        o, final = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial_state,
+                             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                             cu_seqlens=cu_seqlens.long())
+        return o[0], final
+    return call
+
+
+def make_inputs(lengths, heads, device, dim=128, seed=0):
+    gen = torch.Generator(device).manual_seed(seed)
+    rows = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+    q, k, v = (randn(rows, heads, dim).bfloat16() for _ in range(3))
+    g = F.logsigmoid(randn(rows, heads, dim))
+    beta = torch.sigmoid(randn(rows, heads)).bfloat16()
+    h0 = randn(len(lengths), heads, dim, dim) * 0.05
+    cu = torch.tensor([0] + list(lengths), device=device).cumsum(0).to(torch.int32)
+    return [q, k, v, g, beta, h0], cu
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def grads_of(call, tensors, do, upcast=False):
+    """(o, dq, dk, dv, dg, dbeta, dh0) of one fwd+bwd of `call(q, k, v, g, beta, h0)` against output grad `do`."""
+    leaves = [(t.float() if upcast else t).detach().requires_grad_(True) for t in tensors]
+    o = call(*leaves)
+    return [o, *torch.autograd.grad(o, leaves, do.to(o.dtype))]
+
+
+def run_case(lengths, heads, dim, fla, heads_checked, device):
+    tensors, cu = make_inputs(lengths, heads, device, dim)
+    scale = tensors[0].shape[-1] ** -0.5
+    plan = to_device(plan_single_call(lengths), device)  # planned once, outside the timed step
+    calls = {"ours": lambda q, k, v, g, beta, h0: kimi_delta_attention(
+        q, k, v, g, beta, scale=scale, plan=plan, initial_states=h0, use_qk_l2norm=True)[0]}
+    if fla is not None:
+        calls["fla"] = lambda q, k, v, g, beta, h0: fla(q, k, v, g, beta, scale=scale, initial_state=h0,
+                                                        cu_seqlens=cu, use_qk_l2norm=True)[0]
+    do = torch.randn(tensors[2].shape, device=device, generator=torch.Generator(device).manual_seed(1)).bfloat16()
+
+    # errors on the first heads, against the fp32 reference on those heads alone
+    part = [t[:, :heads_checked] for t in tensors[:5]] + [tensors[5][:, :heads_checked]]
+
+    def reference(q, k, v, g, beta, h0):
+        return chunk_kimi_delta_attention_reference(q, k, v, g, beta, scale=scale, initial_state=h0, cu_seqlens=cu,
+                                                    use_qk_l2norm=True)[0]
+    want = grads_of(reference, part, do[:, :heads_checked], upcast=True)
+    errors = {}
+    for label, call in calls.items():
+        got = grads_of(call, tensors, do)
+        errors[label] = [rel(a[:, :heads_checked], b) for a, b in zip(got, want)]
+        del got
+    del want
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    timings = {}
+    for label, call in calls.items():
+        leaves = [t.detach().requires_grad_(True) for t in tensors]
+        timings[label] = kernel_ms(lambda: torch.autograd.grad(call(*leaves), leaves, do), device)
+    return timings, errors
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--heads-checked", type=int, default=2, help="heads compared with the fp32 reference")
+    parser.add_argument("--no-fla", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU-sized lengths, 2 heads of 16 (a smoke run: TRITON_INTERPRET=1 --device cpu)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    fla = None if args.no_fla else load_fla_kda()
+    cases, dim = (TINY, 16) if args.tiny else (CASES, 128)
+    if args.tiny:
+        args.heads, args.heads_checked = 2, 2
+    print(f"KDA fwd+bwd, H={args.heads}, K=V={dim}, bf16, l2norm in the kernel; errors: |x - ref| / |ref| on "
+          f"{args.heads_checked} heads vs the fp32 reference")
+    print(f"{'case':10s} {'ours ms':>9s} {'fla ms':>9s} {'ours/fla':>9s}   errors: ours (fla)")
+    for name in args.cases:
+        timings, errors = run_case(cases[name], args.heads, dim, fla, args.heads_checked, device)
+        fla_ms = timings.get("fla")
+        ratio = f"{timings['ours'] / fla_ms:9.3f}" if fla_ms else f"{'-':>9s}"
+        cells = [f"{e:.2e}" + (f" ({f:.2e})" if "fla" in errors else "")
+                 for e, f in zip(errors["ours"], errors.get("fla", errors["ours"]))]
+        fla_col = f"{fla_ms:9.3f}" if fla_ms else f"{'-':>9s}"
+        print(f"{name:10s} {timings['ours']:9.3f} {fla_col} {ratio}   " + "  ".join(
+            f"{n} {c}" for n, c in zip(NAMES, cells)))
+
+
+if __name__ == "__main__":
+    main()
