@@ -2,6 +2,7 @@
 
     python bench/dp_step.py --device cpu --tiny                    # 2 gloo ranks on CPU (smoke)
     PYTHONUNBUFFERED=1 python bench/dp_step.py --world-size 2      # 2 GPUs, NCCL, bench model
+    PYTHONUNBUFFERED=1 python bench/dp_step.py --world-size 8 --ep 8   # + experts split over 8 GPUs
 
 Spawns `--world-size` processes (one GPU each, or gloo on CPU). Each builds the same model
 (`common.build_model`, rank 0's weights broadcast to be sure), compiles the same generated batch
@@ -45,6 +46,7 @@ def parse_args(argv=None):
     parser.add_argument("--target-tokens", type=int, default=196_608)
     parser.add_argument("--microbatch-tokens", type=int, default=32_768)
     parser.add_argument("--sync", choices=["step", "slot"], default="step")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (runtime/expert_parallel.py)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", default=None)
@@ -65,6 +67,7 @@ def _free_port() -> int:
 def rank_main(rank: int, args, port: int, result_path: str) -> None:
     import harts_compiler
     from harts_compiler.runtime.distributed import data_parallel_step
+    from harts_compiler.runtime.expert_parallel import expert_parallel_mesh, shard_expert_parallel
     from harts_compiler.runtime.fsdp import data_parallel_mesh, shard_model
     from harts_compiler.runtime.dp_inputs import TrajectoryInputs
     from harts_compiler.runtime.dp_objective import PPOObjective
@@ -86,7 +89,9 @@ def rank_main(rank: int, args, port: int, result_path: str) -> None:
             for p in model.parameters():
                 dist.broadcast(p, src=0)
         parameters = parameter_count(model)  # before sharding: the whole model
-        if args.world_size > 1:  # FSDP2: each rank holds a shard; data_parallel_step refuses a replica
+        if args.ep > 1:  # experts over "ep" ranks (all-to-all), FSDP2 for the rest
+            shard_expert_parallel(model, expert_parallel_mesh(args.world_size, args.ep, device.type))
+        elif args.world_size > 1:  # FSDP2: each rank holds a shard; data_parallel_step refuses a replica
             shard_model(model, data_parallel_mesh(args.world_size, device.type))
         batch, tasks = sized_batch(args.preset, args.target_tokens, length_scale=args.length_scale,
                                    vocab_size=config.vocab_size)

@@ -40,7 +40,7 @@ from harts_compiler.runtime.dp_objective import PPOObjective
 from harts_compiler.runtime.expert_parallel import expert_parallel_mesh, shard_expert_parallel
 from harts_compiler.runtime.fsdp import data_parallel_mesh, mixed_precision, shard_model
 
-# The GPU default: Qwen3-Next's layer pattern (3 GDN : 1 gated attention) at ~0.4B parameters,
+# The GPU default: Qwen3-Next's layer pattern (3 GDN : 1 gated attention) at 0.34B parameters,
 # 16 experts top-4 + a shared expert, so that --ep 2/4/8 divide the experts.
 GPU_MODEL = dict(
     model_type="qwen3_next", vocab_size=32768, hidden_size=1024, num_hidden_layers=8, full_attention_interval=4,

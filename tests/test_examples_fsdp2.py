@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_fsdp2.py"
 STEPS = 2
@@ -22,17 +23,17 @@ BYTES_LINE = re.compile(r"^rank (\d+): parameters \+ gradients \+ AdamW state (\
                         r"replicated", re.M)
 
 
-def run_example(*extra: str) -> str:
+def run_example(*extra: str, timeout_s: float = 120) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(EXAMPLE), "--tiny", "--steps", str(STEPS), *extra]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=EXAMPLE.parents[1])
+               str(EXAMPLE), "--steps", str(STEPS), *extra]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=EXAMPLE.parents[1])
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
 
 @pytest.fixture(scope="module")
 def outputs() -> dict[str, str]:
-    return {"fsdp": run_example(), "ep": run_example("--ep", "2")}
+    return {"fsdp": run_example("--tiny"), "ep": run_example("--tiny", "--ep", "2")}
 
 
 def test_both_layouts_take_the_same_steps(outputs):
@@ -57,3 +58,16 @@ def test_each_rank_holds_half_of_a_replica(outputs):
         (full,) = replicated
         assert all(0.4 * full < local < 0.6 * full for local, _ in ranks.values()), f"{name}: {ranks}"
         assert sum(local for local, _ in ranks.values()) >= full - 0.01, f"{name}: {ranks}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_with_and_without_expert_parallelism_agree():
+    """The GPU default model (bf16 compute, NCCL): FSDP2 alone and --ep 2 from the same weights; the first
+    step's losses agree to bf16 rounding, and each GPU reports its peak memory."""
+    losses = {}
+    for name, extra in (("fsdp", ()), ("ep", ("--ep", "2"))):
+        out = run_example(*extra, timeout_s=900)
+        losses[name] = [float(m[2]) for m in STEP_LINE.finditer(out)]
+        assert len(losses[name]) == STEPS and "max_memory_allocated" in out, out
+    assert abs(losses["fsdp"][0] - losses["ep"][0]) <= 2e-3 * max(1.0, abs(losses["fsdp"][0])), losses
