@@ -97,10 +97,10 @@ def test_tree_plan_equals_trajectories_bitwise():
     roots' tails from those states; a 10-token root exports nothing and its branch replays all of it):
     outputs bit-equal to the trajectory-wise call, and every input gradient equal to the fp64 reference over
     the same plan."""
-    two = two_level_plan([(70, 2, 30), (10, 1, 20)])
+    two = two_level_plan([(70, 2, 10), (10, 1, 5)])
     rounds = two_level_round_specs(two)
     plan = to_device(plan_tree_gdn(rounds, two.compact_rows), "cpu")
-    tensors, _ = make_inputs([two.compact_rows], hk=1, hv=1, seed=4)
+    tensors, _ = make_inputs([two.compact_rows], hk=1, hv=2, seed=4)  # grouped heads: dk replays summed per group
     leaves = [t.detach().requires_grad_(True) for t in tensors[:5]]
     kw = dict(scale=0.3, use_qk_l2norm=True)
     o_tree, _ = kimi_delta_attention(*leaves, plan=plan, **kw)
