@@ -7,8 +7,9 @@ plan `harts compile --dp-size 2` saved, through the unchanged `data_parallel_ste
 gathered with `full_tensor()`, and the loss (with the MoE aux loss, whose router statistics stay on the
 token's rank) must equal the single-process trajectory-wise reference of tests/test_distributed.py to
 1e-12. The plan has an empty (rank, slot), where one rank runs the padding microbatch and still joins
-every all-to-all of the other's real microbatch. Also: both DTensor expert shards are disjoint halves,
-the per-rank bytes shrink, a DCP checkpoint of the EP model loads into a plain TreeModel.
+every all-to-all of the other's real microbatch, and a tree larger than the budget that runs as
+pieces. Also: both DTensor expert shards are disjoint halves, the per-rank bytes shrink, a DCP
+checkpoint of the EP model loads into a plain TreeModel.
 """
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def plan_with_an_empty_slot(tmp_path):
-    """Three trees of more than half the budget each: three microbatches on two ranks, so one (rank, slot)
-    is empty. Compiled and saved; (plan path, plan, token lists)."""
-    token_lists = tree_token_lists(n_trees=3, oversize=False)
+    """A tree over the budget (the planner cuts it into pieces, run forward and backward piece by piece)
+    and two fitting trees, whose 2-rank plan leaves a (rank, slot) empty. Compiled and saved; (plan path,
+    plan, token lists)."""
+    token_lists = tree_token_lists(n_trees=2)
     options = harts_compiler.CompileOptions(chunk_size=CHUNK, conv_width=4, dp_size=WORLD, microbatch_tokens=BUDGET)
     plan = harts_compiler.compile(harts_compiler.TreeBatch.from_trajectories(token_lists), options)
     assert any(mb is None for r in range(WORLD) for mb in slot_schedule(plan, r)), "the plan must have an empty slot"
