@@ -23,6 +23,8 @@ from torch import nn
 
 import harts_compiler as hc
 from harts_compiler.codegen.index import trajectory_index
+from harts_compiler.codegen.pieces import PieceChain
+from harts_compiler.runtime.pieces import lower_chain
 from harts_compiler.passes.schedule import first_fit_decreasing
 
 # -- the benchmark model ----------------------------------------------------------------------
@@ -176,7 +178,8 @@ class Step:
         self.gdn_kernel = gdn_kernel  # None: the runtime's own (Triton on CUDA)
         device = model.lm_head.weight.device
         start = time.perf_counter()
-        self.plans = [model.launch_plan(index, reference_gdn=gdn_kernel is not None) for index in indices]
+        self.plans = [lower_chain(model, index) if isinstance(index, PieceChain) else
+                      model.launch_plan(index, reference_gdn=gdn_kernel is not None) for index in indices]
         synchronize(device)
         self.lower_ms = (time.perf_counter() - start) * 1e3
 
@@ -226,7 +229,7 @@ def plan_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width
         plan = hc.compile(batch, hc.CompileOptions(**options))
     compile_ms = (time.perf_counter() - start) * 1e3
     start = time.perf_counter()
-    indices = [mb.build_index() for mb in plan.microbatches()]
+    indices = [mb.build_chain() if mb.runs_as_pieces else mb.build_index() for mb in plan.microbatches()]
     return plan, indices, compile_ms, (time.perf_counter() - start) * 1e3, budget
 
 

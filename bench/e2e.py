@@ -64,6 +64,7 @@ from common import (LENGTH_SCALE, TINY_GENERATOR, Step, build_model, describe_de
                     prefix_forest, sized_batch, time_calls, trajectory_microbatches, write_json)
 
 import harts_compiler as hc  # noqa: E402
+from harts_compiler.codegen.pieces import PieceChain  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference  # noqa: E402
 from harts_compiler.passes import cost_model  # noqa: E402
 
@@ -228,19 +229,18 @@ def run_preset(preset, model, args) -> dict:
         layer_counts=layers, **shape)
     stats = plan.stats
     traj_indices = trajectory_microbatches(batch, budget, args.device, **shape)
-    # ideal = trajectory tokens / distinct tokens; the plan's compact tokens also count the root
-    # paths that split trees recompute
+    # ideal = trajectory tokens / distinct tokens (trees over the budget run as pieces: every token once)
     distinct = prefix_forest(batch).num_tokens
     row = {"preset": preset, "tasks": tasks, "length_scale": scale, "trajectories": len(batch),
            "trajectory_tokens": stats["trajectory_tokens"], "compact_tokens": distinct,
-           "planned_tokens": stats["compact_tokens"],
+           "planned_tokens": stats["planned_tokens"], "pieces": stats.get("pieces", {}).get("pieces", 0),
            "ideal": round(stats["trajectory_tokens"] / distinct, 4), "replay_tokens": stats["replay_tokens"],
            "rounds": stats["rounds"], "microbatch_tokens": budget,
            "tree_microbatches": len(tree_indices), "traj_microbatches": len(traj_indices),
            "planner_ms": compile_ms, "index_ms": index_ms}
     print(f"\n[{preset}] {tasks} tasks, {len(batch)} trajectories, {row['trajectory_tokens']} trajectory "
           f"tokens, {row['compact_tokens']} distinct (ideal {row['ideal']:.2f}x), {row['planned_tokens']} "
-          f"planned (split trees recompute root paths), budget {budget}: "
+          f"planned rows with replay, {row['pieces']} pieces, budget {budget}: "
           f"{len(tree_indices)} tree / {len(traj_indices)} trajectory microbatches; planner "
           f"{compile_ms:.0f} ms + index {index_ms:.0f} ms", flush=True)
     tree, tree_step, tree_grads = time_mode(model, tree_indices, row["trajectory_tokens"], args)
@@ -259,7 +259,9 @@ def run_preset(preset, model, args) -> dict:
     row["of_ideal"] = row["speedup"] / row["ideal"]
     predictor = cost_model.load_cost_model()
     row["cost_model"] = predictor.source
-    row["tree_predicted_ms"] = sum(predictor.predict(cost_model.features(i), layers) for i in tree_indices)
+    # a tree in pieces runs one forward and backward per piece: predicted piece by piece
+    pieces = [p for i in tree_indices for p in (i.indices if isinstance(i, PieceChain) else [i])]
+    row["tree_predicted_ms"] = sum(predictor.predict(cost_model.features(p), layers) for p in pieces)
     row["traj_predicted_ms"] = sum(predictor.predict(cost_model.features(i), layers) for i in traj_indices)
     print(f"  cost model ({predictor.source}, {predictor.device}): tree {row['tree_predicted_ms']:.1f} ms, "
           f"trajectory-wise {row['traj_predicted_ms']:.1f} ms predicted", flush=True)

@@ -11,8 +11,7 @@ import torch
 
 from harts_compiler.codegen import LaunchTarget
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, triton_supports
-from harts_compiler.codegen.kernels.tree_attention import config_for
-from harts_compiler.codegen.kernels.tree_attention.configs import SUPPORTED_HEAD_DIMS
+from harts_compiler.codegen.kernels.tree_attention import config_for, supports_head_dims
 
 from .config import ModelConfig
 
@@ -23,16 +22,17 @@ def select_backend(config: ModelConfig, dtype: torch.dtype, device, *, triton_li
                    reference_gdn: bool = False, gdn_config: GDNKernelConfig | None = None) -> LaunchTarget:
     """The LaunchTarget of a model whose parameters have `dtype` on `device`: its sizes and the kernels of each
     op family. `triton_linear_attention=False` keeps GDN and the short conv on torch (the model's option);
-    `reference_gdn`: the caller passes its own reference GDN kernel (the tests' token-loop oracle). Kimi-style
-    models (KDA + MLA) run their linear attention and attention on torch: KDA has no Triton kernels yet, and the
-    attention tiles are chosen for one head size while MLA's q/k and v differ."""
+    `reference_gdn`: the caller passes its own reference kernel (the tests' token-loop oracle). `gdn_triton`
+    selects the Triton kernels of the model's delta rule (GDN, or KDA for Kimi-style models: the same plan and
+    shapes); attention takes MLA's q/k head dim (nope + rope) with its own v head dim."""
     cuda, half = torch.device(device).type == "cuda", dtype in HALF_DTYPES
     linear = cuda and half and triton_linear_attention
-    attention = cuda and half and config.head_dim in SUPPORTED_HEAD_DIMS and not config.is_kimi
+    qk_dim, v_dim = config.attention_head_dims
+    attention = cuda and half and supports_head_dims(qk_dim, v_dim)
     return LaunchTarget(
         vocab_size=config.vocab_size, conv_width=config.linear_conv_kernel_dim,
-        gdn_triton=linear and not reference_gdn and not config.is_kimi
+        gdn_triton=linear and not reference_gdn
         and triton_supports(dtype, config.linear_key_head_dim, config.linear_value_head_dim),
-        conv_triton=linear, attention_tiles=config_for(config.head_dim).tiles if attention else (),
+        conv_triton=linear, attention_tiles=config_for(qk_dim, v_dim).tiles if attention else (),
         logprobs_triton=cuda and dtype != torch.float64, embed_triton=cuda and half,
         gdn_config=gdn_config or GDNKernelConfig())

@@ -13,7 +13,6 @@ sliced off the output: the padded columns of the output are exact zeros and the 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import tree_attention
@@ -62,15 +61,10 @@ class MultiLatentAttention(nn.Module):
             q = torch.cat([q[..., :self.nope_dim], self.rotate(q[..., self.nope_dim:], cos, sin)], dim=-1)
             k_rot = self.rotate(k_rot, cos, sin)
         k = torch.cat([k_nope, k_rot.expand(T, H, self.rope_dim)], dim=-1)
-        pad = self.qk_dim - self.v_dim
-        if pad > 0:
-            v = F.pad(v, (0, pad))
-        elif pad < 0:  # v wider than q/k: zero columns of q and k leave every score as it is
-            q, k = F.pad(q, (0, -pad)), F.pad(k, (0, -pad))
         carry = ctx.layer_carry(self.layer_idx)
         if carry is not None:
             k, v = carry.attention_keys(k, v)
-        out = tree_attention(q, k, v.contiguous(), ctx.plan, scale=self.scaling)[..., :self.v_dim]
+        out = tree_attention(q, k, v.contiguous(), ctx.plan, scale=self.scaling)  # [T, H, v_dim]
         if hasattr(self, "g_proj"):  # as transformers: the gate in fp32 (wider for fp64), then the model dtype
             out = out * torch.sigmoid(self.g_proj(x).to(compute_dtype(x.dtype))).to(x.dtype).unsqueeze(-1)
         return self.o_proj(out.reshape(T, H * self.v_dim))

@@ -89,6 +89,22 @@ def _sum_stats(per_piece: list[list[RouterStats]]) -> list[RouterStats]:
     return layers
 
 
+def lower_chain(model, chain):
+    """`chain` with every piece lowered for `model` and uploaded, links included (what a trainer prepares
+    while the previous step runs): its forward then reads device plans only."""
+    import dataclasses
+
+    indices = [model.launch_plan(index) for index in chain.indices]
+    device = indices[0].positions.device if indices else None
+
+    def rows_on_device(pair):
+        return pair[0], torch.as_tensor(pair[1], device=device)
+
+    links = [dataclasses.replace(link, kv=rows_on_device(link.kv), conv=rows_on_device(link.conv),
+                                 replay=rows_on_device(link.replay)) for link in chain.links]
+    return dataclasses.replace(chain, indices=indices, links=links)
+
+
 def run_piece_chain(model, chain, **options):
     """Forward every piece of `chain` (a `codegen.pieces.PieceChain`) on `model`: the tree's TreeOutput, one
     autograd graph (the carried tensors link the pieces): `loss.backward()` runs every piece's backward once."""

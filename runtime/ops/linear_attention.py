@@ -4,8 +4,8 @@
 state exports and hand-offs between rounds) for
 - "gdn": Gated DeltaNet, one log decay per head, g [T, HV] (Triton: every round in one autograd Function; torch:
   the same plan launch by launch with the plain-torch reference);
-- "kda": Kimi Delta Attention, one log decay per key channel, g [T, HV, K] (the plain-torch reference over the
-  same plan and the same plan runner; the backend keeps such models off the Triton GDN kernels).
+- "kda": Kimi Delta Attention, one log decay per key channel, g [T, HV, K] (Triton: `chunk_kda`'s kernels over the
+  same plan in one autograd Function; torch: the plain-torch reference with the same plan runner).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from harts_compiler.codegen import LaunchPlan
 from harts_compiler.codegen.kernels.chunk_gdn import gated_delta_rule, plan_gated_delta_rule_reference
-from harts_compiler.codegen.kernels.chunk_kda import plan_kimi_delta_attention_reference
+from harts_compiler.codegen.kernels.chunk_kda import kimi_delta_attention, plan_kimi_delta_attention_reference
 
 RULES = ("gdn", "kda")
 
@@ -40,8 +40,8 @@ def linear_attention_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                                                     initial_states=initial, state_dtype=state_dtype,
                                                     use_qk_l2norm=use_qk_l2norm, **extra)
     elif plan.target.gdn_triton:
-        raise ValueError("linear_attention_rounds: the plan was lowered for the Triton GDN kernels, which take a "
-                         "decay per head; lower KDA models with model.launch_target()")
+        o, states = kimi_delta_attention(q, k, v, g, beta, scale=scale, plan=plan.gdn, initial_states=initial,
+                                         use_qk_l2norm=use_qk_l2norm)
     else:
         o, states = plan_kimi_delta_attention_reference(q, k, v, g, beta, scale=scale, plan=plan.gdn,
                                                         initial_states=initial, state_dtype=state_dtype,
