@@ -1,10 +1,10 @@
 """Planner benchmark: (rank, slot) assignment of generated batches through the real pipeline.
 
 For each generator preset, `--trees` task trees (default 1,000) are generated and compiled with
-`harts_compiler.compile` (prefix-compress, layout, split-oversize, replay-min) under the
-microbatch budget, so the planner's items are exactly what the `schedule` pass assigns: trees
-that fit and the parts split-oversize cut (recomputed root paths included), each costed by the
-cost model (`tree_features` + `predict`, less the per-microbatch constant, as `schedule` does).
+`harts_compiler.compile` (prefix-compress, layout, replay-min, cut-pieces) under the
+microbatch budget, so the planner's items are exactly what the `schedule` pass assigns: the trees
+(a tree over the budget runs as pieces and fills its (rank, slot) alone), each costed by the
+cost model (`schedule.schedule_items`, the code the pass runs).
 
 The batch is generated and compiled in chunks of `--chunk-trees` trees (trees are independent,
 so a tree's items do not depend on the chunk it is in; one compile of 1,000 `swe` trees would
@@ -12,7 +12,7 @@ need ~30 GB). Chunk k uses generator seed `seed * 10_000 + k`. `--cache DIR` kee
 (preset, trees, budget, seed) in an .npz so reruns skip the compile.
 
 `tau2` is generated with per-task system prompts: with one shared prompt the whole batch is a
-single tree, split into parts that all recompute that prompt.
+single tree, one item.
 
 Per preset it prints items, slots, the planning wall time (the OR-Tools import is warmed up
 first), the plan's objective, the lower bound, the gap, the greedy plan's gap, the status and
@@ -33,28 +33,22 @@ import numpy as np
 from harts_compiler import CompileOptions, TreeBatch, compile
 from harts_compiler.generator import generate
 from harts_compiler.passes.assign import OBJECTIVES, assign
-from harts_compiler.passes.cost_model import LayerCounts, load_cost_model, tree_features
+from harts_compiler.passes.cost_model import LayerCounts, load_cost_model
+from harts_compiler.passes.schedule import schedule_items
 
 PRESET_OVERRIDES = {"swe": {}, "tau2": {"shared_system": False}, "grpo": {}}
-PIPELINE = ["prefix-compress", "layout", "split-oversize", "replay-min"]  # all but schedule
+PIPELINE = ["prefix-compress", "layout", "replay-min", "cut-pieces"]  # all but schedule
 
 
-def schedule_items(program, options: CompileOptions) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, cost) of a compiled program's trees, as `passes/schedule.py` computes them."""
-    forest = program.forest
-    model = load_cost_model(options.cost_model)
-    cost = np.atleast_1d(model.predict(tree_features(program),
-                                       LayerCounts.stated(options.linear_layers, options.full_layers)))
-    cost = np.maximum(cost - model.coefficients.get("microbatch", 0.0), 0.0)
-    return (forest.tree_end - forest.tree_start).astype(np.int64), cost
+def planner_inputs(program, options: CompileOptions) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, cost) of a compiled program's trees, exactly as `passes/schedule.py` computes them."""
+    return schedule_items(program, options.microbatch_tokens or 0, load_cost_model(options.cost_model),
+                          LayerCounts.stated(options.linear_layers, options.full_layers))
 
 
 def planner_items(preset: str, trees: int, options: CompileOptions, seed: int,
-                  chunk_trees: int = 100, split_report: list | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Items of a generated batch of `trees` trees, compiled chunk by chunk. Appends each
-    chunk's split-oversize note to `split_report` when given (its CP-SAT step is stopped by the
-    wall clock on a busy machine, and then the parts, hence the items, can differ run to run)."""
+                  chunk_trees: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """Items of a generated batch of `trees` trees, compiled chunk by chunk."""
     tokens, costs = [], []
     for chunk, first in enumerate(range(0, trees, chunk_trees)):
         rollouts = generate(preset, seed * 10_000 + chunk, tasks=min(chunk_trees, trees - first),
@@ -63,24 +57,21 @@ def planner_items(preset: str, trees: int, options: CompileOptions, seed: int,
         batch = TreeBatch.from_trajectories(list(lists), [f"c{chunk}-{i}" for i in ids])
         del rollouts, lists
         plan = compile(batch, options, passes=PIPELINE)
-        if split_report is not None:
-            split_report.append(plan.program.note("split-oversize") or {})
-        chunk_tokens, chunk_cost = schedule_items(plan.program, options)
+        chunk_tokens, chunk_cost = planner_inputs(plan.program, options)
         tokens.append(chunk_tokens)
         costs.append(chunk_cost)
     return np.concatenate(tokens), np.concatenate(costs)
 
 
-def cached_items(preset, trees, options, seed, chunk_trees, cache: str | None,
-                 split_report: list):
+def cached_items(preset, trees, options, seed, chunk_trees, cache: str | None):
     if cache is None:
-        return planner_items(preset, trees, options, seed, chunk_trees, split_report)
+        return planner_items(preset, trees, options, seed, chunk_trees)
     path = Path(cache) / (f"{preset}-t{trees}-b{options.microbatch_tokens}-s{seed}"
                           f"-c{chunk_trees}-{options.cost_model or 'repo'}.npz")
     if path.exists():
         saved = np.load(path)
         return saved["tokens"], saved["cost"]
-    tokens, cost = planner_items(preset, trees, options, seed, chunk_trees, split_report)
+    tokens, cost = planner_items(preset, trees, options, seed, chunk_trees)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, tokens=tokens, cost=cost)
     return tokens, cost
@@ -114,14 +105,8 @@ def main(argv=None) -> int:
           f"{'method':13} det  goal")
     for preset in args.presets:
         start = time.perf_counter()
-        split_report: list[dict] = []
-        tokens, cost = cached_items(preset, args.trees, options, args.seed, args.chunk_trees,
-                                    args.cache, split_report)
+        tokens, cost = cached_items(preset, args.trees, options, args.seed, args.chunk_trees, args.cache)
         compiled = time.perf_counter() - start
-        wall_stopped = sum(not note.get("deterministic", True) for note in split_report)
-        if wall_stopped:
-            print(f"({preset}: split-oversize was stopped by the wall clock in {wall_stopped} of "
-                  f"{len(split_report)} chunks; its parts may differ from run to run)")
         for objective in args.objectives:
             plan = assign(tokens, cost, token_budget=args.budget, dp_size=args.dp_size,
                           objective=objective, time_limit_s=args.time_limit, seed=args.seed)
@@ -130,7 +115,6 @@ def main(argv=None) -> int:
             rows.append({"preset": preset, "items": len(tokens),
                          "trees": args.trees, "tokens": int(tokens.sum()),
                          "compile_s": compiled, "greedy_gap": greedy_gap, "goal_met": goal,
-                         "split_wall_stopped_chunks": wall_stopped,
                          **plan.summary()})
             print(f"{preset:6} {objective:16} {len(tokens):6d} {plan.num_slots:5d} "
                   f"{plan.wall_time_s:7.3f} {plan.objective:12.1f} {plan.lower_bound:12.1f} "

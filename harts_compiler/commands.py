@@ -16,8 +16,8 @@ STATUS_MEANING = {"OPTIMAL": "proven optimal", "FEASIBLE": "CP-SAT improved the 
                   "GREEDY_FALLBACK": "CP-SAT found nothing better within its time limit: the greedy plan"}
 
 
-def format_summary(plan) -> str:
-    stats = plan.stats
+def format_summary(plan, stats: dict | None = None) -> str:
+    stats = plan.stats if stats is None else stats
     lines = [
         f"trajectories       {stats['trajectories']:>12,}   -> {stats['trees']:,} trees, "
         f"{stats['nodes']:,} nodes",
@@ -34,6 +34,10 @@ def format_summary(plan) -> str:
                      f"{pieces['pieces']:,} pieces of <= {pieces['max_piece_tokens']:,} tokens; carried context "
                      f"{pieces['context_tokens']:,} tokens, {pieces['cut_replay_rows']:,} replay rows at cuts "
                      "(no token computed twice)")
+        for tree in pieces.get("memory", []):
+            lines.append(f"  tree {tree['tree']}: {len(tree['pieces'])} pieces carry "
+                         f"{tree['carried_bytes'] / 2**30:.2f} GiB, predicted peak "
+                         f"{tree['predicted_peak_bytes'] / 2**30:.2f} GiB (bf16, recomputation)")
     if "schedule" in stats:
         sched = stats["schedule"]
         lines.append(f"schedule           {sched['status']} ({STATUS_MEANING.get(sched['status'], '?')}; "
@@ -64,8 +68,11 @@ def compile_main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print statistics as one JSON object")
     parser.add_argument("-o", "--output", metavar="PLAN", help="save the plan: PLAN (.hir text) and, for long "
                         "token lists, PLAN.npz beside it")
+    parser.add_argument("--model", metavar="PRESET|DIR", help="a model preset or checkpoint directory (its "
+                        "config.json): report the bytes trees in pieces carry and their predicted peak memory")
     add_quiet_argument(parser)
     args = parser.parse_args(argv)
+    config = model_config(args.model) if args.model else None
     options = CompileOptions.checked(verify=not args.no_verify, **given_options(args))
     if args.output:
         check_plan_path(args.output)  # refused before a long compile, not after it
@@ -78,8 +85,46 @@ def compile_main(argv: list[str]) -> int:
         plan.save(args.output)
     for warning in plan_warnings(plan):
         print(f"harts compile: warning: {warning}", file=sys.stderr)
-    print(json.dumps(plan.stats) if args.json else format_summary(plan))
+    stats = dict(plan.stats)
+    if config is not None and "pieces" in stats:
+        stats["pieces"] = {**stats["pieces"], "memory": pieces_memory(plan, config)}
+    print(json.dumps(stats) if args.json else format_summary(plan, stats))
     return 0
+
+
+def model_config(spec: str):
+    """The ModelConfig of a preset name or a checkpoint directory's config.json (no weights loaded)."""
+    from harts_compiler.runtime import PRESETS, UnsupportedModelError
+    from harts_compiler.runtime.config import resolve_config
+
+    try:
+        if spec in PRESETS:
+            return resolve_config(spec)
+        path = Path(spec) / "config.json"
+        if not path.is_file():
+            raise InputError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                             "checkpoint directory with a config.json")
+        return resolve_config(json.loads(path.read_text()))
+    except (ValueError, KeyError, UnsupportedModelError) as error:
+        raise InputError(f"--model {spec}: {' '.join(str(error).split())}") from None
+
+
+def pieces_memory(plan, config, dtype_bytes: int = 2) -> list[dict]:
+    """Per tree run as pieces (bf16 activations): each piece's tokens, context and carried bytes, and the
+    tree's predicted peak (`piece_memory`'s model)."""
+    from .piece_memory import piece_memory, predicted_peak
+
+    out = []
+    for mb in plan.microbatches():
+        if not mb.runs_as_pieces:
+            continue
+        pieces = piece_memory(mb.build_chain(), config, dtype_bytes)
+        out.append({"tree": plan.program.forest.tree_ids[mb.trees[0]], "rank": mb.rank, "slot": mb.slot,
+                    "pieces": [{"tokens": p.tokens, "context_tokens": p.context_tokens,
+                                "carried_bytes": p.carried_bytes} for p in pieces],
+                    "carried_bytes": sum(p.carried_bytes for p in pieces),
+                    "predicted_peak_bytes": predicted_peak(pieces)})
+    return out
 
 
 def plan_warnings(plan) -> list[str]:

@@ -82,5 +82,6 @@ class CompileOptions(BaseModel):
         try:
             return cls(**values)
         except ValidationError as exc:
-            raise InputError([f"option {'.'.join(map(str, e['loc']))}: {e['msg']}"
-                              for e in exc.errors()]) from None
+            # a check across fields has no location: its message names the fields itself
+            raise InputError([f"option {'.'.join(map(str, e['loc']))}: {e['msg']}" if e["loc"] else
+                              f"option {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()]) from None

@@ -57,26 +57,13 @@ class Schedule(Pass):
                      "a sequenced program (run replay-min)")
         self.require(self.dp_size >= 1, "dp_size >= 1")
         self.require(self.objective in OBJECTIVES, f"objective in {OBJECTIVES}")
-        sizes = forest.tree_end - forest.tree_start
-        pieced = np.zeros(sizes.size, bool)
-        if program.pieces is not None:
-            pieced[program.pieces.piece_tree] = True
-        if budget and sizes.size and sizes[~pieced].max(initial=0) > budget:
-            too_big = np.flatnonzero((sizes > budget) & ~pieced)[:5].tolist()
-            raise InputError([f"tree {forest.tree_ids[t]!r}: {int(sizes[t])} compact tokens exceed "
-                              f"--microbatch-tokens {budget} (run cut-pieces first)"
-                              for t in too_big])
-        # a tree that runs as pieces fills its (rank, slot) alone: each of its pieces is up to a budget
-        sizes = np.where(pieced, budget, sizes)
         try:
             model = (default_cost_model() if self.cost_model == "default"
                      else load_cost_model(self.cost_model))
         except CostModelError as error:
             raise InputError(f"option cost_model: {error}") from None
-        # A tree alone would pay the per-microbatch constant; packed trees share it, so it is
-        # not an item's cost (it is about the same for every non-empty (rank, slot)).
-        cost = tree_costs(program, LayerCounts.stated(self.linear_layers, self.full_layers), model)
-        cost = np.maximum(cost - model.coefficients.get("microbatch", 0.0), 0.0)
+        sizes, cost = schedule_items(program, budget, model,
+                                     LayerCounts.stated(self.linear_layers, self.full_layers))
         result = assign(sizes, cost, token_budget=budget or None, dp_size=self.dp_size,
                         num_slots=None if budget else 1, objective=self.objective,
                         time_limit_s=self.time_limit_s, seed=self.seed, workers=self.workers)
@@ -86,6 +73,24 @@ class Schedule(Pass):
                                "date": model.date}}
         return program.replace(microbatches=microbatches,
                                notes=program.notes + ((self.name, json.dumps(note)),))
+
+
+def schedule_items(program, budget: int, model, layers: LayerCounts) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, cost) of the planner's items, the program's trees. A tree that runs as pieces fills its
+    (rank, slot) alone (each piece is up to a budget), so its tokens count as the budget. A tree alone would
+    pay the per-microbatch constant; packed trees share it, so it is not an item's cost (it is about the same
+    for every non-empty (rank, slot))."""
+    forest = program.forest
+    sizes = forest.tree_end - forest.tree_start
+    pieced = np.zeros(sizes.size, bool)
+    if program.pieces is not None:
+        pieced[program.pieces.piece_tree] = True
+    if budget and sizes.size and sizes[~pieced].max(initial=0) > budget:
+        too_big = np.flatnonzero((sizes > budget) & ~pieced)[:5].tolist()
+        raise InputError([f"tree {forest.tree_ids[t]!r}: {int(sizes[t])} compact tokens exceed "
+                          f"--microbatch-tokens {budget} (run cut-pieces first)" for t in too_big])
+    cost = np.maximum(tree_costs(program, layers, model) - model.coefficients.get("microbatch", 0.0), 0.0)
+    return np.where(pieced, budget, sizes).astype(np.int64), cost
 
 
 def _microbatches(rank: np.ndarray, slot: np.ndarray, dp_size: int, budget: int) -> Microbatches:
