@@ -37,6 +37,7 @@ from common import (Step, build_model, describe_device, format_table, median,  #
                     trajectory_microbatches, write_json)
 
 from harts_compiler.passes import cost_model as cm  # noqa: E402
+from harts_compiler.codegen.pieces import PieceChain  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
 VARIANTS = [[LIN, FULL], [LIN, LIN, LIN, FULL], [LIN, FULL, FULL]]
@@ -77,7 +78,8 @@ def collect_shapes(args, vocab_size: int, conv_width: int):
                                seed=args.seed, **overrides)
         _, tree, *_ = plan_microbatches(batch, budget, args.device, vocab_size=vocab_size, **shape)
         traj = trajectory_microbatches(batch, budget, args.device, **shape)
-        shapes += [(f"{preset}/tree/{budget}", i) for i in tree]
+        # whole microbatches only: the model's per-microbatch constant is paid once per piece of a tree in pieces
+        shapes += [(f"{preset}/tree/{budget}", i) for i in tree if not isinstance(i, PieceChain)]
         shapes += [(f"{preset}/traj/{budget}", i) for i in traj]
     shapes.sort(key=lambda s: s[1].num_tokens)
     pick = np.unique(np.linspace(0, len(shapes) - 1, min(args.shapes, len(shapes))).round().astype(int))

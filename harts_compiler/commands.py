@@ -175,9 +175,6 @@ def describe_program(program) -> str:
         f = program.forest
         parts.append(f"{f.num_trees} trees, {f.num_nodes} nodes, {f.num_tokens} compact tokens, "
                      f"{f.num_trajectories} trajectories ({int(f.traj_length.sum())} tokens)")
-        if f.tree_source is not None:
-            parts.append(f"split: {f.num_trees} parts of {int(f.tree_source.max()) + 1} source "
-                         f"trees")
     if program.sequences is not None:
         q = program.sequences
         parts.append(f"{q.num_sequences} sequences, C={q.chunk_size}, "

@@ -217,7 +217,8 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
 
     # the estimate reads every microbatch's index on the host (cheap next to one forward)
     estimate = estimate_memory(
-        model, chunk_size, [footprint(mb.build_index()) for mb in microbatches],
+        model, chunk_size, [footprint(mb.build_chain() if mb.runs_as_pieces else mb.build_index())
+                            for mb in microbatches],
         [footprint(index_of_pack(pack)()) for pack in packs], trajectories=len(ids), max_length=max(lengths),
         checkpointing=activation_checkpointing)
     limit = available_memory() if memory_limit is None else memory_limit

@@ -44,9 +44,11 @@ class Footprint:
 
 
 def footprint(index) -> Footprint:
-    """The footprint of a MicrobatchIndex (tree mode or `trajectory_index`)."""
-    rows = sum(len(round_.row_src) for round_ in index.rounds)
-    return Footprint(tokens=len(index.token_ids), linear_rows=int(rows))
+    """The footprint of a MicrobatchIndex (tree mode or `trajectory_index`), or of a `PieceChain`: all its pieces'
+    graphs are alive until the backward, so their sizes add up."""
+    pieces = getattr(index, "indices", [index])
+    rows = sum(len(round_.row_src) for piece in pieces for round_ in piece.rounds)
+    return Footprint(tokens=sum(len(piece.token_ids) for piece in pieces), linear_rows=int(rows))
 
 
 def activation_bytes(config, dtype_bytes: int, chunk_size: int, size: Footprint, *, checkpointing: bool) -> int:

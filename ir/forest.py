@@ -12,10 +12,8 @@ Two stages share the one class:
 Fields beyond INTERFACES.md: `token_pred` (path predecessor of each token, -1 at a tree start),
 `traj_run_ptr`/`run_start`/`run_length` (the per-trajectory gather map, run-length encoded:
 trajectory j's compact indices are the concatenated ranges of its runs; one run per heavy-path
-segment of its path), `tree_start`/`tree_end`, `conv_width`, and after `split-oversize`
-`tree_source` ([n_trees], the tree of the unsplit forest each tree, i.e. each *part*, came from;
-None when nothing was split). Parts of one source tree share their root path (recomputed), so
-their first tokens are equal: the canonical-form check compares roots only across sources.
+segment of its path), `tree_start`/`tree_end`, `conv_width`. Trees larger than a microbatch stay whole
+here; `cut-pieces` records their pieces beside the forest (`Pieces`).
 
 The conv predecessor table [T, W-1] and the distinct (source, next token) log-prob targets are
 fixed by the layout but derived on demand (`conv_pred()`, `targets()`) rather than stored, which
@@ -58,7 +56,6 @@ class Forest:
     run_length: np.ndarray | None = None
     tree_start: np.ndarray | None = None
     tree_end: np.ndarray | None = None
-    tree_source: np.ndarray | None = None
 
     # -- sizes --------------------------------------------------------------------------------
     @property

@@ -13,7 +13,7 @@ to an arrays file beside the text (`arrays "NAME.npz" sha256=...` header, `token
     trajectories count=2
     traj id="a" group="a" tokens=[5 6 7]
     forest laid_out=1 conv_width=4 nodes=3 trees=1 trajectories=2
-    tree id="a"                                  (after split-oversize: tree id="a/0" source=0)
+    tree id="a"
     node parent=-1 tree=0 pos=0 len=2 start=0 mult=2 cont=1 subtree_end=4 tokens=[5 6]
     end id="a" node=1
     sequences chunk_size=64 count=2 tree_rounds=[1]
@@ -97,8 +97,7 @@ def format_program(program: Program, arrays_name: str | None = None,
         lines.append(f"forest laid_out={int(f.laid_out)} conv_width={f.conv_width} "
                      f"nodes={f.num_nodes} trees={f.num_trees} trajectories={f.num_trajectories}")
         for t, tid in enumerate(f.tree_ids):
-            source = "" if f.tree_source is None else f" source={int(f.tree_source[t])}"
-            lines.append(f"tree id={json.dumps(tid)}{source}")
+            lines.append(f"tree id={json.dumps(tid)}")
         if external:
             arrays["forest.token_ids"] = f.token_ids
         for v in range(f.num_nodes):
@@ -245,15 +244,13 @@ def _build_forest(records: dict, arrays: dict) -> Forest:
     end_node = _col(ends, "node")
     trees = records.get("tree", [])
     tree_ids = [r["id"] for r in trees]
-    tree_source = (_col(trees, "source") if trees and all("source" in r for r in trees)
-                   else None)
     common = dict(token_ids=token_ids, node_parent=parent, node_tree=tree, node_start=start,
                   node_length=length, node_position=position,
                   node_multiplicity=_col(nodes, "mult"), tree_ids=tree_ids,
                   traj_ids=[r["id"] for r in ends], traj_end_node=end_node,
                   traj_length=position[end_node] + length[end_node] if ends else
                   np.zeros(0, np.int64), conv_width=head["conv_width"],
-                  tree_source=tree_source)
+)
     if not head["laid_out"]:
         token_node, token_position = derive.token_node_and_position(start, length, position)
         return Forest(token_node=token_node, token_position=token_position, laid_out=False,

@@ -22,7 +22,7 @@ SCHEMA: dict[str, dict[str, tuple[str, bool]]] = {
     "traj": {"id": (STR, True), "group": (STR, True), "tokens": (TOKENS, True)},
     "forest": {"laid_out": (INT, True), "conv_width": (INT, True), "nodes": (INT, True), "trees": (INT, True),
                "trajectories": (INT, True)},
-    "tree": {"id": (STR, True), "source": (INT, False)},
+    "tree": {"id": (STR, True)},
     "node": {"parent": (INT, True), "tree": (INT, True), "pos": (INT, True), "len": (INT, True),
              "start": (INT, True), "mult": (INT, True), "cont": (INT, False), "subtree_end": (INT, False),
              "tokens": (TOKENS, True)},

@@ -5,9 +5,7 @@ Raises `IRError` naming the first broken invariant. Invariants of both stages:
   node table; positions continue from the parent; one root per tree; multiplicity = trajectories
   ending in the subtree, >= 1; trajectory lengths = end node's end position; canonical (a node is a
   maximal run shared by one set of trajectories): sibling first tokens distinct, a node with one
-  child has a trajectory ending at it, tree first tokens distinct (after `split-oversize`: the
-  parts of one source tree share their first token, distinct sources do not; `tree_source` is
-  non-decreasing and numbers the sources 0..k-1).
+  child has a trajectory ending at it, tree first tokens distinct.
 Extra invariants after layout: node order is DFS preorder with the continuation child first;
   subtree ends bound contiguous subtrees; token_pred, subtree ends, runs, tree ranges equal their
   derivation in `derive`;
@@ -86,19 +84,8 @@ def _verify_canonical(f, is_root, safe_parent) -> None:
     _check(np.unique(key, axis=1).shape[1] == key.shape[1],
            "two siblings start with the same token: not canonical")
     roots = np.flatnonzero(is_root)
-    source = np.arange(f.num_trees) if f.tree_source is None else f.tree_source
-    if f.tree_source is not None:
-        _check(source.shape == (f.num_trees,), f"tree_source has shape {source.shape}, "
-               f"expected ({f.num_trees},)")
-        _check(f.num_trees == 0 or (source[0] == 0 and np.all(np.diff(source) >= 0)
-                                    and np.all(np.diff(source) <= 1)),
-               "tree_source does not number the source trees 0..k-1 in tree order")
-    root_source = source[f.node_tree[roots]]
-    pairs = np.unique(np.stack([root_source, first_token[roots]]), axis=1)
-    _check(pairs.shape[1] == np.unique(root_source).size == np.unique(first_token[roots]).size,
-           "two trees start with the same token: not canonical" if f.tree_source is None else
-           "two source trees start with the same token, or parts of one source tree differ in "
-           "their first token")
+    _check(np.unique(first_token[roots]).size == roots.size,
+           "two trees start with the same token: not canonical")
     child_count = np.bincount(f.node_parent[~is_root], minlength=f.num_nodes)
     ends_here = np.bincount(f.traj_end_node, minlength=f.num_nodes)
     _check(np.all((child_count != 1) | (ends_here > 0)),

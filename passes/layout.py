@@ -106,4 +106,4 @@ def lay_out(forest: Forest, conv_width: int, cont_child: np.ndarray | None = Non
                   tree_ids=list(forest.tree_ids), traj_ids=list(forest.traj_ids),
                   traj_end_node=traj_end_node, traj_length=forest.traj_length.copy(),
                   laid_out=True, conv_width=conv_width, node_cont_child=node_cont,
-                  tree_source=forest.tree_source, **tables)
+                  **tables)

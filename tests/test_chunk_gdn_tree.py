@@ -223,7 +223,7 @@ def _round(**changes):
 
 def test_bad_plans_are_named():
     for changes, message in [
-            (dict(init_state=np.array([-2])), r"rounds\[0\].init_state must hold a bank id or -1"),
+            (dict(init_state=np.array([-2])), r"rounds\[0\].init_state must hold a bank id"),
             (dict(init_state=np.array([3])), r"rounds\[0\].init_state: bank id 3"),
             (dict(export_seq=np.array([0]), export_offset=np.array([3]), export_bank=np.array([0])),
              r"rounds\[0\]: `export_offset\[0\]`=3"),

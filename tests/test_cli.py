@@ -91,7 +91,9 @@ def test_bad_input_exit_code_2_without_traceback(tmp_path, capsys, lines, needle
 
 def test_too_large_tree_and_bad_options_exit_2(batch_file, capsys):
     assert main(["compile", str(batch_file), "--microbatch-tokens", "10"]) == 2
-    assert "exceed --microbatch-tokens 10" in capsys.readouterr().err
+    assert "microbatch_tokens=10 is smaller than one chunk" in capsys.readouterr().err
+    assert main(["compile", str(batch_file), "--microbatch-tokens", "0"]) == 2
+    assert "option microbatch_tokens" in capsys.readouterr().err
     assert main(["compile", str(batch_file), "--dp-size", "0"]) == 2
     assert "option dp_size" in capsys.readouterr().err
 

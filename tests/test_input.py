@@ -128,10 +128,12 @@ def test_vocab_bound():
     hc.compile(batch, hc.CompileOptions(vocab_size=101))
 
 
-def test_tree_larger_than_microbatch_budget():
+def test_tree_larger_than_microbatch_budget_runs_as_pieces():
     batch = TreeBatch.from_trajectories([[1, 2, 3, 4], [5, 6]], ids=["big", "small"])
-    with pytest.raises(InputError, match="tree 'big': 4 compact tokens exceed --microbatch-tokens 3"):
-        hc.compile(batch, hc.CompileOptions(microbatch_tokens=3))
+    plan = hc.compile(batch, hc.CompileOptions(microbatch_tokens=3, chunk_size=2))
+    assert plan.stats["pieces"]["pieces"] == 2 and plan.stats["pieces"]["split_trees"] == 1
+    with pytest.raises(InputError, match="microbatch_tokens=3 is smaller than one chunk"):
+        hc.CompileOptions.checked(microbatch_tokens=3)
 
 
 def test_bad_options():

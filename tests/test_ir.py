@@ -100,7 +100,7 @@ def test_plan_save_load(tmp_path):
 def program():
     program = hc.compile(random_batch(11, n_traj=12, max_len=40),
                          hc.CompileOptions(chunk_size=4, microbatch_tokens=60)).program
-    assert program.forest.tree_source is not None
+    assert program.pieces is not None
     return program
 
 
@@ -132,8 +132,9 @@ def bump_last(a):
     ("sequences", "replay", lambda a: a[::-1].copy(), "replay rows"),
     ("microbatches", "mb_slot", lambda a: a + 1, "slot that no rank uses"),
     ("microbatches", "mb_slot", lambda a: np.zeros_like(a), "one \\(rank, slot\\)"),
-    ("forest", "tree_source", lambda a: a + 1, "tree_source"),
-    ("forest", "tree_source", lambda a: np.zeros_like(a), "same token"),
+    ("forest", "token_ids", lambda a: np.where(np.arange(a.size) == 0, a, a[0]), "same token"),
+    ("pieces", "piece_end", lambda a: a - 1, "consecutive ranges"),
+    ("pieces", "piece_start", lambda a: np.where(a == a.max(), a.max() - 100, a), "budget"),
 ])
 def test_verify_names_broken_invariant(program, part, field, mutate, message):
     program.verify()

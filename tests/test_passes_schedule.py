@@ -29,7 +29,7 @@ def test_budget_ranks_and_slots(seed, dp_size):
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, 50, int(rng.integers(1, 20))).tolist()
     budget = max(sizes) + int(rng.integers(0, 40))
-    plan = hc.compile(batch_of_trees(sizes), hc.CompileOptions(microbatch_tokens=budget, dp_size=dp_size))
+    plan = hc.compile(batch_of_trees(sizes), hc.CompileOptions(microbatch_tokens=budget, dp_size=dp_size, chunk_size=4))
     mbs = plan.microbatches()
     assert sorted(t for mb in mbs for t in mb.trees) == list(range(len(sizes)))
     assert all(mb.compact_tokens <= budget for mb in mbs)
@@ -90,7 +90,7 @@ def test_time_limit_is_honoured():
 
 def test_objective_option_and_cli_validation():
     sizes = list(range(10, 40))
-    plan = hc.compile(batch_of_trees(sizes), hc.CompileOptions(microbatch_tokens=60, dp_size=3,
+    plan = hc.compile(batch_of_trees(sizes), hc.CompileOptions(microbatch_tokens=60, dp_size=3, chunk_size=4,
                                                                objective="max_rank_total"))
     assert plan.program.note("schedule")["objective_kind"] == "max_rank_total"
     with pytest.raises(hc.InputError, match="objective"):
