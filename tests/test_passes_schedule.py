@@ -118,8 +118,8 @@ def test_registry_is_the_pipeline_order():
     pipeline = build_pipeline(hc.CompileOptions(chunk_size=8, conv_width=3, dp_size=4,
                                                 microbatch_tokens=99, objective="max_rank_total"))
     assert [p.name for p in pipeline] == list(PASSES)
-    assert pipeline[1].conv_width == 3 and pipeline[3].chunk_size == 8 and pipeline[4].dp_size == 4
-    assert pipeline[2].microbatch_tokens == 99 and pipeline[4].objective == "max_rank_total"
+    assert pipeline[1].conv_width == 3 and pipeline[2].chunk_size == 8 and pipeline[4].dp_size == 4
+    assert pipeline[3].microbatch_tokens == 99 and pipeline[4].objective == "max_rank_total"
     with pytest.raises(KeyError, match="unknown pass"):
         build_pipeline(hc.CompileOptions(), ["nope"])
 
