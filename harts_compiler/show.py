@@ -30,6 +30,8 @@ class NodeView:
     continuation: bool  # continues its parent's linear-attention sequence (no replay, same round)
     round: int | None  # round of the sequence holding its first token (None: no sequences yet)
     replay: int  # ancestor tokens its sequence re-reads (0 for a continuation)
+    pieces: tuple[int, ...] = ()  # the pieces its tokens fall in (empty: its tree runs whole)
+    piece_cuts: tuple[int, ...] = ()  # positions inside it where a new piece starts
 
     @property
     def tokens(self) -> int:
@@ -47,6 +49,7 @@ class TreeView:
     replay: int
     sequences: int
     cell: tuple[int, int] | None  # (rank, slot) it is scheduled on
+    pieces: int = 0  # pieces it runs as (0: whole)
 
     @property
     def compact_tokens(self) -> int:
@@ -80,6 +83,7 @@ def tree_views(plan, count: int) -> list[TreeView]:
     if seqs is not None:  # the sequence whose own rows hold each node's first compact token
         seq_of_node = np.searchsorted(seqs.seq_own_start, forest.node_start, side="right") - 1
         replay_of_seq = np.diff(seqs.replay_ptr)
+    pieces = plan.program.pieces
     cell_of_tree = {}
     if mbs is not None:
         for m in range(mbs.num_microbatches):
@@ -98,19 +102,34 @@ def tree_views(plan, count: int) -> list[TreeView]:
                 s = int(seq_of_node[v])
                 round_ = int(seqs.seq_round[s])
                 replay = int(replay_of_seq[s]) if int(seqs.seq_own_start[s]) == int(forest.node_start[v]) else 0
+            in_pieces, cuts = _pieces_of_node(pieces, tree, int(forest.node_start[v]), int(forest.node_length[v]))
             nodes.append(NodeView(node=v, level=levels[v], parent=parent, start=start,
                                   end=start + int(forest.node_length[v]), shared=int(forest.node_multiplicity[v]),
                                   children=int(kids[v]), ends=tuple(ends.get(v, ())),
                                   continuation=parent >= 0 and int(forest.node_cont_child[parent]) == v,
-                                  round=round_, replay=replay))
+                                  round=round_, replay=replay, pieces=in_pieces,
+                                  piece_cuts=tuple(start + c for c in cuts)))
         in_tree = seqs.seq_tree == tree if seqs is not None else None
         views.append(TreeView(tree=tree, name=forest.tree_ids[tree], nodes=nodes,
                               trajectories=int(per_tree_traj[tree]), trajectory_tokens=int(per_tree_traj_tokens[tree]),
                               rounds=int(seqs.tree_rounds[tree]) if seqs is not None else None,
                               replay=int(replay_of_seq[in_tree].sum()) if seqs is not None else 0,
                               sequences=int(in_tree.sum()) if seqs is not None else 0,
-                              cell=cell_of_tree.get(tree)))
+                              cell=cell_of_tree.get(tree),
+                              pieces=int(pieces.of_tree(tree).size) if pieces is not None else 0))
     return views
+
+
+def _pieces_of_node(pieces, tree: int, first: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The pieces holding compact tokens [first, first + length) of a tree and the offsets in that range where
+    a later piece starts; nothing when the tree runs whole."""
+    mine = pieces.of_tree(tree) if pieces is not None else np.empty(0, np.int64)
+    if mine.size == 0:
+        return (), ()
+    starts, ends = pieces.piece_start[mine], pieces.piece_end[mine]
+    held = np.flatnonzero((starts < first + length) & (ends > first))
+    cuts = tuple(int(starts[k]) - first for k in held[1:])
+    return tuple(int(k) for k in held), cuts
 
 
 def cost_model_of(plan):
@@ -161,6 +180,16 @@ def _sequence_text(node: NodeView) -> str:
     return f"round {node.round}, replay {node.replay}"
 
 
+def _piece_text(node: NodeView) -> str:
+    if not node.pieces:
+        return ""
+    first, last = node.pieces[0], node.pieces[-1]
+    text = f"{first}" if first == last else f"{first}-{last}"
+    if node.piece_cuts:
+        text += f", cut at {node.piece_cuts[0]}" if len(node.piece_cuts) == 1 else f", {len(node.piece_cuts)} cuts"
+    return text
+
+
 def _ends_text(ends: tuple[str, ...], keep: int = 3) -> str:
     if not ends:
         return ""
@@ -173,8 +202,10 @@ def format_tree(view: TreeView, chunk: int, max_nodes: int) -> str:
     compression = view.trajectory_tokens / view.compact_tokens if view.compact_tokens else 0.0
     rounds = f", {view.rounds} rounds, {view.sequences} sequences, {view.replay:,} replay tokens" \
         if view.rounds is not None else ""
+    in_pieces = f", {view.pieces} pieces" if view.pieces else ""
     head = (f"tree {view.name!r}: {view.trajectories:,} trajectories ({view.trajectory_tokens:,} tokens), "
-            f"{len(view.nodes):,} nodes, {view.compact_tokens:,} compact tokens ({compression:.2f}x){rounds}{where}")
+            f"{len(view.nodes):,} nodes, {view.compact_tokens:,} compact tokens ({compression:.2f}x){rounds}"
+            f"{in_pieces}{where}")
     shown = view.nodes[:max_nodes]
     labels, last_child = [], {}
     for node in view.nodes:  # the last child of each parent, for the tree drawing
@@ -193,12 +224,14 @@ def format_tree(view: TreeView, chunk: int, max_nodes: int) -> str:
     spans = [f"[{node.start:,}, {node.end:,})" for node in shown]
     span_width = max([len(span) for span in spans] + [9])
     columns = f"  {'node':<{width}}  {'positions':>{span_width}}  {'tokens':>7}  {'shared':>6}  {'branch':>6}  " \
-        f"{f'chunks (C={chunk})':<20}  {'linear-attention sequence':<26}  trajectories"
+        f"{f'chunks (C={chunk})':<20}  {'linear-attention sequence':<26}  " + \
+        (f"{'piece':<14}  " if view.pieces else "") + "trajectories"
     lines = [head, columns]
     for label, span, node in zip(labels, spans, shown):
         branch = str(node.children) if node.children > 1 else ""
         row = (f"  {label:<{width}}  {span:>{span_width}}  {node.tokens:>7,}  {node.shared:>6,}  "
-               f"{branch:>6}  {_chunks_text(node, chunk):<20}  {_sequence_text(node):<26}  {_ends_text(node.ends)}")
+               f"{branch:>6}  {_chunks_text(node, chunk):<20}  {_sequence_text(node):<26}  "
+               + (f"{_piece_text(node):<14}  " if view.pieces else "") + _ends_text(node.ends))
         lines.append(row.rstrip())
     if len(view.nodes) > len(shown):
         lines.append(f"  ... {len(view.nodes) - len(shown):,} more nodes (--nodes {len(view.nodes)} shows them)")

@@ -3,7 +3,9 @@
 Tree panels: one row per node in layout order (continuation child first, so a row's subtree follows it), a bar
 from the node's first to one past its last token position, shaded by how many trajectories share it; hatched
 bars in front of a node are the ancestor tokens its linear-attention sequence replays; dotted lines are chunk
-boundaries; a label "12  r1" names node 12 and the linear-attention round its first token runs in. Schedule
+boundaries; a label "12  r1" names node 12 and the linear-attention round its first token runs in; for a tree
+run as pieces, a dashed blue line starts each piece after the first (a cut inside a node is drawn as a tick at
+its position on that node's row). Schedule
 panel: each rank's microbatches as bars of their predicted time, slot s starting when the slowest rank finished
 slot s - 1 (ranks run slots in lockstep), so white space is idle time.
 """
@@ -42,7 +44,9 @@ def draw_plan(path: str, views, loads, chunk_size: int, dp_size: int) -> None:
         bar.minorticks_off()
         axes[0].legend(handles=[Patch(facecolor="white", edgecolor="crimson", hatch="////", label="replayed tokens"),
                                 Patch(facecolor="none", edgecolor="grey", linestyle=":",
-                                      label=f"chunk boundary (C={chunk_size})")],
+                                      label=f"chunk boundary (C={chunk_size})")]
+                       + ([Patch(facecolor="none", edgecolor="royalblue", linestyle="--", label="piece start")]
+                          if any(view.pieces for view in views) else []),
                        loc="lower right", fontsize=8, framealpha=0.9)
     if loads:
         _draw_schedule(axes[-1], loads, dp_size)
@@ -72,6 +76,11 @@ def _draw_tree(axis, view, chunk_size: int, norm, cmap) -> None:
         for row, node in enumerate(view.nodes):
             label = f" {node.node}" + (f"  r{node.round}" if node.round is not None else "")
             axis.text(node.end, row, label, va="center", fontsize=6, color="0.3")
+    for row, node in enumerate(view.nodes):  # piece starts: between rows, or at a position inside a node
+        if row and node.pieces and view.nodes[row - 1].pieces[-1] != node.pieces[0]:
+            axis.axhline(row - 0.5, color="royalblue", linestyle="--", linewidth=0.8)
+        for cut in node.piece_cuts:
+            axis.plot([cut, cut], [row - 0.45, row + 0.45], color="royalblue", linewidth=1.2)
     deepest = max(node.end for node in view.nodes)
     boundaries = np.arange(chunk_size, deepest, chunk_size)
     if boundaries.size <= MAX_BOUNDARY_LINES:
@@ -83,6 +92,7 @@ def _draw_tree(axis, view, chunk_size: int, norm, cmap) -> None:
     axis.set_ylabel("nodes\n(layout order)", fontsize=8)
     axis.set_xlabel("token position (depth in the trajectory)", fontsize=8)
     rounds = f", {view.rounds} rounds, {view.replay:,} replay tokens" if view.rounds is not None else ""
+    rounds += f", {view.pieces} pieces" if view.pieces else ""
     axis.set_title(f"tree {view.name!r}: {view.trajectories} trajectories, {len(view.nodes)} nodes, "
                    f"{view.compact_tokens:,} compact tokens for {view.trajectory_tokens:,} trajectory tokens{rounds}",
                    fontsize=9, loc="left")

@@ -33,7 +33,8 @@ TREE_2 = {(0, 2): (2, 2, "", "0"), (2, 3): (1, 0, "e", "0"), (2, 4): (1, 0, "f",
 
 ROW = re.compile(r"^  [│├└─ ]*(?P<node>\d+)\s+\[(?P<start>[\d,]+), (?P<end>[\d,]+)\)\s+(?P<tokens>[\d,]+)\s+"
                  r"(?P<shared>[\d,]+)\s+(?:(?P<branch>\d+)\s+)?(?P<chunks>\d+(?:-\d+)?(?:, cut at \d+|, \d+ cuts)?)"
-                 r"\s+round (?P<round>\d+), (?P<sequence>continues|replay \d+)(?:\s+ends (?P<ends>.*))?$")
+                 r"\s+round (?P<round>\d+), (?P<sequence>continues|replay \d+)"
+                 r"(?:\s+(?P<piece>\d+(?:-\d+)?(?:, cut at \d+|, \d+ cuts)?))?(?:\s+ends (?P<ends>.*))?$")
 
 
 def _number(text: str) -> int:
@@ -199,21 +200,34 @@ def test_png_without_matplotlib(batch_file, tmp_path, capsys, monkeypatch):
 
 def test_generated_batch_invariants(tmp_path, capsys):
     """On a generated batch: every trajectory token is counted once over (node tokens x shared), each
-    trajectory ends at exactly one node, and the table's cells add up to the plan's compact tokens."""
+    trajectory ends at exactly one node, the table's cells add up to the plan's compact tokens, and the trees
+    over the budget list their pieces in layout order, each piece within the budget."""
     from harts_compiler.generator import generate, write_jsonl
 
     path = tmp_path / "gen.jsonl"
-    write_jsonl(generate("swe", 0, tasks=2, rollouts=3, scale=0.01), path, "flat")
+    write_jsonl(generate("swe", 0, tasks=6, rollouts=3, scale=0.01), path, "flat")
     batch = hc.TreeBatch.load(path)
     code, out, _ = run(["show", str(path), "--trees", "0", "--nodes", "100000", "--dp-size", "2",
                         "--microbatch-tokens", "400"], capsys)
     assert code == 0
-    rows = [row for rows in parse_trees(out) for row in rows]
+    trees = parse_trees(out)
+    rows = [row for rows in trees for row in rows]
     plan = hc.compile(batch, hc.CompileOptions(dp_size=2, microbatch_tokens=400))
     assert len(rows) == plan.stats["nodes"]
     assert sum(_number(r["tokens"]) * _number(r["shared"]) for r in rows) == batch.tokens.size
     ends = [name.strip() for r in rows if r["ends"] for name in r["ends"].split(",") if "+" not in name]
     assert len(ends) <= len(batch) and set(ends) <= set(batch.ids)
+    pieced = [tree for tree in trees if tree[0]["piece"] is not None]
+    assert len(pieced) == len(set(plan.program.pieces.piece_tree.tolist())) > 0
+    for tree in pieced:
+        spans = [tuple(int(k) for k in row["piece"].split(",")[0].split("-")) for row in tree]
+        firsts = [span[0] for span in spans]
+        assert firsts == sorted(firsts) and firsts[0] == 0  # pieces are ranges of the layout order
+        whole = {}  # tokens of the nodes that lie in one piece
+        for row, span in zip(tree, spans):
+            if len(span) == 1:
+                whole[span[0]] = whole.get(span[0], 0) + _number(row["tokens"])
+        assert 0 < max(whole.values()) <= 400
     tokens, ms = parse_grid(out, "compact tokens"), parse_grid(out, "predicted fwd+bwd ms")
     slots = [label for label in tokens if label != "total"]
     assert len(slots) == max(mb["slot"] for mb in plan.stats["microbatches"]) + 1 > 1
