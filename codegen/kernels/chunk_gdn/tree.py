@@ -45,6 +45,100 @@ def _group_sum(x: torch.Tensor, key_heads: int) -> torch.Tensor:
     return x.view(rows, key_heads, hv // key_heads, kd).sum(2)
 
 
+# The helpers below are the plan plumbing that chunk_kda's tree.py runs with its own kernels.
+
+def check_plan_call(q, k, v, plan: TreeGDNPlan, initial_states, *, tokens: int, who: str, reference: str):
+    """The Triton kernels run these inputs with this device plan: returns the initial states ([0, HV, K, V]
+    zeros when the plan starts no sequence from given states). `reference` names the plain-torch path the
+    messages point to."""
+    hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
+    if not (q.is_cuda or interpreting()) or not all(triton_supports(x.dtype, kd, vd, cuda=q.is_cuda)
+                                                    for x in (q, k, v)):
+        raise ValueError(f"{who}: the Triton kernels do not run {q.dtype} with K={kd}, V={vd} on {q.device.type} "
+                         f"(they need CUDA or TRITON_INTERPRET=1, and chunk_gdn.triton_supports); use {reference}")
+    if plan.index.chunk_size != CHUNK_SIZE:
+        raise ValueError(f"{who}: the plan has chunk_size {plan.index.chunk_size}, the Triton kernels run {CHUNK_SIZE}")
+    if tokens != plan.num_tokens:
+        raise ValueError(f"{who}: `q` has {tokens} rows, the plan was built for {plan.num_tokens} tokens")
+    if not isinstance(plan.own_pick, torch.Tensor) or plan.own_pick.device != q.device:
+        where = plan.own_pick.device if isinstance(plan.own_pick, torch.Tensor) else "the host"
+        raise ValueError(f"{who}: the plan lives on {where}, the inputs on {q.device} (upload it with to_device)")
+    if initial_states is None:
+        if plan.num_initial:
+            raise ValueError(f"{who}: the plan starts {plan.num_initial} sequences from given states, but no "
+                             "`initial_states` were passed")
+        return q.new_zeros((0, hv, kd, vd), dtype=torch.float32)
+    if tuple(initial_states.shape) != (plan.num_initial, hv, kd, vd):
+        raise ValueError(f"{who}: `initial_states` has shape {tuple(initial_states.shape)}, expected "
+                         f"{(plan.num_initial, hv, kd, vd)}")
+    return initial_states
+
+
+def state_bank(plan: TreeGDNPlan, initial_states, state_shape, device) -> torch.Tensor:
+    """The scans' state bank [1 + num_slots + num_initial, HV, K, V] fp32: row 0 the zero state, then the
+    export slots (written by the scans), then the caller's initial states."""
+    zero_and_slots = torch.zeros(1 + plan.index.num_slots, *state_shape, device=device, dtype=torch.float32)
+    if not plan.num_initial:
+        return zero_and_slots
+    return torch.cat([zero_and_slots, initial_states.to(torch.float32)])
+
+
+def state_bank_grad(plan: TreeGDNPlan, d_exported, state_shape, device) -> torch.Tensor:
+    """The gradient bank [num_slots + num_initial, HV, K, V] fp32 (the state bank without its zero row), holding
+    the returned states' gradients at their slots."""
+    bank_grad = torch.zeros(plan.index.num_slots + plan.num_initial, *state_shape, device=device,
+                            dtype=torch.float32)
+    if d_exported is not None and plan.output_slots_host:
+        d_exported = d_exported.to(torch.float32)
+        if len(set(plan.output_slots_host)) == len(plan.output_slots_host):  # each state returned once
+            bank_grad[plan.output_slots] = d_exported
+        else:  # duplicates summed in a fixed order (index_add_ may use atomics on CUDA)
+            for e, slot in enumerate(plan.output_slots_host):
+                bank_grad[slot] += d_exported[e]
+    return bank_grad
+
+
+def scan_rounds(plan: TreeGDNPlan, device, scan) -> None:
+    """`scan(launch)` for every launch of the plan, in round order, each on its lane's stream."""
+    with LaneStreams(plan.num_lanes, device) as lanes:
+        for launch in plan.launches:
+            with lanes.on(launch.lane):
+                scan(launch)
+
+
+def scan_rounds_backward(plan: TreeGDNPlan, device, bank_grad: torch.Tensor, scan) -> None:
+    """`scan(launch)` for every launch in reverse round order (a round's exports are read only by later rounds,
+    on the same lane); it returns its sequences' initial-state gradients, which are summed here, in order, into
+    the distinct grad-bank rows they started from."""
+    with LaneStreams(plan.num_lanes, device) as lanes:
+        for launch in reversed(plan.launches):
+            with lanes.on(launch.lane):
+                dh0 = scan(launch)
+                if launch.start_slots.numel():
+                    segment_add(bank_grad, launch.start_slots, dh0, launch.start_bounds, launch.start_seqs)
+
+
+def input_gradients(plan: TreeGDNPlan, dtypes, key_heads: int, chunk_grads) -> list:
+    """The gradients of q, k, v, g, beta on the compact tokens, in `dtypes`, from chunk_bwd's `chunk_grads`
+    (dq, dk, dv, dbeta, dg per value head [, the replayed rows' dk, dv, dbeta, dg by replay slot]): q's and k's
+    summed over each key head's group, and every token that other rows replay given their gradients too."""
+    dq, dk, dv, dbeta, dg, *side = chunk_grads
+    names = ("q", "k", "v", "g", "beta")  # the order of `dtypes` and of the returned gradients
+    per_token = dict(zip(names, (dq, dk, dv, dg, dbeta)))
+    replayed = dict(zip(("k", "v", "beta", "g"), side[0])) if side else {}  # by replay slot
+    grads = []
+    for name, dtype in zip(names, dtypes):
+        per_key_head = name in ("q", "k")
+        grad = _group_sum(per_token[name], key_heads) if per_key_head else per_token[name]
+        # own row + the replays' sum, in fp32, rounded once; a replayed row's dq is exactly 0 (its do is 0).
+        if plan.replay_dst.numel() and name != "q":
+            groups = replayed[name].shape[1] // key_heads if per_key_head else 1
+            grad = grad.contiguous()
+            segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds, groups=groups)
+        grads.append(grad.to(dtype))
+    return grads
+
+
 class TreeGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
@@ -55,15 +149,10 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         gc, T, w, u = wy_fwd(k, v, g, beta, index, rows)
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
         v_new = torch.empty_like(u)
-        zero_and_slots = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)
-        # rows [1 + num_slots, ...) of the bank are the caller's initial states
-        bank = torch.cat([zero_and_slots, initial_states.to(torch.float32)]) if plan.num_initial else zero_and_slots
-        with LaneStreams(plan.num_lanes, k.device) as lanes:
-            for launch in plan.launches:
-                with lanes.on(launch.lane):
-                    state_fwd(k, w, u, gc, bank, index, seqs=(launch.first_seq, launch.num_seqs),
-                              out=(h, v_new, bank[1:]), rows=rows, launch_seqs=launch.round_seqs,
-                              initial_rows=launch.init_row)
+        bank = state_bank(plan, initial_states, (hv, kd, vd), k.device)
+        scan_rounds(plan, k.device, lambda launch: state_fwd(
+            k, w, u, gc, bank, index, seqs=(launch.first_seq, launch.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
+            launch_seqs=launch.round_seqs, initial_rows=launch.init_row))
         o = output_fwd(q, k, v_new, gc, h, scale, index, rows)
         exported = bank[1:][plan.output_slots]
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
@@ -81,37 +170,13 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, rows)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
-        bank_grad = torch.zeros(index.num_slots + plan.num_initial, hv, kd, vd, device=q.device, dtype=torch.float32)
-        if d_exported is not None and plan.output_slots_host:
-            d_exported = d_exported.to(torch.float32)
-            if len(set(plan.output_slots_host)) == len(plan.output_slots_host):  # each state returned once
-                bank_grad[plan.output_slots] = d_exported
-            else:  # duplicates summed in a fixed order (index_add_ may use atomics on CUDA)
-                for e, slot in enumerate(plan.output_slots_host):
-                    bank_grad[slot] += d_exported[e]
+        bank_grad = state_bank_grad(plan, d_exported, (hv, kd, vd), q.device)
         initial_grad = ctx.needs_input_grad[5]
-        with LaneStreams(plan.num_lanes, q.device) as lanes:
-            for launch in reversed(plan.launches):  # a round's exports are read only by later rounds (same lane)
-                with lanes.on(launch.lane):
-                    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn,
-                                         seqs=(launch.first_seq, launch.num_seqs), rows=rows,
-                                         launch_seqs=launch.round_seqs, initial_state_grad=initial_grad)
-                    if launch.start_slots.numel():  # distinct grad-bank rows of this launch, summed in order
-                        segment_add(bank_grad, launch.start_slots, dh0, launch.start_bounds, launch.start_seqs)
-        dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
-        names = ("q", "k", "v", "g", "beta")  # the order of ctx.dtypes and of the returned gradients
-        per_token = dict(zip(names, (dq, dk, dv, dg, dbeta)))
-        replayed = dict(zip(("k", "v", "beta", "g"), side[0])) if side else {}  # by replay slot
-        hk = q.shape[1]
-        grads = []
-        for name, dtype in zip(names, ctx.dtypes):
-            per_key_head = name in ("q", "k")
-            grad = _group_sum(per_token[name], hk) if per_key_head else per_token[name]
-            # own row + the replays' sum, in fp32, rounded once; a replayed row's dq is exactly 0 (its do is 0).
-            if plan.replay_dst.numel() and name != "q":
-                groups = replayed[name].shape[1] // hk if per_key_head else 1
-                segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds, groups=groups)
-            grads.append(grad.to(dtype))
+        scan_rounds_backward(plan, q.device, bank_grad, lambda launch: state_bwd_scan(
+            q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
+            rows=rows, launch_seqs=launch.round_seqs, initial_state_grad=initial_grad))
+        chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
+        grads = input_gradients(plan, ctx.dtypes, q.shape[1], chunk_grads)
         d_initial = bank_grad[index.num_slots:].to(ctx.dtypes[5]) if initial_grad else None
         return (*grads, d_initial, None, None)
 
@@ -122,29 +187,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, initi
     every round of `plan` (a device plan: `upload.to_device`) with the Triton kernels (CUDA, or the CPU
     interpreter) in one autograd Function. `initial_states` [plan.num_initial, HV, K, V] (fp32/fp64, may take
     gradients) are the states the plan's caller-started sequences begin from."""
-    tokens, _, hv, kd, vd = validate_gdn_tensors(q, k, v, g, beta, who="gated_delta_rule")
-    if not (q.is_cuda or interpreting()) or not all(triton_supports(x.dtype, kd, vd, cuda=q.is_cuda)
-                                                    for x in (q, k, v)):
-        raise ValueError(f"gated_delta_rule: the Triton kernels do not run {q.dtype} with K={kd}, V={vd} on "
-                         f"{q.device.type} (they need CUDA or TRITON_INTERPRET=1, and config.triton_supports); "
-                         "use plan_gated_delta_rule_reference")
-    if plan.index.chunk_size != CHUNK_SIZE:
-        raise ValueError(f"gated_delta_rule: the plan has chunk_size {plan.index.chunk_size}, the Triton kernels "
-                         f"run {CHUNK_SIZE}")
-    if tokens != plan.num_tokens:
-        raise ValueError(f"gated_delta_rule: `q` has {tokens} rows, the plan was built for {plan.num_tokens} tokens")
-    if not isinstance(plan.own_pick, torch.Tensor) or plan.own_pick.device != q.device:
-        where = plan.own_pick.device if isinstance(plan.own_pick, torch.Tensor) else "the host"
-        raise ValueError(f"gated_delta_rule: the plan lives on {where}, the inputs on {q.device} "
-                         "(upload it with to_device)")
-    if initial_states is None:
-        if plan.num_initial:
-            raise ValueError(f"gated_delta_rule: the plan starts {plan.num_initial} sequences from given states, "
-                             "but no `initial_states` were passed")
-        initial_states = q.new_zeros((0, hv, kd, vd), dtype=torch.float32)
-    elif tuple(initial_states.shape) != (plan.num_initial, hv, kd, vd):
-        raise ValueError(f"gated_delta_rule: `initial_states` has shape {tuple(initial_states.shape)}, expected "
-                         f"{(plan.num_initial, hv, kd, vd)}")
+    tokens = validate_gdn_tensors(q, k, v, g, beta, who="gated_delta_rule")[0]
+    initial_states = check_plan_call(q, k, v, plan, initial_states, tokens=tokens, who="gated_delta_rule",
+                                     reference="plan_gated_delta_rule_reference")
     if any(map(interpreter_needs_fp32, (q, k, v, beta))):  # the interpreter's 16-bit dots are wrong: fp32
         o, exported = gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), scale=scale, plan=plan,
                                        initial_states=initial_states, use_qk_l2norm=use_qk_l2norm)

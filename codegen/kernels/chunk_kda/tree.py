@@ -12,19 +12,18 @@ another in one varlen layout, the export bank, the lanes, the replay groups and 
 
 Each chunk runs the same kernel code with the same entering state as in a trajectory-wise call, so outputs
 equal trajectory-wise outputs bit for bit. Sums over duplicates run in segment_add, in a fixed order.
+The plan plumbing (checks, state banks, lane streams, gradient sums) is GDN's tree.py's, shared.
 """
 from __future__ import annotations
 
 import torch
 
-from ..chunk_gdn.config import triton_supports
 from ..chunk_gdn.inputs import validate_gdn_tensors
 from ..chunk_gdn.l2norm import l2norm_fused
-from ..chunk_gdn.lanes import LaneStreams
-from ..chunk_gdn.tree import _group_sum
-from ..chunk_gdn.tree_plan import CHUNK_SIZE, TreeGDNPlan
-from ..interpreter_safe import interpreter_needs_fp32, interpreting
-from ..segment_add import segment_add
+from ..chunk_gdn.tree import (check_plan_call, input_gradients, scan_rounds, scan_rounds_backward, state_bank,
+                              state_bank_grad)
+from ..chunk_gdn.tree_plan import TreeGDNPlan
+from ..interpreter_safe import interpreter_needs_fp32
 from .chunk_bwd import chunk_bwd
 from .config import KDAKernelConfig
 from .intra_fwd import intra_fwd
@@ -43,14 +42,10 @@ class TreeKimiDeltaAttentionFunction(torch.autograd.Function):
         gc, T, Aqk, w, u, kg = intra_fwd(q, k, v, g, beta, index, config, rows)
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
         v_new = torch.empty_like(u)
-        zero_and_slots = torch.zeros(1 + index.num_slots, hv, kd, vd, device=k.device, dtype=torch.float32)
-        # rows [1 + num_slots, ...) of the bank are the caller's initial states
-        bank = torch.cat([zero_and_slots, initial_states.to(torch.float32)]) if plan.num_initial else zero_and_slots
-        with LaneStreams(plan.num_lanes, k.device) as lanes:
-            for launch in plan.launches:
-                with lanes.on(launch.lane):
-                    scan_fwd(kg, w, u, gc, bank, index, seqs=(launch.first_seq, launch.num_seqs),
-                             out=(h, v_new, bank[1:]), launch_seqs=launch.round_seqs, initial_rows=launch.init_row)
+        bank = state_bank(plan, initial_states, (hv, kd, vd), k.device)
+        scan_rounds(plan, k.device, lambda launch: scan_fwd(
+            kg, w, u, gc, bank, index, seqs=(launch.first_seq, launch.num_seqs), out=(h, v_new, bank[1:]),
+            launch_seqs=launch.round_seqs, initial_rows=launch.init_row))
         o = output_fwd(q, gc, Aqk, v_new, h, scale, index, config, rows)
         exported = bank[1:][plan.output_slots]
         ctx.save_for_backward(q, k, v, beta, gc, T, Aqk, w, kg, v_new, h)
@@ -68,37 +63,12 @@ class TreeKimiDeltaAttentionFunction(torch.autograd.Function):
         qg, dv_local = bwd_prep(q, gc, Aqk, do, ctx.scale, index, config, rows)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
-        bank_grad = torch.zeros(index.num_slots + plan.num_initial, hv, kd, vd, device=q.device, dtype=torch.float32)
-        if d_exported is not None and plan.output_slots_host:
-            d_exported = d_exported.to(torch.float32)
-            if len(set(plan.output_slots_host)) == len(plan.output_slots_host):  # each state returned once
-                bank_grad[plan.output_slots] = d_exported
-            else:  # duplicates summed in a fixed order (index_add_ may use atomics on CUDA)
-                for e, slot in enumerate(plan.output_slots_host):
-                    bank_grad[slot] += d_exported[e]
-        with LaneStreams(plan.num_lanes, q.device) as lanes:
-            for launch in reversed(plan.launches):  # a round's exports are read only by later rounds (same lane)
-                with lanes.on(launch.lane):
-                    dh0 = scan_bwd(qg, kg, w, gc, do, dv_local, bank_grad, index, dh, dvn,
-                                   seqs=(launch.first_seq, launch.num_seqs), rows=rows, launch_seqs=launch.round_seqs)
-                    if launch.start_slots.numel():  # distinct grad-bank rows of this launch, summed in order
-                        segment_add(bank_grad, launch.start_slots, dh0, launch.start_bounds, launch.start_seqs)
-        dq, dk, dv, dbeta, dg, *side = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index,
-                                                 config, rows)
-        names = ("q", "k", "v", "g", "beta")  # the order of ctx.dtypes and of the returned gradients
-        per_token = dict(zip(names, (dq, dk, dv, dg, dbeta)))
-        replayed = dict(zip(("k", "v", "beta", "g"), side[0])) if side else {}  # by replay slot
-        hk = q.shape[1]
-        grads = []
-        for name, dtype in zip(names, ctx.dtypes):
-            per_key_head = name in ("q", "k")
-            grad = _group_sum(per_token[name], hk) if per_key_head else per_token[name]
-            # own row + the replays' sum, in fp32, rounded once; a replayed row's dq is exactly 0 (its do is 0)
-            if plan.replay_dst.numel() and name != "q":
-                groups = replayed[name].shape[1] // hk if per_key_head else 1
-                grad = grad.contiguous()
-                segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds, groups=groups)
-            grads.append(grad.to(dtype))
+        bank_grad = state_bank_grad(plan, d_exported, (hv, kd, vd), q.device)
+        scan_rounds_backward(plan, q.device, bank_grad, lambda launch: scan_bwd(
+            qg, kg, w, gc, do, dv_local, bank_grad, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
+            rows=rows, launch_seqs=launch.round_seqs))
+        chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, config, rows)
+        grads = input_gradients(plan, ctx.dtypes, q.shape[1], chunk_grads)
         d_initial = bank_grad[index.num_slots:].to(ctx.dtypes[5]) if ctx.needs_input_grad[5] else None
         return (*grads, d_initial, None, None, None)
 
@@ -118,28 +88,9 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, i
     the Triton kernels (CUDA, or the CPU interpreter) in one autograd Function. `initial_states`
     [plan.num_initial, HV, K, V] (fp32/fp64, may take gradients) are the states the plan's caller-started
     sequences begin from."""
-    who = "kimi_delta_attention"
-    tokens, _, hv, kd, vd = validate_kda_tensors(q, k, v, g, beta, who=who)
-    if not (q.is_cuda or interpreting()) or not all(triton_supports(x.dtype, kd, vd, cuda=q.is_cuda)
-                                                    for x in (q, k, v)):
-        raise ValueError(f"{who}: the Triton kernels do not run {q.dtype} with K={kd}, V={vd} on {q.device.type} "
-                         "(they need CUDA or TRITON_INTERPRET=1, and chunk_gdn.triton_supports); use "
-                         "plan_kimi_delta_attention_reference")
-    if plan.index.chunk_size != CHUNK_SIZE:
-        raise ValueError(f"{who}: the plan has chunk_size {plan.index.chunk_size}, the Triton kernels run {CHUNK_SIZE}")
-    if tokens != plan.num_tokens:
-        raise ValueError(f"{who}: `q` has {tokens} rows, the plan was built for {plan.num_tokens} tokens")
-    if not isinstance(plan.own_pick, torch.Tensor) or plan.own_pick.device != q.device:
-        where = plan.own_pick.device if isinstance(plan.own_pick, torch.Tensor) else "the host"
-        raise ValueError(f"{who}: the plan lives on {where}, the inputs on {q.device} (upload it with to_device)")
-    if initial_states is None:
-        if plan.num_initial:
-            raise ValueError(f"{who}: the plan starts {plan.num_initial} sequences from given states, but no "
-                             "`initial_states` were passed")
-        initial_states = q.new_zeros((0, hv, kd, vd), dtype=torch.float32)
-    elif tuple(initial_states.shape) != (plan.num_initial, hv, kd, vd):
-        raise ValueError(f"{who}: `initial_states` has shape {tuple(initial_states.shape)}, expected "
-                         f"{(plan.num_initial, hv, kd, vd)}")
+    tokens = validate_kda_tensors(q, k, v, g, beta, who="kimi_delta_attention")[0]
+    initial_states = check_plan_call(q, k, v, plan, initial_states, tokens=tokens, who="kimi_delta_attention",
+                                     reference="plan_kimi_delta_attention_reference")
     if any(map(interpreter_needs_fp32, (q, k, v, beta))):  # the interpreter's 16-bit dots are wrong: fp32
         o, exported = kimi_delta_attention(q.float(), k.float(), v.float(), g, beta.float(), scale=scale, plan=plan,
                                            initial_states=initial_states, use_qk_l2norm=use_qk_l2norm, config=config)
