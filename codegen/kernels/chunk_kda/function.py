@@ -10,10 +10,9 @@ and uploads it.
 """
 from __future__ import annotations
 
-from ..chunk_gdn.config import GDNKernelConfig, triton_supports
-from ..chunk_gdn.tree_plan import CHUNK_SIZE, plan_single_call
-from ..interpreter_safe import interpreting
-from ..upload import to_device
+from ..chunk_gdn.config import GDNKernelConfig
+from ..chunk_gdn.function import run_single_call
+from ..chunk_gdn.tree_plan import CHUNK_SIZE
 from .config import KDAKernelConfig
 from .reference import chunk_kimi_delta_attention_reference, validate_kda_inputs
 from .tree import kimi_delta_attention
@@ -26,19 +25,13 @@ def chunk_kimi_delta_attention(q, k, v, g, beta, *, scale, initial_state, cu_seq
     `chunk_gdn.chunk_gated_delta_rule` with g [R, HV, K] (a log decay per key channel).
 
     Runs the Triton kernels on CUDA (or under TRITON_INTERPRET=1) where `chunk_gdn.triton_supports` admits the
-    inputs, the plain-torch reference otherwise. `config`: the KDA chunk kernels' launches; `scan_config`: the
-    plan's (GDN's) scan launches and lanes. Reads `cu_seqlens` and the exports on the host to plan the call: a
-    model runs its rounds through `tree.kimi_delta_attention` with a plan built once instead.
+    inputs, the plain-torch reference otherwise (GDN's single-call path, `chunk_gdn.function.run_single_call`).
+    `config`: the KDA chunk kernels' launches; `scan_config`: the plan's (GDN's) scan launches and lanes. Reads
+    `cu_seqlens` and the exports on the host to plan the call: a model runs its rounds through
+    `tree.kimi_delta_attention` with a plan built once instead.
     """
-    shapes = validate_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                 export_seq=export_seq, export_offset=export_offset, chunk_size=chunk_size)
-    triton_ok = (q.is_cuda or interpreting()) and chunk_size == CHUNK_SIZE and all(
-        triton_supports(x.dtype, shapes.key_dim, shapes.value_dim, cuda=q.is_cuda) for x in (q, k, v))
-    if not triton_ok:
-        return chunk_kimi_delta_attention_reference(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, export_seq=export_seq,
-            export_offset=export_offset, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm)
-    plan = to_device(plan_single_call(shapes.seq_lengths, shapes.export_seq, shapes.export_offset,
-                                      chunk_size=chunk_size, config=scan_config), q.device)
-    return kimi_delta_attention(q, k, v, g, beta, scale=scale, plan=plan, initial_states=initial_state,
-                                use_qk_l2norm=use_qk_l2norm, config=config)
+    return run_single_call(q, k, v, g, beta, validate=validate_kda_inputs,
+                           reference=chunk_kimi_delta_attention_reference, tree=kimi_delta_attention,
+                           plan_config=scan_config, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                           export_seq=export_seq, export_offset=export_offset, chunk_size=chunk_size,
+                           use_qk_l2norm=use_qk_l2norm, config=config)
