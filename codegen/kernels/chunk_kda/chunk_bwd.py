@@ -18,23 +18,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows
+from ..chunk_gdn.gates import _chunk_shift, _exp_gate_gap
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from .intra_bwd import _intra_bwd_kernel
+from .programs import _chunk_program
 
 
 @triton.jit
 def _bwd_inter_chunk(q, k, gc, v_new, h, dh, do, dvn, dq, dk, dgc, dw, dAqk, chunk_row_start, chunk_row_end, row_src,
                      row_own, shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
-    i_ch = tl.program_id(0)
-    i_c, i_h = i_ch // HV, i_ch % HV
-    i_hk = i_h // (HV // HK)
-    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
-    rows64 = rows.to(tl.int64)
-    src = _input_rows(row_src, rows, m_t, shift, GATHER).to(tl.int64)
-    kept, m_keep = _kept_rows(row_own, rows, m_t, shift, GATHER)
-    kept = kept.to(tl.int64)
+    i_c, i_h, i_hk, row0, row_end, rows64, m_t, src, kept, m_keep = _chunk_program(
+        chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     state = (i_c.to(tl.int64) * HV + i_h) * (K * V)
@@ -97,14 +92,8 @@ def _bwd_inter_kernel(q, k, gc, v_new, h, dh, do, dvn, dq, dk, dgc, dw, dAqk, ch
 def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dbeta, dAkk, dv, side_dv, chunk_row_start, chunk_row_end,
                   row_src, row_own, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
-    i_ch = tl.program_id(0)
-    i_c, i_h = i_ch // HV, i_ch % HV
-    i_hk = i_h // (HV // HK)
-    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
-    rows64 = rows.to(tl.int64)
-    src = _input_rows(row_src, rows, m_t, shift, GATHER).to(tl.int64)
-    kept, m_keep = _kept_rows(row_own, rows, m_t, shift, GATHER)
-    kept = kept.to(tl.int64)
+    i_c, i_h, i_hk, row0, row_end, rows64, m_t, src, kept, m_keep = _chunk_program(
+        chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
     m_side = m_t & ~m_keep
     slot = -1 - kept  # side-buffer row of a replayed row (garbage, and masked, elsewhere)
     o_t = tl.arange(0, BT)

@@ -15,33 +15,29 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import _chunk_rows, _chunk_shift, _input_rows, _kept_rows, _scan_program
+from ..chunk_gdn.gates import _chunk_shift, _kept_rows, _scan_program
 from ..chunk_gdn.index import chunk_shift_table, row_tables, scan_row_shift
 from ..interpreter_safe import interpreting
+from .programs import _chunk_program
 
 
 @triton.jit
 def _bwd_prep_chunk(q, gc, Aqk, do, qg, dv_local, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale,
                     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     GATHER: tl.constexpr):
-    i_ch = tl.program_id(0)
-    i_c, i_h = i_ch // HV, i_ch % HV
-    i_hk = i_h // (HV // HK)
-    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
-    rows64 = rows.to(tl.int64)
+    # replayed rows have no output gradient (do_rows: the kept tokens)
+    i_c, i_h, i_hk, row0, row_end, rows64, m_t, src, do_rows, m_do = _chunk_program(
+        chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
-    src = _input_rows(row_src, rows, m_t, shift, GATHER).to(tl.int64)
-    do_rows, m_do = _kept_rows(row_own, rows, m_t, shift, GATHER)  # replayed rows have no output gradient
     b_q = tl.load(q + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     p_k = (rows64[:, None] * HV + i_h) * K + o_k[None, :]
     b_gc = tl.load(gc + p_k, mask=m_t[:, None], other=0.0)
     tl.store(qg + p_k, (b_q.to(tl.float32) * tl.exp(b_gc) * scale).to(qg.dtype.element_ty), mask=m_t[:, None])
     # Aqk^T [BT(j), BT(i)], loaded transposed
     b_at = tl.load(Aqk + (rows64[None, :] * HV + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0)
-    b_do = tl.load(do + (do_rows[:, None].to(tl.int64) * HV + i_h) * V + o_v[None, :], mask=m_do[:, None],
-                   other=0.0)
+    b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
     b_dv = tl.dot(b_at.to(b_do.dtype), b_do) * scale
     tl.store(dv_local + (rows64[:, None] * HV + i_h) * V + o_v[None, :], b_dv, mask=m_t[:, None])
 

@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import _chunk_rows, _chunk_shift, _input_rows, _kept_rows, _scan_program
+from ..chunk_gdn.gates import _chunk_shift, _scan_program
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from ..interpreter_safe import interpreting
+from .programs import _chunk_program
 
 
 @triton.jit
@@ -78,15 +79,12 @@ def _scan_fwd_kernel(kg, w, u, gc, h0, h0_row, h, v_new, bank, cu_seqlens, seq_c
 def _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale,
                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                   BV: tl.constexpr, GATHER: tl.constexpr):
-    i_ch, i_v = tl.program_id(0), tl.program_id(1)
-    i_c, i_h = i_ch // HV, i_ch % HV
-    i_hk = i_h // (HV // HK)
-    row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
-    rows64 = rows.to(tl.int64)
+    # replayed rows' outputs are dropped (out_rows: the kept tokens)
+    i_c, i_h, i_hk, row0, row_end, rows64, m_t, src, out_rows, m_out = _chunk_program(
+        chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    src = _input_rows(row_src, rows, m_t, shift, GATHER).to(tl.int64)
+    o_v = tl.program_id(1) * BV + tl.arange(0, BV)
     b_q = tl.load(q + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_gc = tl.load(gc + (rows64[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_qg = (b_q.to(tl.float32) * tl.exp(b_gc)).to(b_q.dtype)
@@ -94,8 +92,7 @@ def _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_s
     b_a = tl.load(Aqk + (rows64[:, None] * HV + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
     b_vn = tl.load(v_new + (rows64[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
     b_o = (tl.dot(b_qg, b_h) + tl.dot(b_a.to(b_vn.dtype), b_vn)) * scale
-    out_rows, m_out = _kept_rows(row_own, rows, m_t, shift, GATHER)  # replayed rows' outputs are dropped
-    tl.store(o + (out_rows[:, None].to(tl.int64) * HV + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+    tl.store(o + (out_rows[:, None] * HV + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_out[:, None])
 
 
