@@ -27,6 +27,34 @@ def _block_rows(row_src, row0, row_end, sub, shift, GATHER: tl.constexpr):
 
 
 @triton.jit
+def _chunk_blocks(chunk_row_start, chunk_row_end, row_src, i_c, shift, GATHER: tl.constexpr):
+    """Chunk i_c's first and end rows, then its four blocks' (rows, mask, input rows), block 0 first."""
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    r0, m0, s0 = _block_rows(row_src, row0, row_end, 0, shift, GATHER)
+    r1, m1, s1 = _block_rows(row_src, row0, row_end, 1, shift, GATHER)
+    r2, m2, s2 = _block_rows(row_src, row0, row_end, 2, shift, GATHER)
+    r3, m3, s3 = _block_rows(row_src, row0, row_end, 3, shift, GATHER)
+    return row0, row_end, r0, m0, s0, r1, m1, s1, r2, m2, s2, r3, m3, s3
+
+
+@triton.jit
+def _block_betas(beta, s0, m0, s1, m1, s2, m2, s3, m3, i_h, HV: tl.constexpr):
+    """beta [16] fp32 of the four blocks' input rows (masked rows 0)."""
+    return (tl.load(beta + s0 * HV + i_h, mask=m0, other=0.0).to(tl.float32),
+            tl.load(beta + s1 * HV + i_h, mask=m1, other=0.0).to(tl.float32),
+            tl.load(beta + s2 * HV + i_h, mask=m2, other=0.0).to(tl.float32),
+            tl.load(beta + s3 * HV + i_h, mask=m3, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _block_tiles(x, s0, m0, s1, m1, s2, m2, s3, m3, row_stride, col0, o_k):
+    """The four blocks' [16, BK] fp32 tiles of x (`_tile`), block 0 first."""
+    return (_tile(x, s0, m0, row_stride, col0, o_k), _tile(x, s1, m1, row_stride, col0, o_k),
+            _tile(x, s2, m2, row_stride, col0, o_k), _tile(x, s3, m3, row_stride, col0, o_k))
+
+
+@triton.jit
 def _tile(x, rows, m, row_stride, col0, o_k):
     """[16, BK] fp32 tile of x at rows `rows` (masked rows 0), columns col0 + o_k."""
     return tl.load(x + rows[:, None].to(tl.int64) * row_stride + col0 + o_k[None, :], mask=m[:, None],

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from ..chunk_gdn.gates import _chunk_shift, _kept_rows
-from .blocks import (_block_rows, _diag_cols, _diag_decay, _diag_rows, _load_block,
-                     _off_cols, _off_rows, _tile)
+from .blocks import (_block_betas, _block_tiles, _chunk_blocks, _diag_cols, _diag_decay, _diag_rows, _load_block,
+                     _off_cols, _off_rows)
 
 
 @triton.jit
@@ -30,6 +30,27 @@ def _x_terms(dq_ij, dk_ij, k_j, gc_j, gc_i, ref):
 def _z_terms(dq_ij, dk_ij, q_i, kb_i, gc_i, gc_j, ref):
     """(Zq, Zk) contributions of block I > J to block J (dq_ij, dk_ij: the (I, J) blocks, transposed here)."""
     return _off_cols(tl.trans(dq_ij), q_i, gc_i, gc_j, ref), _off_cols(tl.trans(dk_ij), kb_i, gc_i, gc_j, ref)
+
+
+@triton.jit
+def _diag_block(dAqk, dAkk, rows, m, i_h, col0, q_i, k_i, kb_i, gc_i, HV: tl.constexpr, BT: tl.constexpr):
+    """(Xq, Xk, Zq, Zk) of a diagonal block over these BK columns (its dAqk, dAkk block at column col0)."""
+    e3 = _diag_decay(gc_i)
+    dqb = _load_block(dAqk, rows, m, i_h, col0, HV, BT)
+    dkb = _load_block(dAkk, rows, m, i_h, col0, HV, BT)
+    return _diag_rows(dqb, k_i, e3), _diag_rows(dkb, k_i, e3), _diag_cols(dqb, q_i, e3), _diag_cols(dkb, kb_i, e3)
+
+
+@triton.jit
+def _off_block(dAqk, dAkk, rows_i, m_i, i_h, col_j, q_i, kb_i, gc_i, k_j, gc_j, ref_x, ref_z, xq_i, xk_i, zq_j, zk_j,
+               HV: tl.constexpr, BT: tl.constexpr):
+    """Block (I, J), I > J, over these BK columns (its dAqk, dAkk block in block I's rows at column col_j): its
+    X terms added to block I's (split at `ref_x`), its Z terms to block J's (split at `ref_z`)."""
+    dqb = _load_block(dAqk, rows_i, m_i, i_h, col_j, HV, BT)
+    dkb = _load_block(dAkk, rows_i, m_i, i_h, col_j, HV, BT)
+    xq, xk = _x_terms(dqb, dkb, k_j, gc_j, gc_i, ref_x)
+    zq, zk = _z_terms(dqb, dkb, q_i, kb_i, gc_i, gc_j, ref_z)
+    return xq_i + xq, xk_i + xk, zq_j + zq, zk_j + zk
 
 
 @triton.jit
@@ -73,105 +94,49 @@ def _intra_bwd_chunk(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, dq,
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
-    row0 = tl.load(chunk_row_start + i_c)
-    row_end = tl.load(chunk_row_end + i_c)
-    r0, m0, s0 = _block_rows(row_src, row0, row_end, 0, shift, GATHER)
-    r1, m1, s1 = _block_rows(row_src, row0, row_end, 1, shift, GATHER)
-    r2, m2, s2 = _block_rows(row_src, row0, row_end, 2, shift, GATHER)
-    r3, m3, s3 = _block_rows(row_src, row0, row_end, 3, shift, GATHER)
+    row0, row_end, r0, m0, s0, r1, m1, s1, r2, m2, s2, r3, m3, s3 = _chunk_blocks(
+        chunk_row_start, chunk_row_end, row_src, i_c, shift, GATHER)
     o0, n0 = _kept_rows(row_own, r0, m0, shift, GATHER)
     o1, n1 = _kept_rows(row_own, r1, m1, shift, GATHER)
     o2, n2 = _kept_rows(row_own, r2, m2, shift, GATHER)
     o3, n3 = _kept_rows(row_own, r3, m3, shift, GATHER)
-    b0 = tl.load(beta + s0 * HV + i_h, mask=m0, other=0.0).to(tl.float32)
-    b1 = tl.load(beta + s1 * HV + i_h, mask=m1, other=0.0).to(tl.float32)
-    b2 = tl.load(beta + s2 * HV + i_h, mask=m2, other=0.0).to(tl.float32)
-    b3 = tl.load(beta + s3 * HV + i_h, mask=m3, other=0.0).to(tl.float32)
+    b0, b1, b2, b3 = _block_betas(beta, s0, m0, s1, m1, s2, m2, s3, m3, i_h, HV)
     db0 = tl.zeros([16], dtype=tl.float32)
     db1 = tl.zeros([16], dtype=tl.float32)
     db2 = tl.zeros([16], dtype=tl.float32)
     db3 = tl.zeros([16], dtype=tl.float32)
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        g0 = _tile(gc + i_h * K, r0, m0, HV * K, 0, o_k)
-        g1 = _tile(gc + i_h * K, r1, m1, HV * K, 0, o_k)
-        g2 = _tile(gc + i_h * K, r2, m2, HV * K, 0, o_k)
-        g3 = _tile(gc + i_h * K, r3, m3, HV * K, 0, o_k)
-        k0 = _tile(k, s0, m0, HK * K, i_hk * K, o_k)
-        k1 = _tile(k, s1, m1, HK * K, i_hk * K, o_k)
-        k2 = _tile(k, s2, m2, HK * K, i_hk * K, o_k)
-        k3 = _tile(k, s3, m3, HK * K, i_hk * K, o_k)
-        q0 = _tile(q, s0, m0, HK * K, i_hk * K, o_k)
-        q1 = _tile(q, s1, m1, HK * K, i_hk * K, o_k)
-        q2 = _tile(q, s2, m2, HK * K, i_hk * K, o_k)
-        q3 = _tile(q, s3, m3, HK * K, i_hk * K, o_k)
+        g0, g1, g2, g3 = _block_tiles(gc + i_h * K, r0, m0, r1, m1, r2, m2, r3, m3, HV * K, 0, o_k)
+        k0, k1, k2, k3 = _block_tiles(k, s0, m0, s1, m1, s2, m2, s3, m3, HK * K, i_hk * K, o_k)
+        q0, q1, q2, q3 = _block_tiles(q, s0, m0, s1, m1, s2, m2, s3, m3, HK * K, i_hk * K, o_k)
         kb0 = k0 * b0[:, None]
         kb1 = k1 * b1[:, None]
         kb2 = k2 * b2[:, None]
         kb3 = k3 * b3[:, None]
         # diagonal blocks, elementwise
-        e3 = _diag_decay(g0)
-        dqb = _load_block(dAqk, r0, m0, i_h, 0, HV, BT)
-        dkb = _load_block(dAkk, r0, m0, i_h, 0, HV, BT)
-        xq0, xk0, zq0, zk0 = (_diag_rows(dqb, k0, e3), _diag_rows(dkb, k0, e3), _diag_cols(dqb, q0, e3),
-                              _diag_cols(dkb, kb0, e3))
-        e3 = _diag_decay(g1)
-        dqb = _load_block(dAqk, r1, m1, i_h, 16, HV, BT)
-        dkb = _load_block(dAkk, r1, m1, i_h, 16, HV, BT)
-        xq1, xk1, zq1, zk1 = (_diag_rows(dqb, k1, e3), _diag_rows(dkb, k1, e3), _diag_cols(dqb, q1, e3),
-                              _diag_cols(dkb, kb1, e3))
-        e3 = _diag_decay(g2)
-        dqb = _load_block(dAqk, r2, m2, i_h, 32, HV, BT)
-        dkb = _load_block(dAkk, r2, m2, i_h, 32, HV, BT)
-        xq2, xk2, zq2, zk2 = (_diag_rows(dqb, k2, e3), _diag_rows(dkb, k2, e3), _diag_cols(dqb, q2, e3),
-                              _diag_cols(dkb, kb2, e3))
-        e3 = _diag_decay(g3)
-        dqb = _load_block(dAqk, r3, m3, i_h, 48, HV, BT)
-        dkb = _load_block(dAkk, r3, m3, i_h, 48, HV, BT)
-        xq3, xk3, zq3, zk3 = (_diag_rows(dqb, k3, e3), _diag_rows(dkb, k3, e3), _diag_cols(dqb, q3, e3),
-                              _diag_cols(dkb, kb3, e3))
+        xq0, xk0, zq0, zk0 = _diag_block(dAqk, dAkk, r0, m0, i_h, 0, q0, k0, kb0, g0, HV, BT)
+        xq1, xk1, zq1, zk1 = _diag_block(dAqk, dAkk, r1, m1, i_h, 16, q1, k1, kb1, g1, HV, BT)
+        xq2, xk2, zq2, zk2 = _diag_block(dAqk, dAkk, r2, m2, i_h, 32, q2, k2, kb2, g2, HV, BT)
+        xq3, xk3, zq3, zk3 = _diag_block(dAqk, dAkk, r3, m3, i_h, 48, q3, k3, kb3, g3, HV, BT)
         # off-diagonal blocks (I, J), I > J: X of I split at the last row of block I - 1, Z of J at J's last row
         # split points: gc of each block's last row (a padding row loads 0: every later row is padding then)
         p_l = gc + i_h * K + o_k
         l_0 = tl.load(p_l + (row0 + 15).to(tl.int64) * (HV * K), mask=(o_k * 0 + row0 + 15) < row_end, other=0.0)
         l_1 = tl.load(p_l + (row0 + 31).to(tl.int64) * (HV * K), mask=(o_k * 0 + row0 + 31) < row_end, other=0.0)
         l_2 = tl.load(p_l + (row0 + 47).to(tl.int64) * (HV * K), mask=(o_k * 0 + row0 + 47) < row_end, other=0.0)
-        dqb = _load_block(dAqk, r1, m1, i_h, 0, HV, BT)   # (1, 0)
-        dkb = _load_block(dAkk, r1, m1, i_h, 0, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k0, g0, g1, l_0)
-        xq1, xk1 = xq1 + xq, xk1 + xk
-        zq, zk = _z_terms(dqb, dkb, q1, kb1, g1, g0, l_0)
-        zq0, zk0 = zq0 + zq, zk0 + zk
-        dqb = _load_block(dAqk, r2, m2, i_h, 0, HV, BT)   # (2, 0)
-        dkb = _load_block(dAkk, r2, m2, i_h, 0, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k0, g0, g2, l_1)
-        xq2, xk2 = xq2 + xq, xk2 + xk
-        zq, zk = _z_terms(dqb, dkb, q2, kb2, g2, g0, l_0)
-        zq0, zk0 = zq0 + zq, zk0 + zk
-        dqb = _load_block(dAqk, r2, m2, i_h, 16, HV, BT)  # (2, 1)
-        dkb = _load_block(dAkk, r2, m2, i_h, 16, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k1, g1, g2, l_1)
-        xq2, xk2 = xq2 + xq, xk2 + xk
-        zq, zk = _z_terms(dqb, dkb, q2, kb2, g2, g1, l_1)
-        zq1, zk1 = zq1 + zq, zk1 + zk
-        dqb = _load_block(dAqk, r3, m3, i_h, 0, HV, BT)   # (3, 0)
-        dkb = _load_block(dAkk, r3, m3, i_h, 0, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k0, g0, g3, l_2)
-        xq3, xk3 = xq3 + xq, xk3 + xk
-        zq, zk = _z_terms(dqb, dkb, q3, kb3, g3, g0, l_0)
-        zq0, zk0 = zq0 + zq, zk0 + zk
-        dqb = _load_block(dAqk, r3, m3, i_h, 16, HV, BT)  # (3, 1)
-        dkb = _load_block(dAkk, r3, m3, i_h, 16, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k1, g1, g3, l_2)
-        xq3, xk3 = xq3 + xq, xk3 + xk
-        zq, zk = _z_terms(dqb, dkb, q3, kb3, g3, g1, l_1)
-        zq1, zk1 = zq1 + zq, zk1 + zk
-        dqb = _load_block(dAqk, r3, m3, i_h, 32, HV, BT)  # (3, 2)
-        dkb = _load_block(dAkk, r3, m3, i_h, 32, HV, BT)
-        xq, xk = _x_terms(dqb, dkb, k2, g2, g3, l_2)
-        xq3, xk3 = xq3 + xq, xk3 + xk
-        zq, zk = _z_terms(dqb, dkb, q3, kb3, g3, g2, l_2)
-        zq2, zk2 = zq2 + zq, zk2 + zk
+        xq1, xk1, zq0, zk0 = _off_block(dAqk, dAkk, r1, m1, i_h, 0, q1, kb1, g1, k0, g0, l_0, l_0,
+                                        xq1, xk1, zq0, zk0, HV, BT)  # (1, 0)
+        xq2, xk2, zq0, zk0 = _off_block(dAqk, dAkk, r2, m2, i_h, 0, q2, kb2, g2, k0, g0, l_1, l_0,
+                                        xq2, xk2, zq0, zk0, HV, BT)  # (2, 0)
+        xq2, xk2, zq1, zk1 = _off_block(dAqk, dAkk, r2, m2, i_h, 16, q2, kb2, g2, k1, g1, l_1, l_1,
+                                        xq2, xk2, zq1, zk1, HV, BT)  # (2, 1)
+        xq3, xk3, zq0, zk0 = _off_block(dAqk, dAkk, r3, m3, i_h, 0, q3, kb3, g3, k0, g0, l_2, l_0,
+                                        xq3, xk3, zq0, zk0, HV, BT)  # (3, 0)
+        xq3, xk3, zq1, zk1 = _off_block(dAqk, dAkk, r3, m3, i_h, 16, q3, kb3, g3, k1, g1, l_2, l_1,
+                                        xq3, xk3, zq1, zk1, HV, BT)  # (3, 1)
+        xq3, xk3, zq2, zk2 = _off_block(dAqk, dAkk, r3, m3, i_h, 32, q3, kb3, g3, k2, g2, l_2, l_2,
+                                        xq3, xk3, zq2, zk2, HV, BT)  # (3, 2)
         # the blocks from last to first: dg's reverse cumsum carries the later blocks' sums
         carry = tl.zeros([BK], dtype=tl.float32)
         d, carry = _finish_block(dq, dk, dg, side_dk, side_dg, dq_p, dk_p, dgc_p, r3, m3, o3, n3, i_h, o_k, q3, k3,

@@ -20,7 +20,7 @@ import triton.language as tl
 from ..chunk_gdn.gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from ..chunk_gdn.wy_fwd import _inverse_unit_lower16, _merge_inverse, _store_inverse
-from .blocks import _block_rows, _diag_decay, _diag_products, _from_ref, _tile, _to_ref
+from .blocks import _block_betas, _block_tiles, _chunk_blocks, _diag_decay, _diag_products, _from_ref, _to_ref
 
 
 @triton.jit
@@ -37,16 +37,27 @@ def _lower(b_a):
 
 
 @triton.jit
+def _diag_pair(b_q, b_k, b_gc, b_akk, b_aqk):
+    """A diagonal block's (Akk, Aqk) accumulators plus its elementwise products over these BK columns."""
+    b_e3 = _diag_decay(b_gc)
+    return b_akk + _diag_products(b_k, b_k, b_e3), b_aqk + _diag_products(b_q, b_k, b_e3)
+
+
+@triton.jit
+def _off_pair(b_kn, b_qn, b_kj, b_gcj, b_ref, b_akk, b_aqk):
+    """Block (I, J)'s (Akk, Aqk) accumulators plus their dots over these BK columns: b_kn, b_qn are block I's
+    k and q taken to the reference row (`_to_ref`), block J's k comes from it here."""
+    b_kr = tl.trans(_from_ref(b_kj, b_gcj, b_ref))
+    return b_akk + tl.dot(b_kn, b_kr), b_aqk + tl.dot(b_qn, b_kr)
+
+
+@triton.jit
 def _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, row_src, shift, HK: tl.constexpr,
                      HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
-    row0 = tl.load(chunk_row_start + i_c)
-    row_end = tl.load(chunk_row_end + i_c)
-    r0, m0, s0 = _block_rows(row_src, row0, row_end, 0, shift, GATHER)
-    r1, m1, s1 = _block_rows(row_src, row0, row_end, 1, shift, GATHER)
-    r2, m2, s2 = _block_rows(row_src, row0, row_end, 2, shift, GATHER)
-    r3, m3, s3 = _block_rows(row_src, row0, row_end, 3, shift, GATHER)
+    row0, row_end, r0, m0, s0, r1, m1, s1, r2, m2, s2, r3, m3, s3 = _chunk_blocks(
+        chunk_row_start, chunk_row_end, row_src, i_c, shift, GATHER)
     a00 = tl.zeros([16, 16], dtype=tl.float32)  # Akk blocks (before beta)
     a10 = tl.zeros([16, 16], dtype=tl.float32)
     a11 = tl.zeros([16, 16], dtype=tl.float32)
@@ -70,10 +81,7 @@ def _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, 
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         # gc: each block's column cumsum continues from the rows before it (padding rows add g = 0)
-        g0 = _tile(g, s0, m0, HV * K, i_h * K, o_k)
-        g1 = _tile(g, s1, m1, HV * K, i_h * K, o_k)
-        g2 = _tile(g, s2, m2, HV * K, i_h * K, o_k)
-        g3 = _tile(g, s3, m3, HV * K, i_h * K, o_k)
+        g0, g1, g2, g3 = _block_tiles(g, s0, m0, s1, m1, s2, m2, s3, m3, HV * K, i_h * K, o_k)
         gc0 = tl.cumsum(g0, 0)
         c1 = tl.sum(g0, 0)
         gc1 = c1[None, :] + tl.cumsum(g1, 0)
@@ -86,58 +94,26 @@ def _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, 
         tl.store(p_gc + r1[:, None].to(tl.int64) * (HV * K), gc1, mask=m1[:, None])
         tl.store(p_gc + r2[:, None].to(tl.int64) * (HV * K), gc2, mask=m2[:, None])
         tl.store(p_gc + r3[:, None].to(tl.int64) * (HV * K), gc3, mask=m3[:, None])
-        k0 = _tile(k, s0, m0, HK * K, i_hk * K, o_k)
-        k1 = _tile(k, s1, m1, HK * K, i_hk * K, o_k)
-        k2 = _tile(k, s2, m2, HK * K, i_hk * K, o_k)
-        k3 = _tile(k, s3, m3, HK * K, i_hk * K, o_k)
-        q0 = _tile(q, s0, m0, HK * K, i_hk * K, o_k)
-        q1 = _tile(q, s1, m1, HK * K, i_hk * K, o_k)
-        q2 = _tile(q, s2, m2, HK * K, i_hk * K, o_k)
-        q3 = _tile(q, s3, m3, HK * K, i_hk * K, o_k)
+        k0, k1, k2, k3 = _block_tiles(k, s0, m0, s1, m1, s2, m2, s3, m3, HK * K, i_hk * K, o_k)
+        q0, q1, q2, q3 = _block_tiles(q, s0, m0, s1, m1, s2, m2, s3, m3, HK * K, i_hk * K, o_k)
         # diagonal blocks, elementwise
-        e3 = _diag_decay(gc0)
-        a00 += _diag_products(k0, k0, e3)
-        p00 += _diag_products(q0, k0, e3)
-        e3 = _diag_decay(gc1)
-        a11 += _diag_products(k1, k1, e3)
-        p11 += _diag_products(q1, k1, e3)
-        e3 = _diag_decay(gc2)
-        a22 += _diag_products(k2, k2, e3)
-        p22 += _diag_products(q2, k2, e3)
-        e3 = _diag_decay(gc3)
-        a33 += _diag_products(k3, k3, e3)
-        p33 += _diag_products(q3, k3, e3)
+        a00, p00 = _diag_pair(q0, k0, gc0, a00, p00)
+        a11, p11 = _diag_pair(q1, k1, gc1, a11, p11)
+        a22, p22 = _diag_pair(q2, k2, gc2, a22, p22)
+        a33, p33 = _diag_pair(q3, k3, gc3, a33, p33)
         # off-diagonal blocks (I, J), I > J, split at c_I, the gate sum of the rows before block I (gc of row
         # 16 I - 1 up to rounding, which the clamp absorbs)
-        kn = _to_ref(k1, gc1, c1)
-        qn = _to_ref(q1, gc1, c1)
-        kr = tl.trans(_from_ref(k0, gc0, c1))
-        a10 += tl.dot(kn, kr)
-        p10 += tl.dot(qn, kr)
-        kn = _to_ref(k2, gc2, c2)
-        qn = _to_ref(q2, gc2, c2)
-        kr = tl.trans(_from_ref(k0, gc0, c2))
-        a20 += tl.dot(kn, kr)
-        p20 += tl.dot(qn, kr)
-        kr = tl.trans(_from_ref(k1, gc1, c2))
-        a21 += tl.dot(kn, kr)
-        p21 += tl.dot(qn, kr)
-        kn = _to_ref(k3, gc3, c3)
-        qn = _to_ref(q3, gc3, c3)
-        kr = tl.trans(_from_ref(k0, gc0, c3))
-        a30 += tl.dot(kn, kr)
-        p30 += tl.dot(qn, kr)
-        kr = tl.trans(_from_ref(k1, gc1, c3))
-        a31 += tl.dot(kn, kr)
-        p31 += tl.dot(qn, kr)
-        kr = tl.trans(_from_ref(k2, gc2, c3))
-        a32 += tl.dot(kn, kr)
-        p32 += tl.dot(qn, kr)
+        kn, qn = _to_ref(k1, gc1, c1), _to_ref(q1, gc1, c1)
+        a10, p10 = _off_pair(kn, qn, k0, gc0, c1, a10, p10)
+        kn, qn = _to_ref(k2, gc2, c2), _to_ref(q2, gc2, c2)
+        a20, p20 = _off_pair(kn, qn, k0, gc0, c2, a20, p20)
+        a21, p21 = _off_pair(kn, qn, k1, gc1, c2, a21, p21)
+        kn, qn = _to_ref(k3, gc3, c3), _to_ref(q3, gc3, c3)
+        a30, p30 = _off_pair(kn, qn, k0, gc0, c3, a30, p30)
+        a31, p31 = _off_pair(kn, qn, k1, gc1, c3, a31, p31)
+        a32, p32 = _off_pair(kn, qn, k2, gc2, c3, a32, p32)
 
-    b0 = tl.load(beta + s0 * HV + i_h, mask=m0, other=0.0).to(tl.float32)
-    b1 = tl.load(beta + s1 * HV + i_h, mask=m1, other=0.0).to(tl.float32)
-    b2 = tl.load(beta + s2 * HV + i_h, mask=m2, other=0.0).to(tl.float32)
-    b3 = tl.load(beta + s3 * HV + i_h, mask=m3, other=0.0).to(tl.float32)
+    b0, b1, b2, b3 = _block_betas(beta, s0, m0, s1, m1, s2, m2, s3, m3, i_h, HV)
     t00 = _inverse_unit_lower16(_strict(a00, b0))
     t11 = _inverse_unit_lower16(_strict(a11, b1))
     t22 = _inverse_unit_lower16(_strict(a22, b2))
