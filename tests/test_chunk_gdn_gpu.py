@@ -10,41 +10,17 @@ from harts_compiler.codegen.kernels.chunk_gdn import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_reference,
 )
+from test_delta_rule_helpers import NAMES, cuda_inputs, rel, run_call
 from two_level import run_trajectories, run_tree, two_level_plan
 
 pytestmark = pytest.mark.gpu
 
-NAMES = ["o", "exported", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-
 
 def make_inputs(lengths, hk, hv, kd=128, vd=128, seed=0):
-    gen = torch.Generator("cuda").manual_seed(seed)
-    rows = sum(lengths)
-    q = torch.randn(rows, hk, kd, device="cuda", generator=gen).bfloat16()
-    k = torch.randn(rows, hk, kd, device="cuda", generator=gen).bfloat16()
-    v = torch.randn(rows, hv, vd, device="cuda", generator=gen).bfloat16()
-    g = -(torch.rand(rows, hv, device="cuda", generator=gen) * 2.8).exp() * \
-        (torch.rand(rows, hv, device="cuda", generator=gen) * 0.099 + 0.001)
-    beta = torch.sigmoid(torch.randn(rows, hv, device="cuda", generator=gen)).bfloat16()
-    h0 = torch.randn(len(lengths), hv, kd, vd, device="cuda", generator=gen) * 0.05
-    cu = torch.tensor([0] + list(lengths), device="cuda").cumsum(0).to(torch.int32)
-    return [q, k, v, g, beta, h0], cu
-
-
-def run(fn, tensors, cu, exports, upcast=False, **kw):
-    leaves = [(t.float() if upcast else t).detach().requires_grad_(True) for t in tensors]
-    q, k, v, g, beta, h0 = leaves
-    o, states = fn(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=h0, cu_seqlens=cu,
-                   use_qk_l2norm=True, **exports, **kw)
-    gen = torch.Generator("cuda").manual_seed(1)
-    do = torch.randn(o.shape, device="cuda", generator=gen)
-    ds = torch.randn(states.shape, device="cuda", generator=gen)
-    grads = torch.autograd.grad((o.float() * do).sum() + (states * ds).sum(), leaves)
-    return [o, states, *grads]
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    def log_decay(gen, rows, hv, kd):
+        return -(torch.rand(rows, hv, device="cuda", generator=gen) * 2.8).exp() * \
+            (torch.rand(rows, hv, device="cuda", generator=gen) * 0.099 + 0.001)
+    return cuda_inputs(lengths, log_decay, hk, hv, kd, vd, seed)
 
 
 @pytest.mark.parametrize("config", [GDNKernelConfig(),
@@ -59,8 +35,8 @@ def test_bf16_matches_fp32_reference(config):
     lengths = [2000, 1, 64, 63, 1300, 2500]
     tensors, cu = make_inputs(lengths, hk=8, hv=16)
     exports = dict(export_seq=torch.tensor([0, 0, 4, 5, 2]), export_offset=torch.tensor([64, 1984, 1280, 2496, 64]))
-    ours = run(chunk_gated_delta_rule, tensors, cu, exports, config=config)
-    ref = run(chunk_gated_delta_rule_reference, tensors, cu, exports, upcast=True)
+    ours = run_call(chunk_gated_delta_rule, tensors, cu, exports, config=config)
+    ref = run_call(chunk_gated_delta_rule_reference, tensors, cu, exports, upcast=True)
     for name, a, b in zip(NAMES, ours, ref):
         assert torch.isfinite(a).all(), name
         # bf16 inputs and bf16 intermediate operands: fla lands at 1e-3 .. 5e-3 on such data
@@ -80,10 +56,10 @@ def test_errors_not_above_fla():
                                               initial_state=initial_state, output_final_state=True,
                                               use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens.long())
         return o[0], final[:0]
-    ref = run(chunk_gated_delta_rule_reference, tensors, cu, no_exports, upcast=True)
+    ref = run_call(chunk_gated_delta_rule_reference, tensors, cu, no_exports, upcast=True)
     ref[1] = None
-    ours = run(chunk_gated_delta_rule, tensors, cu, no_exports)
-    theirs = run(fla_call, tensors, cu, no_exports)
+    ours = run_call(chunk_gated_delta_rule, tensors, cu, no_exports)
+    theirs = run_call(fla_call, tensors, cu, no_exports)
     for name, a, b, r in zip(NAMES, ours, theirs, ref):
         if r is None:
             continue
@@ -118,7 +94,7 @@ def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
     results = []
     for tma in (True, False):
         config = GDNKernelConfig(scan_tma_max_block_v=64 if tma else 0, scan_block_v=block_v, scan_min_programs=0)
-        results.append(run(chunk_gated_delta_rule, tensors, cu, exports, config=config))
+        results.append(run_call(chunk_gated_delta_rule, tensors, cu, exports, config=config))
     for name, a, b in zip(NAMES, *results):
         assert torch.equal(a, b), name
 
@@ -129,11 +105,11 @@ def test_precise_q_do_when_the_initial_state_gradient_is_returned():
     state) from ~1.2x fla's error to fla's or below; the other gradients stay within the bound either way."""
     lengths = [3000, 130, 999, 4096]
     tensors, cu = make_inputs(lengths, hk=16, hv=16, seed=6)
-    ref = run(chunk_gated_delta_rule_reference, tensors, cu, {}, upcast=True)
+    ref = run_call(chunk_gated_delta_rule_reference, tensors, cu, {}, upcast=True)
     by_precision = {}
     for precision in ("auto", "bf16", "bf16x2"):
         config = GDNKernelConfig(scan_q_do_precision=precision)
-        by_precision[precision] = run(chunk_gated_delta_rule, tensors, cu, {}, config=config)
+        by_precision[precision] = run_call(chunk_gated_delta_rule, tensors, cu, {}, config=config)
         # the same call without d(initial state): h0 is a constant
         q, k, v, g, beta, h0 = (t.detach().requires_grad_(i < 5) for i, t in enumerate(tensors))
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0, cu_seqlens=cu,

@@ -17,40 +17,18 @@ from harts_compiler.codegen.kernels.chunk_gdn.state_bwd import state_bwd
 from harts_compiler.codegen.kernels.chunk_gdn.state_fwd import output_fwd, state_fwd
 from harts_compiler.codegen.kernels.chunk_gdn.wy_fwd import wy_fwd
 from harts_compiler.codegen.kernels.upload import to_device
+from test_delta_rule_helpers import NAMES, forward_backward, interpreter_inputs
 
 # CPU tensors at head sizes the CUDA guard does not admit: interpreter only (the GPU checks are
 # tests/test_chunk_gdn_gpu.py and bench/gdn_shapes.py)
 pytestmark = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1")
 
-NAMES = ["o", "exported", "dq", "dk", "dv", "dg", "dbeta", "d_initial_state"]
 
-
-def make_inputs(lengths, hk=1, hv=2, kd=16, vd=32, seed=0, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    rows = sum(lengths)
-    tensors = [
-        torch.randn(rows, hk, kd, generator=gen),
-        torch.nn.functional.normalize(torch.randn(rows, hk, kd, generator=gen), dim=-1),  # a stable delta rule
-        torch.randn(rows, hv, vd, generator=gen),
-        -torch.rand(rows, hv, generator=gen) * 0.2,
-        torch.rand(rows, hv, generator=gen),
-        torch.randn(len(lengths), hv, kd, vd, generator=gen) * 0.1,
-    ]
-    tensors = [t.to(device).requires_grad_(True) for t in tensors]
-    cu = torch.tensor([0] + list(lengths), dtype=torch.int32).cumsum(0).to(torch.int32)
-    return tensors, cu
-
-
-def forward_backward(fn, tensors, cu, export_seq, export_offset, seed=1, with_do=True, **kw):
-    q, k, v, g, beta, h0 = tensors
-    o, exported = fn(q, k, v, g, beta, scale=0.4, initial_state=h0, cu_seqlens=cu, export_seq=export_seq,
-                     export_offset=export_offset, **kw)
-    gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=gen) if with_do else torch.zeros(o.shape)
-    ds = torch.randn(exported.shape, generator=gen)
-    grads = torch.autograd.grad((o * do).sum() + (exported * ds).sum(), tensors)
-    return [o, exported, *grads]
+def make_inputs(lengths, hk=1, hv=2, kd=16, vd=32, seed=0):
+    def log_decay(gen, rows, hv, kd):
+        return -torch.rand(rows, hv, generator=gen) * 0.2
+    return interpreter_inputs(lengths, log_decay, hk, hv, kd, vd, seed)
 
 
 def assert_all_close(got, want, rtol=2e-5, atol=2e-5):

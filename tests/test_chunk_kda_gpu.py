@@ -10,11 +10,11 @@ from harts_compiler.codegen.kernels.chunk_gdn import plan_tree_gdn
 from harts_compiler.codegen.kernels.chunk_kda import (KDAKernelConfig, chunk_kimi_delta_attention,
                                                       chunk_kimi_delta_attention_reference, kimi_delta_attention)
 from harts_compiler.codegen.kernels.upload import to_device
+from test_delta_rule_helpers import NAMES, cuda_inputs, rel, run_call
 from two_level import run_trajectories, two_level_plan, two_level_round_specs
 
 pytestmark = pytest.mark.gpu
 
-NAMES = ["o", "exported", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 # bf16 inputs and bf16 dot operands: fla's GDN lands at 1e-3 .. 5e-3 of the norm on such data (tests of
 # chunk_gdn); the bound where fla is not installed
 BOUND = 1e-2
@@ -22,33 +22,9 @@ BOUND = 1e-2
 
 def make_inputs(lengths, hk, hv, kd=128, vd=128, seed=0, decay=1.0):
     """Kimi-like gates: g = decay * logsigmoid(N(0, 1)) per key channel (about -0.7 on average, down to ~-5)."""
-    gen = torch.Generator("cuda").manual_seed(seed)
-    rows = sum(lengths)
-    q = torch.randn(rows, hk, kd, device="cuda", generator=gen).bfloat16()
-    k = torch.randn(rows, hk, kd, device="cuda", generator=gen).bfloat16()
-    v = torch.randn(rows, hv, vd, device="cuda", generator=gen).bfloat16()
-    g = F.logsigmoid(torch.randn(rows, hv, kd, device="cuda", generator=gen)) * decay
-    beta = torch.sigmoid(torch.randn(rows, hv, device="cuda", generator=gen)).bfloat16()
-    h0 = torch.randn(len(lengths), hv, kd, vd, device="cuda", generator=gen) * 0.05
-    cu = torch.tensor([0] + list(lengths), device="cuda").cumsum(0).to(torch.int32)
-    return [q, k, v, g, beta, h0], cu
-
-
-def run(fn, tensors, cu, exports, upcast=False, **kw):
-    leaves = [(t.float() if upcast else t).detach().requires_grad_(True) for t in tensors]
-    q, k, v, g, beta, h0 = leaves
-    o, states = fn(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=h0, cu_seqlens=cu,
-                   use_qk_l2norm=True, **exports, **kw)
-    gen = torch.Generator("cuda").manual_seed(1)
-    do = torch.randn(o.shape, device="cuda", generator=gen)
-    ds = torch.randn(states.shape, device="cuda", generator=gen)
-    grads = torch.autograd.grad((o.float() * do).sum() + (states * ds).sum(), leaves)
-    return [o, states, *grads]
-
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    def kimi_gate(gen, rows, hv, kd):
+        return F.logsigmoid(torch.randn(rows, hv, kd, device="cuda", generator=gen)) * decay
+    return cuda_inputs(lengths, kimi_gate, hk, hv, kd, vd, seed)
 
 
 @pytest.mark.parametrize("dims,decay", [((128, 128), 1.0), ((64, 64), 1.0), ((128, 128), 8.0)],
@@ -58,8 +34,8 @@ def test_bf16_matches_fp32_reference(dims, decay):
     lengths = [1000, 1, 64, 63, 700, 1300]
     tensors, cu = make_inputs(lengths, hk=2, hv=4, kd=kd, vd=vd, decay=decay)
     exports = dict(export_seq=torch.tensor([0, 0, 4, 5, 2]), export_offset=torch.tensor([64, 960, 640, 1280, 64]))
-    ours = run(chunk_kimi_delta_attention, tensors, cu, exports)
-    ref = run(chunk_kimi_delta_attention_reference, tensors, cu, exports, upcast=True)
+    ours = run_call(chunk_kimi_delta_attention, tensors, cu, exports)
+    ref = run_call(chunk_kimi_delta_attention_reference, tensors, cu, exports, upcast=True)
     for name, a, b in zip(NAMES, ours, ref):
         assert torch.isfinite(a).all(), name
         assert rel(a, b) < BOUND, (name, rel(a, b))
@@ -75,9 +51,9 @@ def test_errors_not_above_fla():
                                      initial_state=initial_state, output_final_state=True,
                                      use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens.long())
         return o[0], final[:0]  # fla exports no mid-sequence state
-    ref = run(chunk_kimi_delta_attention_reference, tensors, cu, {}, upcast=True)
-    ours = run(chunk_kimi_delta_attention, tensors, cu, {})
-    theirs = run(fla_call, tensors, cu, {})
+    ref = run_call(chunk_kimi_delta_attention_reference, tensors, cu, {}, upcast=True)
+    ours = run_call(chunk_kimi_delta_attention, tensors, cu, {})
+    theirs = run_call(fla_call, tensors, cu, {})
     for name, a, b, r in zip(NAMES, ours, theirs, ref):
         if name == "exported":
             continue
@@ -111,7 +87,7 @@ def test_other_launch_configs(config):
     lengths = [700, 65, 300]
     tensors, cu = make_inputs(lengths, hk=2, hv=2, seed=7)
     exports = dict(export_seq=torch.tensor([0, 2]), export_offset=torch.tensor([640, 256]))
-    ours = run(chunk_kimi_delta_attention, tensors, cu, exports, config=config)
-    ref = run(chunk_kimi_delta_attention_reference, tensors, cu, exports, upcast=True)
+    ours = run_call(chunk_kimi_delta_attention, tensors, cu, exports, config=config)
+    ref = run_call(chunk_kimi_delta_attention_reference, tensors, cu, exports, upcast=True)
     for name, a, b in zip(NAMES, ours, ref):
         assert rel(a, b) < BOUND, (name, rel(a, b))

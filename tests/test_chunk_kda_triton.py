@@ -13,36 +13,16 @@ from harts_compiler.codegen.kernels.chunk_gdn import plan_tree_gdn
 from harts_compiler.codegen.kernels.chunk_kda import (chunk_kimi_delta_attention, chunk_kimi_delta_attention_reference,
                                                       kimi_delta_attention, plan_kimi_delta_attention_reference)
 from harts_compiler.codegen.kernels.upload import to_device
+from test_delta_rule_helpers import NAMES, forward_backward, interpreter_inputs
 from two_level import run_trajectories, two_level_plan, two_level_round_specs
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
-NAMES = ["o", "exported", "dq", "dk", "dv", "dg", "dbeta", "d_initial_state"]
-
 
 def make_inputs(lengths, hk=1, hv=2, kd=16, vd=32, seed=0, decay=0.5):
-    gen = torch.Generator().manual_seed(seed)
-    rows = sum(lengths)
-    tensors = [
-        torch.randn(rows, hk, kd, generator=gen),
-        torch.nn.functional.normalize(torch.randn(rows, hk, kd, generator=gen), dim=-1),  # a stable delta rule
-        torch.randn(rows, hv, vd, generator=gen),
-        -torch.rand(rows, hv, kd, generator=gen) * decay,  # a log decay per key channel
-        torch.rand(rows, hv, generator=gen),
-        torch.randn(len(lengths), hv, kd, vd, generator=gen) * 0.1,
-    ]
-    cu = torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)
-    return [t.requires_grad_(True) for t in tensors], cu
-
-
-def forward_backward(fn, tensors, cu, export_seq, export_offset, with_do=True, **kw):
-    q, k, v, g, beta, h0 = tensors
-    o, exported = fn(q, k, v, g, beta, scale=0.4, initial_state=h0, cu_seqlens=cu, export_seq=export_seq,
-                     export_offset=export_offset, **kw)
-    gen = torch.Generator().manual_seed(1)
-    do = torch.randn(o.shape, generator=gen) if with_do else torch.zeros(o.shape)
-    ds = torch.randn(exported.shape, generator=gen)
-    return [o, exported, *torch.autograd.grad((o * do).sum() + (exported * ds).sum(), tensors)]
+    def per_channel_log_decay(gen, rows, hv, kd):
+        return -torch.rand(rows, hv, kd, generator=gen) * decay
+    return interpreter_inputs(lengths, per_channel_log_decay, hk, hv, kd, vd, seed)
 
 
 def reference_fp64(tensors, cu, export_seq, export_offset, **kw):
