@@ -23,6 +23,7 @@ import numpy as np
 
 from .index import LinearRound, MicrobatchIndex, PieceContext
 from .microbatch import build_trees_index
+from .riders import append_riders
 
 
 @dataclasses.dataclass
@@ -71,8 +72,9 @@ class _Fragment:
     exports: dict = dataclasses.field(default_factory=dict)  # offset -> bank id in its piece
 
 
-def build_piece_chain(program, tree: int) -> PieceChain:
-    """Index tables and links of the pieces of `tree` (a tree that `cut-pieces` split)."""
+def build_piece_chain(program, tree: int, riders=()) -> PieceChain:
+    """Index tables and links of the pieces of `tree` (a tree that `cut-pieces` split); the whole trees
+    `riders` run in the forward of its `Pieces.rider_piece` (`codegen/riders.py`)."""
     forest, seqs, pieces = program.forest, program.sequences, program.pieces
     mine = pieces.of_tree(tree) if pieces is not None else np.zeros(0, np.int64)
     if mine.size == 0:
@@ -130,8 +132,14 @@ def build_piece_chain(program, tree: int) -> PieceChain:
         state_rows = np.asarray([state_out[fragments[f].piece].index((f, o)) for f, o in states[p]], np.int64)
         links.append(PieceLinks(kv=source("kv", contexts[p]), conv=source("conv", conv_ctx[p]),
                                 replay=source("replay", replay_ctx[p]), state=(state_pieces, state_rows)))
-    return PieceChain(tree=tree, indices=indices, links=links, trajectory_ids=list(whole.trajectory_ids),
-                      lengths=whole.lengths)
+    trajectory_ids, lengths = list(whole.trajectory_ids), whole.lengths
+    if len(riders):
+        ride = build_trees_index(program, np.asarray(riders, np.int64))
+        p = int(np.flatnonzero(mine == pieces.rider_piece(tree))[0])
+        indices[p] = append_riders(indices[p], ride)
+        trajectory_ids += ride.trajectory_ids
+        lengths = np.concatenate([lengths, ride.lengths])
+    return PieceChain(tree=tree, indices=indices, links=links, trajectory_ids=trajectory_ids, lengths=lengths)
 
 
 def _fragments(seqs, tree: int, lo: int, bounds: np.ndarray, position, pred, C: int) -> list[_Fragment]:

@@ -40,11 +40,14 @@ class PlannedMicrobatch:
         return bool(self.piece_tokens)
 
     def build_chain(self):
-        """The `codegen.pieces.PieceChain` of a microbatch that runs as pieces (one tree, its pieces in order)."""
+        """The `codegen.pieces.PieceChain` of a microbatch that runs as pieces: its tree's pieces in order, the
+        microbatch's other trees riding with the smallest piece."""
         from harts_compiler.codegen.pieces import build_piece_chain
         if not self.runs_as_pieces:
             raise ValueError(f"microbatch {self.index} does not run as pieces: use build_index()")
-        return build_piece_chain(self.program, self.trees[0])
+        pieced = set(self.program.pieces.piece_tree.tolist())
+        tree = next(t for t in self.trees if t in pieced)
+        return build_piece_chain(self.program, tree, riders=[t for t in self.trees if t != tree])
 
     def check_model(self, model) -> None:
         self.options.check_model(model)
@@ -55,12 +58,20 @@ class PlannedMicrobatch:
 
     @property
     def piece_tokens(self) -> list[int]:
-        """Own tokens of each piece when this microbatch's tree runs as pieces, else []."""
+        """Tokens of each piece when this microbatch's tree runs as pieces (riders counted in the piece they
+        run with), else []."""
         pieces = self.program.pieces
         if pieces is None:
             return []
         mine = np.flatnonzero(np.isin(pieces.piece_tree, self.trees))
-        return (pieces.piece_end[mine] - pieces.piece_start[mine]).tolist()
+        if mine.size == 0:
+            return []
+        tokens = pieces.piece_end[mine] - pieces.piece_start[mine]
+        forest = self.program.forest
+        riders = [t for t in self.trees if t != int(pieces.piece_tree[mine[0]])]
+        tokens[mine == pieces.rider_piece(int(pieces.piece_tree[mine[0]]))] += int(
+            (forest.tree_end[riders] - forest.tree_start[riders]).sum())
+        return tokens.tolist()
 
 
 @dataclass(frozen=True)

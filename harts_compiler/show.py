@@ -50,6 +50,7 @@ class TreeView:
     sequences: int
     cell: tuple[int, int] | None  # (rank, slot) it is scheduled on
     pieces: int = 0  # pieces it runs as (0: whole)
+    rides_with: str = ""  # "piece p of tree 'x'": the piece whose forward it runs in
 
     @property
     def compact_tokens(self) -> int:
@@ -84,11 +85,17 @@ def tree_views(plan, count: int) -> list[TreeView]:
         seq_of_node = np.searchsorted(seqs.seq_own_start, forest.node_start, side="right") - 1
         replay_of_seq = np.diff(seqs.replay_ptr)
     pieces = plan.program.pieces
-    cell_of_tree = {}
+    cell_of_tree, rides = {}, {}
+    pieced = set() if pieces is None else set(pieces.piece_tree.tolist())
     if mbs is not None:
         for m in range(mbs.num_microbatches):
-            for t in mbs.trees_of(m).tolist():
+            trees = mbs.trees_of(m).tolist()
+            host = next((t for t in trees if t in pieced), None)
+            for t in trees:
                 cell_of_tree[t] = (int(mbs.mb_rank[m]), int(mbs.mb_slot[m]))
+                if host is not None and t != host:
+                    first = int(pieces.of_tree(host)[0])
+                    rides[t] = f"piece {pieces.rider_piece(host) - first} of tree {forest.tree_ids[host]!r}"
     views = []
     for tree in range(count):
         levels: dict[int, int] = {}
@@ -116,7 +123,8 @@ def tree_views(plan, count: int) -> list[TreeView]:
                               replay=int(replay_of_seq[in_tree].sum()) if seqs is not None else 0,
                               sequences=int(in_tree.sum()) if seqs is not None else 0,
                               cell=cell_of_tree.get(tree),
-                              pieces=int(pieces.of_tree(tree).size) if pieces is not None else 0))
+                              pieces=int(pieces.of_tree(tree).size) if pieces is not None else 0,
+                              rides_with=rides.get(tree, "")))
     return views
 
 
@@ -203,6 +211,7 @@ def format_tree(view: TreeView, chunk: int, max_nodes: int) -> str:
     rounds = f", {view.rounds} rounds, {view.sequences} sequences, {view.replay:,} replay tokens" \
         if view.rounds is not None else ""
     in_pieces = f", {view.pieces} pieces" if view.pieces else ""
+    in_pieces += f", runs with {view.rides_with}" if view.rides_with else ""
     head = (f"tree {view.name!r}: {view.trajectories:,} trajectories ({view.trajectory_tokens:,} tokens), "
             f"{len(view.nodes):,} nodes, {view.compact_tokens:,} compact tokens ({compression:.2f}x){rounds}"
             f"{in_pieces}{where}")

@@ -113,6 +113,12 @@ class Pieces:
         """Piece ids of tree t (empty when it runs whole)."""
         return np.flatnonzero(self.piece_tree == t)
 
+    def rider_piece(self, t: int) -> int:
+        """The piece of tree t that whole trees sharing its microbatch run with: its smallest (the first of
+        equal ones), which leaves the most room under the budget."""
+        mine = self.of_tree(t)
+        return int(mine[np.argmin(self.piece_end[mine] - self.piece_start[mine])])
+
     def verify(self, forest: Forest) -> None:
         P = self.num_pieces
         if self.piece_start.shape != (P,) or self.piece_end.shape != (P,):
@@ -143,7 +149,9 @@ class Microbatches:
     """schedule output: microbatch m holds trees mb_trees[mb_tree_ptr[m]:mb_tree_ptr[m+1]] (laid
     out in that order) and runs on data-parallel rank mb_rank[m] as its slot mb_slot[m]. Ranks
     run slots 0..S-1 in lockstep; a rank without a microbatch in a slot has an empty slot there
-    (it still joins that slot's collectives), so each (rank, slot) holds at most one."""
+    (it still joins that slot's collectives), so each (rank, slot) holds at most one. A microbatch holds
+    at most one tree that runs as pieces; its other trees (*riders*) run whole, together with that tree's
+    `Pieces.rider_piece`, and with it fit the budget."""
 
     dp_size: int
     microbatch_tokens: int  # 0 = no limit
@@ -181,11 +189,18 @@ class Microbatches:
             pieced = np.zeros(forest.num_trees, bool) if pieces is None else np.isin(
                 np.arange(forest.num_trees), pieces.piece_tree)
             for m in range(M):
-                if pieced[self.trees_of(m)].any():
-                    if self.trees_of(m).size != 1:
-                        raise IRError(f"Microbatches: microbatch {m} holds a tree that runs as pieces and "
-                                      "other trees")
-                    continue  # its pieces are checked against the budget by Pieces.verify
+                trees = self.trees_of(m)
+                if pieced[trees].any():
+                    if pieced[trees].sum() > 1:
+                        raise IRError(f"Microbatches: microbatch {m} holds two trees that run as pieces")
+                    t = int(trees[pieced[trees]][0])
+                    p = pieces.rider_piece(t)
+                    total = int(sizes[trees[~pieced[trees]]].sum() + pieces.piece_end[p] - pieces.piece_start[p])
+                    if total > self.microbatch_tokens:
+                        raise IRError(f"Microbatches: microbatch {m}: the trees riding with piece {p} of tree "
+                                      f"{forest.tree_ids[t]!r} make {total} compact tokens > budget "
+                                      f"{self.microbatch_tokens}")
+                    continue  # the other pieces are checked against the budget by Pieces.verify
                 total = int(sizes[self.trees_of(m)].sum())
                 if total > self.microbatch_tokens:
                     raise IRError(f"Microbatches: microbatch {m} holds {total} compact tokens "

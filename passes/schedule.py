@@ -1,4 +1,4 @@
-"""`schedule`: trees (or tree parts) -> microbatches on data-parallel (rank, slot) pairs."""
+"""`schedule`: trees -> microbatches on data-parallel (rank, slot) pairs."""
 from __future__ import annotations
 
 import json
@@ -19,19 +19,26 @@ from .cost_model import (CostModelError, LayerCounts, default_cost_model, load_c
 class Schedule(Pass):
     """Sequenced program -> + microbatches.
 
-    Items are the trees (after `split-oversize`, every tree fits the budget). Item cost is the
-    cost model's predicted fwd+bwd time of the tree alone (`cost_model.tree_costs`, for a model
-    with `linear_layers` / `full_layers`; `cost_model` names a fitted JSON file, "default" the
-    built-in guesses, None the repository's fit if any), less the per-microbatch constant, which
-    packed trees share. `assign.assign` places
+    Items are the trees. Item cost is the cost model's predicted fwd+bwd time of the tree alone
+    (`cost_model.tree_costs`, for a model with `linear_layers` / `full_layers`; `cost_model` names a
+    fitted JSON file, "default" the built-in guesses, None the repository's fit if any), less the
+    per-microbatch constant, which packed trees share. A tree that runs as pieces (`cut-pieces`) fills
+    its (rank, slot), and pays the constant once per piece after the first. `assign.assign` places
     every item on one (rank, slot) with at most `microbatch_tokens` compact tokens per (rank,
     slot), minimising `objective` (`sum_of_slot_max`: ranks run slots in lockstep; or
     `max_rank_total`) with a greedy warm start, CP-SAT under `time_limit_s` (deterministic work
     budget, fixed `seed` and `workers`: the same input gives the same plan) and the greedy plan
     as the fallback. Without a budget every rank gets one slot. Each non-empty (rank, slot) is one
     microbatch, its trees in tree order; a rank may have empty slots (it still joins that slot's
-    collectives at run time). The solver's status, objective, lower bound, greedy objective and
-    time go into the program's notes (`Program.note("schedule")`).
+    collectives at run time).
+
+    Riders: a tree in pieces leaves its smallest piece's room under the budget free. When there are
+    such trees, the plan is also made with whole trees packed into that room first (first-fit
+    decreasing; they run in that piece's forward, `codegen/riders.py`), and the plan whose objective
+    is lower once every non-empty (rank, slot) pays the per-microbatch constant is kept (a rider saves
+    a forward where it empties a cell, and can lengthen a slot where it does not). The solver's
+    status, objective, lower bound, greedy objective, time and the riders go into the program's
+    notes (`Program.note("schedule")`).
 
     Output invariants (`Microbatches.verify`): every tree in exactly one non-empty microbatch,
     ranks in range, at most one microbatch per (rank, slot), every slot used by some rank,
@@ -62,24 +69,80 @@ class Schedule(Pass):
                      else load_cost_model(self.cost_model))
         except CostModelError as error:
             raise InputError(f"option cost_model: {error}") from None
-        sizes, cost = schedule_items(program, budget, model,
-                                     LayerCounts.stated(self.linear_layers, self.full_layers))
-        result = assign(sizes, cost, token_budget=budget or None, dp_size=self.dp_size,
-                        num_slots=None if budget else 1, objective=self.objective,
-                        time_limit_s=self.time_limit_s, seed=self.seed, workers=self.workers)
-        microbatches = _microbatches(result.rank, result.slot, self.dp_size, budget)
-        note = {**result.summary(), "items": int(sizes.size),
+        layers = LayerCounts.stated(self.linear_layers, self.full_layers)
+        sizes, cost = schedule_items(program, budget, model, layers)
+        constant = model.coefficients.get("microbatch", 0.0)
+        best = None
+        for riders in ([], rider_groups(program, sizes, budget)):
+            if best is not None and not riders:
+                continue
+            items, item_sizes, item_cost = _group_items(sizes, cost, riders)
+            result = assign(item_sizes, item_cost, token_budget=budget or None, dp_size=self.dp_size,
+                            num_slots=None if budget else 1, objective=self.objective,
+                            time_limit_s=self.time_limit_s, seed=self.seed, workers=self.workers)
+            total = _objective_with_constant(result, constant, self.objective)
+            if best is None or total < best[0] - 1e-9:
+                best = (total, result, items, riders)
+        total, result, items, riders = best
+        rank = np.empty(sizes.size, np.int64)
+        slot = np.empty(sizes.size, np.int64)
+        for i, members in enumerate(items):
+            rank[members], slot[members] = result.rank[i], result.slot[i]
+        microbatches = _microbatches(rank, slot, self.dp_size, budget)
+        note = {**result.summary(), "items": len(items), "trees": int(sizes.size),
+                "riders": int(sum(len(group) - 1 for group in riders)),
+                "objective_with_microbatch_cost": total,
                 "cost_model": {"source": model.source, "device": model.device,
                                "date": model.date}}
         return program.replace(microbatches=microbatches,
                                notes=program.notes + ((self.name, json.dumps(note)),))
 
 
+def rider_groups(program, sizes: np.ndarray, budget: int) -> list[list[int]]:
+    """[tree in pieces, riders...] per tree in pieces that takes any: whole trees, largest first, each into the
+    first tree in pieces whose smallest piece leaves it room (first-fit decreasing; O(trees x pieced))."""
+    pieces = program.pieces
+    if pieces is None or not budget:
+        return []
+    pieced = np.unique(pieces.piece_tree)
+    room = {int(t): budget - int(pieces.piece_end[pieces.rider_piece(int(t))] -
+                                 pieces.piece_start[pieces.rider_piece(int(t))]) for t in pieced}
+    whole = np.setdiff1d(np.arange(sizes.size), pieced)
+    groups = {int(t): [int(t)] for t in pieced}
+    for t in whole[np.lexsort((whole, -sizes[whole]))].tolist():
+        for host in groups:
+            if sizes[t] <= room[host]:
+                groups[host].append(t)
+                room[host] -= int(sizes[t])
+                break
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def _group_items(sizes, cost, groups) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The planner's items: each group as one item (its tokens those of its first tree, a tree in pieces
+    that fills its cell; its cost the sum), every other tree alone."""
+    grouped = {t for group in groups for t in group}
+    items = [np.asarray(group, np.int64) for group in groups]
+    items += [np.asarray([t], np.int64) for t in range(sizes.size) if t not in grouped]
+    item_sizes = np.asarray([sizes[members[0]] for members in items], np.int64)
+    item_cost = np.asarray([cost[members].sum() for members in items], np.float64)
+    return items, item_sizes, item_cost
+
+
+def _objective_with_constant(result, constant: float, objective: str) -> float:
+    """The plan's objective when every non-empty (rank, slot) also pays the per-microbatch constant."""
+    cells = result.slot_cost + constant * (result.slot_tokens > 0)
+    if objective == "max_rank_total":
+        return float(cells.sum(axis=1).max(initial=0.0))
+    return float(cells.max(axis=0, initial=0.0).sum())
+
+
 def schedule_items(program, budget: int, model, layers: LayerCounts) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, cost) of the planner's items, the program's trees. A tree that runs as pieces fills its
-    (rank, slot) alone (each piece is up to a budget), so its tokens count as the budget. A tree alone would
-    pay the per-microbatch constant; packed trees share it, so it is not an item's cost (it is about the same
-    for every non-empty (rank, slot))."""
+    """(tokens, cost) of the program's trees as planner items. A tree that runs as pieces fills its
+    (rank, slot) (each piece is up to a budget; riders, see `Schedule`, use its smallest piece's room), so
+    its tokens count as the budget. A tree alone would pay the per-microbatch constant; packed trees share
+    it, so it is not an item's cost (it is about the same for every non-empty (rank, slot)); a tree in k
+    pieces pays it k - 1 more times."""
     forest = program.forest
     sizes = forest.tree_end - forest.tree_start
     pieced = np.zeros(sizes.size, bool)
@@ -89,7 +152,10 @@ def schedule_items(program, budget: int, model, layers: LayerCounts) -> tuple[np
         too_big = np.flatnonzero((sizes > budget) & ~pieced)[:5].tolist()
         raise InputError([f"tree {forest.tree_ids[t]!r}: {int(sizes[t])} compact tokens exceed "
                           f"--microbatch-tokens {budget} (run cut-pieces first)" for t in too_big])
-    cost = np.maximum(tree_costs(program, layers, model) - model.coefficients.get("microbatch", 0.0), 0.0)
+    constant = model.coefficients.get("microbatch", 0.0)
+    cost = np.maximum(tree_costs(program, layers, model) - constant, 0.0)
+    if program.pieces is not None:  # each piece after the first is one more forward + backward
+        cost += constant * (np.bincount(program.pieces.piece_tree, minlength=sizes.size) - pieced)
     return np.where(pieced, budget, sizes).astype(np.int64), cost
 
 

@@ -99,8 +99,8 @@ def test_plan_save_load(tmp_path):
 @pytest.fixture(scope="module")
 def program():
     program = hc.compile(random_batch(11, n_traj=12, max_len=40),
-                         hc.CompileOptions(chunk_size=4, microbatch_tokens=60)).program
-    assert program.pieces is not None
+                         hc.CompileOptions(chunk_size=4, microbatch_tokens=45)).program
+    assert program.pieces is not None and program.microbatches.num_microbatches > 1
     return program
 
 
@@ -145,6 +145,17 @@ def test_verify_names_broken_invariant(program, part, field, mutate, message):
     bad = dataclasses.replace(target, **{field: mutate(getattr(target, field).copy())})
     with pytest.raises(IRError, match=message):
         program.replace(**{part: bad}).verify()
+
+
+def test_verify_names_riders_over_the_budget(program):
+    """Whole trees may share a microbatch with a tree in pieces only within its smallest piece's room."""
+    from harts_compiler.ir import Microbatches
+    n = program.forest.num_trees
+    one = Microbatches(dp_size=1, microbatch_tokens=program.microbatches.microbatch_tokens,
+                       mb_rank=np.zeros(1, np.int64), mb_slot=np.zeros(1, np.int64),
+                       mb_tree_ptr=np.asarray([0, n]), mb_trees=np.arange(n))
+    with pytest.raises(IRError, match="riding with piece"):
+        program.replace(microbatches=one).verify()
 
 
 def test_parse_errors():

@@ -217,3 +217,44 @@ def test_bad_budgets_are_rejected():
                        hc.CompileOptions.checked(chunk_size=4, microbatch_tokens=budget))
     with pytest.raises(hc.InputError, match="microbatch_tokens"):
         hc.CompileOptions.checked(chunk_size=64, microbatch_tokens=32)
+
+
+def _riders_batch(rng, C):
+    """One tree a few tokens over the budget (two branching trajectories on a long root) and small branching
+    trees (own first tokens: separate trees) that fit the room its smallest piece leaves."""
+    root = [1] + _rand(rng, 9 * C)
+    big = [root + _rand(rng, 2 * C + 1), root[:5 * C + 1] + _rand(rng, C + 2), root + _rand(rng, 3)]
+    small = []
+    for first in (120, 121, 122):  # _rand draws below 100
+        stem = [first] + _rand(rng, C + 1)
+        small += [stem + _rand(rng, C - 1), stem[:C] + _rand(rng, 2 * C), stem + _rand(rng, 2)]
+    return big + small
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-kimi-linear"])
+def test_whole_trees_riding_with_a_piece_equal_trajectory_wise(preset):
+    import json
+
+    C = 4
+    token_lists = _riders_batch(random.Random(preset), C)
+    whole = hc.compile(hc.TreeBatch.from_trajectories(token_lists), hc.CompileOptions(chunk_size=C))
+    sizes = whole.program.forest.tree_end - whole.program.forest.tree_start
+    budget = int(sizes.max()) - C - 2  # the big tree: two pieces, the smaller across a chunk boundary
+    plan = hc.compile(hc.TreeBatch.from_trajectories(token_lists),
+                      hc.CompileOptions(chunk_size=C, microbatch_tokens=budget))
+    assert json.loads(dict(plan.program.notes)["schedule"])["riders"] >= 1
+    (mb,) = [mb for mb in plan.microbatches() if mb.runs_as_pieces]
+    assert len(mb.trees) > 1 and max(mb.piece_tokens) <= budget
+    assert len(plan.microbatches()) < 1 + int((sizes < sizes.max()).sum())  # a cell fewer than without riders
+    model = tiny_model(torch.float64, preset)
+    results = per_microbatch_reference(model, plan, token_lists, C, seed=5)
+    (want, want_grads, want_total), (got, got_grads, got_total) = results["trajectory"], results["tree"]
+    for w, g in zip(want, got):
+        order = [w.trajectory_ids.index(t) for t in g.trajectory_ids]
+        assert sorted(order) == list(range(len(order)))
+        assert rel(g.logprobs, w.logprobs[order]) < TOL and rel(g.entropy, w.entropy[order]) < TOL
+        if w.aux_loss is not None:
+            assert abs(float(g.aux_loss.detach() - w.aux_loss.detach())) < TOL * abs(float(w.aux_loss.detach()))
+    assert abs(got_total - want_total) < TOL * abs(want_total)
+    worst = max((rel(got_grads[n], want_grads[n]), n) for n in want_grads)
+    assert worst[0] < TOL, worst
