@@ -150,6 +150,19 @@ def test_single_rank_step_over_several_slots_matches_trajectory_wise():
     token_lists = tree_token_lists()
     plan = compile_plan(token_lists, dp_size=1)
     assert len(slot_schedule(plan, 0)) >= 3
+    assert_single_rank_step_exact(plan, token_lists)
+
+
+def test_single_rank_step_with_a_tree_riding_in_a_piece_matches_trajectory_wise():
+    token_lists = tree_token_lists(n_trees=0) + [[110, 1, 2, 3], [110, 1, 4]]  # 5 tokens: the smallest piece has room
+    plan = compile_plan(token_lists, dp_size=1)
+    assert plan.program.note("schedule")["riders"] == 1
+    (mb,) = [mb for mb in plan.microbatches() if mb.runs_as_pieces]
+    assert len(mb.trees) == 2
+    assert_single_rank_step_exact(plan, token_lists)
+
+
+def assert_single_rank_step_exact(plan, token_lists):
     for preset, objective, _ in RUNS:
         model = tiny_model(torch.float64, preset)
         data = loss_data(model, token_lists)
