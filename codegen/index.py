@@ -48,8 +48,21 @@ class LinearRound:
         return self.row_src.size
 
 
-@dataclasses.dataclass
-class PieceContext:
+@dataclasses.dataclass(frozen=True)
+class PieceRows:
+    """The part of a piece's context (PieceContext) that the runtime reads too (codegen.lower.PieceLaunch): how
+    many conv input rows, replay rows and states the piece carries in, and its own rows that later pieces read."""
+
+    conv_rows: int
+    replay_rows: int
+    num_states: int
+    kv_out: np.ndarray  # own rows whose K/V later pieces read
+    conv_out: np.ndarray  # own rows whose conv inputs later pieces read
+    replay_out: np.ndarray  # own rows later pieces replay
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceContext(PieceRows):
     """What a piece of a split tree reads from the pieces before it and keeps for the pieces after it
     (codegen/pieces.py). Row spaces beyond the piece's own T tokens:
 
@@ -61,17 +74,11 @@ class PieceContext:
     The `*_out` arrays list what later pieces read: own rows (K/V, conv inputs, replay rows) and bank ids."""
 
     kv_subtree_end: np.ndarray  # [Nc] subtree end of each context key, in the key space
-    conv_rows: int
-    replay_rows: int
-    num_states: int
-    kv_out: np.ndarray  # own rows whose K/V later pieces read
-    conv_out: np.ndarray  # own rows whose conv inputs later pieces read
-    replay_out: np.ndarray  # own rows later pieces replay
     state_out: np.ndarray  # bank ids of the states later pieces start from
 
     def __post_init__(self):
         for name in ("kv_subtree_end", "kv_out", "conv_out", "replay_out", "state_out"):
-            setattr(self, name, host_array(getattr(self, name)).reshape(-1))
+            object.__setattr__(self, name, host_array(getattr(self, name)).reshape(-1))
 
     @property
     def num_keys(self) -> int:

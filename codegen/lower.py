@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from .index import MicrobatchIndex
+from .index import MicrobatchIndex, PieceRows
 from .kernels.causal_conv import ConvIndex, prepare_conv_index
 from .kernels.chunk_gdn import CHUNK_SIZE, GDNKernelConfig, TreeGDNPlan, plan_tree_gdn
 from .kernels.logprobs import TargetPlan, target_plan_of
@@ -52,17 +52,11 @@ class LaunchTarget:
 
 
 @dataclasses.dataclass(frozen=True)
-class PieceLaunch:
+class PieceLaunch(PieceRows):
     """A piece's carried rows (codegen.index.PieceContext), as the runtime reads them: keys = `num_keys` context
     keys then the own tokens; conv inputs and linear-attention rows beyond the own tokens come carried; the
     carried states are the GDN plan's caller states and its returned states the ones later pieces read."""
     num_keys: int
-    conv_rows: int
-    replay_rows: int
-    num_states: int
-    kv_out: np.ndarray      # own rows whose K/V later pieces read
-    conv_out: np.ndarray    # own rows whose conv inputs later pieces read
-    replay_out: np.ndarray  # own rows later pieces replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +124,7 @@ def lower(index: MicrobatchIndex, target: LaunchTarget) -> LaunchPlan:
     index.check()
     ctx = index.context
     piece = None if ctx is None else PieceLaunch(
-        num_keys=ctx.num_keys, conv_rows=ctx.conv_rows, replay_rows=ctx.replay_rows, num_states=ctx.num_states,
-        kv_out=ctx.kv_out, conv_out=ctx.conv_out, replay_out=ctx.replay_out)
+        num_keys=ctx.num_keys, **{field.name: getattr(ctx, field.name) for field in dataclasses.fields(PieceRows)})
     gdn = plan_tree_gdn(index.rounds, index.num_tokens + (0 if ctx is None else ctx.replay_rows),
                         chunk_size=index.chunk_size, config=target.gdn_config,
                         num_initial=0 if ctx is None else ctx.num_states,
