@@ -43,7 +43,7 @@ def test_microbatched_verify_accumulates_the_one_shot_gradients(preset):
     torch.set_num_threads(1)
     model = load_model(preset, torch.float64)
     batch = TreeBatch.from_trajectories(_token_lists())
-    split = _verify(model, batch, tree_tokens=80, pack_tokens=50)
+    split = _verify(model, batch, tree_tokens=60, pack_tokens=50)  # no room for the small tree to ride
     assert split.microbatches > 1 and split.trajectory_packs > 2 and split.passed
     if preset == "tiny-qwen3.5":  # dense: the one-shot objective is the same sum of microbatch objectives
         reference = _verify(model, batch, tree_tokens=None, pack_tokens=10_000)
