@@ -45,8 +45,7 @@ class PlannedMicrobatch:
         from harts_compiler.codegen.pieces import build_piece_chain
         if not self.runs_as_pieces:
             raise ValueError(f"microbatch {self.index} does not run as pieces: use build_index()")
-        pieced = set(self.program.pieces.piece_tree.tolist())
-        tree = next(t for t in self.trees if t in pieced)
+        tree = self.program.pieces.pieced_tree_among(self.trees)
         return build_piece_chain(self.program, tree, riders=[t for t in self.trees if t != tree])
 
     def check_model(self, model) -> None:
@@ -61,16 +60,14 @@ class PlannedMicrobatch:
         """Tokens of each piece when this microbatch's tree runs as pieces (riders counted in the piece they
         run with), else []."""
         pieces = self.program.pieces
-        if pieces is None:
+        tree = None if pieces is None else pieces.pieced_tree_among(self.trees)
+        if tree is None:
             return []
-        mine = np.flatnonzero(np.isin(pieces.piece_tree, self.trees))
-        if mine.size == 0:
-            return []
-        tokens = pieces.piece_end[mine] - pieces.piece_start[mine]
+        mine = pieces.of_tree(tree)
+        tokens = pieces.piece_tokens[mine]
         forest = self.program.forest
-        riders = [t for t in self.trees if t != int(pieces.piece_tree[mine[0]])]
-        tokens[mine == pieces.rider_piece(int(pieces.piece_tree[mine[0]]))] += int(
-            (forest.tree_end[riders] - forest.tree_start[riders]).sum())
+        riders = [t for t in self.trees if t != tree]
+        tokens[mine == pieces.rider_piece(tree)] += int((forest.tree_end[riders] - forest.tree_start[riders]).sum())
         return tokens.tolist()
 
 

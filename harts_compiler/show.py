@@ -86,11 +86,10 @@ def tree_views(plan, count: int) -> list[TreeView]:
         replay_of_seq = np.diff(seqs.replay_ptr)
     pieces = plan.program.pieces
     cell_of_tree, rides = {}, {}
-    pieced = set() if pieces is None else set(pieces.piece_tree.tolist())
     if mbs is not None:
         for m in range(mbs.num_microbatches):
             trees = mbs.trees_of(m).tolist()
-            host = next((t for t in trees if t in pieced), None)
+            host = None if pieces is None else pieces.pieced_tree_among(trees)
             for t in trees:
                 cell_of_tree[t] = (int(mbs.mb_rank[m]), int(mbs.mb_slot[m]))
                 if host is not None and t != host:

@@ -113,11 +113,21 @@ class Pieces:
         """Piece ids of tree t (empty when it runs whole)."""
         return np.flatnonzero(self.piece_tree == t)
 
+    @property
+    def piece_tokens(self) -> np.ndarray:
+        """Own compact tokens of each piece."""
+        return self.piece_end - self.piece_start
+
     def rider_piece(self, t: int) -> int:
         """The piece of tree t that whole trees sharing its microbatch run with: its smallest (the first of
         equal ones), which leaves the most room under the budget."""
         mine = self.of_tree(t)
-        return int(mine[np.argmin(self.piece_end[mine] - self.piece_start[mine])])
+        return int(mine[np.argmin(self.piece_tokens[mine])])
+
+    def pieced_tree_among(self, trees) -> int | None:
+        """The tree of `trees` that runs as pieces (a microbatch holds at most one), None if none does."""
+        found = [int(t) for t in trees if self.of_tree(int(t)).size]
+        return found[0] if found else None
 
     def verify(self, forest: Forest) -> None:
         P = self.num_pieces
@@ -131,9 +141,9 @@ class Pieces:
             raise IRError("Pieces: pieces must be ordered by tree")
         if np.any(self.piece_end <= self.piece_start):
             raise IRError("Pieces: empty piece")
-        if self.budget and np.any(self.piece_end - self.piece_start > self.budget):
-            p = int(np.argmax(self.piece_end - self.piece_start > self.budget))
-            raise IRError(f"Pieces: piece {p} holds {int(self.piece_end[p] - self.piece_start[p])} tokens "
+        if self.budget and np.any(self.piece_tokens > self.budget):
+            p = int(np.argmax(self.piece_tokens > self.budget))
+            raise IRError(f"Pieces: piece {p} holds {int(self.piece_tokens[p])} tokens "
                           f"> budget {self.budget}")
         for t in np.unique(self.piece_tree).tolist():
             mine = self.of_tree(t)
@@ -195,7 +205,7 @@ class Microbatches:
                         raise IRError(f"Microbatches: microbatch {m} holds two trees that run as pieces")
                     t = int(trees[pieced[trees]][0])
                     p = pieces.rider_piece(t)
-                    total = int(sizes[trees[~pieced[trees]]].sum() + pieces.piece_end[p] - pieces.piece_start[p])
+                    total = int(sizes[trees[~pieced[trees]]].sum() + pieces.piece_tokens[p])
                     if total > self.microbatch_tokens:
                         raise IRError(f"Microbatches: microbatch {m}: the trees riding with piece {p} of tree "
                                       f"{forest.tree_ids[t]!r} make {total} compact tokens > budget "

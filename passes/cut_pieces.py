@@ -65,7 +65,7 @@ class CutPieces(Pass):
                         piece_end=np.concatenate(ends).astype(np.int64))
         note = {"budget": budget, "split_trees": int(oversize.size), "pieces": pieces.num_pieces,
                 "context_tokens": context, "cut_replay_rows": replay,
-                "max_piece_tokens": int((pieces.piece_end - pieces.piece_start).max())}
+                "max_piece_tokens": int(pieces.piece_tokens.max())}
         return program.replace(pieces=pieces, notes=program.notes + ((self.name, json.dumps(note)),))
 
 

@@ -72,10 +72,9 @@ class Schedule(Pass):
         layers = LayerCounts.stated(self.linear_layers, self.full_layers)
         sizes, cost = schedule_items(program, budget, model, layers)
         constant = model.coefficients.get("microbatch", 0.0)
+        groups = rider_groups(program, sizes, budget)
         best = None
-        for riders in ([], rider_groups(program, sizes, budget)):
-            if best is not None and not riders:
-                continue
+        for riders in ([], groups) if groups else ([],):
             items, item_sizes, item_cost = _group_items(sizes, cost, riders)
             result = assign(item_sizes, item_cost, token_budget=budget or None, dp_size=self.dp_size,
                             num_slots=None if budget else 1, objective=self.objective,
@@ -105,8 +104,7 @@ def rider_groups(program, sizes: np.ndarray, budget: int) -> list[list[int]]:
     if pieces is None or not budget:
         return []
     pieced = np.unique(pieces.piece_tree)
-    room = {int(t): budget - int(pieces.piece_end[pieces.rider_piece(int(t))] -
-                                 pieces.piece_start[pieces.rider_piece(int(t))]) for t in pieced}
+    room = {int(t): budget - int(pieces.piece_tokens[pieces.rider_piece(int(t))]) for t in pieced}
     whole = np.setdiff1d(np.arange(sizes.size), pieced)
     groups = {int(t): [int(t)] for t in pieced}
     for t in whole[np.lexsort((whole, -sizes[whole]))].tolist():
