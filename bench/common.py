@@ -48,11 +48,32 @@ BENCH_MODEL = dict(
 )
 TINY_MODEL = "tiny-qwen3-next"  # runtime preset: vocab 128, hidden 64, 4 layers, 4 experts
 
+# A Kimi-Linear-like model of about 2.5B parameters: Kimi-Linear-48B-A3B's layer shapes (hidden 2304; KDA
+# with 32 heads of 128 and a short conv of 4; MLA with 32 heads, q/k 192 = 128 without RoPE + 64 RoPE part,
+# v 128, a 512-wide kv latent, no q latent, no RoPE applied (mla_use_nope); a dense first MLP of 9216; one
+# shared expert; sigmoid routing with the score-correction bias; vocabulary 163,840), with 12 layers (MLA
+# on every 4th) and 32 experts top-4 of moe_intermediate 512 instead of 27 layers and 256 experts top-8.
+KIMI_BENCH_MODEL = dict(
+    model_type="kimi_linear", vocab_size=163840, hidden_size=2304, num_hidden_layers=12,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(12)],
+    mlp_layer_types=["dense"] + ["sparse"] * 11, intermediate_size=9216,
+    num_attention_heads=32, num_key_value_heads=32, q_lora_rank=None, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True,
+    linear_num_heads=32, linear_head_dim=128, linear_conv_kernel_dim=4,
+    num_experts=32, num_experts_per_tok=4, num_expert_group=1, topk_group=1, routed_scaling_factor=2.446,
+    num_shared_experts=1, moe_intermediate_size=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    router_aux_loss_coef=0.001,
+)
+# --model of the scripts that take one: the benchmark config and the runtime preset --tiny uses instead
+BENCH_MODELS = {"qwen3-next": (BENCH_MODEL, TINY_MODEL), "kimi-linear": (KIMI_BENCH_MODEL, "tiny-kimi-linear")}
 
-def model_config(tiny: bool, layer_types: list[str] | None = None):
-    """The benchmark ModelConfig (or the tiny CPU one), optionally with other layer types."""
+
+def model_config(tiny: bool, layer_types: list[str] | None = None, model: str = "qwen3-next"):
+    """A benchmark ModelConfig (`BENCH_MODELS[model]`, or its tiny CPU preset), optionally with other layer
+    types."""
     from harts_compiler.runtime.config import PRESETS, ModelConfig
-    raw = dict(PRESETS[TINY_MODEL] if tiny else BENCH_MODEL)
+    full, tiny_preset = BENCH_MODELS[model]
+    raw = dict(PRESETS[tiny_preset] if tiny else full)
     if layer_types is not None:
         raw.update(layer_types=list(layer_types), num_hidden_layers=len(layer_types))
     return ModelConfig.from_dict(raw)
@@ -139,24 +160,36 @@ def import_fla_gdn():
     return chunk_gated_delta_rule
 
 
-def fla_trajectory_gdn_kernel():
-    """fla's GDN behind the runtime's `gdn_kernel` signature, for trajectory-wise microbatches (every
-    sequence starts from the zero state, no state exports): the baseline a trainer without HARTS would
-    run. Value-head groups are expanded for fla. None when fla is not importable."""
-    fla_gdn = import_fla_gdn()
-    if fla_gdn is None:
+def import_fla_kda():
+    """fla's chunk_kda, or None when fla is not importable."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception as exc:  # noqa: BLE001 - fla is an optional anchor
+        print(f"fla unavailable: {exc!r}")
+        return None
+    return chunk_kda
+
+
+def fla_trajectory_kernel(rule: str = "gdn"):
+    """fla's chunk kernel of a linear-attention rule ("gdn": chunk_gated_delta_rule, "kda": chunk_kda) behind
+    the runtime's `gdn_kernel` / `kda_kernel` signature, for trajectory-wise microbatches (every sequence
+    starts from the zero state, no state exports): the baseline a trainer without HARTS would run. GDN's
+    value-head groups are expanded for fla (KDA has one value head per key head). None when fla is not
+    importable."""
+    fla_chunk = import_fla_gdn() if rule == "gdn" else import_fla_kda()
+    if fla_chunk is None:
         return None
 
     def kernel(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, export_seq=None, export_offset=None,
                chunk_size=64, use_qk_l2norm=False):
         if export_seq is not None and len(export_seq):
-            raise ValueError("fla_trajectory_gdn_kernel: trajectory-wise microbatches only (no state exports)")
+            raise ValueError("fla_trajectory_kernel: trajectory-wise microbatches only (no state exports)")
         rep = v.shape[1] // q.shape[1]
         if rep > 1:
             q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
-        o, _ = fla_gdn(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=None,
-                       output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                       cu_seqlens=cu_seqlens.to(q.device).long())
+        o, _ = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=None,
+                         output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                         cu_seqlens=cu_seqlens.to(q.device).long())
         exported = v.new_empty((0, v.shape[1], k.shape[2], v.shape[2]), dtype=torch.float32)
         return o[0], exported
     return kernel
@@ -171,22 +204,23 @@ class Step:
     does while the previous step runs: the timed step reads device launch plans only (`lower_ms`: the
     lowering and upload time of all of them)."""
 
-    def __init__(self, model, indices, trajectory_tokens: int, gdn_kernel=None):
+    def __init__(self, model, indices, trajectory_tokens: int, linear_kernel=None):
         self.model = model
         self.trajectory_tokens = trajectory_tokens
         self.aux_coef = model.config.router_aux_loss_coef
-        self.gdn_kernel = gdn_kernel  # None: the runtime's own (Triton on CUDA)
+        # None: the runtime's own (Triton on CUDA); else the kernel of every linear-attention layer
+        self.kernels = {} if linear_kernel is None else {f"{model.config.linear_rule}_kernel": linear_kernel}
         device = model.lm_head.weight.device
         start = time.perf_counter()
         self.plans = [lower_chain(model, index) if isinstance(index, PieceChain) else
-                      model.launch_plan(index, reference_gdn=gdn_kernel is not None) for index in indices]
+                      model.launch_plan(index, reference_gdn=linear_kernel is not None) for index in indices]
         synchronize(device)
         self.lower_ms = (time.perf_counter() - start) * 1e3
 
     def __call__(self):
         self.model.zero_grad(set_to_none=True)
         for plan in self.plans:
-            out = self.model(plan, gdn_kernel=self.gdn_kernel)
+            out = self.model(plan, **self.kernels)
             p = torch.arange(out.logprobs.shape[1], device=out.logprobs.device)
             valid = (p[None, :] >= 1) & (p[None, :] < out.lengths[:, None])
             loss = -(out.logprobs.float() * valid).sum() / self.trajectory_tokens

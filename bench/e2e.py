@@ -4,10 +4,13 @@ in tree mode vs trajectory-wise mode, on generated agentic rollout batches.
     PYTHONUNBUFFERED=1 python bench/e2e.py                      # H200: presets swe, tau2, grpo
     python bench/e2e.py --device cpu --tiny                       # toy size (CI smoke test)
     python bench/e2e.py --presets swe --scale 2 --microbatch-tokens 32768
+    PYTHONUNBUFFERED=1 python bench/e2e.py --model kimi-linear --presets swe   # KDA + MLA model
 
-Model: `common.BENCH_MODEL` (Qwen3-Next-like, ~2.25B parameters, random weights, bf16,
-3 GDN layers per gated-attention layer, 32 experts top-4 + shared expert), activation
-recomputation on every decoder layer. `--tiny`: the runtime's tiny-qwen3-next preset.
+Model (`--model`): qwen3-next = `common.BENCH_MODEL` (Qwen3-Next-like, ~2.25B parameters, 3 GDN
+layers per gated-attention layer, 32 experts top-4 + shared expert) or kimi-linear =
+`common.KIMI_BENCH_MODEL` (Kimi-Linear-like, ~2.55B parameters, 3 KDA layers per MLA layer, 32 experts
+top-4 + shared expert); random weights, bf16, activation recomputation on every decoder layer.
+`--tiny`: the runtime's tiny-qwen3-next / tiny-kimi-linear preset.
 
 Batches: per preset, the smallest number of generated tasks whose trajectory tokens reach
 `--target-tokens` x `--scale` (default 96k), with lengths multiplied by the preset's length scale
@@ -27,7 +30,7 @@ Time per step = median wall time of `--repeat` steps after `--warmup`, device sy
 
 Numerics (forward only, on the first trajectories up to `--numerics-tokens`): max |log-prob|
 difference of tree bf16 and of trajectory-wise bf16 to a float64 trajectory-wise reference of
-the same weights (plain-torch GDN and attention references; stricter than fp32, whose Triton
+the same weights (plain-torch GDN or KDA and attention references; stricter than fp32, whose Triton
 matmuls may round through TF32). Tree mode passes when its error <= `--error-factor` x the
 trajectory-wise error. The gradient agreement of the two bf16 modes is printed too.
 
@@ -36,10 +39,11 @@ Breakdown (tree mode): one profiled step split by torch.profiler into linear att
 work follows its forward op through the autograd sequence numbers; plus planner time.
 
 Baseline: the faster of the runtime's trajectory mode (our kernels) and the same trajectory-wise step
-with fla's GDN kernel in every linear-attention layer ("traj fla ms", when fla is importable on CUDA;
-`--no-fla` skips it); "speedup" divides that baseline by tree mode, and the JSON names the baseline.
-With the breakdown, the GDN kernel of the largest trajectory microbatch is also timed alone against
-fla's, and SDPA's flash attention per trajectory against our attention kernel.
+with fla's kernel of the model's rule (chunk_gated_delta_rule / chunk_kda) in every linear-attention
+layer ("traj fla ms", when fla is importable on CUDA; `--no-fla` skips it); "speedup" divides that
+baseline by tree mode, and the JSON names the baseline. On CUDA (GDN models), the GDN kernel of the
+largest trajectory microbatch is also timed alone against fla's, and SDPA's flash attention per
+trajectory against our attention kernel.
 JSON results go to $OUT/e2e.json when OUT is set (and to --json).
 """
 from __future__ import annotations
@@ -58,14 +62,15 @@ from harts_compiler.progress import progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402
-from common import (LENGTH_SCALE, TINY_GENERATOR, Step, build_model, describe_device, finish_args,  # noqa: E402
-                    fla_trajectory_gdn_kernel,
+from common import (BENCH_MODELS, LENGTH_SCALE, TINY_GENERATOR, Step, build_model, describe_device, finish_args,  # noqa: E402
+                    fla_trajectory_kernel,
                     format_table, kernel_ms, median, model_config, parameter_count, peak_memory, plan_microbatches,
                     prefix_forest, sized_batch, time_calls, trajectory_microbatches, write_json)
 
 import harts_compiler as hc  # noqa: E402
 from harts_compiler.codegen.pieces import PieceChain  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference  # noqa: E402
+from harts_compiler.codegen.kernels.chunk_kda import chunk_kimi_delta_attention_reference  # noqa: E402
 from harts_compiler.passes import cost_model  # noqa: E402
 
 
@@ -73,6 +78,9 @@ from harts_compiler.passes import cost_model  # noqa: E402
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default="qwen3-next", choices=sorted(BENCH_MODELS),
+                   help="benchmark model: qwen3-next (GDN + gated attention, common.BENCH_MODEL) or kimi-linear "
+                        "(KDA + MLA, common.KIMI_BENCH_MODEL)")
     p.add_argument("--tiny", action="store_true", help="toy model and batches (CPU smoke test)")
     p.add_argument("--presets", nargs="+", default=["swe", "tau2", "grpo"], choices=sorted(LENGTH_SCALE))
     p.add_argument("--scale", type=float, default=1.0, help="multiply the target trajectory tokens")
@@ -102,10 +110,15 @@ def subset(batch, tokens: int):
     return hc.TreeBatch.from_trajectories([batch.trajectory(j) for j in range(cut)], list(batch.ids[:cut]))
 
 
-def time_mode(model, indices, trajectory_tokens, args, gdn_kernel=None):
+# the float64 numerics reference: plain-torch kernels of each linear-attention rule (model(..., **kernels))
+REFERENCE_KERNELS = {"gdn": {"gdn_kernel": chunk_gated_delta_rule_reference},
+                     "kda": {"kda_kernel": chunk_kimi_delta_attention_reference}}
+
+
+def time_mode(model, indices, trajectory_tokens, args, linear_kernel=None):
     """Median step ms; peak memory = weights + the step's peak above what was resident before it
     (so another mode's saved gradients do not count); a copy of the gradients."""
-    step = Step(model, indices, trajectory_tokens, gdn_kernel=gdn_kernel)
+    step = Step(model, indices, trajectory_tokens, linear_kernel=linear_kernel)
     model.zero_grad(set_to_none=True)
     with peak_memory(args.device) as memory:
         times = time_calls(step, args.device, warmup=args.warmup, repeat=args.repeat)
@@ -136,9 +149,12 @@ def fla_comparison(model, traj_indices, device) -> dict:
     import importlib.util
     if importlib.util.find_spec("fla") is None:
         return {"fla": "not importable: baseline kernels are ours"}
+    if model.config.linear_rule != "gdn":
+        return {"fla": "per-kernel comparison of GDN models only (bench/kda.py and bench/attention.py time KDA and "
+                       "MLA against fla and SDPA)"}
     try:
         import torch.nn.functional as F
-        fla_kernel = fla_trajectory_gdn_kernel()  # the same wrapper as the fla baseline step
+        fla_kernel = fla_trajectory_kernel("gdn")  # the same wrapper as the fla baseline step
         if fla_kernel is None:
             return {"fla": "import failed: baseline kernels are ours"}
 
@@ -199,20 +215,23 @@ def fla_comparison(model, traj_indices, device) -> dict:
 
 def baseline_timing(model, traj_indices, row, args, ours_ms) -> dict:
     """The trajectory-wise baseline is the faster of our kernels in trajectory mode and the same step with
-    fla's GDN kernel in every linear-attention layer (when fla is importable, on CUDA)."""
+    fla's kernel of the model's linear-attention rule (chunk_gated_delta_rule or chunk_kda) in every
+    linear-attention layer (when fla is importable, on CUDA)."""
     result = {"traj_fla_ms": None, "baseline": "ours (trajectory mode)", "baseline_ms": ours_ms}
-    kernel = fla_trajectory_gdn_kernel() if args.device != "cpu" and not args.no_fla else None
+    rule = model.config.linear_rule
+    kernel = fla_trajectory_kernel(rule) if args.device.type != "cpu" and not args.no_fla else None
     if kernel is None:
         return result
+    name = f"fla {rule.upper()}"
     try:
-        fla, _, fla_grads = time_mode(model, traj_indices, row["trajectory_tokens"], args, gdn_kernel=kernel)
+        fla, _, fla_grads = time_mode(model, traj_indices, row["trajectory_tokens"], args, linear_kernel=kernel)
     except Exception as exc:  # noqa: BLE001 - an optional baseline must not sink the benchmark
-        print(f"  trajectory-wise with fla GDN failed: {exc!r}")
+        print(f"  trajectory-wise with {name} failed: {exc!r}")
         return result
-    print(f"  trajectory-wise, fla GDN: {fla['ms']:.1f} ms/step", flush=True)
+    print(f"  trajectory-wise, {name}: {fla['ms']:.1f} ms/step", flush=True)
     result["traj_fla_ms"] = fla["ms"]
     if fla["ms"] < ours_ms:
-        result.update(baseline="fla GDN (trajectory mode)", baseline_ms=fla["ms"])
+        result.update(baseline=f"{name} (trajectory mode)", baseline_ms=fla["ms"])
     return result
 
 
@@ -305,7 +324,7 @@ def numerics(row, model, reference, args) -> None:
         traj_indices = trajectory_microbatches(batch, args.microbatch_tokens, args.device, **shape)
         tree = logprob_rows(model(i) for i in tree_indices)
         traj = logprob_rows(model(i) for i in traj_indices)
-        ref = logprob_rows(reference(i, gdn_kernel=chunk_gated_delta_rule_reference) for i in traj_indices)
+        ref = logprob_rows(reference(i, **REFERENCE_KERNELS[model.config.linear_rule]) for i in traj_indices)
     row.update(numerics_trajectories=len(batch), numerics_tokens=int(batch.lengths.sum()),
                err_tree=max_abs_difference(tree, ref), err_traj=max_abs_difference(traj, ref),
                err_tree_vs_traj=max_abs_difference(tree, traj), mean_err_tree=mean_abs_difference(tree, ref),
@@ -317,13 +336,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = args.device
     info = describe_device(device)
-    config = model_config(args.tiny)
+    config = model_config(args.tiny, model=args.model)
     start = time.perf_counter()
     model = build_model(config, device, torch.bfloat16, seed=args.seed, checkpointing=True)
-    print(f"device {info}\nmodel {'tiny-qwen3-next' if args.tiny else 'BENCH_MODEL'}: "
+    tiny = BENCH_MODELS[args.model][1]
+    print(f"device {info}\nmodel {tiny if args.tiny else args.model}: "
           f"{parameter_count(model) / 1e9:.3f}B parameters, {config.num_hidden_layers} layers "
-          f"({config.layer_types.count('linear_attention')} GDN, {config.layer_types.count('full_attention')} "
-          f"attention), {config.num_experts} experts top-{config.num_experts_per_tok}, bf16, "
+          f"({config.layer_types.count('linear_attention')} {config.linear_rule.upper()}, "
+          f"{config.layer_types.count('full_attention')} {'MLA' if config.is_kimi else 'attention'}), "
+          f"{config.num_experts} experts top-{config.num_experts_per_tok}, bf16, "
           f"activation recomputation on (built in {time.perf_counter() - start:.1f} s)", flush=True)
     rows, failures = [], []
     for preset in progress(args.presets, desc="presets", unit="preset"):

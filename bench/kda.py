@@ -19,7 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import kernel_ms
+from common import import_fla_kda, kernel_ms
 from harts_compiler.codegen.kernels.chunk_gdn import plan_single_call
 from harts_compiler.codegen.kernels.chunk_kda import chunk_kimi_delta_attention_reference, kimi_delta_attention
 from harts_compiler.codegen.kernels.upload import to_device
@@ -31,10 +31,8 @@ NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 def load_fla_kda():
     """fla's chunk_kda behind our single-call signature (packed rows, no mid-sequence exports), or None."""
-    try:
-        from fla.ops.kda import chunk_kda
-    except Exception as exc:  # noqa: BLE001 - fla is an optional anchor
-        print(f"fla unavailable: {exc!r}")
+    chunk_kda = import_fla_kda()
+    if chunk_kda is None:
         return None
 
     def call(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm=False):

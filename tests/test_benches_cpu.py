@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from harts_compiler.passes import cost_model as cm
@@ -49,10 +50,11 @@ def test_device_drawn_model_matches_from_config_distributions():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in drawn.parameters())
 
 
-def test_e2e_tiny_cpu(tmp_path):
-    result = run_bench("e2e.py", tmp_path)
+@pytest.mark.parametrize("model,family", [("qwen3-next", "next"), ("kimi-linear", "kimi")])
+def test_e2e_tiny_cpu(tmp_path, model, family):
+    result = run_bench("e2e.py", tmp_path, "--model", model)
     payload = json.loads((tmp_path / "e2e.json").read_text())
-    assert payload["failures"] == []
+    assert payload["failures"] == [] and payload["model"]["family"] == family
     rows = {row["preset"]: row for row in payload["rows"]}
     assert set(rows) == {"swe", "tau2", "grpo"}
     for preset, row in rows.items():
