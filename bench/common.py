@@ -19,7 +19,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-from torch import nn
 
 import harts_compiler as hc
 from harts_compiler.codegen.index import trajectory_index
@@ -82,32 +81,13 @@ def model_config(tiny: bool, layer_types: list[str] | None = None, model: str = 
 def build_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0,
                 checkpointing: bool = True, draw_on_device: bool | None = None,
                 triton_linear_attention: bool = True, gdn_config=None):
-    """Random TreeModel. CPU: `TreeModel.from_config` (transformers' init, CPU float64 draws).
-    Other devices (or `draw_on_device`): the same distributions drawn on the device, because
-    from_config's CPU float64 draws took minutes for a billion parameters here: N(0,
-    initializer_range) for linear, embedding, conv, expert and router weights; norms, dt_bias and
-    A_log as the modules construct them."""
+    """Random TreeModel, initialised like transformers (`TreeModel.from_config`); on a GPU (or with
+    `draw_on_device`) drawn on the device, because CPU float64 draws took minutes for a billion parameters."""
     from harts_compiler.runtime import TreeModel
-    from harts_compiler.runtime.moe import Experts, Router
-    if not (device.type != "cpu" if draw_on_device is None else draw_on_device):
-        return TreeModel.from_config(config, seed=seed, dtype=dtype, activation_checkpointing=checkpointing,
-                                     triton_linear_attention=triton_linear_attention, gdn_config=gdn_config)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = TreeModel(config, activation_checkpointing=checkpointing,
-                          triton_linear_attention=triton_linear_attention, gdn_config=gdn_config)
-    gen = torch.Generator(device).manual_seed(seed)
-    std = config.initializer_range
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
-                module.weight.normal_(0.0, std, generator=gen)
-            elif isinstance(module, Experts):
-                module.gate_up_proj.normal_(0.0, std, generator=gen)
-                module.down_proj.normal_(0.0, std, generator=gen)
-            elif isinstance(module, Router):
-                module.weight.normal_(0.0, std, generator=gen)
-    return model.to(dtype)
+    on_device = device.type != "cpu" if draw_on_device is None else draw_on_device
+    return TreeModel.from_config(config, seed=seed, dtype=dtype, device=device, draw_on_device=on_device,
+                                 activation_checkpointing=checkpointing,
+                                 triton_linear_attention=triton_linear_attention, gdn_config=gdn_config)
 
 
 def parameter_count(model) -> int:

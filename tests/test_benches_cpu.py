@@ -23,7 +23,8 @@ def run_bench(script: str, out_dir: Path, *args: str) -> subprocess.CompletedPro
     return result
 
 
-def test_device_drawn_model_matches_from_config_distributions():
+@pytest.mark.parametrize("model", ["qwen3-next", "kimi-linear"])
+def test_device_drawn_model_matches_from_config_distributions(model):
     """The GPU benches draw weights on the device; check that path (here on CPU) initialises
     every parameter like TreeModel.from_config does, and trains."""
     sys.path.insert(0, str(BENCH))
@@ -31,7 +32,7 @@ def test_device_drawn_model_matches_from_config_distributions():
         import common
     finally:
         sys.path.remove(str(BENCH))
-    config = common.model_config(tiny=True)
+    config = common.model_config(tiny=True, model=model)
     cpu = torch.device("cpu")
     drawn = common.build_model(config, cpu, torch.float32, seed=1, draw_on_device=True)
     reference = common.build_model(config, cpu, torch.float32, seed=1)
