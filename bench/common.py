@@ -125,29 +125,29 @@ def sized_batch(preset: str, target_tokens: int, *, length_scale: float, vocab_s
 
 # -- fla (flash-linear-attention), the anchor: optional, never a runtime dependency -----------
 
-def import_fla_gdn():
-    """fla's chunk_gated_delta_rule, or None when fla is not importable.
+def import_fla(rule: str = "gdn"):
+    """fla's chunk function of a linear-attention rule ("gdn": chunk_gated_delta_rule, "kda": chunk_kda), or
+    None when fla is not importable.
 
-    fla refuses its gated dqkwg kernel on Triton < 3.7.1 + Hopper because Triton miscompiles it at
-    BK = 64; at K = V = 128 it runs with BK = 128, which is compiled correctly, so the guard is lifted."""
+    fla refuses its gated dqkwg kernel (GDN) on Triton < 3.7.1 + Hopper because Triton miscompiles it at
+    BK = 64; at K = V = 128 it runs with BK = 128, which is compiled correctly, so that guard is lifted."""
     try:
-        import fla.ops.common.chunk_o as chunk_o
-        chunk_o.TRITON_ABOVE_3_7_1 = True
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        if rule == "kda":
+            from fla.ops.kda import chunk_kda as chunk
+        else:
+            import fla.ops.common.chunk_o as chunk_o
+            chunk_o.TRITON_ABOVE_3_7_1 = True
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
     except Exception as exc:  # noqa: BLE001 - fla is an optional anchor
         print(f"fla unavailable: {exc!r}")
         return None
-    return chunk_gated_delta_rule
+    return chunk
 
 
-def import_fla_kda():
-    """fla's chunk_kda, or None when fla is not importable."""
-    try:
-        from fla.ops.kda import chunk_kda
-    except Exception as exc:  # noqa: BLE001 - fla is an optional anchor
-        print(f"fla unavailable: {exc!r}")
-        return None
-    return chunk_kda
+def linear_kernel_arguments(config, kernel) -> dict:
+    """The TreeModel keyword that puts `kernel` in every linear-attention layer of `config`'s rule
+    (`gdn_kernel=` / `kda_kernel=`); {} for None (the runtime's own kernels)."""
+    return {} if kernel is None else {f"{config.linear_rule}_kernel": kernel}
 
 
 def fla_trajectory_kernel(rule: str = "gdn"):
@@ -156,7 +156,7 @@ def fla_trajectory_kernel(rule: str = "gdn"):
     starts from the zero state, no state exports): the baseline a trainer without HARTS would run. GDN's
     value-head groups are expanded for fla (KDA has one value head per key head). None when fla is not
     importable."""
-    fla_chunk = import_fla_gdn() if rule == "gdn" else import_fla_kda()
+    fla_chunk = import_fla(rule)
     if fla_chunk is None:
         return None
 
@@ -188,8 +188,7 @@ class Step:
         self.model = model
         self.trajectory_tokens = trajectory_tokens
         self.aux_coef = model.config.router_aux_loss_coef
-        # None: the runtime's own (Triton on CUDA); else the kernel of every linear-attention layer
-        self.kernels = {} if linear_kernel is None else {f"{model.config.linear_rule}_kernel": linear_kernel}
+        self.kernels = linear_kernel_arguments(model.config, linear_kernel)  # None: the runtime's own
         device = model.lm_head.weight.device
         start = time.perf_counter()
         self.plans = [lower_chain(model, index) if isinstance(index, PieceChain) else

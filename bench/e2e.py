@@ -55,22 +55,18 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from harts_compiler.progress import progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402
-from common import (BENCH_MODELS, LENGTH_SCALE, TINY_GENERATOR, Step, build_model, describe_device, finish_args,  # noqa: E402
-                    fla_trajectory_kernel,
-                    format_table, kernel_ms, median, model_config, parameter_count, peak_memory, plan_microbatches,
-                    prefix_forest, sized_batch, time_calls, trajectory_microbatches, write_json)
-
-import harts_compiler as hc  # noqa: E402
+from e2e_numerics import numerics  # noqa: E402
+from common import (BENCH_MODELS, LENGTH_SCALE, TINY_GENERATOR, Step, build_model,  # noqa: E402
+                    describe_device, finish_args, fla_trajectory_kernel, format_table, kernel_ms, median,
+                    model_config, parameter_count, peak_memory, plan_microbatches, prefix_forest, sized_batch,
+                    time_calls, trajectory_microbatches, write_json)
 from harts_compiler.codegen.pieces import PieceChain  # noqa: E402
-from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference  # noqa: E402
-from harts_compiler.codegen.kernels.chunk_kda import chunk_kimi_delta_attention_reference  # noqa: E402
 from harts_compiler.passes import cost_model  # noqa: E402
 
 
@@ -102,17 +98,6 @@ def parse_args(argv):
     finish_args(p, args, dict(target_tokens=(300, 96_000), microbatch_tokens=(256, 16384), chunk_size=(16, 64),
                               numerics_tokens=(150, 8192), warmup=(1, 1), repeat=(1, 3)))
     return args
-
-
-def subset(batch, tokens: int):
-    """The first trajectories (input order) whose tokens fit in `tokens` (at least one)."""
-    cut = max(1, int(np.searchsorted(np.cumsum(batch.lengths), tokens, side="right")))
-    return hc.TreeBatch.from_trajectories([batch.trajectory(j) for j in range(cut)], list(batch.ids[:cut]))
-
-
-# the float64 numerics reference: plain-torch kernels of each linear-attention rule (model(..., **kernels))
-REFERENCE_KERNELS = {"gdn": {"gdn_kernel": chunk_gated_delta_rule_reference},
-                     "kda": {"kda_kernel": chunk_kimi_delta_attention_reference}}
 
 
 def time_mode(model, indices, trajectory_tokens, args, linear_kernel=None):
@@ -293,43 +278,6 @@ def run_preset(preset, model, args) -> dict:
         row["baseline_kernels"] = fla_comparison(model, traj_indices, args.device)
     row["_batch"] = batch
     return row
-
-
-def logprob_rows(outputs) -> dict:
-    """{trajectory id: float64 log-probs of positions 1..len-1} from TreeOutputs."""
-    rows = {}
-    for out in outputs:
-        logprobs = out.logprobs.detach().double().cpu().numpy()
-        for r, (traj_id, n) in enumerate(zip(out.trajectory_ids, out.lengths.tolist())):
-            rows[traj_id] = logprobs[r, 1:n]
-    return rows
-
-
-def max_abs_difference(rows, reference) -> float:
-    return max(float(np.abs(rows[k] - v).max(initial=0.0)) for k, v in reference.items())
-
-
-def mean_abs_difference(rows, reference) -> float:
-    """Mean over all scored tokens: the max alone is one token's worst case."""
-    diffs = np.concatenate([np.abs(rows[k] - v).ravel() for k, v in reference.items()])
-    return float(diffs.mean()) if diffs.size else 0.0
-
-
-def numerics(row, model, reference, args) -> None:
-    """Fills row['err_tree'], row['err_traj'] (max |log-prob - float64 reference|) and their means."""
-    batch = subset(row.pop("_batch"), args.numerics_tokens)
-    with torch.no_grad():
-        shape = dict(chunk_size=args.chunk_size, conv_width=model.conv_width)
-        _, tree_indices, *_ = plan_microbatches(batch, args.microbatch_tokens, args.device, **shape)
-        traj_indices = trajectory_microbatches(batch, args.microbatch_tokens, args.device, **shape)
-        tree = logprob_rows(model(i) for i in tree_indices)
-        traj = logprob_rows(model(i) for i in traj_indices)
-        ref = logprob_rows(reference(i, **REFERENCE_KERNELS[model.config.linear_rule]) for i in traj_indices)
-    row.update(numerics_trajectories=len(batch), numerics_tokens=int(batch.lengths.sum()),
-               err_tree=max_abs_difference(tree, ref), err_traj=max_abs_difference(traj, ref),
-               err_tree_vs_traj=max_abs_difference(tree, traj), mean_err_tree=mean_abs_difference(tree, ref),
-               mean_err_traj=mean_abs_difference(traj, ref))
-    row["numerics_ok"] = bool(row["err_tree"] <= args.error_factor * row["err_traj"])
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
-from common import import_fla_gdn, kernel_ms  # noqa: E402
+from common import import_fla, kernel_ms  # noqa: E402
 from gdn_cases import CONFIG_VARIANTS, make_inputs, single_call_plan, tree_case, tree_cases  # noqa: E402
 from gdn_profile import profile_section, timeline_section  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import (  # noqa: E402
@@ -41,7 +41,7 @@ GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
 def load_fla():
-    fla_gdn = import_fla_gdn()
+    fla_gdn = import_fla("gdn")
     if fla_gdn is None:
         return None
 

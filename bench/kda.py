@@ -19,7 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import import_fla_kda, kernel_ms
+from common import import_fla, kernel_ms
 from harts_compiler.codegen.kernels.chunk_gdn import plan_single_call
 from harts_compiler.codegen.kernels.chunk_kda import chunk_kimi_delta_attention_reference, kimi_delta_attention
 from harts_compiler.codegen.kernels.upload import to_device
@@ -31,7 +31,7 @@ NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 def load_fla_kda():
     """fla's chunk_kda behind our single-call signature (packed rows, no mid-sequence exports), or None."""
-    chunk_kda = import_fla_kda()
+    chunk_kda = import_fla("kda")
     if chunk_kda is None:
         return None
 
