@@ -3,7 +3,7 @@
 run. H = 32 heads, K = V = 128 (Kimi Linear), bf16 q, k, v, beta, fp32 g (a log decay per key channel,
 logsigmoid of N(0, 1)), l2norm in the kernel, an fp32 initial state per sequence that takes gradients.
 
-    PYTHONUNBUFFERED=1 python bench/kda.py [--cases 8x8192 1x32768 64x1024] [--no-fla] [--heads-checked 2] \
+    PYTHONUNBUFFERED=1 python bench/kda.py [--cases 8x8192 1x32768 64x1024] [--no-fla] [--heads-checked 2] [--profile] \
         2>&1 | tee $OUT/kda.log
     TRITON_INTERPRET=1 python bench/kda.py --device cpu --tiny --no-fla      (a CPU smoke run, ~1 minute)
 
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from common import import_fla, kernel_ms
+from gdn_profile import device_ms_by_kernel
 from harts_compiler.codegen.kernels.chunk_gdn import plan_single_call
 from harts_compiler.codegen.kernels.chunk_kda import chunk_kimi_delta_attention_reference, kimi_delta_attention
 from harts_compiler.codegen.kernels.upload import to_device
@@ -69,7 +70,7 @@ def grads_of(call, tensors, do, upcast=False):
     return [o, *torch.autograd.grad(o, leaves, do.to(o.dtype))]
 
 
-def run_case(lengths, heads, dim, fla, heads_checked, device):
+def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False):
     tensors, cu = make_inputs(lengths, heads, device, dim)
     scale = tensors[0].shape[-1] ** -0.5
     plan = to_device(plan_single_call(lengths), device)  # planned once, outside the timed step
@@ -100,6 +101,10 @@ def run_case(lengths, heads, dim, fla, heads_checked, device):
     for label, call in calls.items():
         leaves = [t.detach().requires_grad_(True) for t in tensors]
         timings[label] = kernel_ms(lambda: torch.autograd.grad(call(*leaves), leaves, do), device)
+        if profile:
+            kernels, _ = device_ms_by_kernel(lambda: torch.autograd.grad(call(*leaves), leaves, do))
+            for name, (ms, launches) in sorted(kernels.items(), key=lambda item: -item[1][0]):
+                print(f"  {label:5s} {ms:8.3f} ms {launches:4d}x  {name}")
     return timings, errors
 
 
@@ -110,6 +115,7 @@ def main():
     parser.add_argument("--heads-checked", type=int, default=2, help="heads compared with the fp32 reference")
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", action="store_true", help="also print device ms per kernel of each")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU-sized lengths, 2 heads of 16 (a smoke run: TRITON_INTERPRET=1 --device cpu)")
     args = parser.parse_args()
@@ -122,7 +128,8 @@ def main():
           f"{args.heads_checked} heads vs the fp32 reference")
     print(f"{'case':10s} {'ours ms':>9s} {'fla ms':>9s} {'ours/fla':>9s}   errors: ours (fla)")
     for name in args.cases:
-        timings, errors = run_case(cases[name], args.heads, dim, fla, args.heads_checked, device)
+        timings, errors = run_case(cases[name], args.heads, dim, fla, args.heads_checked, device,
+                                   profile=args.profile)
         fla_ms = timings.get("fla")
         ratio = f"{timings['ours'] / fla_ms:9.3f}" if fla_ms else f"{'-':>9s}"
         cells = [f"{e:.2e}" + (f" ({f:.2e})" if "fla" in errors else "")
