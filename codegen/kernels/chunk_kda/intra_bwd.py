@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..chunk_gdn.gates import _chunk_shift, _kept_rows
-from .blocks import (_block_betas, _block_tiles, _chunk_blocks, _diag_cols, _diag_decay, _diag_rows, _load_block,
+from .blocks import (_block_betas, _block_tiles, _chunk_blocks, _diag_bwd, _load_block,
                      _off_cols, _off_rows)
 
 
@@ -30,15 +30,6 @@ def _x_terms(dq_ij, dk_ij, k_j, gc_j, gc_i, ref):
 def _z_terms(dq_ij, dk_ij, q_i, kb_i, gc_i, gc_j, ref):
     """(Zq, Zk) contributions of block I > J to block J (dq_ij, dk_ij: the (I, J) blocks, transposed here)."""
     return _off_cols(tl.trans(dq_ij), q_i, gc_i, gc_j, ref), _off_cols(tl.trans(dk_ij), kb_i, gc_i, gc_j, ref)
-
-
-@triton.jit
-def _diag_block(dAqk, dAkk, rows, m, i_h, col0, q_i, k_i, kb_i, gc_i, HV: tl.constexpr, BT: tl.constexpr):
-    """(Xq, Xk, Zq, Zk) of a diagonal block over these BK columns (its dAqk, dAkk block at column col0)."""
-    e3 = _diag_decay(gc_i)
-    dqb = _load_block(dAqk, rows, m, i_h, col0, HV, BT)
-    dkb = _load_block(dAkk, rows, m, i_h, col0, HV, BT)
-    return _diag_rows(dqb, k_i, e3), _diag_rows(dkb, k_i, e3), _diag_cols(dqb, q_i, e3), _diag_cols(dkb, kb_i, e3)
 
 
 @triton.jit
@@ -115,10 +106,14 @@ def _intra_bwd_chunk(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, dq,
         kb2 = k2 * b2[:, None]
         kb3 = k3 * b3[:, None]
         # diagonal blocks, elementwise
-        xq0, xk0, zq0, zk0 = _diag_block(dAqk, dAkk, r0, m0, i_h, 0, q0, k0, kb0, g0, HV, BT)
-        xq1, xk1, zq1, zk1 = _diag_block(dAqk, dAkk, r1, m1, i_h, 16, q1, k1, kb1, g1, HV, BT)
-        xq2, xk2, zq2, zk2 = _diag_block(dAqk, dAkk, r2, m2, i_h, 32, q2, k2, kb2, g2, HV, BT)
-        xq3, xk3, zq3, zk3 = _diag_block(dAqk, dAkk, r3, m3, i_h, 48, q3, k3, kb3, g3, HV, BT)
+        xq0, xk0, zq0, zk0 = _diag_bwd(k, gc, dAqk, dAkk, row_src, row0, row_end, shift, i_h, i_hk, 0, o_k, q0, kb0,
+                                       g0, HK, HV, K, BT, GATHER)
+        xq1, xk1, zq1, zk1 = _diag_bwd(k, gc, dAqk, dAkk, row_src, row0 + 16, row_end, shift, i_h, i_hk, 16, o_k, q1,
+                                       kb1, g1, HK, HV, K, BT, GATHER)
+        xq2, xk2, zq2, zk2 = _diag_bwd(k, gc, dAqk, dAkk, row_src, row0 + 32, row_end, shift, i_h, i_hk, 32, o_k, q2,
+                                       kb2, g2, HK, HV, K, BT, GATHER)
+        xq3, xk3, zq3, zk3 = _diag_bwd(k, gc, dAqk, dAkk, row_src, row0 + 48, row_end, shift, i_h, i_hk, 48, o_k, q3,
+                                       kb3, g3, HK, HV, K, BT, GATHER)
         # off-diagonal blocks (I, J), I > J: X of I split at the last row of block I - 1, Z of J at J's last row
         # split points: gc of each block's last row (a padding row loads 0: every later row is padding then)
         p_l = gc + i_h * K + o_k

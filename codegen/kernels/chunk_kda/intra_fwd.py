@@ -20,7 +20,7 @@ import triton.language as tl
 from ..chunk_gdn.gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from ..chunk_gdn.wy_fwd import _inverse_unit_lower16, _merge_inverse, _store_inverse
-from .blocks import _block_betas, _block_tiles, _chunk_blocks, _diag_decay, _diag_products, _from_ref, _to_ref
+from .blocks import _block_betas, _block_tiles, _chunk_blocks, _diag_fwd, _from_ref, _to_ref
 
 
 @triton.jit
@@ -34,13 +34,6 @@ def _strict(b_a, b_beta):
 def _lower(b_a):
     o_i = tl.arange(0, 16)
     return tl.where(o_i[:, None] >= o_i[None, :], b_a, 0.0)
-
-
-@triton.jit
-def _diag_pair(b_q, b_k, b_gc, b_akk, b_aqk):
-    """A diagonal block's (Akk, Aqk) accumulators plus its elementwise products over these BK columns."""
-    b_e3 = _diag_decay(b_gc)
-    return b_akk + _diag_products(b_k, b_k, b_e3), b_aqk + _diag_products(b_q, b_k, b_e3)
 
 
 @triton.jit
@@ -96,11 +89,16 @@ def _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, 
         tl.store(p_gc + r3[:, None].to(tl.int64) * (HV * K), gc3, mask=m3[:, None])
         k0, k1, k2, k3 = _block_tiles(k, s0, m0, s1, m1, s2, m2, s3, m3, HK * K, i_hk * K, o_k)
         q0, q1, q2, q3 = _block_tiles(q, s0, m0, s1, m1, s2, m2, s3, m3, HK * K, i_hk * K, o_k)
-        # diagonal blocks, elementwise
-        a00, p00 = _diag_pair(q0, k0, gc0, a00, p00)
-        a11, p11 = _diag_pair(q1, k1, gc1, a11, p11)
-        a22, p22 = _diag_pair(q2, k2, gc2, a22, p22)
-        a33, p33 = _diag_pair(q3, k3, gc3, a33, p33)
+        # diagonal blocks, elementwise: they read gc rows back, so every thread's gc stores must land first
+        tl.debug_barrier()
+        a00, p00 = _diag_fwd(k, gc, row_src, row0, row_end, shift, i_h, i_hk, o_k, q0, k0, gc0, a00, p00, HK, HV, K,
+                             GATHER)
+        a11, p11 = _diag_fwd(k, gc, row_src, row0 + 16, row_end, shift, i_h, i_hk, o_k, q1, k1, gc1, a11, p11, HK, HV,
+                             K, GATHER)
+        a22, p22 = _diag_fwd(k, gc, row_src, row0 + 32, row_end, shift, i_h, i_hk, o_k, q2, k2, gc2, a22, p22, HK, HV,
+                             K, GATHER)
+        a33, p33 = _diag_fwd(k, gc, row_src, row0 + 48, row_end, shift, i_h, i_hk, o_k, q3, k3, gc3, a33, p33, HK, HV,
+                             K, GATHER)
         # off-diagonal blocks (I, J), I > J, split at c_I, the gate sum of the rows before block I (gc of row
         # 16 I - 1 up to rounding, which the clamp absorbs)
         kn, qn = _to_ref(k1, gc1, c1), _to_ref(q1, gc1, c1)
