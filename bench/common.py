@@ -144,6 +144,22 @@ def import_fla(rule: str = "gdn"):
     return chunk
 
 
+def fla_single_call(rule: str = "gdn"):
+    """fla's chunk kernel of a rule behind our single-call signature (packed rows [T, H, D], an initial state
+    per sequence, no mid-sequence exports): (o, final states), the kernel benchmarks' anchor; None when fla is
+    not importable."""
+    fla_chunk = import_fla(rule)
+    if fla_chunk is None:
+        return None
+
+    def call(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm=False, **_):
+        o, final = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial_state,
+                             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                             cu_seqlens=cu_seqlens.long())
+        return o[0], final
+    return call
+
+
 def linear_kernel_arguments(config, kernel) -> dict:
     """The TreeModel keyword that puts `kernel` in every linear-attention layer of `config`'s rule
     (`gdn_kernel=` / `kda_kernel=`); {} for None (the runtime's own kernels)."""

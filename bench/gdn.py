@@ -22,7 +22,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
-from common import import_fla, kernel_ms  # noqa: E402
+from common import fla_single_call, kernel_ms  # noqa: E402
 from gdn_cases import CONFIG_VARIANTS, make_inputs, single_call_plan, tree_case, tree_cases  # noqa: E402
 from gdn_profile import profile_section, timeline_section  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import (  # noqa: E402
@@ -38,19 +38,6 @@ from two_level import run_trajectories, run_tree, two_level_plan, two_level_roun
 
 CUDA = torch.device("cuda")
 GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
-
-
-def load_fla():
-    fla_gdn = import_fla("gdn")
-    if fla_gdn is None:
-        return None
-
-    def call(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm=False, **_):
-        o, final = fla_gdn(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial_state,
-                           output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                           cu_seqlens=cu_seqlens.long())
-        return o[0], final
-    return call
 
 
 def rel_err(a, b):
@@ -273,7 +260,7 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    fla = None if args.no_fla else load_fla()
+    fla = None if args.no_fla else fla_single_call("gdn")
     log: list[dict] = []
     variants = [] if args.variants is None else [  # a word names a variant (its key) or occurs in its label
         (label, cfg) for key, (label, cfg) in VARIANTS

@@ -29,8 +29,8 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")  # time fla's own kernels, not its d
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kernel_ms  # noqa: E402
-from gdn import GRAD_NAMES, load_fla, rel_err  # noqa: E402
+from common import fla_single_call, kernel_ms  # noqa: E402
+from gdn import GRAD_NAMES, rel_err  # noqa: E402
 from gdn_cases import ANCHORS, agentic_trees, make_inputs, single_call_plan, tree_case  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import (  # noqa: E402
     GDNKernelConfig,
@@ -209,7 +209,7 @@ def main():
     args = parser.parse_args()
     if args.cases:
         CASES[:] = [CASES[i] for i in args.cases]
-    flashqla, fla = load_flashqla(), load_fla()
+    flashqla, fla = load_flashqla(), fla_single_call("gdn")
     kernels = {"ours": lambda cu: ours_call(single_call_plan(cu, device=CUDA))}
     if fla is not None:
         kernels["fla"] = lambda cu: fla

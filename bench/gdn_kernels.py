@@ -14,8 +14,7 @@ import dataclasses
 
 import torch
 
-from common import kernel_ms
-from gdn import load_fla
+from common import fla_single_call, kernel_ms
 from gdn_cases import CONFIG_VARIANTS, agentic_trees, make_inputs, single_call_plan
 from gdn_profile import compare
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, gated_delta_rule
@@ -43,7 +42,7 @@ def main():
     h0 = tensors[5]
     do = torch.randn_like(tensors[2])
     scale = 128 ** -0.5
-    fla = load_fla()
+    fla = fla_single_call("gdn")
 
     def ours_step(config):
         plan = single_call_plan(cu, config=config, device="cuda")  # planned once, outside the timed step

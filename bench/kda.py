@@ -19,7 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import import_fla, kernel_ms
+from common import fla_single_call, kernel_ms
 from gdn_profile import device_ms_by_kernel
 from harts_compiler.codegen.kernels.chunk_gdn import plan_single_call
 from harts_compiler.codegen.kernels.chunk_kda import chunk_kimi_delta_attention_reference, kimi_delta_attention
@@ -28,20 +28,6 @@ from harts_compiler.codegen.kernels.upload import to_device
 CASES = {"8x8192": [8192] * 8, "1x32768": [32768], "64x1024": [1024] * 64}
 TINY = {"8x8192": [80] * 2, "1x32768": [130], "64x1024": [64] * 3}  # --tiny: the same shapes of case, CPU-sized
 NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-
-
-def load_fla_kda():
-    """fla's chunk_kda behind our single-call signature (packed rows, no mid-sequence exports), or None."""
-    chunk_kda = import_fla("kda")
-    if chunk_kda is None:
-        return None
-
-    def call(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm=False):
-        o, final = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial_state,
-                             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                             cu_seqlens=cu_seqlens.long())
-        return o[0], final
-    return call
 
 
 def make_inputs(lengths, heads, device, dim=128, seed=0):
@@ -120,7 +106,7 @@ def main():
                         help="CPU-sized lengths, 2 heads of 16 (a smoke run: TRITON_INTERPRET=1 --device cpu)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    fla = None if args.no_fla else load_fla_kda()
+    fla = None if args.no_fla else fla_single_call("kda")
     cases, dim = (TINY, 16) if args.tiny else (CASES, 128)
     if args.tiny:
         args.heads, args.heads_checked = 2, 2
