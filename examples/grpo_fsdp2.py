@@ -165,6 +165,10 @@ def main(argv=None) -> None:
                 extra = f", max_memory_allocated {peak / 2**20:,.1f} MiB" if peak is not None else ""
                 print(f"rank {r}: parameters + gradients + AdamW state {local / 2**20:,.2f} MiB sharded vs "
                       f"{replicated / 2**20:,.2f} MiB replicated ({local / replicated:.1%}){extra}")
+        # no rank tears its process group down while a peer still has collectives in flight (gloo's worker
+        # threads would be destroyed mid-operation: an abort at exit); not on the error path, where a peer may
+        # never arrive
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
