@@ -15,10 +15,14 @@ def _power_of_two(value: int, least: int) -> bool:
 
 @dataclass(frozen=True)
 class KDAKernelConfig:
-    # key columns per step of the sub-chunk kernels (forward A / T, backward intra): their diagonal 16x16
-    # blocks hold [16, 16, block_k] fp32 products, 32 columns keep that at 64 registers a thread at 4 warps
+    # key columns per step of the sub-chunk kernels (forward A / T, backward intra): 32 keep a block's [16, 32]
+    # fp32 tiles of q, k, gc (and the backward's four accumulators) in registers at 4 warps
     intra_block_k: int = 32
-    # forward intra (A, T): 4 warps hold the twenty [16, 16] accumulators and the diagonal products
+    # diagonal blocks of the forward: heads per program and warps; one warp per head, so each [K] dot sums
+    # within a warp (K = 128: four values a lane)
+    diag_heads: int = 4
+    diag_warps: int = 4
+    # forward intra (A, T): 4 warps hold the twelve off-diagonal [16, 16] accumulators and the inverse
     intra_fwd_warps: int = 4
     # w, u, kg: [64, 64] dots, as GDN's wy_wu_warps
     wu_warps: int = 4
@@ -39,7 +43,7 @@ class KDAKernelConfig:
         for field in ("intra_block_k", "out_block_v", "bwd_block_v"):
             if not _power_of_two(getattr(self, field), 16):
                 raise ValueError(f"KDAKernelConfig.{field} must be a power of two >= 16, got {getattr(self, field)}")
-        for field in ("intra_fwd_warps", "wu_warps", "out_warps", "bwd_prep_warps", "bwd_inter_warps",
-                      "wy_bwd_warps", "intra_bwd_warps"):
+        for field in ("diag_heads", "diag_warps", "intra_fwd_warps", "wu_warps", "out_warps", "bwd_prep_warps",
+                      "bwd_inter_warps", "wy_bwd_warps", "intra_bwd_warps"):
             if not _power_of_two(getattr(self, field), 1):
                 raise ValueError(f"KDAKernelConfig.{field} must be a power of two, got {getattr(self, field)}")

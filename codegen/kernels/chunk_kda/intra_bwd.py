@@ -101,19 +101,18 @@ def _intra_bwd_chunk(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, dq,
         g0, g1, g2, g3 = _block_tiles(gc + i_h * K, r0, m0, r1, m1, r2, m2, r3, m3, HV * K, 0, o_k)
         k0, k1, k2, k3 = _block_tiles(k, s0, m0, s1, m1, s2, m2, s3, m3, HK * K, i_hk * K, o_k)
         q0, q1, q2, q3 = _block_tiles(q, s0, m0, s1, m1, s2, m2, s3, m3, HK * K, i_hk * K, o_k)
-        kb0 = k0 * b0[:, None]
         kb1 = k1 * b1[:, None]
         kb2 = k2 * b2[:, None]
         kb3 = k3 * b3[:, None]
         # diagonal blocks, elementwise
-        xq0, xk0, zq0, zk0 = _diag_bwd(k, gc, dAqk, dAkk, row_src, row0, row_end, shift, i_h, i_hk, 0, o_k, q0, kb0,
-                                       g0, HK, HV, K, BT, GATHER)
-        xq1, xk1, zq1, zk1 = _diag_bwd(k, gc, dAqk, dAkk, row_src, row0 + 16, row_end, shift, i_h, i_hk, 16, o_k, q1,
-                                       kb1, g1, HK, HV, K, BT, GATHER)
-        xq2, xk2, zq2, zk2 = _diag_bwd(k, gc, dAqk, dAkk, row_src, row0 + 32, row_end, shift, i_h, i_hk, 32, o_k, q2,
-                                       kb2, g2, HK, HV, K, BT, GATHER)
-        xq3, xk3, zq3, zk3 = _diag_bwd(k, gc, dAqk, dAkk, row_src, row0 + 48, row_end, shift, i_h, i_hk, 48, o_k, q3,
-                                       kb3, g3, HK, HV, K, BT, GATHER)
+        xq0, xk0, zq0, zk0 = _diag_bwd(q, k, beta, gc, dAqk, dAkk, row_src, row0, row_end, shift, i_h, i_hk,
+                                       0, o_k, g0, HK, HV, K, BT, GATHER)
+        xq1, xk1, zq1, zk1 = _diag_bwd(q, k, beta, gc, dAqk, dAkk, row_src, row0 + 16, row_end, shift, i_h, i_hk,
+                                       16, o_k, g1, HK, HV, K, BT, GATHER)
+        xq2, xk2, zq2, zk2 = _diag_bwd(q, k, beta, gc, dAqk, dAkk, row_src, row0 + 32, row_end, shift, i_h, i_hk,
+                                       32, o_k, g2, HK, HV, K, BT, GATHER)
+        xq3, xk3, zq3, zk3 = _diag_bwd(q, k, beta, gc, dAqk, dAkk, row_src, row0 + 48, row_end, shift, i_h, i_hk,
+                                       48, o_k, g3, HK, HV, K, BT, GATHER)
         # off-diagonal blocks (I, J), I > J: X of I split at the last row of block I - 1, Z of J at J's last row
         # split points: gc of each block's last row (a padding row loads 0: every later row is padding then)
         p_l = gc + i_h * K + o_k

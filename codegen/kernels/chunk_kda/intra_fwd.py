@@ -7,9 +7,14 @@ E_ij[d] = exp(gc_i[d] - gc_j[d]):
   Aqk = lower( sum_d q_i[d] k_j[d] E_ij[d] )  (diagonal included)  [BT, BT] fp32, for o and dv_local
   T   = (I + Akk)^-1                                              [BT, BT] fp32, kept for the backward
   w   = T (beta exp(gc) k),  u = T (beta v),  kg = exp(gl - gc) k   (gl: gc of the chunk's last row)
-Two kernels, as GDN's wy_fwd: the first builds Akk and Aqk from 16-row blocks (blocks.py: off-diagonal blocks
-by dots split at a reference row, diagonal ones elementwise), inverts Akk in registers with GDN's 16x16
-forward substitution and block merge, and stores gc, T, Aqk; the second computes w, u and kg from T.
+Three kernels. The first fills the diagonal 16x16 blocks of Akk (before beta) and Aqk, one program per row and
+group of heads: row i walks j = i, i - 1, ... down to its block's first row, carrying the exponent
+gc_i - gc_j = g_i + ... + g_(j+1) as a running sum of gates (<= 0 exactly, so no factor exceeds 1 and no clamp is
+needed), each entry one [heads, K] product summed over K. Per (chunk, head) this serial walk was most of the
+kernel's time; spread over rows it is one short loop per program. The second builds the off-diagonal blocks by
+dots split at a reference row (blocks.py), reads the diagonal ones back, inverts Akk in registers with GDN's
+16x16 forward substitution and block merge, and stores gc, T, Aqk (as GDN's wy_fwd); the third computes w, u and
+kg from T.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ import triton.language as tl
 from ..chunk_gdn.gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from ..chunk_gdn.wy_fwd import _inverse_unit_lower16, _merge_inverse, _store_inverse
-from .blocks import _block_betas, _block_tiles, _chunk_blocks, _diag_fwd, _from_ref, _to_ref
+from ..interpreter_safe import interpreting
+from .blocks import _block_betas, _block_tiles, _chunk_blocks, _from_ref, _to_ref
 
 
 @triton.jit
@@ -31,9 +37,12 @@ def _strict(b_a, b_beta):
 
 
 @triton.jit
-def _lower(b_a):
+def _load_diag(x, rows, m, i_h, col0, HV: tl.constexpr, BT: tl.constexpr):
+    """A diagonal [16, 16] block of x [R, HV, BT] as _diag_fwd_kernel left it: entries j <= i (the others were
+    never written and load as 0)."""
     o_i = tl.arange(0, 16)
-    return tl.where(o_i[:, None] >= o_i[None, :], b_a, 0.0)
+    mask = m[:, None] & (o_i[None, :] <= o_i[:, None])
+    return tl.load(x + (rows[:, None].to(tl.int64) * HV + i_h) * BT + col0 + o_i[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -45,32 +54,72 @@ def _off_pair(b_kn, b_qn, b_kj, b_gcj, b_ref, b_akk, b_aqk):
 
 
 @triton.jit
+def _diag_entry(k, g, T, Aqk, row_src, out, b_q, b_k, b_s, row, jj, o_hk, o_hv, o_k, m_h, HK: tl.constexpr,
+                HV: tl.constexpr, K: tl.constexpr, GATHER: tl.constexpr):
+    """Entry (i, j = row) of the diagonal block for every head of the program (column jj of its block); returns
+    the running exponent carried on to row j - 1 (plus g_j)."""
+    src = (tl.load(row_src + row) if GATHER else row).to(tl.int64)
+    k_j = tl.load(k + src * (HK * K) + o_hk[:, None] * K + o_k[None, :], mask=m_h[:, None], other=0.0).to(tl.float32)
+    kj_e = k_j * tl.exp(b_s)
+    tl.store(Aqk + out + jj, tl.sum(b_q * kj_e, 1), mask=m_h)
+    tl.store(T + out + jj, tl.sum(b_k * kj_e, 1), mask=m_h)
+    g_j = tl.load(g + (src * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_h[:, None], other=0.0)
+    return b_s + g_j
+
+
+@triton.jit
+def _diag_fwd_kernel(q, k, g, T, Aqk, chunk_row_start, chunk_row_end, row_src, HK: tl.constexpr, HV: tl.constexpr,
+                     K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, GATHER: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """Row i's entries j <= i of its diagonal block: Akk (before beta) into T, Aqk into Aqk, at columns
+    16 (i // 16) + (j mod 16); entries j > i are left unwritten (the next kernel masks them)."""
+    i_t, i_hg = tl.program_id(0), tl.program_id(1)
+    i_c, t = i_t // BT, i_t % BT
+    row0 = tl.load(chunk_row_start + i_c)
+    row = row0 + t
+    count = tl.where(row < tl.load(chunk_row_end + i_c), t % 16 + 1, 0)  # j = row, row - 1, ... (0: padding)
+    o_hv = i_hg * BH + tl.arange(0, BH)
+    m_h = o_hv < HV
+    o_hk = o_hv // (HV // HK)
+    o_k = tl.arange(0, K)
+    src = (tl.load(row_src + row, mask=count > 0, other=0) if GATHER else row).to(tl.int64)
+    p_qk = src * (HK * K) + o_hk[:, None] * K + o_k[None, :]
+    m_qk = m_h[:, None] & (o_k[None, :] * 0 + count > 0)
+    b_q = tl.load(q + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+    b_s = tl.zeros([BH, K], dtype=tl.float32)
+    out = (row.to(tl.int64) * HV + o_hv) * BT + (t // 16) * 16
+    if INTERPRET:
+        jj = 0
+        while jj < count:
+            b_s = _diag_entry(k, g, T, Aqk, row_src, out, b_q, b_k, b_s, row - jj, t % 16 - jj, o_hk, o_hv,
+                              o_k, m_h, HK, HV, K, GATHER)
+            jj += 1
+    else:
+        for jj in range(0, count):
+            b_s = _diag_entry(k, g, T, Aqk, row_src, out, b_q, b_k, b_s, row - jj, t % 16 - jj, o_hk, o_hv,
+                              o_k, m_h, HK, HV, K, GATHER)
+
+
+@triton.jit
 def _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, row_src, shift, HK: tl.constexpr,
                      HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
     row0, row_end, r0, m0, s0, r1, m1, s1, r2, m2, s2, r3, m3, s3 = _chunk_blocks(
         chunk_row_start, chunk_row_end, row_src, i_c, shift, GATHER)
-    a00 = tl.zeros([16, 16], dtype=tl.float32)  # Akk blocks (before beta)
-    a10 = tl.zeros([16, 16], dtype=tl.float32)
-    a11 = tl.zeros([16, 16], dtype=tl.float32)
+    a10 = tl.zeros([16, 16], dtype=tl.float32)  # off-diagonal Akk blocks (before beta)
     a20 = tl.zeros([16, 16], dtype=tl.float32)
     a21 = tl.zeros([16, 16], dtype=tl.float32)
-    a22 = tl.zeros([16, 16], dtype=tl.float32)
     a30 = tl.zeros([16, 16], dtype=tl.float32)
     a31 = tl.zeros([16, 16], dtype=tl.float32)
     a32 = tl.zeros([16, 16], dtype=tl.float32)
-    a33 = tl.zeros([16, 16], dtype=tl.float32)
-    p00 = tl.zeros([16, 16], dtype=tl.float32)  # Aqk blocks
-    p10 = tl.zeros([16, 16], dtype=tl.float32)
-    p11 = tl.zeros([16, 16], dtype=tl.float32)
+    p10 = tl.zeros([16, 16], dtype=tl.float32)  # off-diagonal Aqk blocks
     p20 = tl.zeros([16, 16], dtype=tl.float32)
     p21 = tl.zeros([16, 16], dtype=tl.float32)
-    p22 = tl.zeros([16, 16], dtype=tl.float32)
     p30 = tl.zeros([16, 16], dtype=tl.float32)
     p31 = tl.zeros([16, 16], dtype=tl.float32)
     p32 = tl.zeros([16, 16], dtype=tl.float32)
-    p33 = tl.zeros([16, 16], dtype=tl.float32)
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         # gc: each block's column cumsum continues from the rows before it (padding rows add g = 0)
@@ -89,16 +138,6 @@ def _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, 
         tl.store(p_gc + r3[:, None].to(tl.int64) * (HV * K), gc3, mask=m3[:, None])
         k0, k1, k2, k3 = _block_tiles(k, s0, m0, s1, m1, s2, m2, s3, m3, HK * K, i_hk * K, o_k)
         q0, q1, q2, q3 = _block_tiles(q, s0, m0, s1, m1, s2, m2, s3, m3, HK * K, i_hk * K, o_k)
-        # diagonal blocks, elementwise: they read gc rows back, so every thread's gc stores must land first
-        tl.debug_barrier()
-        a00, p00 = _diag_fwd(k, gc, row_src, row0, row_end, shift, i_h, i_hk, o_k, q0, k0, gc0, a00, p00, HK, HV, K,
-                             GATHER)
-        a11, p11 = _diag_fwd(k, gc, row_src, row0 + 16, row_end, shift, i_h, i_hk, o_k, q1, k1, gc1, a11, p11, HK, HV,
-                             K, GATHER)
-        a22, p22 = _diag_fwd(k, gc, row_src, row0 + 32, row_end, shift, i_h, i_hk, o_k, q2, k2, gc2, a22, p22, HK, HV,
-                             K, GATHER)
-        a33, p33 = _diag_fwd(k, gc, row_src, row0 + 48, row_end, shift, i_h, i_hk, o_k, q3, k3, gc3, a33, p33, HK, HV,
-                             K, GATHER)
         # off-diagonal blocks (I, J), I > J, split at c_I, the gate sum of the rows before block I (gc of row
         # 16 I - 1 up to rounding, which the clamp absorbs)
         kn, qn = _to_ref(k1, gc1, c1), _to_ref(q1, gc1, c1)
@@ -112,6 +151,11 @@ def _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, 
         a32, p32 = _off_pair(kn, qn, k2, gc2, c3, a32, p32)
 
     b0, b1, b2, b3 = _block_betas(beta, s0, m0, s1, m1, s2, m2, s3, m3, i_h, HV)
+    # the diagonal blocks, from _diag_fwd_kernel (read before this program overwrites them)
+    a00, p00 = _load_diag(T, r0, m0, i_h, 0, HV, BT), _load_diag(Aqk, r0, m0, i_h, 0, HV, BT)
+    a11, p11 = _load_diag(T, r1, m1, i_h, 16, HV, BT), _load_diag(Aqk, r1, m1, i_h, 16, HV, BT)
+    a22, p22 = _load_diag(T, r2, m2, i_h, 32, HV, BT), _load_diag(Aqk, r2, m2, i_h, 32, HV, BT)
+    a33, p33 = _load_diag(T, r3, m3, i_h, 48, HV, BT), _load_diag(Aqk, r3, m3, i_h, 48, HV, BT)
     t00 = _inverse_unit_lower16(_strict(a00, b0))
     t11 = _inverse_unit_lower16(_strict(a11, b1))
     t22 = _inverse_unit_lower16(_strict(a22, b2))
@@ -120,8 +164,7 @@ def _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, 
         t00, t11, t22, t33, a10 * b1[:, None], a20 * b2[:, None], a21 * b2[:, None], a30 * b3[:, None],
         a31 * b3[:, None], a32 * b3[:, None])
     _store_inverse(T, row0, row_end, i_h, t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, HV, BT)
-    _store_inverse(Aqk, row0, row_end, i_h, _lower(p00), p10, _lower(p11), p20, p21, _lower(p22), p30, p31, p32,
-                   _lower(p33), HV, BT)
+    _store_inverse(Aqk, row0, row_end, i_h, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, HV, BT)
 
 
 @triton.jit
@@ -207,6 +250,10 @@ def intra_fwd(q, k, v, g, beta, index, config, rows=None):
     grid = (index.num_chunks, hv)
     tables = (index.chunk_row_start, index.chunk_row_end, row_tables(index, rows)[0], chunk_shift_table(index, rows))
     gather = rows is not None
+    heads = config.diag_heads
+    _diag_fwd_kernel[(index.num_chunks * BT, triton.cdiv(hv, heads))](
+        q, k, g, T, Aqk, *tables[:3], HK=hk, HV=hv, K=kd, BT=BT, BH=heads, GATHER=gather, INTERPRET=interpreting(),
+        num_warps=config.diag_warps)
     _intra_fwd_kernel[grid](q, k, g, beta, gc, T, Aqk, *tables, HK=hk, HV=hv, K=kd, BT=BT,
                             BK=min(config.intra_block_k, kd), GATHER=gather, num_warps=config.intra_fwd_warps)
     _wu_kernel[grid](k, v, beta, gc, T, w, u, kg, *tables, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd),
