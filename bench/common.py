@@ -144,20 +144,38 @@ def import_fla(rule: str = "gdn"):
     return chunk
 
 
-def fla_single_call(rule: str = "gdn"):
-    """fla's chunk kernel of a rule behind our single-call signature (packed rows [T, H, D], an initial state
-    per sequence, no mid-sequence exports): (o, final states), the kernel benchmarks' anchor; None when fla is
-    not importable."""
-    fla_chunk = import_fla(rule)
-    if fla_chunk is None:
+def import_flashqla():
+    """FlashQLA's Gated DeltaNet chunk function (PyPI flash-qla, TileLang kernels; fla's call signature), or None
+    when it is not importable. fla 0.6.0 dispatches its own chunk_gated_delta_rule to FlashQLA when FlashQLA is
+    importable unless FLA_FLASH_QLA=0: the benchmarks that time both set that, so "fla" means fla's kernels."""
+    try:
+        from flash_qla import chunk_gated_delta_rule
+    except Exception as exc:  # noqa: BLE001 - FlashQLA is an optional anchor
+        print(f"FlashQLA unavailable: {exc!r}")
+        return None
+    return chunk_gated_delta_rule
+
+
+def single_call(chunk):
+    """A chunk function with fla's signature ([1, T, H, D] inputs) behind our single-call signature (packed rows
+    [T, H, D], an initial state per sequence, no mid-sequence exports): (o, final states), the kernel
+    benchmarks' anchor; None for None."""
+    if chunk is None:
         return None
 
-    def call(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm=False, **_):
-        o, final = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial_state,
-                             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                             cu_seqlens=cu_seqlens.long())
+    def call(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm=False, output_final_state=True,
+             **_):
+        o, final = chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                         cu_seqlens=cu_seqlens.long())
         return o[0], final
     return call
+
+
+def fla_single_call(rule: str = "gdn"):
+    """fla's chunk kernel of a rule behind our single-call signature (`single_call`); None when fla is not
+    importable."""
+    return single_call(import_fla(rule))
 
 
 def linear_kernel_arguments(config, kernel) -> dict:
@@ -166,29 +184,33 @@ def linear_kernel_arguments(config, kernel) -> dict:
     return {} if kernel is None else {f"{config.linear_rule}_kernel": kernel}
 
 
-def fla_trajectory_kernel(rule: str = "gdn"):
-    """fla's chunk kernel of a linear-attention rule ("gdn": chunk_gated_delta_rule, "kda": chunk_kda) behind
-    the runtime's `gdn_kernel` / `kda_kernel` signature, for trajectory-wise microbatches (every sequence
-    starts from the zero state, no state exports): the baseline a trainer without HARTS would run. GDN's
-    value-head groups are expanded for fla (KDA has one value head per key head). None when fla is not
-    importable."""
-    fla_chunk = import_fla(rule)
-    if fla_chunk is None:
+def trajectory_kernel(chunk):
+    """A chunk function with fla's signature behind the runtime's `gdn_kernel` / `kda_kernel` signature, for
+    trajectory-wise microbatches (every sequence starts from the zero state, no state exports): the baseline a
+    trainer without HARTS would run. GDN's value-head groups are expanded (KDA has one value head per key
+    head). None for None."""
+    if chunk is None:
         return None
 
     def kernel(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, export_seq=None, export_offset=None,
                chunk_size=64, use_qk_l2norm=False):
         if export_seq is not None and len(export_seq):
-            raise ValueError("fla_trajectory_kernel: trajectory-wise microbatches only (no state exports)")
+            raise ValueError("trajectory_kernel: trajectory-wise microbatches only (no state exports)")
         rep = v.shape[1] // q.shape[1]
         if rep > 1:
             q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
-        o, _ = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=None,
-                         output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                         cu_seqlens=cu_seqlens.to(q.device).long())
+        o, _ = chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=None,
+                     output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                     cu_seqlens=cu_seqlens.to(q.device).long())
         exported = v.new_empty((0, v.shape[1], k.shape[2], v.shape[2]), dtype=torch.float32)
         return o[0], exported
     return kernel
+
+
+def fla_trajectory_kernel(rule: str = "gdn"):
+    """fla's chunk kernel of a linear-attention rule ("gdn": chunk_gated_delta_rule, "kda": chunk_kda) as a
+    trajectory-wise kernel (`trajectory_kernel`); None when fla is not importable."""
+    return trajectory_kernel(import_fla(rule))
 
 
 # -- one training step -------------------------------------------------------------------------

@@ -38,10 +38,12 @@ Breakdown (tree mode): one profiled step split by torch.profiler into linear att
 + short conv), attention, log-probs, MoE/MLP and the rest (projections, norms, gathers); backward
 work follows its forward op through the autograd sequence numbers; plus planner time.
 
-Baseline: the faster of the runtime's trajectory mode (our kernels) and the same trajectory-wise step
-with fla's kernel of the model's rule (chunk_gated_delta_rule / chunk_kda) in every linear-attention
-layer ("traj fla ms", when fla is importable on CUDA; `--no-fla` skips it); "speedup" divides that
-baseline by tree mode, and the JSON names the baseline. On CUDA (GDN models), the GDN kernel of the
+Baseline: the fastest of the runtime's trajectory mode (our kernels) and the same trajectory-wise step
+with an external kernel of the model's rule in every linear-attention layer: fla's
+chunk_gated_delta_rule / chunk_kda ("traj fla ms") and, for GDN, FlashQLA's chunk_gated_delta_rule
+("traj fq ms"), each when importable on CUDA (`--no-fla` skips both; FLA_FLASH_QLA=0 is set so that
+fla's column is fla's own kernels); "speedup" divides that baseline by tree mode, and the JSON names the
+baseline. On CUDA (GDN models), the GDN kernel of the
 largest trajectory microbatch is also timed alone against fla's, and SDPA's flash attention per
 trajectory against our attention kernel.
 JSON results go to $OUT/e2e.json when OUT is set (and to --json).
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 import traceback
@@ -59,13 +62,16 @@ import torch
 
 from harts_compiler.progress import progress
 
+os.environ.setdefault("FLA_FLASH_QLA", "0")  # fla's column times fla's kernels, not its dispatch to FlashQLA
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402
 from e2e_numerics import numerics  # noqa: E402
 from common import (BENCH_MODELS, LENGTH_SCALE, TINY_GENERATOR, Step, build_model,  # noqa: E402
-                    describe_device, finish_args, fla_trajectory_kernel, format_table, kernel_ms, median,
+                    describe_device, finish_args, fla_trajectory_kernel, format_table, import_flashqla,
+                    kernel_ms, median,
                     model_config, parameter_count, peak_memory, plan_microbatches, prefix_forest, sized_batch,
-                    time_calls, trajectory_microbatches, write_json)
+                    time_calls, trajectory_kernel, trajectory_microbatches, write_json)
 from harts_compiler.codegen.pieces import PieceChain  # noqa: E402
 from harts_compiler.passes import cost_model  # noqa: E402
 
@@ -91,7 +97,8 @@ def parse_args(argv):
                    "(default 8192; tiny 150)")
     p.add_argument("--error-factor", type=float, default=2.0)
     p.add_argument("--no-breakdown", action="store_true")
-    p.add_argument("--no-fla", action="store_true", help="do not time the trajectory-wise step with fla's GDN")
+    p.add_argument("--no-fla", action="store_true",
+                   help="do not time the trajectory-wise step with external kernels (fla's, FlashQLA's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON results here")
     args = p.parse_args(argv)
@@ -198,25 +205,33 @@ def fla_comparison(model, traj_indices, device) -> dict:
         return {"fla": f"importable, comparison failed: {exc!r}"}
 
 
+def external_kernels(rule: str, args) -> list[tuple[str, str, object]]:
+    """(name, result key, trajectory-wise kernel) of every importable external kernel of the rule: fla's
+    chunk_gated_delta_rule / chunk_kda and, for GDN, FlashQLA's; none on the CPU or with --no-fla."""
+    if args.device.type == "cpu" or args.no_fla:
+        return []
+    found = [(f"fla {rule.upper()}", "traj_fla_ms", fla_trajectory_kernel(rule))]
+    if rule == "gdn":
+        found.append(("FlashQLA GDN", "traj_flashqla_ms", trajectory_kernel(import_flashqla())))
+    return [entry for entry in found if entry[2] is not None]
+
+
 def baseline_timing(model, traj_indices, row, args, ours_ms) -> dict:
-    """The trajectory-wise baseline is the faster of our kernels in trajectory mode and the same step with
-    fla's kernel of the model's linear-attention rule (chunk_gated_delta_rule or chunk_kda) in every
-    linear-attention layer (when fla is importable, on CUDA)."""
-    result = {"traj_fla_ms": None, "baseline": "ours (trajectory mode)", "baseline_ms": ours_ms}
-    rule = model.config.linear_rule
-    kernel = fla_trajectory_kernel(rule) if args.device.type != "cpu" and not args.no_fla else None
-    if kernel is None:
-        return result
-    name = f"fla {rule.upper()}"
-    try:
-        fla, _, fla_grads = time_mode(model, traj_indices, row["trajectory_tokens"], args, linear_kernel=kernel)
-    except Exception as exc:  # noqa: BLE001 - an optional baseline must not sink the benchmark
-        print(f"  trajectory-wise with {name} failed: {exc!r}")
-        return result
-    print(f"  trajectory-wise, {name}: {fla['ms']:.1f} ms/step", flush=True)
-    result["traj_fla_ms"] = fla["ms"]
-    if fla["ms"] < ours_ms:
-        result.update(baseline=f"{name} (trajectory mode)", baseline_ms=fla["ms"])
+    """The trajectory-wise baseline is the fastest of our kernels in trajectory mode and the same step with
+    each importable external kernel of the model's linear-attention rule in every linear-attention layer
+    (fla's chunk_gated_delta_rule or chunk_kda; FlashQLA's chunk_gated_delta_rule), on CUDA."""
+    result = {"traj_fla_ms": None, "traj_flashqla_ms": None, "baseline": "ours (trajectory mode)",
+              "baseline_ms": ours_ms}
+    for name, key, kernel in external_kernels(model.config.linear_rule, args):
+        try:
+            timed, _, _ = time_mode(model, traj_indices, row["trajectory_tokens"], args, linear_kernel=kernel)
+        except Exception as exc:  # noqa: BLE001 - an optional baseline must not sink the benchmark
+            print(f"  trajectory-wise with {name} failed: {exc!r}")
+            continue
+        print(f"  trajectory-wise, {name}: {timed['ms']:.1f} ms/step", flush=True)
+        result[key] = timed["ms"]
+        if timed["ms"] < result["baseline_ms"]:
+            result.update(baseline=f"{name} (trajectory mode)", baseline_ms=timed["ms"])
     return result
 
 
@@ -333,13 +348,14 @@ def report(rows, args, info, config, failures) -> None:
         base = row.get("baseline_kernels")
         if base:
             print(f"  baseline kernels: {base}")
-    print("\nBaseline (speedup = baseline / tree): the faster trajectory-wise step, one packed sequence per "
+    print("\nBaseline (speedup = baseline / tree): the fastest trajectory-wise step, one packed sequence per "
           "trajectory: " + "; ".join(f"{r['preset']} {r['baseline']}" for r in rows))
     print(f"Numerics: max |log-prob - float64 reference| on the first trajectories; tree ok when "
           f"<= {args.error_factor} x trajectory-wise error.\n")
     columns = [("preset", "preset"), ("trajectory_tokens", "traj tok"), ("compact_tokens", "distinct"),
                ("planned_tokens", "planned"),
-               ("ideal", "ideal"), ("traj_ms", "traj ms"), ("traj_fla_ms", "traj fla ms"), ("tree_ms", "tree ms"),
+               ("ideal", "ideal"), ("traj_ms", "traj ms"), ("traj_fla_ms", "traj fla ms"),
+               ("traj_flashqla_ms", "traj fq ms"), ("tree_ms", "tree ms"),
                ("speedup", "speedup"),
                ("of_ideal", "of ideal"), ("traj_peak_gib", "traj GiB"), ("tree_peak_gib", "tree GiB"),
                ("err_traj", "err traj"), ("err_tree", "err tree"), ("mean_err_traj", "mean traj"),

@@ -29,7 +29,7 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")  # time fla's own kernels, not its d
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fla_single_call, kernel_ms  # noqa: E402
+from common import fla_single_call, import_flashqla, kernel_ms, single_call  # noqa: E402
 from gdn import GRAD_NAMES, rel_err  # noqa: E402
 from gdn_cases import ANCHORS, agentic_trees, make_inputs, single_call_plan, tree_case  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import (  # noqa: E402
@@ -48,22 +48,6 @@ CASES = [
     ("4 x 16,384 H16/32", [16384] * 4, 16, 32),
 ]
 ERROR_TOKENS = 16384
-
-
-def load_flashqla():
-    try:
-        import flash_qla
-    except Exception as exc:  # noqa: BLE001 - reported, the section then runs without it
-        print(f"FlashQLA unavailable: {exc!r}")
-        return None
-
-    def call(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm=False, output_final_state=False,
-             **_):
-        o, final = flash_qla.chunk_gated_delta_rule(
-            q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens.long())
-        return o[0], final
-    return call
 
 
 def ours_call(plan):
@@ -209,7 +193,7 @@ def main():
     args = parser.parse_args()
     if args.cases:
         CASES[:] = [CASES[i] for i in args.cases]
-    flashqla, fla = load_flashqla(), fla_single_call("gdn")
+    flashqla, fla = single_call(import_flashqla()), fla_single_call("gdn")
     kernels = {"ours": lambda cu: ours_call(single_call_plan(cu, device=CUDA))}
     if fla is not None:
         kernels["fla"] = lambda cu: fla
