@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 EPS = 1e-6
+BLOCK_ROWS = 16  # rows per program: [16, 128] fp32 tiles at 4 warps
 
 
 @triton.jit
@@ -36,34 +37,68 @@ def _l2norm_bwd_kernel(x, dy, rstd, dx, n_rows, D: tl.constexpr, BR: tl.constexp
     tl.store(dx + rows[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=m_r[:, None])
 
 
-class L2NormFunction(torch.autograd.Function):
+def l2norm_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y = x / sqrt(sum x^2 + eps) in x's dtype, rstd [rows] fp32) over the last dim (a power of two)."""
+    x = x.contiguous()
+    d = x.shape[-1]
+    n_rows = x.numel() // d
+    y = torch.empty_like(x)
+    rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+    if n_rows:
+        _l2norm_fwd_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](x, y, rstd, n_rows, EPS, D=d, BR=BLOCK_ROWS)
+    return y, rstd
 
+
+def l2norm_rows_backward(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dx in x's dtype from dy of any dtype (an fp32 dy is used as it is, not rounded to x's dtype first)."""
+    d = x.shape[-1]
+    n_rows = x.numel() // d
+    dx = torch.empty_like(x)
+    if n_rows:
+        _l2norm_bwd_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](x, dy.contiguous(), rstd, dx, n_rows, D=d,
+                                                                BR=BLOCK_ROWS)
+    return dx
+
+
+class L2NormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         x = x.contiguous()
-        d = x.shape[-1]
-        n_rows = x.numel() // d
-        y = torch.empty_like(x)
-        rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
-        block_rows = 16
-        if n_rows:
-            _l2norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](x, y, rstd, n_rows, EPS, D=d, BR=block_rows)
+        y, rstd = l2norm_rows(x)
         ctx.save_for_backward(x, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, rstd = ctx.saved_tensors
-        d = x.shape[-1]
-        n_rows = x.numel() // d
-        dx = torch.empty_like(x)
-        block_rows = 16
-        if n_rows:
-            _l2norm_bwd_kernel[(triton.cdiv(n_rows, block_rows),)](x, dy.contiguous(), rstd, dx, n_rows, D=d,
-                                                                    BR=block_rows)
-        return dx
+        return l2norm_rows_backward(*ctx.saved_tensors, dy)
 
 
 def l2norm_fused(x: torch.Tensor) -> torch.Tensor:
     """Differentiable row l2 norm over the last dim (a power of two) with Triton kernels."""
     return L2NormFunction.apply(x)
+
+
+def normalize_qk(q: torch.Tensor, k: torch.Tensor, enabled: bool):
+    """Inside a chunk Function's forward: (q, k normalised when `enabled`, what `qk_input_gradients` needs).
+    Normalising inside the Function rather than through L2NormFunction keeps dq, dk in fp32 from the chunk
+    kernels through the l2 norm's backward (autograd would round them to q's dtype between the two), as fla's
+    in-kernel l2norm does."""
+    if not enabled:
+        return q, k, ()
+    (q_n, q_rstd), (k_n, k_rstd) = l2norm_rows(q), l2norm_rows(k)
+    return q_n, k_n, (q.contiguous(), q_rstd, k.contiguous(), k_rstd)
+
+
+def qk_gradient_dtypes(dtypes: tuple, saved: tuple) -> tuple:
+    """The dtypes the chunk backward rounds its (q, k, ...) gradients to: fp32 for q and k when they still go
+    through the l2 norm's backward (`saved` non-empty)."""
+    return (torch.float32, torch.float32, *dtypes[2:]) if saved else tuple(dtypes)
+
+
+def qk_input_gradients(grads: list, saved: tuple) -> list:
+    """grads with dq, dk taken through the l2 norm's backward (to q's and k's dtypes) when `saved` is non-empty
+    (`normalize_qk`)."""
+    if saved:
+        q, q_rstd, k, k_rstd = saved
+        grads = [l2norm_rows_backward(q, q_rstd, grads[0]), l2norm_rows_backward(k, k_rstd, grads[1]), *grads[2:]]
+    return grads

@@ -28,7 +28,7 @@ from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from .chunk_bwd import chunk_bwd
 from .config import triton_supports
 from .inputs import validate_gdn_tensors
-from .l2norm import l2norm_fused
+from .l2norm import normalize_qk, qk_gradient_dtypes, qk_input_gradients
 from .lanes import LaneStreams
 from ..segment_add import segment_add
 from .state_bwd import dv_local_bwd, state_bwd_scan
@@ -142,9 +142,12 @@ def input_gradients(plan: TreeGDNPlan, dtypes, key_heads: int, chunk_grads) -> l
 class TreeGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_states, scale: float, plan: TreeGDNPlan):
+    def forward(ctx, q, k, v, g, beta, initial_states, scale: float, plan: TreeGDNPlan, use_qk_l2norm: bool):
         index, rows = plan.index, plan.rows
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # the runtime's v is a split view
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, initial_states.dtype)
+        # on compact tokens (each once; replays read the normalised rows), in fp32 as fla does
+        q, k, l2norm_saved = normalize_qk(q, k, use_qk_l2norm)
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
         gc, T, w, u = wy_fwd(k, v, g, beta, index, rows)
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
@@ -155,14 +158,13 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             launch_seqs=launch.round_seqs, initial_rows=launch.init_row))
         o = output_fwd(q, k, v_new, gc, h, scale, index, rows)
         exported = bank[1:][plan.output_slots]
-        ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h)
+        ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h, *l2norm_saved)
         ctx.scale, ctx.plan = scale, plan
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, initial_states.dtype)
         return o, exported
 
     @staticmethod
     def backward(ctx, d_out, d_exported):
-        q, k, v, beta, gc, T, w, v_new, h = ctx.saved_tensors
+        q, k, v, beta, gc, T, w, v_new, h, *l2norm_saved = ctx.saved_tensors
         plan: TreeGDNPlan = ctx.plan
         index, rows = plan.index, plan.rows
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
@@ -176,9 +178,10 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
             rows=rows, launch_seqs=launch.round_seqs, initial_state_grad=initial_grad))
         chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
-        grads = input_gradients(plan, ctx.dtypes, q.shape[1], chunk_grads)
+        grads = input_gradients(plan, qk_gradient_dtypes(ctx.dtypes, l2norm_saved), q.shape[1], chunk_grads)
+        grads = qk_input_gradients(grads, l2norm_saved)
         d_initial = bank_grad[index.num_slots:].to(ctx.dtypes[5]) if initial_grad else None
-        return (*grads, d_initial, None, None)
+        return (*grads, d_initial, None, None, None)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, initial_states=None,
@@ -194,6 +197,4 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, initi
         o, exported = gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), scale=scale, plan=plan,
                                        initial_states=initial_states, use_qk_l2norm=use_qk_l2norm)
         return o.to(v.dtype), exported
-    if use_qk_l2norm:  # on compact tokens (each once; replays read the normalised rows), in fp32 as fla does
-        q, k = l2norm_fused(q), l2norm_fused(k)
-    return TreeGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_states, float(scale), plan)
+    return TreeGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_states, float(scale), plan, use_qk_l2norm)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..chunk_gdn.inputs import validate_gdn_tensors
-from ..chunk_gdn.l2norm import l2norm_fused
+from ..chunk_gdn.l2norm import normalize_qk, qk_gradient_dtypes, qk_input_gradients
 from ..chunk_gdn.tree import (check_plan_call, input_gradients, scan_rounds, scan_rounds_backward, state_bank,
                               state_bank_grad)
 from ..chunk_gdn.tree_plan import TreeGDNPlan
@@ -35,9 +35,13 @@ from .state_fwd import output_fwd, scan_fwd
 class TreeKimiDeltaAttentionFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_states, scale: float, plan: TreeGDNPlan, config: KDAKernelConfig):
+    def forward(ctx, q, k, v, g, beta, initial_states, scale: float, plan: TreeGDNPlan, config: KDAKernelConfig,
+                use_qk_l2norm: bool):
         index, rows = plan.index, plan.rows
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, initial_states.dtype)
+        # on compact tokens (each once; replays read the normalised rows), in fp32 as fla does
+        q, k, l2norm_saved = normalize_qk(q, k, use_qk_l2norm)
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
         gc, T, Aqk, w, u, kg = intra_fwd(q, k, v, g, beta, index, config, rows)
         h = torch.empty(index.num_chunks, hv, kd, vd, device=k.device, dtype=k.dtype)
@@ -48,14 +52,13 @@ class TreeKimiDeltaAttentionFunction(torch.autograd.Function):
             launch_seqs=launch.round_seqs, initial_rows=launch.init_row))
         o = output_fwd(q, gc, Aqk, v_new, h, scale, index, config, rows)
         exported = bank[1:][plan.output_slots]
-        ctx.save_for_backward(q, k, v, beta, gc, T, Aqk, w, kg, v_new, h)
+        ctx.save_for_backward(q, k, v, beta, gc, T, Aqk, w, kg, v_new, h, *l2norm_saved)
         ctx.scale, ctx.plan, ctx.config = scale, plan, config
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, initial_states.dtype)
         return o, exported
 
     @staticmethod
     def backward(ctx, d_out, d_exported):
-        q, k, v, beta, gc, T, Aqk, w, kg, v_new, h = ctx.saved_tensors
+        q, k, v, beta, gc, T, Aqk, w, kg, v_new, h, *l2norm_saved = ctx.saved_tensors
         plan: TreeGDNPlan = ctx.plan
         index, rows, config = plan.index, plan.rows, ctx.config
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
@@ -68,9 +71,10 @@ class TreeKimiDeltaAttentionFunction(torch.autograd.Function):
             qg, kg, w, gc, do, dv_local, bank_grad, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
             rows=rows, launch_seqs=launch.round_seqs))
         chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, config, rows)
-        grads = input_gradients(plan, ctx.dtypes, q.shape[1], chunk_grads)
+        grads = input_gradients(plan, qk_gradient_dtypes(ctx.dtypes, l2norm_saved), q.shape[1], chunk_grads)
+        grads = qk_input_gradients(grads, l2norm_saved)
         d_initial = bank_grad[index.num_slots:].to(ctx.dtypes[5]) if ctx.needs_input_grad[5] else None
-        return (*grads, d_initial, None, None, None)
+        return (*grads, d_initial, None, None, None, None)
 
 
 def validate_kda_tensors(q, k, v, g, beta, *, who: str):
@@ -95,7 +99,5 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, i
         o, exported = kimi_delta_attention(q.float(), k.float(), v.float(), g, beta.float(), scale=scale, plan=plan,
                                            initial_states=initial_states, use_qk_l2norm=use_qk_l2norm, config=config)
         return o.to(v.dtype), exported
-    if use_qk_l2norm:  # on compact tokens (each once; replays read the normalised rows), in fp32 as fla does
-        q, k = l2norm_fused(q), l2norm_fused(k)
     return TreeKimiDeltaAttentionFunction.apply(q, k, v, g, beta, initial_states, float(scale), plan,
-                                                config or KDAKernelConfig())
+                                                config or KDAKernelConfig(), use_qk_l2norm)
