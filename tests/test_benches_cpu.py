@@ -151,3 +151,43 @@ def test_attention_tiny_cpu(tmp_path, monkeypatch):
         errors = payload["errors"][shape]
         assert len(errors) == 2 and all(max(e["ours"]) < 1e-5 for e in errors), errors
     assert "fwd of ideal (cuDNN)" in result.stdout
+
+
+def test_external_kernel_wrappers_match_the_reference():
+    """bench/common's wrappers put a chunk function with fla's signature ([1, T, H, D], FlashQLA has the same)
+    behind the runtime's kernel signature and the single-call one: value-head groups expanded, zero initial
+    states, the packed rows in place. With our reference behind fla's signature, both must give the
+    reference's output on grouped heads (HK = 2, HV = 4) and three sequences."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCH))
+    from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference as reference
+
+    def fla_like(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                 cu_seqlens):
+        assert q.dim() == 4 and q.shape[0] == 1 and q.shape[2] == v.shape[2]  # fla's GDN: equal heads
+        if initial_state is None:
+            initial_state = q.new_zeros(len(cu_seqlens) - 1, v.shape[2], q.shape[3], v.shape[3])
+        o, _ = reference(q[0], k[0], v[0], g[0], beta[0], scale=scale, initial_state=initial_state,
+                         cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel)
+        return o[None], (initial_state if output_final_state else None)
+
+    gen = torch.Generator().manual_seed(3)
+    rows, hk, hv, d = 70, 2, 4, 16
+    q, k = (torch.randn(rows, hk, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(rows, hv, d, generator=gen, dtype=torch.float64)
+    g = -torch.rand(rows, hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(rows, hv, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, 20, 21, 70])
+    h0 = torch.zeros(3, hv, d, d, dtype=torch.float64)
+    expected, _ = reference(q, k, v, g, beta, scale=0.25, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True)
+    o, exported = common.trajectory_kernel(fla_like)(q, k, v, g, beta, scale=0.25, initial_state=h0, cu_seqlens=cu,
+                                                     use_qk_l2norm=True)
+    assert torch.allclose(o, expected, rtol=0, atol=1e-12) and exported.shape == (0, hv, d, d)
+    expanded = [x.repeat_interleave(2, 1) for x in (q, k)]
+    o, _ = common.single_call(fla_like)(*expanded, v, g, beta, scale=0.25, initial_state=h0, cu_seqlens=cu,
+                                        use_qk_l2norm=True)
+    assert torch.allclose(o, expected, rtol=0, atol=1e-12)
+    assert common.trajectory_kernel(None) is None and common.single_call(None) is None
