@@ -79,26 +79,12 @@ def l2norm_fused(x: torch.Tensor) -> torch.Tensor:
 
 
 def normalize_qk(q: torch.Tensor, k: torch.Tensor, enabled: bool):
-    """Inside a chunk Function's forward: (q, k normalised when `enabled`, what `qk_input_gradients` needs).
+    """Inside a chunk Function's forward: (q, k normalised when `enabled`, what the backward needs: raw q, its
+    rstd, raw k, its rstd; `tree.input_gradients` takes it).
     Normalising inside the Function rather than through L2NormFunction keeps dq, dk in fp32 from the chunk
     kernels through the l2 norm's backward (autograd would round them to q's dtype between the two), as fla's
     in-kernel l2norm does."""
     if not enabled:
         return q, k, ()
     (q_n, q_rstd), (k_n, k_rstd) = l2norm_rows(q), l2norm_rows(k)
-    return q_n, k_n, (q.contiguous(), q_rstd, k.contiguous(), k_rstd)
-
-
-def qk_gradient_dtypes(dtypes: tuple, saved: tuple) -> tuple:
-    """The dtypes the chunk backward rounds its (q, k, ...) gradients to: fp32 for q and k when they still go
-    through the l2 norm's backward (`saved` non-empty)."""
-    return (torch.float32, torch.float32, *dtypes[2:]) if saved else tuple(dtypes)
-
-
-def qk_input_gradients(grads: list, saved: tuple) -> list:
-    """grads with dq, dk taken through the l2 norm's backward (to q's and k's dtypes) when `saved` is non-empty
-    (`normalize_qk`)."""
-    if saved:
-        q, q_rstd, k, k_rstd = saved
-        grads = [l2norm_rows_backward(q, q_rstd, grads[0]), l2norm_rows_backward(k, k_rstd, grads[1]), *grads[2:]]
-    return grads
+    return q_n, k_n, (q, q_rstd, k, k_rstd)  # the callers pass q, k contiguous

@@ -28,7 +28,7 @@ from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from .chunk_bwd import chunk_bwd
 from .config import triton_supports
 from .inputs import validate_gdn_tensors
-from .l2norm import normalize_qk, qk_gradient_dtypes, qk_input_gradients
+from .l2norm import l2norm_rows_backward, normalize_qk
 from .lanes import LaneStreams
 from ..segment_add import segment_add
 from .state_bwd import dv_local_bwd, state_bwd_scan
@@ -118,11 +118,14 @@ def scan_rounds_backward(plan: TreeGDNPlan, device, bank_grad: torch.Tensor, sca
                     segment_add(bank_grad, launch.start_slots, dh0, launch.start_bounds, launch.start_seqs)
 
 
-def input_gradients(plan: TreeGDNPlan, dtypes, key_heads: int, chunk_grads) -> list:
+def input_gradients(plan: TreeGDNPlan, dtypes, key_heads: int, chunk_grads, l2norm_saved=()) -> list:
     """The gradients of q, k, v, g, beta on the compact tokens, in `dtypes`, from chunk_bwd's `chunk_grads`
     (dq, dk, dv, dbeta, dg per value head [, the replayed rows' dk, dv, dbeta, dg by replay slot]): q's and k's
-    summed over each key head's group, and every token that other rows replay given their gradients too."""
+    summed over each key head's group, and every token that other rows replay given their gradients too. With
+    `l2norm_saved` (`l2norm.normalize_qk`: q and k were normalised inside the Function) dq and dk go through the
+    l2 norm's backward from fp32, which rounds them to q's and k's dtypes."""
     dq, dk, dv, dbeta, dg, *side = chunk_grads
+    unnormalise = dict(zip(("q", "k"), (l2norm_saved[:2], l2norm_saved[2:]))) if l2norm_saved else {}
     names = ("q", "k", "v", "g", "beta")  # the order of `dtypes` and of the returned gradients
     per_token = dict(zip(names, (dq, dk, dv, dg, dbeta)))
     replayed = dict(zip(("k", "v", "beta", "g"), side[0])) if side else {}  # by replay slot
@@ -135,7 +138,7 @@ def input_gradients(plan: TreeGDNPlan, dtypes, key_heads: int, chunk_grads) -> l
             groups = replayed[name].shape[1] // key_heads if per_key_head else 1
             grad = grad.contiguous()
             segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds, groups=groups)
-        grads.append(grad.to(dtype))
+        grads.append(l2norm_rows_backward(*unnormalise[name], grad) if name in unnormalise else grad.to(dtype))
     return grads
 
 
@@ -178,8 +181,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
             rows=rows, launch_seqs=launch.round_seqs, initial_state_grad=initial_grad))
         chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
-        grads = input_gradients(plan, qk_gradient_dtypes(ctx.dtypes, l2norm_saved), q.shape[1], chunk_grads)
-        grads = qk_input_gradients(grads, l2norm_saved)
+        grads = input_gradients(plan, ctx.dtypes, q.shape[1], chunk_grads, l2norm_saved)
         d_initial = bank_grad[index.num_slots:].to(ctx.dtypes[5]) if initial_grad else None
         return (*grads, d_initial, None, None, None)
 

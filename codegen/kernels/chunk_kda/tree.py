@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..chunk_gdn.inputs import validate_gdn_tensors
-from ..chunk_gdn.l2norm import normalize_qk, qk_gradient_dtypes, qk_input_gradients
+from ..chunk_gdn.l2norm import normalize_qk
 from ..chunk_gdn.tree import (check_plan_call, input_gradients, scan_rounds, scan_rounds_backward, state_bank,
                               state_bank_grad)
 from ..chunk_gdn.tree_plan import TreeGDNPlan
@@ -71,8 +71,7 @@ class TreeKimiDeltaAttentionFunction(torch.autograd.Function):
             qg, kg, w, gc, do, dv_local, bank_grad, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
             rows=rows, launch_seqs=launch.round_seqs))
         chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, config, rows)
-        grads = input_gradients(plan, qk_gradient_dtypes(ctx.dtypes, l2norm_saved), q.shape[1], chunk_grads)
-        grads = qk_input_gradients(grads, l2norm_saved)
+        grads = input_gradients(plan, ctx.dtypes, q.shape[1], chunk_grads, l2norm_saved)
         d_initial = bank_grad[index.num_slots:].to(ctx.dtypes[5]) if ctx.needs_input_grad[5] else None
         return (*grads, d_initial, None, None, None, None)
 
