@@ -159,9 +159,12 @@ def _store_block(x, rows, m, i_h, col0, b_x, HV: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _load_block(x, rows, m, i_h, col0, HV: tl.constexpr, W: tl.constexpr):
+def _load_block(x, rows, m, i_h, col0, HV: tl.constexpr, W: tl.constexpr, LOWER: tl.constexpr = False):
+    """A [16, 16] block of x [R, HV, W] at rows `rows`, columns col0..; LOWER: only entries j <= i (the others
+    load as 0, whatever memory holds there)."""
     o_i = tl.arange(0, 16)
-    return tl.load(x + (rows[:, None].to(tl.int64) * HV + i_h) * W + col0 + o_i[None, :], mask=m[:, None], other=0.0)
+    mask = m[:, None] & (o_i[None, :] <= o_i[:, None]) if LOWER else m[:, None]
+    return tl.load(x + (rows[:, None].to(tl.int64) * HV + i_h) * W + col0 + o_i[None, :], mask=mask, other=0.0)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from ..chunk_gdn.gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_r
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from ..chunk_gdn.wy_fwd import _inverse_unit_lower16, _merge_inverse, _store_inverse
 from ..interpreter_safe import interpreting
-from .blocks import _block_betas, _block_tiles, _chunk_blocks, _from_ref, _to_ref
+from .blocks import _block_betas, _block_tiles, _chunk_blocks, _from_ref, _load_block, _to_ref
 
 
 @triton.jit
@@ -34,15 +34,6 @@ def _strict(b_a, b_beta):
     """beta_i times a diagonal block's strictly lower part."""
     o_i = tl.arange(0, 16)
     return tl.where(o_i[:, None] > o_i[None, :], b_a * b_beta[:, None], 0.0)
-
-
-@triton.jit
-def _load_diag(x, rows, m, i_h, col0, HV: tl.constexpr, BT: tl.constexpr):
-    """A diagonal [16, 16] block of x [R, HV, BT] as _diag_fwd_kernel left it: entries j <= i (the others were
-    never written and load as 0)."""
-    o_i = tl.arange(0, 16)
-    mask = m[:, None] & (o_i[None, :] <= o_i[:, None])
-    return tl.load(x + (rows[:, None].to(tl.int64) * HV + i_h) * BT + col0 + o_i[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -58,7 +49,7 @@ def _diag_entry(k, g, T, Aqk, row_src, out, b_q, b_k, b_s, row, jj, o_hk, o_hv, 
                 HV: tl.constexpr, K: tl.constexpr, GATHER: tl.constexpr):
     """Entry (i, j = row) of the diagonal block for every head of the program (column jj of its block); returns
     the running exponent carried on to row j - 1 (plus g_j)."""
-    src = (tl.load(row_src + row) if GATHER else row).to(tl.int64)
+    src = _input_rows(row_src, row, row >= 0, 0, GATHER).to(tl.int64)  # a row of the walk: inside the sequence
     k_j = tl.load(k + src * (HK * K) + o_hk[:, None] * K + o_k[None, :], mask=m_h[:, None], other=0.0).to(tl.float32)
     kj_e = k_j * tl.exp(b_s)
     tl.store(Aqk + out + jj, tl.sum(b_q * kj_e, 1), mask=m_h)
@@ -72,7 +63,7 @@ def _diag_fwd_kernel(q, k, g, T, Aqk, chunk_row_start, chunk_row_end, row_src, H
                      K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, GATHER: tl.constexpr,
                      INTERPRET: tl.constexpr):
     """Row i's entries j <= i of its diagonal block: Akk (before beta) into T, Aqk into Aqk, at columns
-    16 (i // 16) + (j mod 16); entries j > i are left unwritten (the next kernel masks them)."""
+    16 (i // 16) + (j mod 16); entries j > i are left unwritten (the next kernel loads them as 0)."""
     i_t, i_hg = tl.program_id(0), tl.program_id(1)
     i_c, t = i_t // BT, i_t % BT
     row0 = tl.load(chunk_row_start + i_c)
@@ -82,7 +73,7 @@ def _diag_fwd_kernel(q, k, g, T, Aqk, chunk_row_start, chunk_row_end, row_src, H
     m_h = o_hv < HV
     o_hk = o_hv // (HV // HK)
     o_k = tl.arange(0, K)
-    src = (tl.load(row_src + row, mask=count > 0, other=0) if GATHER else row).to(tl.int64)
+    src = _input_rows(row_src, row, count > 0, 0, GATHER).to(tl.int64)
     p_qk = src * (HK * K) + o_hk[:, None] * K + o_k[None, :]
     m_qk = m_h[:, None] & (o_k[None, :] * 0 + count > 0)
     b_q = tl.load(q + p_qk, mask=m_qk, other=0.0).to(tl.float32)
@@ -151,11 +142,12 @@ def _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, 
         a32, p32 = _off_pair(kn, qn, k2, gc2, c3, a32, p32)
 
     b0, b1, b2, b3 = _block_betas(beta, s0, m0, s1, m1, s2, m2, s3, m3, i_h, HV)
-    # the diagonal blocks, from _diag_fwd_kernel (read before this program overwrites them)
-    a00, p00 = _load_diag(T, r0, m0, i_h, 0, HV, BT), _load_diag(Aqk, r0, m0, i_h, 0, HV, BT)
-    a11, p11 = _load_diag(T, r1, m1, i_h, 16, HV, BT), _load_diag(Aqk, r1, m1, i_h, 16, HV, BT)
-    a22, p22 = _load_diag(T, r2, m2, i_h, 32, HV, BT), _load_diag(Aqk, r2, m2, i_h, 32, HV, BT)
-    a33, p33 = _load_diag(T, r3, m3, i_h, 48, HV, BT), _load_diag(Aqk, r3, m3, i_h, 48, HV, BT)
+    # the diagonal blocks, from _diag_fwd_kernel: entries j <= i, the others were never written (read before
+    # this program overwrites them)
+    a00, p00 = _load_block(T, r0, m0, i_h, 0, HV, BT, True), _load_block(Aqk, r0, m0, i_h, 0, HV, BT, True)
+    a11, p11 = _load_block(T, r1, m1, i_h, 16, HV, BT, True), _load_block(Aqk, r1, m1, i_h, 16, HV, BT, True)
+    a22, p22 = _load_block(T, r2, m2, i_h, 32, HV, BT, True), _load_block(Aqk, r2, m2, i_h, 32, HV, BT, True)
+    a33, p33 = _load_block(T, r3, m3, i_h, 48, HV, BT, True), _load_block(Aqk, r3, m3, i_h, 48, HV, BT, True)
     t00 = _inverse_unit_lower16(_strict(a00, b0))
     t11 = _inverse_unit_lower16(_strict(a11, b1))
     t22 = _inverse_unit_lower16(_strict(a22, b2))
