@@ -1,6 +1,6 @@
 """Shared helpers of the benchmark scripts: timing, peak memory, device description, tables,
 JSON output, the benchmark model and sized generated batches (the per-component time breakdown is
-in breakdown.py).
+in breakdown.py, the external kernels the benchmarks compare against in anchors.py).
 
 Import from a script in bench/ as `from common import ...` (scripts run as `python bench/x.py`,
 which puts bench/ on sys.path).
@@ -123,94 +123,12 @@ def sized_batch(preset: str, target_tokens: int, *, length_scale: float, vocab_s
     return TreeBatch.from_trajectories([np.asarray(t, np.int64) for t in lists], list(ids)), tasks
 
 
-# -- fla (flash-linear-attention), the anchor: optional, never a runtime dependency -----------
-
-def import_fla(rule: str = "gdn"):
-    """fla's chunk function of a linear-attention rule ("gdn": chunk_gated_delta_rule, "kda": chunk_kda), or
-    None when fla is not importable.
-
-    fla refuses its gated dqkwg kernel (GDN) on Triton < 3.7.1 + Hopper because Triton miscompiles it at
-    BK = 64; at K = V = 128 it runs with BK = 128, which is compiled correctly, so that guard is lifted."""
-    try:
-        if rule == "kda":
-            from fla.ops.kda import chunk_kda as chunk
-        else:
-            import fla.ops.common.chunk_o as chunk_o
-            chunk_o.TRITON_ABOVE_3_7_1 = True
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
-    except Exception as exc:  # noqa: BLE001 - fla is an optional anchor
-        print(f"fla unavailable: {exc!r}")
-        return None
-    return chunk
-
-
-def import_flashqla():
-    """FlashQLA's Gated DeltaNet chunk function (PyPI flash-qla, TileLang kernels; fla's call signature), or None
-    when it is not importable. fla 0.6.0 dispatches its own chunk_gated_delta_rule to FlashQLA when FlashQLA is
-    importable unless FLA_FLASH_QLA=0: the benchmarks that time both set that, so "fla" means fla's kernels."""
-    try:
-        from flash_qla import chunk_gated_delta_rule
-    except Exception as exc:  # noqa: BLE001 - FlashQLA is an optional anchor
-        print(f"FlashQLA unavailable: {exc!r}")
-        return None
-    return chunk_gated_delta_rule
-
-
-def single_call(chunk):
-    """A chunk function with fla's signature ([1, T, H, D] inputs) behind our single-call signature (packed rows
-    [T, H, D], an initial state per sequence, no mid-sequence exports): (o, final states), the kernel
-    benchmarks' anchor; None for None."""
-    if chunk is None:
-        return None
-
-    def call(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm=False, output_final_state=True,
-             **_):
-        o, final = chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                         cu_seqlens=cu_seqlens.long())
-        return o[0], final
-    return call
-
-
-def fla_single_call(rule: str = "gdn"):
-    """fla's chunk kernel of a rule behind our single-call signature (`single_call`); None when fla is not
-    importable."""
-    return single_call(import_fla(rule))
-
+# -- linear-attention kernels of a step -----------------------------------------------------
 
 def linear_kernel_arguments(config, kernel) -> dict:
     """The TreeModel keyword that puts `kernel` in every linear-attention layer of `config`'s rule
     (`gdn_kernel=` / `kda_kernel=`); {} for None (the runtime's own kernels)."""
     return {} if kernel is None else {f"{config.linear_rule}_kernel": kernel}
-
-
-def trajectory_kernel(chunk):
-    """A chunk function with fla's signature behind the runtime's `gdn_kernel` / `kda_kernel` signature, for
-    trajectory-wise microbatches (every sequence starts from the zero state, no state exports): the baseline a
-    trainer without HARTS would run. GDN's value-head groups are expanded (KDA has one value head per key
-    head). None for None."""
-    if chunk is None:
-        return None
-
-    def kernel(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, export_seq=None, export_offset=None,
-               chunk_size=64, use_qk_l2norm=False):
-        if export_seq is not None and len(export_seq):
-            raise ValueError("trajectory_kernel: trajectory-wise microbatches only (no state exports)")
-        rep = v.shape[1] // q.shape[1]
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
-        o, _ = chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=None,
-                     output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                     cu_seqlens=cu_seqlens.to(q.device).long())
-        exported = v.new_empty((0, v.shape[1], k.shape[2], v.shape[2]), dtype=torch.float32)
-        return o[0], exported
-    return kernel
-
-
-def fla_trajectory_kernel(rule: str = "gdn"):
-    """fla's chunk kernel of a linear-attention rule ("gdn": chunk_gated_delta_rule, "kda": chunk_kda) as a
-    trajectory-wise kernel (`trajectory_kernel`); None when fla is not importable."""
-    return trajectory_kernel(import_fla(rule))
 
 
 # -- one training step -------------------------------------------------------------------------

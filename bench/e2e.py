@@ -67,11 +67,11 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")  # fla's column times fla's kernels,
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402
 from e2e_numerics import numerics  # noqa: E402
+from anchors import fla_trajectory_kernel, import_flashqla, trajectory_kernel  # noqa: E402
 from common import (BENCH_MODELS, LENGTH_SCALE, TINY_GENERATOR, Step, build_model,  # noqa: E402
-                    describe_device, finish_args, fla_trajectory_kernel, format_table, import_flashqla,
-                    kernel_ms, median,
-                    model_config, parameter_count, peak_memory, plan_microbatches, prefix_forest, sized_batch,
-                    time_calls, trajectory_kernel, trajectory_microbatches, write_json)
+                    describe_device, finish_args, format_table, kernel_ms, median, model_config, parameter_count,
+                    peak_memory, plan_microbatches, prefix_forest, sized_batch, time_calls, trajectory_microbatches,
+                    write_json)
 from harts_compiler.codegen.pieces import PieceChain  # noqa: E402
 from harts_compiler.passes import cost_model  # noqa: E402
 

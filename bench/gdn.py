@@ -22,7 +22,8 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
-from common import fla_single_call, kernel_ms  # noqa: E402
+from anchors import fla_single_call  # noqa: E402
+from common import kernel_ms  # noqa: E402
 from gdn_cases import CONFIG_VARIANTS, make_inputs, single_call_plan, tree_case, tree_cases  # noqa: E402
 from gdn_profile import profile_section, timeline_section  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import (  # noqa: E402

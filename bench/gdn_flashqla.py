@@ -29,7 +29,8 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")  # time fla's own kernels, not its d
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fla_single_call, import_flashqla, kernel_ms, single_call  # noqa: E402
+from anchors import fla_single_call, import_flashqla, single_call  # noqa: E402
+from common import kernel_ms  # noqa: E402
 from gdn import GRAD_NAMES, rel_err  # noqa: E402
 from gdn_cases import ANCHORS, agentic_trees, make_inputs, single_call_plan, tree_case  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import (  # noqa: E402

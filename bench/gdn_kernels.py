@@ -14,7 +14,8 @@ import dataclasses
 
 import torch
 
-from common import fla_single_call, kernel_ms
+from anchors import fla_single_call
+from common import kernel_ms
 from gdn_cases import CONFIG_VARIANTS, agentic_trees, make_inputs, single_call_plan
 from gdn_profile import compare
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, gated_delta_rule

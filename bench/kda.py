@@ -19,7 +19,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import fla_single_call, kernel_ms
+from anchors import fla_single_call
+from common import kernel_ms
 from gdn_profile import device_ms_by_kernel
 from harts_compiler.codegen.kernels.chunk_gdn import plan_single_call
 from harts_compiler.codegen.kernels.chunk_kda import chunk_kimi_delta_attention_reference, kimi_delta_attention

@@ -154,13 +154,13 @@ def test_attention_tiny_cpu(tmp_path, monkeypatch):
 
 
 def test_external_kernel_wrappers_match_the_reference():
-    """bench/common's wrappers put a chunk function with fla's signature ([1, T, H, D], FlashQLA has the same)
+    """bench/anchors' wrappers put a chunk function with fla's signature ([1, T, H, D], FlashQLA has the same)
     behind the runtime's kernel signature and the single-call one: value-head groups expanded, zero initial
     states, the packed rows in place. With our reference behind fla's signature, both must give the
     reference's output on grouped heads (HK = 2, HV = 4) and three sequences."""
     sys.path.insert(0, str(BENCH))
     try:
-        import common
+        import anchors
     finally:
         sys.path.remove(str(BENCH))
     from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference as reference
@@ -183,11 +183,11 @@ def test_external_kernel_wrappers_match_the_reference():
     cu = torch.tensor([0, 20, 21, 70])
     h0 = torch.zeros(3, hv, d, d, dtype=torch.float64)
     expected, _ = reference(q, k, v, g, beta, scale=0.25, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True)
-    o, exported = common.trajectory_kernel(fla_like)(q, k, v, g, beta, scale=0.25, initial_state=h0, cu_seqlens=cu,
+    o, exported = anchors.trajectory_kernel(fla_like)(q, k, v, g, beta, scale=0.25, initial_state=h0, cu_seqlens=cu,
                                                      use_qk_l2norm=True)
     assert torch.allclose(o, expected, rtol=0, atol=1e-12) and exported.shape == (0, hv, d, d)
     expanded = [x.repeat_interleave(2, 1) for x in (q, k)]
-    o, _ = common.single_call(fla_like)(*expanded, v, g, beta, scale=0.25, initial_state=h0, cu_seqlens=cu,
+    o, _ = anchors.single_call(fla_like)(*expanded, v, g, beta, scale=0.25, initial_state=h0, cu_seqlens=cu,
                                         use_qk_l2norm=True)
     assert torch.allclose(o, expected, rtol=0, atol=1e-12)
-    assert common.trajectory_kernel(None) is None and common.single_call(None) is None
+    assert anchors.trajectory_kernel(None) is None and anchors.single_call(None) is None
