@@ -4,17 +4,22 @@ run. H = 32 heads, K = V = 128 (Kimi Linear), bf16 q, k, v, beta, fp32 g (a log 
 logsigmoid of N(0, 1)), l2norm in the kernel, an fp32 initial state per sequence that takes gradients.
 
     PYTHONUNBUFFERED=1 python bench/kda.py [--cases 8x8192 1x32768 64x1024] [--no-fla] [--heads-checked 2] [--profile] \
-        2>&1 | tee $OUT/kda.log
+        [--sweep] 2>&1 | tee $OUT/kda.log
     TRITON_INTERPRET=1 python bench/kda.py --device cpu --tiny --no-fla      (a CPU smoke run, ~1 minute)
 
 Errors are norm-relative per output / gradient, on the first --heads-checked heads (heads are independent,
 and the fp32 reference materialises [chunks, heads, 64, 64, K] decay tensors). Needs CUDA; without fla (not
 importable) only our columns are printed. A fresh machine compiles our kernels (and autotunes fla's) before the
 first numbers: give the call ~5 minutes.
+
+--sweep also runs ours under each launch-config change of SWEEP (same inputs, after the default): fwd+bwd ms,
+the device ms of the kernels the change touches, and the worst error ratio to the default's (a change must not
+cost accuracy). Each change compiles the kernels it touches again: ~30 s each on a fresh machine.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +28,26 @@ from anchors import fla_single_call
 from common import kernel_ms
 from gdn_profile import device_ms_by_kernel
 from harts_compiler.codegen.kernels.chunk_gdn import plan_single_call
-from harts_compiler.codegen.kernels.chunk_kda import chunk_kimi_delta_attention_reference, kimi_delta_attention
+from harts_compiler.codegen.kernels.chunk_kda import (KDAKernelConfig, chunk_kimi_delta_attention_reference,
+                                                      kimi_delta_attention)
 from harts_compiler.codegen.kernels.upload import to_device
 
 CASES = {"8x8192": [8192] * 8, "1x32768": [32768], "64x1024": [1024] * 64}
 TINY = {"8x8192": [80] * 2, "1x32768": [130], "64x1024": [64] * 3}  # --tiny: the same shapes of case, CPU-sized
 NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+# KDAKernelConfig changes timed with --sweep, each with the kernels it launches differently
+SWEEP = [
+    (dict(intra_bwd_warps=2), ["_intra_bwd_kernel"]),
+    (dict(intra_bwd_warps=8), ["_intra_bwd_kernel"]),
+    (dict(intra_block_k=16), ["_intra_bwd_kernel", "_intra_fwd_kernel"]),
+    (dict(intra_block_k=16, intra_bwd_warps=2, intra_fwd_warps=2), ["_intra_bwd_kernel", "_intra_fwd_kernel"]),
+    (dict(intra_fwd_warps=2), ["_intra_fwd_kernel"]),
+    (dict(intra_fwd_warps=8), ["_intra_fwd_kernel"]),
+    (dict(diag_warps=2, diag_heads=2), ["_diag_fwd_kernel"]),
+    (dict(diag_warps=8, diag_heads=8), ["_diag_fwd_kernel"]),
+    (dict(wy_bwd_warps=8), ["_wy_bwd_kernel"]),
+    (dict(bwd_inter_warps=4), ["_bwd_inter_kernel"]),
+]
 
 
 def make_inputs(lengths, heads, device, dim=128, seed=0):
@@ -57,15 +76,23 @@ def grads_of(call, tensors, do, upcast=False):
     return [o, *torch.autograd.grad(o, leaves, do.to(o.dtype))]
 
 
-def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False):
+def ours_call(plan, scale, config):
+    return lambda q, k, v, g, beta, h0: kimi_delta_attention(
+        q, k, v, g, beta, scale=scale, plan=plan, initial_states=h0, use_qk_l2norm=True, config=config)[0]
+
+
+def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False, sweep=()):
+    """({label: fwd+bwd ms}, {label: errors}, {label: {kernel: device ms}}) of ours, fla (when given) and ours
+    under each config change of `sweep` (labels "ours <change>"; kernels profiled only for these)."""
     tensors, cu = make_inputs(lengths, heads, device, dim)
     scale = tensors[0].shape[-1] ** -0.5
     plan = to_device(plan_single_call(lengths), device)  # planned once, outside the timed step
-    calls = {"ours": lambda q, k, v, g, beta, h0: kimi_delta_attention(
-        q, k, v, g, beta, scale=scale, plan=plan, initial_states=h0, use_qk_l2norm=True)[0]}
+    calls = {"ours": ours_call(plan, scale, KDAKernelConfig())}
     if fla is not None:
         calls["fla"] = lambda q, k, v, g, beta, h0: fla(q, k, v, g, beta, scale=scale, initial_state=h0,
                                                         cu_seqlens=cu, use_qk_l2norm=True)[0]
+    for change, _ in sweep:
+        calls[f"ours {change}"] = ours_call(plan, scale, dataclasses.replace(KDAKernelConfig(), **change))
     do = torch.randn(tensors[2].shape, device=device, generator=torch.Generator(device).manual_seed(1)).bfloat16()
 
     # errors on the first heads, against the fp32 reference on those heads alone
@@ -84,15 +111,31 @@ def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False):
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    timings = {}
+    timings, kernel_times = {}, {}
     for label, call in calls.items():
         leaves = [t.detach().requires_grad_(True) for t in tensors]
-        timings[label] = kernel_ms(lambda: torch.autograd.grad(call(*leaves), leaves, do), device)
-        if profile:
-            kernels, _ = device_ms_by_kernel(lambda: torch.autograd.grad(call(*leaves), leaves, do))
-            for name, (ms, launches) in sorted(kernels.items(), key=lambda item: -item[1][0]):
-                print(f"  {label:5s} {ms:8.3f} ms {launches:4d}x  {name}")
-    return timings, errors
+        step = lambda: torch.autograd.grad(call(*leaves), leaves, do)  # noqa: E731
+        timings[label] = kernel_ms(step, device)
+        swept = label.startswith("ours {")
+        if (profile or swept) and device.type == "cuda":  # the profiler's device times need CUDA
+            kernels, _ = device_ms_by_kernel(step)
+            kernel_times[label] = {name: ms for name, (ms, _) in kernels.items()}
+            if not swept:
+                for name, (ms, launches) in sorted(kernels.items(), key=lambda item: -item[1][0]):
+                    print(f"  {label:5s} {ms:8.3f} ms {launches:4d}x  {name}")
+    return timings, errors, kernel_times
+
+
+def print_sweep(sweep, timings, errors, kernel_times):
+    """One line per change: fwd+bwd ms against the default's, its kernels' ms (default's), worst error ratio."""
+    print(f"sweep (ours, default {timings['ours']:.3f} ms):")
+    default_kernels = kernel_times.get("ours", {})
+    for change, kernels in sweep:
+        label = f"ours {change}"
+        cells = [f"{name} {kernel_times.get(label, {}).get(name, 0.0):.3f}"
+                 + (f" ({default_kernels[name]:.3f})" if name in default_kernels else "") for name in kernels]
+        worst = max(e / max(d, 1e-30) for e, d in zip(errors[label], errors["ours"]))
+        print(f"  {str(change):70s} {timings[label]:8.3f} ms  " + "  ".join(cells) + f"  errors x{worst:.3f}")
 
 
 def main():
@@ -105,6 +148,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also print device ms per kernel of each")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU-sized lengths, 2 heads of 16 (a smoke run: TRITON_INTERPRET=1 --device cpu)")
+    parser.add_argument("--sweep", action="store_true", help="also run ours under each config change of SWEEP")
     args = parser.parse_args()
     device = torch.device(args.device)
     fla = None if args.no_fla else fla_single_call("kda")
@@ -115,8 +159,9 @@ def main():
           f"{args.heads_checked} heads vs the fp32 reference")
     print(f"{'case':10s} {'ours ms':>9s} {'fla ms':>9s} {'ours/fla':>9s}   errors: ours (fla)")
     for name in args.cases:
-        timings, errors = run_case(cases[name], args.heads, dim, fla, args.heads_checked, device,
-                                   profile=args.profile)
+        sweep = SWEEP if args.sweep else ()
+        timings, errors, kernel_times = run_case(cases[name], args.heads, dim, fla, args.heads_checked, device,
+                                                 profile=args.profile or args.sweep, sweep=sweep)
         fla_ms = timings.get("fla")
         ratio = f"{timings['ours'] / fla_ms:9.3f}" if fla_ms else f"{'-':>9s}"
         cells = [f"{e:.2e}" + (f" ({f:.2e})" if "fla" in errors else "")
@@ -124,6 +169,8 @@ def main():
         fla_col = f"{fla_ms:9.3f}" if fla_ms else f"{'-':>9s}"
         print(f"{name:10s} {timings['ours']:9.3f} {fla_col} {ratio}   " + "  ".join(
             f"{n} {c}" for n, c in zip(NAMES, cells)))
+        if sweep:
+            print_sweep(sweep, timings, errors, kernel_times)
 
 
 if __name__ == "__main__":
