@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the GDN / conv kernels on Hopper, without a GPU.
+"""Registers, spills and shared memory of the GDN, KDA and conv kernels on Hopper, without a GPU.
 
 Compiles each kernel ahead of time for sm_90a with the production constexprs (bf16, H=16, K=V=128,
 BT=64) and reads ptxas's resource report. Spills and register pressure explain most slow kernels, and
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from harts_compiler.codegen.kernels.causal_conv import function as conv
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_bwd, l2norm, state_bwd, state_fwd, wy_fwd
+from harts_compiler.codegen.kernels.chunk_kda import intra_bwd, intra_fwd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
 from hopper_resources import hopper_resources  # noqa: E402
@@ -20,7 +21,8 @@ from hopper_resources import hopper_resources  # noqa: E402
 # pointer arguments by name (everything else below is a scalar or a constexpr)
 POINTERS = {
     "fp32": {"g", "gc", "T", "h0", "bank", "dv_local", "dh0", "bank_grad", "dq", "dk", "dw", "dgc", "dbeta", "dg",
-             "scratch", "rstd", "dv_f32", "gpre", "dw_part", "side_dbeta", "side_dg"},
+             "scratch", "rstd", "dv_f32", "gpre", "dw_part", "side_dbeta", "side_dg", "Aqk", "dAqk", "dAkk", "dq_p",
+             "dk_p", "dgc_p", "dbeta_p", "side_dk"},
     "i64": {"chunk_row_start", "chunk_row_end", "cu_seqlens", "seq_chunk_start", "pred", "succ_ptr", "succ_flat",
             "row_src", "row_own", "seq_export_start", "export_end_chunk", "export_end_slot", "seq_shift", "chunk_shift",
             "h0_row"},
@@ -79,6 +81,11 @@ KERNELS = [
     ("conv fwd", conv._conv_fwd_kernel, {"BT": 32}, {"T": "i32"}),
     ("conv bwd pre", conv._conv_bwd_pre_kernel, {"BT": 32}, {"T": "i32"}),
     ("conv bwd dx", conv._conv_bwd_dx_kernel, {"BT": 32}, {"T": "i32"}),
+    # KDA at Kimi Linear's shapes (32 heads of 128; KDAKernelConfig's tiles)
+    ("kda diag_fwd", intra_fwd._diag_fwd_kernel, {"HK": 32, "HV": 32, "BH": 4}, None),
+    ("kda intra_fwd", intra_fwd._intra_fwd_kernel, {"HK": 32, "HV": 32, "BK": 32}, None),
+    ("kda wu", intra_fwd._wu_kernel, {"HK": 32, "HV": 32, "BK": 64}, None),
+    ("kda intra_bwd", intra_bwd._intra_bwd_kernel, {"HK": 32, "HV": 32, "BK": 32}, None),
 ]
 
 
