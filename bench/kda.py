@@ -37,6 +37,9 @@ TINY = {"8x8192": [80] * 2, "1x32768": [130], "64x1024": [64] * 3}  # --tiny: th
 NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 # KDAKernelConfig changes timed with --sweep, each with the kernels it launches differently
 SWEEP = [
+    (dict(diag_bwd_heads=2, diag_bwd_warps=2), ["_diag_bwd_kernel"]),
+    (dict(diag_bwd_heads=8, diag_bwd_warps=8), ["_diag_bwd_kernel"]),
+    (dict(diag_bwd_heads=8, diag_bwd_warps=4), ["_diag_bwd_kernel"]),
     (dict(intra_bwd_warps=2), ["_intra_bwd_kernel"]),
     (dict(intra_bwd_warps=8), ["_intra_bwd_kernel"]),
     (dict(intra_block_k=16), ["_intra_bwd_kernel", "_intra_fwd_kernel"]),

@@ -5,8 +5,8 @@ factor exceeds 1:
 - off-diagonal blocks (I > J) split the decay at a reference row n between the two blocks, as fla does:
   exp(gc_i - gc_j) = exp(gc_i - gc_n) exp(gc_n - gc_j) with both exponents <= 0, so each factor scales a
   [16, BK] tile of q or k and a tensor-core dot sums over the channels;
-- diagonal blocks take exp(gc_i - gc_j) elementwise, one row j at a time on [16, BK] tiles, with no split
-  at all (the forward's diagonal blocks have a kernel of their own, intra_fwd._diag_fwd_kernel).
+- diagonal blocks take exp(gc_i - gc_j) elementwise, with no split at all, in row-parallel kernels of their
+  own (intra_fwd._diag_fwd_kernel, diag_bwd._diag_bwd_kernel).
 
 Every exponent is clamped as in GDN's `_exp_gate_gap` (exp(min(x, 0))): on valid rows the gap is <= 0 exactly
 (gc is a running sum of g <= 0), in padding lanes (gc loads 0) it would overflow and meet a zero operand (NaN).
@@ -67,57 +67,6 @@ def _tile_t(x, rows, m, row_stride, col0, o_k):
     """The same tile transposed, loaded transposed ([BK, 16]), not a transposed register tile."""
     return tl.load(x + rows[None, :].to(tl.int64) * row_stride + col0 + o_k[:, None], mask=m[None, :],
                    other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _diag_row_j(q, k, beta, gc, row_src, row, row_end, shift, i_h, i_hk, o_k, HK: tl.constexpr, HV: tl.constexpr,
-                K: tl.constexpr, GATHER: tl.constexpr):
-    """(q_j, beta_j k_j, gc_j) [BK] fp32 of packed row `row` (zeros past the sequence's end), read from memory: a
-    register tile's row cannot be indexed, and a reload from L1 is cheaper than a masked reduction."""
-    m = row < row_end
-    m_k = (o_k * 0 + row) < row_end  # the scalar mask as a [BK] one (the interpreter takes no scalar mask)
-    src = _input_rows(row_src, row, m, shift, GATHER).to(tl.int64)
-    p_qk = src * (HK * K) + i_hk * K + o_k
-    q_j = tl.load(q + p_qk, mask=m_k, other=0.0).to(tl.float32)
-    k_j = tl.load(k + p_qk, mask=m_k, other=0.0).to(tl.float32)
-    b_j = tl.load(beta + src * HV + i_h, mask=m, other=0.0).to(tl.float32)
-    gc_j = tl.load(gc + (row.to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.0)
-    return q_j, k_j, b_j * k_j, gc_j
-
-
-@triton.jit
-def _diag_bwd(q, k, beta, gc, dAqk, dAkk, row_src, rb, row_end, shift, i_h, i_hk, col0, o_k, b_gc, HK: tl.constexpr,
-              HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, GATHER: tl.constexpr):
-    """(Xq, Xk, Zq, Zk) [16, BK] of a diagonal block (rows from packed row rb; its dAqk, dAkk block at column col0,
-    lower / strictly lower, zeros above) over these BK columns, one row j at a time:
-    X_i += dm_ij k_j E_ij (dm = dAqk, dAkk; column j of the block),  Zq_i += dAqk_ji q_j E_ji,
-    Zk_i += dAkk_ji beta_j k_j E_ji (row j of the block). Every term is a [16, BK] product, no reduction: one
-    factor exp(-|gc_i - gc_j|) serves both, since it equals E_ij where i >= j and E_ji where i <= j, and dm is
-    zero where the other case holds."""
-    o_i = tl.arange(0, 16)
-    rows = rb + o_i
-    m_rows = rows < row_end
-    p_col = (rows.to(tl.int64) * HV + i_h) * BT + col0
-    xq = tl.zeros_like(b_gc)
-    xk = tl.zeros_like(b_gc)
-    zq = tl.zeros_like(b_gc)
-    zk = tl.zeros_like(b_gc)
-    for j in range(16):
-        row_j = rb + j
-        q_j, k_j, kb_j, gc_j = _diag_row_j(q, k, beta, gc, row_src, row_j, row_end, shift, i_h, i_hk, o_k, HK, HV, K,
-                                           GATHER)
-        m_j = (o_i * 0 + row_j) < row_end
-        p_row = (row_j.to(tl.int64) * HV + i_h) * BT + col0 + o_i
-        e = tl.exp(-tl.abs(b_gc - gc_j[None, :]))
-        dq_col = tl.load(dAqk + p_col + j, mask=m_rows, other=0.0)[:, None]
-        dk_col = tl.load(dAkk + p_col + j, mask=m_rows, other=0.0)[:, None]
-        dq_row = tl.load(dAqk + p_row, mask=m_j, other=0.0)[:, None]
-        dk_row = tl.load(dAkk + p_row, mask=m_j, other=0.0)[:, None]
-        xq += dq_col * (k_j[None, :] * e)
-        xk += dk_col * (k_j[None, :] * e)
-        zq += dq_row * (q_j[None, :] * e)
-        zk += dk_row * (kb_j[None, :] * e)
-    return xq, xk, zq, zk
 
 
 @triton.jit

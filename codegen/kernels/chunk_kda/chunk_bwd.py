@@ -20,6 +20,8 @@ import triton.language as tl
 
 from ..chunk_gdn.gates import _chunk_shift, _exp_gate_gap
 from ..chunk_gdn.index import chunk_shift_table, row_tables
+from ..interpreter_safe import interpreting
+from .diag_bwd import _diag_bwd_kernel
 from .intra_bwd import _intra_bwd_kernel
 from .programs import _chunk_program
 
@@ -193,6 +195,10 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, config,
         _wy_bwd_kernel[grid](k, v, beta, gc, T, dw, dvn, dk_p, dgc_p, dbeta_p, dAkk, out[1], side[1], *tables, HK=hk,
                              HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=gather,
                              num_warps=config.wy_bwd_warps)
+        heads = config.diag_bwd_heads
+        _diag_bwd_kernel[(index.num_chunks * BT, triton.cdiv(hv, heads))](
+            q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, *tables[:3], HK=hk, HV=hv, K=kd, BT=BT, BH=heads,
+            GATHER=gather, INTERPRET=interpreting(), num_warps=config.diag_bwd_warps)
         _intra_bwd_kernel[grid](q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, dq, out[0], out[3], out[2],
                                 side[0], side[3], side[2], *tables, HK=hk, HV=hv, K=kd, BT=BT,
                                 BK=min(config.intra_block_k, kd), GATHER=gather, num_warps=config.intra_bwd_warps)

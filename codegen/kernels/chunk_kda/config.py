@@ -36,14 +36,17 @@ class KDAKernelConfig:
     bwd_block_v: int = 64
     # WY backward: 4 warps, walking K and V in 64-column blocks (GDN's wy_bwd_warps)
     wy_bwd_warps: int = 4
-    # backward intra (sub-chunk blocks of dAqk and dAkk)
+    # backward intra, off-diagonal sub-chunk blocks of dAqk and dAkk
     intra_bwd_warps: int = 4
+    # backward diagonal blocks, one program per row: heads per program and warps, as the forward's diag_*
+    diag_bwd_heads: int = 4
+    diag_bwd_warps: int = 4
 
     def __post_init__(self):
         for field in ("intra_block_k", "out_block_v", "bwd_block_v"):
             if not _power_of_two(getattr(self, field), 16):
                 raise ValueError(f"KDAKernelConfig.{field} must be a power of two >= 16, got {getattr(self, field)}")
         for field in ("diag_heads", "diag_warps", "intra_fwd_warps", "wu_warps", "out_warps", "bwd_prep_warps",
-                      "bwd_inter_warps", "wy_bwd_warps", "intra_bwd_warps"):
+                      "bwd_inter_warps", "wy_bwd_warps", "intra_bwd_warps", "diag_bwd_heads", "diag_bwd_warps"):
             if not _power_of_two(getattr(self, field), 1):
                 raise ValueError(f"KDAKernelConfig.{field} must be a power of two, got {getattr(self, field)}")

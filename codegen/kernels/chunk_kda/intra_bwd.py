@@ -7,8 +7,9 @@ before beta), per 16-row block, K columns a step:
   dq += Xq,  dk += Zq + beta Xk + Zk,  dbeta += sum_d k Xk,  dgc += q Xq - k Zq + beta k Xk - k Zk
   dg = reverse cumsum of dgc inside the chunk.
 X terms of a block I split the decay at the last row of block I - 1, Z terms of a block J at J's last row
-(blocks.py), so every factor is at most 1. The kernel writes the final dq, dk, dg, dbeta: kept rows at their
-compact tokens, replayed rows into the side buffers.
+(blocks.py), so every factor is at most 1. The diagonal blocks' terms were added to the partials by
+diag_bwd.py's row-parallel kernel before this one runs; this kernel adds the off-diagonal blocks' and writes
+the final dq, dk, dg, dbeta: kept rows at their compact tokens, replayed rows into the side buffers.
 """
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ import triton
 import triton.language as tl
 
 from ..chunk_gdn.gates import _chunk_shift, _kept_rows
-from .blocks import (_block_betas, _block_tiles, _chunk_blocks, _diag_bwd, _load_block,
-                     _off_cols, _off_rows)
+from .blocks import _block_betas, _block_tiles, _chunk_blocks, _load_block, _off_cols, _off_rows
 
 
 @triton.jit
@@ -104,15 +104,11 @@ def _intra_bwd_chunk(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, dq,
         kb1 = k1 * b1[:, None]
         kb2 = k2 * b2[:, None]
         kb3 = k3 * b3[:, None]
-        # diagonal blocks, elementwise
-        xq0, xk0, zq0, zk0 = _diag_bwd(q, k, beta, gc, dAqk, dAkk, row_src, row0, row_end, shift, i_h, i_hk,
-                                       0, o_k, g0, HK, HV, K, BT, GATHER)
-        xq1, xk1, zq1, zk1 = _diag_bwd(q, k, beta, gc, dAqk, dAkk, row_src, row0 + 16, row_end, shift, i_h, i_hk,
-                                       16, o_k, g1, HK, HV, K, BT, GATHER)
-        xq2, xk2, zq2, zk2 = _diag_bwd(q, k, beta, gc, dAqk, dAkk, row_src, row0 + 32, row_end, shift, i_h, i_hk,
-                                       32, o_k, g2, HK, HV, K, BT, GATHER)
-        xq3, xk3, zq3, zk3 = _diag_bwd(q, k, beta, gc, dAqk, dAkk, row_src, row0 + 48, row_end, shift, i_h, i_hk,
-                                       48, o_k, g3, HK, HV, K, BT, GATHER)
+        # the diagonal blocks' terms are in the partials already (diag_bwd.py)
+        xq0, xk0, zq0, zk0 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
+        xq1, xk1, zq1, zk1 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
+        xq2, xk2, zq2, zk2 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
+        xq3, xk3, zq3, zk3 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
         # off-diagonal blocks (I, J), I > J: X of I split at the last row of block I - 1, Z of J at J's last row
         # split points: gc of each block's last row (a padding row loads 0: every later row is padding then)
         p_l = gc + i_h * K + o_k
