@@ -2,8 +2,10 @@
 
 For row i of a diagonal block (rows b..b+15 of a chunk) and every head of the program, over all K channels
 (notation of intra_bwd.py, E_ij[d] = exp(gc_i[d] - gc_j[d]) for j <= i):
-  as the query / left row:  Xq_i = sum_{b <= j <= i} dAqk_ij k_j E_ij,     Xk_i = sum_{b <= j < i} dAkk_ij k_j E_ij
-  as the key / right row:   Zq_i = sum_{i <= r < b+16} dAqk_ri q_r E_ri,   Zk_i = sum_{i < r < b+16} dAkk_ri beta_r k_r E_ri
+  as the query / left row:  Xq_i = sum_{b <= j <= i} dAqk_ij k_j E_ij,
+                            Xk_i = sum_{b <= j < i} dAkk_ij k_j E_ij
+  as the key / right row:   Zq_i = sum_{i <= r < b+16} dAqk_ri q_r E_ri,
+                            Zk_i = sum_{i < r < b+16} dAkk_ri beta_r k_r E_ri
 and it folds them into row i's partial gradients in place (each row has one program, so no atomics):
   dq_p += Xq,  dk_p += Zq + beta_i Xk + Zk,  dgc_p += q_i Xq - k_i Zq + beta_i k_i Xk - k_i Zk,
   dbeta_p += sum_d k_i Xk.
