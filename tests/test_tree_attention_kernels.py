@@ -71,9 +71,10 @@ def test_block_shapes(block_m, block_n, block_ms):
 
 @pytest.mark.parametrize("block_m, heads", [(16, 2), (16, 4), (32, 2)])
 def test_forward_with_query_heads_packed(block_m, heads):
-    # one forward program per `heads` query heads of a KV head: block_m tokens of each in its score rows
+    # one forward / dq program per `heads` query heads of a KV head: its tokens of each in the score rows
     layout = random_forest(np.random.default_rng(3), n_trees=3, wide_prob=0.7)
-    config = dataclasses.replace(small_config(16, 16, 16), fwd=_launch(block_m, 16, 4, 1, heads=heads))
+    config = dataclasses.replace(small_config(16, 16, 16), fwd=_launch(block_m, 16, 4, 1, heads=heads),
+                                 dq=_launch(block_m, 16, 4, 1, block_ms=16, heads=heads))
     check_against_reference(layout.subtree_end_tensor(), (8, 2), 16, config, index_blocks=(16, 16))
 
 

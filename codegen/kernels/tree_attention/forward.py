@@ -183,6 +183,14 @@ def tree_attn_fwd_kernel(q, k, v, o, lse, subtree_end, q_ptr, q_cols, q_full, q_
     tl.store(lse + heads.to(tl.int64) * TQ + offs_m, m_i + tl.log2(l_safe), mask=m_valid)
 
 
+def packed_heads(q: torch.Tensor, k: torch.Tensor, launch: dict) -> int:
+    """Query heads per program of `launch` (its optional "heads", default 1); they must divide the GQA group."""
+    pack, group = launch.get("heads", 1), q.shape[1] // k.shape[1]
+    if pack < 1 or group % pack:
+        raise ValueError(f"launch heads={pack} does not divide the {group} query heads per KV head")
+    return pack
+
+
 def head_dims(q: torch.Tensor, v: torch.Tensor) -> dict:
     """The head-dim constexprs of the kernels: D (q/k), its tiles D1 + D2, DV (v/o)."""
     first, rest = split_head_dim(q.shape[2])
@@ -197,9 +205,7 @@ def tree_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     and optionally heads (query heads of one KV head per program, default 1: block_m * heads score rows)."""
     n_queries, n_q_heads, _ = q.shape
     n_keys = k.shape[0]
-    pack = launch.get("heads", 1)
-    if (n_q_heads // k.shape[1]) % pack:
-        raise ValueError(f"launch heads={pack} does not divide the {n_q_heads // k.shape[1]} query heads per KV head")
+    pack = packed_heads(q, k, launch)
     index = index.with_blocks(launch["block_m"], launch["block_n"])
     o = q.new_empty(n_queries, n_q_heads, v.shape[2])
     lse = torch.empty(n_q_heads, n_queries, dtype=torch.float32, device=q.device)
