@@ -7,6 +7,8 @@ Import from a script in bench/ as `from anchors import ...`.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -15,7 +17,10 @@ def import_fla(rule: str = "gdn"):
     None when fla is not importable.
 
     fla refuses its gated dqkwg kernel (GDN) on Triton < 3.7.1 + Hopper because Triton miscompiles it at
-    BK = 64; at K = V = 128 it runs with BK = 128, which is compiled correctly, so that guard is lifted."""
+    BK = 64; at K = V = 128 it runs with BK = 128, which is compiled correctly, so that guard is lifted.
+    fla 0.6.0 hands chunk_gated_delta_rule to FlashQLA whenever FlashQLA is importable; FLA_FLASH_QLA=0 (set here
+    unless the caller set it) keeps "fla" meaning fla's own kernels, FlashQLA being an anchor of its own."""
+    os.environ.setdefault("FLA_FLASH_QLA", "0")
     try:
         if rule == "kda":
             from fla.ops.kda import chunk_kda as chunk
@@ -31,8 +36,7 @@ def import_fla(rule: str = "gdn"):
 
 def import_flashqla():
     """FlashQLA's Gated DeltaNet chunk function (PyPI flash-qla, TileLang kernels; fla's call signature), or None
-    when it is not importable. fla 0.6.0 dispatches its own chunk_gated_delta_rule to FlashQLA when FlashQLA is
-    importable unless FLA_FLASH_QLA=0: the benchmarks that time both set that, so "fla" means fla's kernels."""
+    when it is not importable."""
     try:
         from flash_qla import chunk_gated_delta_rule
     except Exception as exc:  # noqa: BLE001 - FlashQLA is an optional anchor

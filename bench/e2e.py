@@ -41,8 +41,8 @@ work follows its forward op through the autograd sequence numbers; plus planner 
 Baseline: the fastest of the runtime's trajectory mode (our kernels) and the same trajectory-wise step
 with an external kernel of the model's rule in every linear-attention layer: fla's
 chunk_gated_delta_rule / chunk_kda ("traj fla ms") and, for GDN, FlashQLA's chunk_gated_delta_rule
-("traj fq ms"), each when importable on CUDA (`--no-fla` skips both; FLA_FLASH_QLA=0 is set so that
-fla's column is fla's own kernels); "speedup" divides that baseline by tree mode, and the JSON names the
+("traj fq ms"), each when importable on CUDA (`--no-fla` skips both; fla's column is fla's own kernels,
+not its dispatch to FlashQLA); "speedup" divides that baseline by tree mode, and the JSON names the
 baseline. On CUDA (GDN models), the GDN kernel of the
 largest trajectory microbatch is also timed alone against fla's, and SDPA's flash attention per
 trajectory against our attention kernel.
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 import time
 import traceback
@@ -61,8 +60,6 @@ from pathlib import Path
 import torch
 
 from harts_compiler.progress import progress
-
-os.environ.setdefault("FLA_FLASH_QLA", "0")  # fla's column times fla's kernels, not its dispatch to FlashQLA
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402

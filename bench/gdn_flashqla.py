@@ -20,13 +20,10 @@ shape: about 4 minutes for the first case, a minute or two for each later one, s
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("FLA_FLASH_QLA", "0")  # time fla's own kernels, not its dispatch to FlashQLA
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import fla_single_call, import_flashqla, single_call  # noqa: E402

@@ -13,8 +13,9 @@ importable) only our columns are printed. A fresh machine compiles our kernels (
 first numbers: give the call ~5 minutes.
 
 --sweep also runs ours under each launch-config change of SWEEP (same inputs, after the default): fwd+bwd ms,
-the device ms of the kernels the change touches, and the worst error ratio to the default's (a change must not
-cost accuracy). Each change compiles the kernels it touches again: ~30 s each on a fresh machine.
+the device ms of the kernels whose time moved by more than 2% against the default's, and the worst error
+ratio to the default's (a change must not cost accuracy). Each change compiles the kernels it touches again:
+~30 s each on a fresh machine. Device times per kernel need CUDA.
 """
 from __future__ import annotations
 
@@ -35,19 +36,11 @@ from harts_compiler.codegen.kernels.upload import to_device
 CASES = {"8x8192": [8192] * 8, "1x32768": [32768], "64x1024": [1024] * 64}
 TINY = {"8x8192": [80] * 2, "1x32768": [130], "64x1024": [64] * 3}  # --tiny: the same shapes of case, CPU-sized
 NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-# KDAKernelConfig changes timed with --sweep, each with the kernels it launches differently
-SWEEP = [
-    (dict(intra_bwd_warps=2), ["_intra_bwd_kernel"]),
-    (dict(intra_bwd_warps=8), ["_intra_bwd_kernel"]),
-    (dict(intra_block_k=16), ["_intra_bwd_kernel", "_intra_fwd_kernel"]),
-    (dict(intra_block_k=16, intra_bwd_warps=2, intra_fwd_warps=2), ["_intra_bwd_kernel", "_intra_fwd_kernel"]),
-    (dict(intra_fwd_warps=2), ["_intra_fwd_kernel"]),
-    (dict(intra_fwd_warps=8), ["_intra_fwd_kernel"]),
-    (dict(diag_warps=2, diag_heads=2), ["_diag_fwd_kernel"]),
-    (dict(diag_warps=8, diag_heads=8), ["_diag_fwd_kernel"]),
-    (dict(wy_bwd_warps=8), ["_wy_bwd_kernel"]),
-    (dict(bwd_inter_warps=4), ["_bwd_inter_kernel"]),
-]
+# KDAKernelConfig changes timed with --sweep
+SWEEP = [dict(intra_bwd_warps=2), dict(intra_bwd_warps=8), dict(intra_block_k=16),
+         dict(intra_block_k=16, intra_bwd_warps=2, intra_fwd_warps=2), dict(intra_fwd_warps=2),
+         dict(intra_fwd_warps=8), dict(diag_warps=2, diag_heads=2), dict(diag_warps=8, diag_heads=8),
+         dict(wy_bwd_warps=8), dict(bwd_inter_warps=4)]
 
 
 def make_inputs(lengths, heads, device, dim=128, seed=0):
@@ -82,8 +75,9 @@ def ours_call(plan, scale, config):
 
 
 def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False, sweep=()):
-    """({label: fwd+bwd ms}, {label: errors}, {label: {kernel: device ms}}) of ours, fla (when given) and ours
-    under each config change of `sweep` (labels "ours <change>"; kernels profiled only for these)."""
+    """({label: fwd+bwd ms}, {label: errors}, {label: {kernel: (device ms, launches)}}) of ours, fla (when given) and ours
+    under each config change of `sweep` (label: the change as text). Device ms per kernel (CUDA only) for every
+    label with `profile`, else for ours and the sweep's."""
     tensors, cu = make_inputs(lengths, heads, device, dim)
     scale = tensors[0].shape[-1] ** -0.5
     plan = to_device(plan_single_call(lengths), device)  # planned once, outside the timed step
@@ -91,8 +85,10 @@ def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False, swe
     if fla is not None:
         calls["fla"] = lambda q, k, v, g, beta, h0: fla(q, k, v, g, beta, scale=scale, initial_state=h0,
                                                         cu_seqlens=cu, use_qk_l2norm=True)[0]
-    for change, _ in sweep:
-        calls[f"ours {change}"] = ours_call(plan, scale, dataclasses.replace(KDAKernelConfig(), **change))
+    for change in sweep:
+        calls[str(change)] = ours_call(plan, scale, dataclasses.replace(KDAKernelConfig(), **change))
+    profiled = set(calls) if profile else {"ours", *map(str, sweep)} if sweep else set()
+    profiled = profiled if device.type == "cuda" else set()
     do = torch.randn(tensors[2].shape, device=device, generator=torch.Generator(device).manual_seed(1)).bfloat16()
 
     # errors on the first heads, against the fp32 reference on those heads alone
@@ -116,26 +112,27 @@ def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False, swe
         leaves = [t.detach().requires_grad_(True) for t in tensors]
         step = lambda: torch.autograd.grad(call(*leaves), leaves, do)  # noqa: E731
         timings[label] = kernel_ms(step, device)
-        swept = label.startswith("ours {")
-        if (profile or swept) and device.type == "cuda":  # the profiler's device times need CUDA
-            kernels, _ = device_ms_by_kernel(step)
-            kernel_times[label] = {name: ms for name, (ms, _) in kernels.items()}
-            if not swept:
-                for name, (ms, launches) in sorted(kernels.items(), key=lambda item: -item[1][0]):
-                    print(f"  {label:5s} {ms:8.3f} ms {launches:4d}x  {name}")
+        if label in profiled:
+            kernel_times[label] = device_ms_by_kernel(step)[0]
     return timings, errors, kernel_times
 
 
+def print_profile(label, kernels):
+    for name, (ms, launches) in sorted(kernels.items(), key=lambda item: -item[1][0]):
+        print(f"  {label:5s} {ms:8.3f} ms {launches:4d}x  {name}")
+
+
 def print_sweep(sweep, timings, errors, kernel_times):
-    """One line per change: fwd+bwd ms against the default's, its kernels' ms (default's), worst error ratio."""
+    """One line per change: fwd+bwd ms, the kernels whose device ms moved > 2% (default's in brackets), and the
+    worst error ratio to the default's."""
     print(f"sweep (ours, default {timings['ours']:.3f} ms):")
-    default_kernels = kernel_times.get("ours", {})
-    for change, kernels in sweep:
-        label = f"ours {change}"
-        cells = [f"{name} {kernel_times.get(label, {}).get(name, 0.0):.3f}"
-                 + (f" ({default_kernels[name]:.3f})" if name in default_kernels else "") for name in kernels]
+    default = kernel_times.get("ours", {})
+    for change in sweep:
+        label = str(change)
+        moved = [f"{name} {ms:.3f} ({default[name][0]:.3f})" for name, (ms, _) in kernel_times.get(label, {}).items()
+                 if name in default and abs(ms - default[name][0]) > 0.02 * default[name][0]]
         worst = max(e / max(d, 1e-30) for e, d in zip(errors[label], errors["ours"]))
-        print(f"  {str(change):70s} {timings[label]:8.3f} ms  " + "  ".join(cells) + f"  errors x{worst:.3f}")
+        print(f"  {label:70s} {timings[label]:8.3f} ms  errors x{worst:.3f}  " + "  ".join(moved))
 
 
 def main():
@@ -161,7 +158,10 @@ def main():
     for name in args.cases:
         sweep = SWEEP if args.sweep else ()
         timings, errors, kernel_times = run_case(cases[name], args.heads, dim, fla, args.heads_checked, device,
-                                                 profile=args.profile or args.sweep, sweep=sweep)
+                                                 profile=args.profile, sweep=sweep)
+        for label in ("ours", "fla"):
+            if args.profile and label in kernel_times:
+                print_profile(label, kernel_times[label])
         fla_ms = timings.get("fla")
         ratio = f"{timings['ours'] / fla_ms:9.3f}" if fla_ms else f"{'-':>9s}"
         cells = [f"{e:.2e}" + (f" ({f:.2e})" if "fla" in errors else "")
