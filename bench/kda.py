@@ -75,9 +75,9 @@ def ours_call(plan, scale, config):
 
 
 def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False, sweep=()):
-    """({label: fwd+bwd ms}, {label: errors}, {label: {kernel: (device ms, launches)}}) of ours, fla (when given) and ours
-    under each config change of `sweep` (label: the change as text). Device ms per kernel (CUDA only) for every
-    label with `profile`, else for ours and the sweep's."""
+    """({label: fwd+bwd ms}, {label: errors}, {label: {kernel: (device ms, launches)}}) of ours, fla (when
+    given) and ours under each config change of `sweep` (label: the change as text). Device ms per kernel (CUDA
+    only) for every label with `profile`, else for ours and the sweep's."""
     tensors, cu = make_inputs(lengths, heads, device, dim)
     scale = tensors[0].shape[-1] ** -0.5
     plan = to_device(plan_single_call(lengths), device)  # planned once, outside the timed step

@@ -11,10 +11,10 @@ Three kernels. The first fills the diagonal 16x16 blocks of Akk (before beta) an
 group of heads: row i walks j = i, i - 1, ... down to its block's first row, carrying the exponent
 gc_i - gc_j = g_i + ... + g_(j+1) as a running sum of gates (<= 0 exactly, so no factor exceeds 1 and no clamp is
 needed), each entry one [heads, K] product summed over K. Inside a (chunk, head) program this serial walk
-would be most of the kernel's time; spread over rows it is one short loop per program. The second builds the off-diagonal blocks by
-dots split at a reference row (blocks.py), reads the diagonal ones back, inverts Akk in registers with GDN's
-16x16 forward substitution and block merge, and stores gc, T, Aqk (as GDN's wy_fwd); the third computes w, u and
-kg from T.
+would be most of the kernel's time; spread over rows it is one short loop per program. The second builds the
+off-diagonal blocks by dots split at a reference row (blocks.py), reads the diagonal ones back, inverts Akk in
+registers with GDN's 16x16 forward substitution and block merge, and stores gc, T, Aqk (as GDN's wy_fwd); the
+third computes w, u and kg from T.
 """
 from __future__ import annotations
 
