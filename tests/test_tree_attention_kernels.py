@@ -3,12 +3,14 @@
 On CPU these run under TRITON_INTERPRET=1 (set by conftest.py) at tiny sizes; they prove the
 indexing, masking and online-softmax logic, not the GPU compilation (see test_tree_attention_gpu.py).
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from harts_compiler.codegen.kernels.tree_attention.block_index import build_block_index
-from harts_compiler.codegen.kernels.tree_attention.configs import uniform_config
+from harts_compiler.codegen.kernels.tree_attention.configs import _launch, uniform_config
 from harts_compiler.codegen.kernels.tree_attention.function import tree_attention, uses_triton
 from harts_compiler.codegen.kernels.tree_attention.reference import tree_attention_reference
 from tree_layouts import anchor_tree, layout_from_parents, random_forest
@@ -65,6 +67,22 @@ def test_block_shapes(block_m, block_n, block_ms):
     # the index is built at 16 x 16; the kernels derive their own tiles' lists from it
     check_against_reference(layout.subtree_end_tensor(), (2, 1), 32,
                             small_config(block_m, block_n, block_ms), index_blocks=(16, 16))
+
+
+@pytest.mark.parametrize("block_m, heads", [(16, 2), (16, 4), (32, 2)])
+def test_forward_with_query_heads_packed(block_m, heads):
+    # one forward / dq program per `heads` query heads of a KV head: its tokens of each in the score rows
+    layout = random_forest(np.random.default_rng(3), n_trees=3, wide_prob=0.7)
+    config = dataclasses.replace(small_config(16, 16, 16), fwd=_launch(block_m, 16, 4, 1, heads=heads),
+                                 dq=_launch(block_m, 16, 4, 1, block_ms=16, heads=heads))
+    check_against_reference(layout.subtree_end_tensor(), (8, 2), 16, config, index_blocks=(16, 16))
+
+
+def test_packed_heads_must_divide_the_group():
+    layout = random_forest(np.random.default_rng(3), n_trees=1, wide_prob=0.7)
+    config = dataclasses.replace(small_config(16, 16, 16), fwd=_launch(16, 16, 4, 1, heads=3))
+    with pytest.raises(ValueError, match="heads=3"):
+        check_against_reference(layout.subtree_end_tensor(), (8, 2), 16, config, index_blocks=(16, 16))
 
 
 def test_wide_tree_of_single_token_children():

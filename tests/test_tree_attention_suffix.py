@@ -4,6 +4,8 @@ The suffix case must equal the all-token case restricted to its last Tq query ro
 dq rows, and dk / dv of every key (context keys included) with the output gradient of the first
 Tk - Tq rows set to zero. Kernels run under TRITON_INTERPRET=1 on CPU (conftest.py) at tiny sizes.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 from harts_compiler.codegen.kernels.tree_attention import (
     build_block_index, config_for, query_windows, supports_head_dims, tree_attention, tree_attention_reference,
     tree_attention_reference_chunked)
-from harts_compiler.codegen.kernels.tree_attention.configs import uniform_config
+from harts_compiler.codegen.kernels.tree_attention.configs import _launch, uniform_config
 from harts_compiler.codegen.kernels.tree_attention.function import uses_triton
 from tree_layouts import anchor_tree, layout_from_parents, random_forest
 
@@ -147,6 +149,14 @@ def test_kernel_suffix_on_random_forests_with_mixed_tiles(seed):
     # index built at 16 x 16, the kernels derive their tiles' lists with the same suffix
     check_kernel(layout, num_queries, heads=(2, 1), config=small_config(32, 16, 16), seed=seed,
                  index_blocks=(16, 16))
+
+
+@pytest.mark.parametrize("num_queries", [59, 5])  # ragged offset, < one block
+def test_kernel_suffix_with_query_heads_packed(num_queries):
+    # forward and dq programs holding 2 query heads of a KV head each (launch "heads")
+    config = dataclasses.replace(small_config(), fwd=_launch(16, 16, 4, 1, heads=2),
+                                 dq=_launch(16, 16, 4, 1, block_ms=16, heads=2))
+    check_kernel(anchor_tree(33, 3, 21), num_queries, heads=(4, 2), config=config, seed=6)
 
 
 def test_kernel_suffix_of_branches_after_a_context_root():

@@ -17,10 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def _launch(block_m, block_n, num_warps, num_stages, block_ms=None) -> dict:
+def _launch(block_m, block_n, num_warps, num_stages, block_ms=None, heads=None) -> dict:
+    """block_m query tokens x block_n keys (dq: block_ms tokens a program); `heads` (forward, dq): query
+    heads of one KV head per program, their tokens stacked into the score rows."""
     out = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     if block_ms is not None:
         out["block_ms"] = block_ms
+    if heads is not None:
+        out["heads"] = heads
     return out
 
 
@@ -88,8 +92,11 @@ CANDIDATES_MLA = {  # the same for q/k 192, v 128
              _launch(128, 64, 8, 2, block_ms=64)],
 }
 CANDIDATES_256 = {
-    "fwd": [_launch(128, 64, 8, 2), _launch(128, 128, 8, 1), _launch(128, 32, 8, 3)],
-    "dq": [_launch(128, 64, 8, 1, block_ms=128), _launch(128, 32, 8, 2, block_ms=128)],
+    # 64 tokens of 2 heads (or 16 of 8): the same 128-row score tiles, each key block loaded once for 2 (8) heads
+    "fwd": [_launch(128, 64, 8, 2), _launch(128, 128, 8, 1), _launch(128, 32, 8, 3), _launch(64, 64, 8, 2, heads=2),
+            _launch(16, 64, 8, 2, heads=8)],
+    "dq": [_launch(128, 64, 8, 1, block_ms=128), _launch(128, 32, 8, 2, block_ms=128),
+           _launch(64, 64, 8, 1, block_ms=64, heads=2)],
     "dkdv": [_launch(128, 64, 8, 1, block_ms=128), _launch(128, 64, 8, 2, block_ms=64),
              _launch(64, 64, 8, 2, block_ms=64)],
 }

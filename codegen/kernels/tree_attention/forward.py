@@ -139,19 +139,27 @@ def tree_attn_fwd_kernel(q, k, v, o, lse, subtree_end, q_ptr, q_cols, q_full, q_
                          scale_log2, TQ, TK, q_offset,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr,
                          D2: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         HAS_OFFSET: tl.constexpr, INTERPRET: tl.constexpr):
+                         PACK: tl.constexpr, HAS_OFFSET: tl.constexpr, INTERPRET: tl.constexpr):
+    # PACK query heads of one KV head share a program: its BM score rows are BM // PACK query tokens of each
+    # of them (head-major), so every loaded key block serves PACK heads (the mask is the same for all heads)
     pid = tl.program_id(0)
-    i_h = pid % HQ
-    i_m = tl.load(q_order + pid // HQ)
-    i_kvh = i_h // (HQ // HKV)
-    offs_m = i_m * BM + tl.arange(0, BM)  # local query rows
+    i_hp = pid % (HQ // PACK)
+    i_m = tl.load(q_order + pid // (HQ // PACK))
+    i_kvh = (i_hp * PACK) // (HQ // HKV)
+    offs_r = tl.arange(0, BM)
+    if PACK == 1:
+        offs_m = i_m * BM + offs_r  # local query rows
+        heads = i_hp
+    else:
+        offs_m = i_m * (BM // PACK) + offs_r % (BM // PACK)  # BM // PACK query tokens per program
+        heads = i_hp * PACK + offs_r // (BM // PACK)
     rows_g = offs_m  # global rows, for the mask
     if HAS_OFFSET:
         rows_g = offs_m + q_offset
     offs_dv = tl.arange(0, DV)
     m_valid = offs_m < TQ
     # [BM, D1] (+ [BM, D2])
-    b_q, b_q2 = query_rows(q, offs_m.to(tl.int64) * (HQ * D) + i_h * D, m_valid, D1, D2, True)
+    b_q, b_q2 = query_rows(q, offs_m.to(tl.int64) * (HQ * D) + heads * D, m_valid, D1, D2, True)
     acc = tl.zeros([BM, DV], dtype=tl.float32)
     # finite "minus infinity" for the running max: a row whose first visited block masks all of
     # its keys must give exp2(-inf - m) = 0, not exp2(-inf - (-inf)) = nan
@@ -169,10 +177,18 @@ def tree_attn_fwd_kernel(q, k, v, o, lse, subtree_end, q_ptr, q_cols, q_full, q_
     # rows past TQ saw nothing (l_i = 0); keep them finite, they are not stored
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     b_o = acc / l_safe[:, None]
-    rows_o = offs_m.to(tl.int64) * (HQ * DV) + i_h * DV
+    rows_o = offs_m.to(tl.int64) * (HQ * DV) + heads * DV
     tl.store(o + rows_o[:, None] + offs_dv[None, :], b_o.to(o.dtype.element_ty),
              mask=m_valid[:, None])
-    tl.store(lse + i_h.to(tl.int64) * TQ + offs_m, m_i + tl.log2(l_safe), mask=m_valid)
+    tl.store(lse + heads.to(tl.int64) * TQ + offs_m, m_i + tl.log2(l_safe), mask=m_valid)
+
+
+def packed_heads(q: torch.Tensor, k: torch.Tensor, launch: dict) -> int:
+    """Query heads per program of `launch` (its optional "heads", default 1); they must divide the GQA group."""
+    pack, group = launch.get("heads", 1), q.shape[1] // k.shape[1]
+    if pack < 1 or group % pack:
+        raise ValueError(f"launch heads={pack} does not divide the {group} query heads per KV head")
+    return pack
 
 
 def head_dims(q: torch.Tensor, v: torch.Tensor) -> dict:
@@ -185,18 +201,20 @@ def tree_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            subtree_end: torch.Tensor, index: BlockIndex, scale: float,
                            launch: dict):
     """Returns o [Tq, HQ, Dv] (dtype of q) and lse [HQ, Tq] fp32 (base 2, scaled scores); q [Tq]
-    are the last Tq of the Tk = len(k) tokens. ``launch``: block_m, block_n, num_warps, num_stages."""
+    are the last Tq of the Tk = len(k) tokens. ``launch``: block_m (query tokens), block_n, num_warps, num_stages
+    and optionally heads (query heads of one KV head per program, default 1: block_m * heads score rows)."""
     n_queries, n_q_heads, _ = q.shape
     n_keys = k.shape[0]
+    pack = packed_heads(q, k, launch)
     index = index.with_blocks(launch["block_m"], launch["block_n"])
     o = q.new_empty(n_queries, n_q_heads, v.shape[2])
     lse = torch.empty(n_q_heads, n_queries, dtype=torch.float32, device=q.device)
-    grid = (index.num_query_blocks * n_q_heads,)
+    grid = (index.num_query_blocks * (n_q_heads // pack),)
     if grid[0]:
         tree_attn_fwd_kernel[grid](
             q, k, v, o, lse, subtree_end, index.q_ptr, index.q_cols, index.q_full, index.q_order,
             scale * LOG2E, n_queries, n_keys, n_keys - n_queries, HQ=n_q_heads, HKV=k.shape[1],
-            **head_dims(q, v), BM=index.block_m, BN=index.block_n,
+            **head_dims(q, v), BM=index.block_m * pack, BN=index.block_n, PACK=pack,
             HAS_OFFSET=n_keys != n_queries, INTERPRET=interpreting(),
             num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     return o, lse
