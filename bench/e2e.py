@@ -104,6 +104,10 @@ def parse_args(argv):
     return args
 
 
+def gib_text(gib: float | None) -> str:
+    return "-" if gib is None else f"{gib:.1f}"  # None: no CUDA memory statistics (CPU)
+
+
 def time_mode(model, indices, trajectory_tokens, args, linear_kernel=None):
     """Median step ms; peak memory = weights + the step's peak above what was resident before it
     (so another mode's saved gradients do not count); a copy of the gradients."""
@@ -260,10 +264,10 @@ def run_preset(preset, model, args) -> dict:
           f"{len(tree_indices)} tree / {len(traj_indices)} trajectory microbatches; planner "
           f"{compile_ms:.0f} ms + index {index_ms:.0f} ms", flush=True)
     tree, tree_step, tree_grads = time_mode(model, tree_indices, row["trajectory_tokens"], args)
-    print(f"  tree: {tree['ms']:.1f} ms/step, peak {tree['peak_gib']} GiB (lowering {tree['lower_ms']:.0f} ms, "
+    print(f"  tree: {tree['ms']:.1f} ms/step, peak {gib_text(tree['peak_gib'])} GiB (lowering {tree['lower_ms']:.0f} ms, "
           "before the timed steps)", flush=True)
     traj, _, traj_grads = time_mode(model, traj_indices, row["trajectory_tokens"], args)
-    print(f"  trajectory-wise: {traj['ms']:.1f} ms/step, peak {traj['peak_gib']} GiB (lowering "
+    print(f"  trajectory-wise: {traj['ms']:.1f} ms/step, peak {gib_text(traj['peak_gib'])} GiB (lowering "
           f"{traj['lower_ms']:.0f} ms)", flush=True)
     row.update(tree_ms=tree["ms"], traj_ms=traj["ms"], tree_all_ms=tree["all_ms"], traj_all_ms=traj["all_ms"],
                tree_lower_ms=tree["lower_ms"], traj_lower_ms=traj["lower_ms"],

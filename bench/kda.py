@@ -38,9 +38,9 @@ TINY = {"8x8192": [80] * 2, "1x32768": [130], "64x1024": [64] * 3}  # --tiny: th
 NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 # KDAKernelConfig changes timed with --sweep
 SWEEP = [dict(diag_bwd_heads=2, diag_bwd_warps=2), dict(diag_bwd_heads=8, diag_bwd_warps=8),
-         dict(diag_bwd_heads=8, diag_bwd_warps=4), dict(intra_bwd_warps=2), dict(intra_bwd_warps=8),
+         dict(diag_bwd_heads=8, diag_bwd_warps=4), dict(intra_bwd_warps=4), dict(intra_bwd_warps=8),
          dict(intra_block_k=16),
-         dict(intra_block_k=16, intra_bwd_warps=2, intra_fwd_warps=2), dict(intra_fwd_warps=2),
+         dict(intra_block_k=16, intra_fwd_warps=2), dict(intra_fwd_warps=2),
          dict(intra_fwd_warps=8), dict(diag_warps=2, diag_heads=2), dict(diag_warps=8, diag_heads=8),
          dict(wy_bwd_warps=8), dict(bwd_inter_warps=4)]
 

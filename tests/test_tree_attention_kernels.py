@@ -71,18 +71,20 @@ def test_block_shapes(block_m, block_n, block_ms):
 
 @pytest.mark.parametrize("block_m, heads", [(16, 2), (16, 4), (32, 2)])
 def test_forward_with_query_heads_packed(block_m, heads):
-    # one forward / dq program per `heads` query heads of a KV head: its tokens of each in the score rows
+    # one forward program per `heads` query heads of a KV head: its tokens of each in the score rows
     layout = random_forest(np.random.default_rng(3), n_trees=3, wide_prob=0.7)
-    config = dataclasses.replace(small_config(16, 16, 16), fwd=_launch(block_m, 16, 4, 1, heads=heads),
-                                 dq=_launch(block_m, 16, 4, 1, block_ms=16, heads=heads))
+    config = dataclasses.replace(small_config(16, 16, 16), fwd=_launch(block_m, 16, 4, 1, heads=heads))
     check_against_reference(layout.subtree_end_tensor(), (8, 2), 16, config, index_blocks=(16, 16))
 
 
-def test_packed_heads_must_divide_the_group():
+def test_packing_that_does_not_divide_the_group_runs_unpacked():
+    # 4 heads per program on groups of 2: one head of 4 x 16 = 64 tokens a program, the tile `tiles` lists
     layout = random_forest(np.random.default_rng(3), n_trees=1, wide_prob=0.7)
-    config = dataclasses.replace(small_config(16, 16, 16), fwd=_launch(16, 16, 4, 1, heads=3))
+    config = dataclasses.replace(small_config(16, 16, 16), fwd=_launch(16, 16, 4, 1, heads=4))
+    assert (64, 16) in config.tiles
+    check_against_reference(layout.subtree_end_tensor(), (4, 2), 16, config, use_default_index=True)
     with pytest.raises(ValueError, match="heads=3"):
-        check_against_reference(layout.subtree_end_tensor(), (8, 2), 16, config, index_blocks=(16, 16))
+        dataclasses.replace(config, fwd=_launch(16, 16, 4, 1, heads=3))
 
 
 def test_wide_tree_of_single_token_children():

@@ -153,9 +153,8 @@ def test_kernel_suffix_on_random_forests_with_mixed_tiles(seed):
 
 @pytest.mark.parametrize("num_queries", [59, 5])  # ragged offset, < one block
 def test_kernel_suffix_with_query_heads_packed(num_queries):
-    # forward and dq programs holding 2 query heads of a KV head each (launch "heads")
-    config = dataclasses.replace(small_config(), fwd=_launch(16, 16, 4, 1, heads=2),
-                                 dq=_launch(16, 16, 4, 1, block_ms=16, heads=2))
+    # forward programs holding 2 query heads of a KV head each (launch "heads")
+    config = dataclasses.replace(small_config(), fwd=_launch(16, 16, 4, 1, heads=2))
     check_kernel(anchor_tree(33, 3, 21), num_queries, heads=(4, 2), config=config, seed=6)
 
 

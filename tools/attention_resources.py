@@ -53,10 +53,9 @@ def compile_report(kind: str, head_dim: int, n_q_heads: int, n_kv_heads: int, co
                       BM=launch["block_m"], BN=launch["block_n"], HAS_OFFSET=suffix_queries, INTERPRET=False)
     if kind == "fwd":  # score rows: block_m tokens of each of `heads` query heads
         constexprs["BM"] *= launch.get("heads", 1)
+        constexprs["PACK"] = launch.get("heads", 1)
     else:
         constexprs["BMS"] = min(launch["block_ms"], launch["block_m"])
-    if kind != "dkdv":
-        constexprs["PACK"] = launch.get("heads", 1)
     signature = _signature(fn, dtype)
     signature.update({name: "constexpr" for name in constexprs})
     report = hopper_resources(fn, signature, constexprs, num_warps=launch["num_warps"],

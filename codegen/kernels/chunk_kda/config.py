@@ -1,8 +1,8 @@
 """Launch parameters of the KDA chunk-parallel kernels (the scans and lanes follow the plan's GDNKernelConfig).
 
 Fixed, never autotuned: the same chunk then runs the same code in any call, which keeps tree mode bitwise
-equal to trajectory-wise training. The values are first choices for K = V = 128 on the H200, not yet tuned
-(docs/kda_kernels.md).
+equal to trajectory-wise training. K = V = 128 on the H200: each value below won `bench/kda.py --sweep` at
+8 x 8,192 tokens x 32 heads (every listed change there measured slower or within noise; docs/kda_kernels.md).
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ class KDAKernelConfig:
     bwd_block_v: int = 64
     # WY backward: 4 warps, walking K and V in 64-column blocks (GDN's wy_bwd_warps)
     wy_bwd_warps: int = 4
-    # backward intra, off-diagonal sub-chunk blocks of dAqk and dAkk
-    intra_bwd_warps: int = 4
+    # backward intra, off-diagonal sub-chunk blocks of dAqk and dAkk: 2 warps (8.2 ms against 8.7 at 4 and 15.5
+    # at 8 on the H200, 8 x 8,192 tokens x 32 heads; bench/kda.py --sweep)
+    intra_bwd_warps: int = 2
     # backward diagonal blocks, one program per row: heads per program and warps, as the forward's diag_*
     diag_bwd_heads: int = 4
     diag_bwd_warps: int = 4

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .block_index import BlockIndex
 from .configs import KernelConfig
-from .forward import LOG2E, head_dims, load_key_block, packed_heads, query_rows, scores
+from .forward import LOG2E, head_dims, load_key_block, query_rows, scores
 from ..interpreter_safe import interpreting
 
 
@@ -91,37 +91,29 @@ def tree_attn_bwd_dq_kernel(q, k, v, do, dq, lse, delta, subtree_end,
                             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                             D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, BMS: tl.constexpr,
-                            PACK: tl.constexpr, HAS_OFFSET: tl.constexpr, INTERPRET: tl.constexpr):
-    # a program: BMS query tokens of each of PACK query heads of one KV head (head-major score rows), as the
-    # forward's packing: every loaded key block serves PACK heads
+                            HAS_OFFSET: tl.constexpr, INTERPRET: tl.constexpr):
     SUBS: tl.constexpr = BM // BMS
     pid = tl.program_id(0)
-    i_hp = pid % (HQ // PACK)
-    sub = (pid // (HQ // PACK)) % SUBS
-    i_m = tl.load(q_order + pid // ((HQ // PACK) * SUBS))
-    i_kvh = (i_hp * PACK) // (HQ // HKV)
-    offs_r = tl.arange(0, BMS * PACK)
-    if PACK == 1:
-        offs_m = i_m * BM + sub * BMS + offs_r  # local query rows
-        heads = i_hp
-    else:
-        offs_m = i_m * BM + sub * BMS + offs_r % BMS
-        heads = i_hp * PACK + offs_r // BMS
+    i_h = pid % HQ
+    sub = (pid // HQ) % SUBS
+    i_m = tl.load(q_order + pid // (HQ * SUBS))
+    i_kvh = i_h // (HQ // HKV)
+    offs_m = i_m * BM + sub * BMS + tl.arange(0, BMS)  # local query rows
     rows_g = offs_m  # global rows, for the mask
     if HAS_OFFSET:
         rows_g = offs_m + q_offset
     m_valid = offs_m < TQ
-    rows_m = offs_m.to(tl.int64) * (HQ * D) + heads * D
+    rows_m = offs_m.to(tl.int64) * (HQ * D) + i_h * D
     b_q, b_q2 = query_rows(q, rows_m, m_valid, D1, D2, True)
     offs_dv = tl.arange(0, DV)
-    rows_do = offs_m.to(tl.int64) * (HQ * DV) + heads * DV
+    rows_do = offs_m.to(tl.int64) * (HQ * DV) + i_h * DV
     b_do = tl.load(do + rows_do[:, None] + offs_dv[None, :], mask=m_valid[:, None], other=0.0)
-    b_lse = tl.load(lse + heads.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
-    b_delta = tl.load(delta + heads.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
-    b_dq = tl.zeros([BMS * PACK, D1], dtype=tl.float32)
+    b_lse = tl.load(lse + i_h.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+    b_delta = tl.load(delta + i_h.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+    b_dq = tl.zeros([BMS, D1], dtype=tl.float32)
     b_dq2 = 0.0  # dummy when D2 == 0
     if D2 > 0:
-        b_dq2 = tl.zeros([BMS * PACK, D2], dtype=tl.float32)
+        b_dq2 = tl.zeros([BMS, D2], dtype=tl.float32)
     start = tl.load(q_ptr + i_m)
     stop = tl.load(q_ptr + i_m + 1)
     full_stop = start + tl.load(q_full + i_m)
@@ -279,14 +271,13 @@ def bwd_dq(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scale: float
            launch: dict) -> torch.Tensor:
     index = index.with_blocks(launch["block_m"], launch["block_n"])
     dq = torch.empty_like(q)
-    pack = packed_heads(q, k, launch)
     args = _launch_args(q, k, v, index, launch)
-    grid = (index.num_query_blocks * (index.block_m // args["BMS"]) * (q.shape[1] // pack),)
+    grid = (index.num_query_blocks * (index.block_m // args["BMS"]) * q.shape[1],)
     if grid[0]:
         tree_attn_bwd_dq_kernel[grid](
             q, k, v, do, dq, lse, delta, subtree_end, index.q_ptr, index.q_cols, index.q_full,
             index.q_order, scale, scale * LOG2E, q.shape[0], k.shape[0], k.shape[0] - q.shape[0],
-            PACK=pack, **args)
+            **args)
     return dq
 
 

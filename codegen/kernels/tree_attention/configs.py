@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 
 def _launch(block_m, block_n, num_warps, num_stages, block_ms=None, heads=None) -> dict:
-    """block_m query tokens x block_n keys (dq: block_ms tokens a program); `heads` (forward, dq): query
-    heads of one KV head per program, their tokens stacked into the score rows."""
+    """block_m query tokens x block_n keys (dq, dk/dv: block_ms tokens a program); `heads` (forward only): query
+    heads of one KV head per program, block_m tokens of each stacked into the score rows."""
     out = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     if block_ms is not None:
         out["block_ms"] = block_ms
@@ -30,11 +30,17 @@ def _launch(block_m, block_n, num_warps, num_stages, block_ms=None, heads=None) 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    # head dim 256 on the H200 (sweep 2, anchor P4096 B8 L3584, 16/2 heads): fwd 7.5 ms
-    # (385 TFLOP/s), dq 9.0 ms (485), dk/dv 14.6 ms (399); see docs/tree_attention_kernels.md
-    fwd: dict = field(default_factory=lambda: _launch(128, 64, 8, 2))
+    # head dim 256 on the H200 (anchor P4096 B8 L3584, 16/2 heads): fwd 7.0 ms (412 TFLOP/s) with 64 tokens of
+    # 2 query heads a program (7.5 ms unpacked: each key block now serves 2 heads), dq 9.0 ms (485), dk/dv
+    # 14.7 ms (399); see docs/tree_attention_kernels.md
+    fwd: dict = field(default_factory=lambda: _launch(64, 64, 8, 2, heads=2))
     dq: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
     dkdv: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
+
+    def __post_init__(self):
+        heads = self.fwd.get("heads", 1)
+        if heads < 1 or heads & (heads - 1):
+            raise ValueError(f"tree attention forward launch: heads={heads} must be a positive power of two")
 
     @property
     def block_m(self) -> int:
@@ -47,8 +53,11 @@ class KernelConfig:
 
     @property
     def tiles(self) -> tuple[tuple[int, int], ...]:
-        """The distinct (block_m, block_n) tiles of the three kernels: the block lists a plan must hold."""
-        return tuple(dict.fromkeys((launch["block_m"], launch["block_n"]) for launch in (self.fwd, self.dq, self.dkdv)))
+        """The distinct (block_m, block_n) tiles of the three kernels: the block lists a plan must hold. A packed
+        forward adds its unpacked tile (block_m * heads tokens), run where the heads do not divide the GQA group."""
+        fwd_unpacked = dict(self.fwd, block_m=self.fwd["block_m"] * self.fwd.get("heads", 1))
+        return tuple(dict.fromkeys((launch["block_m"], launch["block_n"])
+                                   for launch in (self.fwd, fwd_unpacked, self.dq, self.dkdv)))
 
 
 def uniform_config(block_m: int, block_n: int, block_ms: int, num_warps: int,
@@ -93,10 +102,9 @@ CANDIDATES_MLA = {  # the same for q/k 192, v 128
 }
 CANDIDATES_256 = {
     # 64 tokens of 2 heads (or 16 of 8): the same 128-row score tiles, each key block loaded once for 2 (8) heads
-    "fwd": [_launch(128, 64, 8, 2), _launch(128, 128, 8, 1), _launch(128, 32, 8, 3), _launch(64, 64, 8, 2, heads=2),
-            _launch(16, 64, 8, 2, heads=8)],
-    "dq": [_launch(128, 64, 8, 1, block_ms=128), _launch(128, 32, 8, 2, block_ms=128),
-           _launch(64, 64, 8, 1, block_ms=64, heads=2)],
+    "fwd": [_launch(64, 64, 8, 2, heads=2), _launch(16, 64, 8, 2, heads=8), _launch(128, 64, 8, 2),
+            _launch(128, 128, 8, 1)],
+    "dq": [_launch(128, 64, 8, 1, block_ms=128), _launch(128, 32, 8, 2, block_ms=128)],
     "dkdv": [_launch(128, 64, 8, 1, block_ms=128), _launch(128, 64, 8, 2, block_ms=64),
              _launch(64, 64, 8, 2, block_ms=64)],
 }

@@ -183,12 +183,11 @@ def tree_attn_fwd_kernel(q, k, v, o, lse, subtree_end, q_ptr, q_cols, q_full, q_
     tl.store(lse + heads.to(tl.int64) * TQ + offs_m, m_i + tl.log2(l_safe), mask=m_valid)
 
 
-def packed_heads(q: torch.Tensor, k: torch.Tensor, launch: dict) -> int:
-    """Query heads per program of `launch` (its optional "heads", default 1); they must divide the GQA group."""
-    pack, group = launch.get("heads", 1), q.shape[1] // k.shape[1]
-    if pack < 1 or group % pack:
-        raise ValueError(f"launch heads={pack} does not divide the {group} query heads per KV head")
-    return pack
+def forward_packing(q: torch.Tensor, k: torch.Tensor, launch: dict) -> tuple[int, int]:
+    """(query heads per program, query tokens per program) of a forward `launch`: its "heads" (default 1) when
+    they divide the GQA group, else 1 head of block_m * heads tokens, so a program keeps its score rows."""
+    pack, group = launch.get("heads", 1), q.shape[1] // k.shape[1]  # a power of two (KernelConfig checks)
+    return (pack, launch["block_m"]) if group % pack == 0 else (1, launch["block_m"] * pack)
 
 
 def head_dims(q: torch.Tensor, v: torch.Tensor) -> dict:
@@ -205,8 +204,8 @@ def tree_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     and optionally heads (query heads of one KV head per program, default 1: block_m * heads score rows)."""
     n_queries, n_q_heads, _ = q.shape
     n_keys = k.shape[0]
-    pack = packed_heads(q, k, launch)
-    index = index.with_blocks(launch["block_m"], launch["block_n"])
+    pack, block_m = forward_packing(q, k, launch)
+    index = index.with_blocks(block_m, launch["block_n"])
     o = q.new_empty(n_queries, n_q_heads, v.shape[2])
     lse = torch.empty(n_q_heads, n_queries, dtype=torch.float32, device=q.device)
     grid = (index.num_query_blocks * (n_q_heads // pack),)
