@@ -264,8 +264,8 @@ def run_preset(preset, model, args) -> dict:
           f"{len(tree_indices)} tree / {len(traj_indices)} trajectory microbatches; planner "
           f"{compile_ms:.0f} ms + index {index_ms:.0f} ms", flush=True)
     tree, tree_step, tree_grads = time_mode(model, tree_indices, row["trajectory_tokens"], args)
-    print(f"  tree: {tree['ms']:.1f} ms/step, peak {gib_text(tree['peak_gib'])} GiB (lowering {tree['lower_ms']:.0f} ms, "
-          "before the timed steps)", flush=True)
+    print(f"  tree: {tree['ms']:.1f} ms/step, peak {gib_text(tree['peak_gib'])} GiB "
+          f"(lowering {tree['lower_ms']:.0f} ms, before the timed steps)", flush=True)
     traj, _, traj_grads = time_mode(model, traj_indices, row["trajectory_tokens"], args)
     print(f"  trajectory-wise: {traj['ms']:.1f} ms/step, peak {gib_text(traj['peak_gib'])} GiB (lowering "
           f"{traj['lower_ms']:.0f} ms)", flush=True)
