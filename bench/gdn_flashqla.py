@@ -14,8 +14,11 @@ Needs CUDA, flash-qla 0.1.3 and optionally fla-core 0.6.0. TileLang compiles Fla
 shape: about 4 minutes for the first case, a minute or two for each later one, so a whole run takes well over
 10 minutes; `--cases` and the `--skip-*` flags split it into shorter runs:
 
-    PYTHONUNBUFFERED=1 python bench/gdn_flashqla.py [--cases 0 2] [--skip-errors] [--skip-trees] \
+    PYTHONUNBUFFERED=1 python bench/gdn_flashqla.py [--cases 0 2] [--skip-errors] [--skip-trees] [--profile] \
         2>&1 | tee $OUT/gdn_flashqla.log
+
+--profile prints, per case, each kernel's device ms per kernel it launches (where FlashQLA's time goes
+against ours).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from anchors import fla_single_call, import_flashqla, single_call  # noqa: E402
 from common import kernel_ms  # noqa: E402
 from gdn import GRAD_NAMES, rel_err  # noqa: E402
 from gdn_cases import ANCHORS, agentic_trees, make_inputs, single_call_plan, tree_case  # noqa: E402
+from gdn_profile import device_ms_by_kernel, print_kernels  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import (  # noqa: E402
     GDNKernelConfig,
     chunk_gated_delta_rule_reference,
@@ -91,7 +95,8 @@ def error_section(kernels) -> dict:
     return worst
 
 
-def timing_section(kernels) -> list[dict]:
+def timing_section(kernels, profile=False) -> list[dict]:
+    """fwd+bwd ms of each kernel per case; with `profile` also each one's device ms per kernel launched."""
     print("\n== trajectory-wise fwd+bwd ms (do_bench median) ==")
     print(f"{'case':24s} {'tokens':>7s} " + " ".join(f"{name:>9s}" for name in kernels) + f" {'ours/FQ speed':>13s}")
     rows = []
@@ -108,6 +113,8 @@ def timing_section(kernels) -> list[dict]:
                 o = fn(*leaves[:5], scale=128 ** -0.5, initial_state=leaves[5], cu_seqlens=cu, use_qk_l2norm=True)[0]
                 torch.autograd.grad(o, leaves, do)
             ms[k] = kernel_ms(step, CUDA, rep_ms=300, warmup_ms=50)
+            if profile:
+                print_kernels(k, device_ms_by_kernel(step)[0])
         ratio = ms["flashqla"] / ms["ours"] if "flashqla" in ms else float("nan")
         rows.append(dict(case=name, tokens=sum(lengths), **ms, ours_vs_flashqla=ratio))
         print(f"{name:24s} {sum(lengths):7d} " + " ".join(f"{ms[k]:9.2f}" for k in kernels) + f" {ratio:12.2f}x")
@@ -188,6 +195,7 @@ def main():
     parser.add_argument("--skip-errors", action="store_true", help="leave out section 1")
     parser.add_argument("--skip-trees", action="store_true", help="leave out section 3")
     parser.add_argument("--cases", type=int, nargs="+", help="indices into CASES for sections 1-2 (default: all)")
+    parser.add_argument("--profile", action="store_true", help="section 2 also prints device ms per kernel of each")
     args = parser.parse_args()
     if args.cases:
         CASES[:] = [CASES[i] for i in args.cases]
@@ -198,7 +206,7 @@ def main():
     if flashqla is not None:
         kernels["flashqla"] = lambda cu: flashqla
     worst = None if args.skip_errors else error_section(kernels)
-    rows = timing_section(kernels)
+    rows = timing_section(kernels, profile=args.profile)
     trees = [] if args.skip_trees else tree_section(flashqla)
     print("\n== summary ==")
     for row in rows:

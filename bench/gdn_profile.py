@@ -37,6 +37,12 @@ def device_ms_by_kernel(step, repeat: int = 3) -> tuple[dict[str, tuple[float, i
     return {name: (ms, count // repeat) for name, (ms, count) in totals.items()}, wall
 
 
+def print_kernels(label: str, kernels: dict[str, tuple[float, int]]) -> None:
+    """One line per kernel of `device_ms_by_kernel`'s dict, heaviest first: label, device ms, launches, name."""
+    for name, (ms, launches) in sorted(kernels.items(), key=lambda item: -item[1][0]):
+        print(f"  {label:8s} {ms:8.3f} ms {launches:4d}x  {name}")
+
+
 def timeline(step, label: str) -> list[dict]:
     """Print every kernel of one step after a warm-up in start order: stream, start and end in microseconds
     from the first kernel, name. Shows gaps between launches and whether launches on different streams (the

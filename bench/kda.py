@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from anchors import fla_single_call
 from common import kernel_ms
-from gdn_profile import device_ms_by_kernel
+from gdn_profile import device_ms_by_kernel, print_kernels
 from harts_compiler.codegen.kernels.chunk_gdn import plan_single_call
 from harts_compiler.codegen.kernels.chunk_kda import (KDAKernelConfig, chunk_kimi_delta_attention_reference,
                                                       kimi_delta_attention)
@@ -119,11 +119,6 @@ def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False, swe
     return timings, errors, kernel_times
 
 
-def print_profile(label, kernels):
-    for name, (ms, launches) in sorted(kernels.items(), key=lambda item: -item[1][0]):
-        print(f"  {label:5s} {ms:8.3f} ms {launches:4d}x  {name}")
-
-
 def print_sweep(sweep, timings, errors, kernel_times):
     """One line per change: fwd+bwd ms, the kernels whose device ms moved > 2% (default's in brackets), and the
     worst error ratio to the default's."""
@@ -163,7 +158,7 @@ def main():
                                                  profile=args.profile, sweep=sweep)
         for label in ("ours", "fla"):
             if args.profile and label in kernel_times:
-                print_profile(label, kernel_times[label])
+                print_kernels(label, kernel_times[label])
         fla_ms = timings.get("fla")
         ratio = f"{timings['ours'] / fla_ms:9.3f}" if fla_ms else f"{'-':>9s}"
         cells = [f"{e:.2e}" + (f" ({f:.2e})" if "fla" in errors else "")
