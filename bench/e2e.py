@@ -236,16 +236,18 @@ def baseline_timing(model, traj_indices, row, args, ours_ms) -> dict:
     return result
 
 
-def run_preset(preset, model, args) -> dict:
+def plan_preset(preset, config, args):
+    """(batch, row of the plan's facts, tree indices, trajectory-wise indices, layer counts) of one preset's
+    generated batch as the options ask (sizes, budget, chunk); prints the plan's line."""
     overrides = dict(TINY_GENERATOR[preset]) if args.tiny else {"scale": LENGTH_SCALE[preset]}
     scale = args.length_scale or overrides.pop("scale")
     overrides.pop("scale", None)
     batch, tasks = sized_batch(preset, int(args.target_tokens * args.scale), length_scale=scale,
-                               vocab_size=model.config.vocab_size, seed=args.seed, **overrides)
-    shape = dict(chunk_size=args.chunk_size, conv_width=model.conv_width)
-    layers = cost_model.LayerCounts.of(model.config)
+                               vocab_size=config.vocab_size, seed=args.seed, **overrides)
+    shape = dict(chunk_size=args.chunk_size, conv_width=config.linear_conv_kernel_dim)
+    layers = cost_model.LayerCounts.of(config)
     plan, tree_indices, compile_ms, index_ms, budget = plan_microbatches(
-        batch, args.microbatch_tokens, args.device, vocab_size=model.config.vocab_size,
+        batch, args.microbatch_tokens, args.device, vocab_size=config.vocab_size,
         layer_counts=layers, **shape)
     stats = plan.stats
     traj_indices = trajectory_microbatches(batch, budget, args.device, **shape)
@@ -263,6 +265,25 @@ def run_preset(preset, model, args) -> dict:
           f"planned rows with replay, {row['pieces']} pieces, budget {budget}: "
           f"{len(tree_indices)} tree / {len(traj_indices)} trajectory microbatches; planner "
           f"{compile_ms:.0f} ms + index {index_ms:.0f} ms", flush=True)
+    return batch, row, tree_indices, traj_indices, layers
+
+
+def forward_units(indices) -> list:
+    """The microbatch indices one step runs a forward and backward for: a tree in pieces runs each piece."""
+    return [p for i in indices for p in (i.indices if isinstance(i, PieceChain) else [i])]
+
+
+def predicted_terms(predictor, indices, layers) -> dict:
+    """The fitted cost model's ms per term, summed over the forward units of one mode's microbatches."""
+    totals = dict.fromkeys(cost_model.TERMS, 0.0)
+    for piece in forward_units(indices):
+        for term, ms in predictor.terms(cost_model.features(piece), layers).items():
+            totals[term] += ms
+    return totals
+
+
+def run_preset(preset, model, args) -> dict:
+    batch, row, tree_indices, traj_indices, layers = plan_preset(preset, model.config, args)
     tree, tree_step, tree_grads = time_mode(model, tree_indices, row["trajectory_tokens"], args)
     print(f"  tree: {tree['ms']:.1f} ms/step, peak {gib_text(tree['peak_gib'])} GiB "
           f"(lowering {tree['lower_ms']:.0f} ms, before the timed steps)", flush=True)
@@ -279,17 +300,15 @@ def run_preset(preset, model, args) -> dict:
     row["of_ideal"] = row["speedup"] / row["ideal"]
     predictor = cost_model.load_cost_model()
     row["cost_model"] = predictor.source
-    # a tree in pieces runs one forward and backward per piece: predicted piece by piece
-    pieces = [p for i in tree_indices for p in (i.indices if isinstance(i, PieceChain) else [i])]
-    row["tree_predicted_ms"] = sum(predictor.predict(cost_model.features(p), layers) for p in pieces)
-    row["traj_predicted_ms"] = sum(predictor.predict(cost_model.features(i), layers) for i in traj_indices)
+    row["tree_predicted_ms"] = sum(predicted_terms(predictor, tree_indices, layers).values())
+    row["traj_predicted_ms"] = sum(predicted_terms(predictor, traj_indices, layers).values())
     print(f"  cost model ({predictor.source}, {predictor.device}): tree {row['tree_predicted_ms']:.1f} ms, "
           f"trajectory-wise {row['traj_predicted_ms']:.1f} ms predicted", flush=True)
     del tree_grads, traj_grads
     model.zero_grad(set_to_none=True)
     if not args.no_breakdown:
         row["breakdown_ms"] = component_breakdown(tree_step, args.device)
-        row["breakdown_ms"]["planner (compile + index)"] = compile_ms + index_ms
+        row["breakdown_ms"]["planner (compile + index)"] = row["planner_ms"] + row["index_ms"]
     if args.device.type == "cuda":
         row["baseline_kernels"] = fla_comparison(model, traj_indices, args.device)
     row["_batch"] = batch

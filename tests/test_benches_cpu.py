@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -191,3 +192,29 @@ def test_external_kernel_wrappers_match_the_reference():
                                         use_qk_l2norm=True)
     assert torch.allclose(o, expected, rtol=0, atol=1e-12)
     assert anchors.trajectory_kernel(None) is None and anchors.single_call(None) is None
+
+
+def test_bound_pair_ratio_and_ceiling():
+    """bench/bound.py: the attention pair ratio from the planned microbatches equals the one counted on the
+    batch itself (each token attends to its position + 1 keys), and the ceiling is the harmonic mix of the
+    token and pair ratios by the trajectory-wise step's pair share."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bound
+        import common
+        import e2e
+    finally:
+        sys.path.remove(str(BENCH))
+    args = e2e.parse_args(["--tiny", "--device", "cpu", "--presets", "tau2"])
+    config = common.model_config(True, model="qwen3-next")
+    row = bound.bound_row("tau2", config, cm.load_cost_model(), args)
+    batch, *_ = e2e.plan_preset("tau2", config, args)
+    lengths = np.asarray(batch.lengths, dtype=np.int64)
+    forest = e2e.prefix_forest(batch)
+    assert row["pair_ratio"] == pytest.approx((lengths * (lengths + 1) // 2).sum()
+                                              / (forest.token_position + 1).sum(), rel=1e-12)
+    share = row["traj_pair_share"]
+    assert 0 < share < 1
+    assert row["ceiling"] == pytest.approx(1 / ((1 - share) / row["ideal"] + share / row["pair_ratio"]))
+    assert min(row["ideal"], row["pair_ratio"]) <= row["ceiling"] <= max(row["ideal"], row["pair_ratio"])
+    assert row["predicted"] == pytest.approx(row["traj_ms"] / row["tree_ms"]) and row["tree_ms"] > 0

@@ -1,0 +1,58 @@
+"""What tree mode can reach on a preset's batch, by the fitted cost model, without running the model (CPU, seconds).
+
+"Ideal" in `bench/e2e.py` is the token ratio (trajectory tokens / distinct tokens). Attention's work is not in
+that ratio: a token at depth d attends to d + 1 keys in both modes, so tree attention saves the pairs of the
+shared prefixes only, and long branches keep most of their pairs. Two numbers per preset:
+- ceiling: the speedup if every token-proportional cost of the trajectory-wise step shrank by the token ratio
+  and its attention-pair cost by the pair ratio, 1 / ((1 - a) / token ratio + a / pair ratio), with a the pairs'
+  share of the trajectory-wise step's predicted time. No exact tree mode beats it with kernels as fast per token
+  and per pair as the baseline's;
+- predicted: the cost model's tree and trajectory-wise step times (per-microbatch, per-round and replay costs
+  included), whose held-out error is a few percent per step (more on the ratio of two steps).
+
+    python bench/bound.py --presets swe tau2 --length-scale 1.0 --target-tokens 1000000 --microbatch-tokens 65536
+    python bench/bound.py                                   # the default presets and sizes of bench/e2e.py
+
+Takes bench/e2e.py's batch options (the others are ignored).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import model_config  # noqa: E402
+from e2e import forward_units, parse_args, plan_preset, predicted_terms  # noqa: E402
+from harts_compiler.passes import cost_model  # noqa: E402
+
+
+def bound_row(preset, config, predictor, args) -> dict:
+    _, row, tree_indices, traj_indices, layers = plan_preset(preset, config, args)
+    tree = predicted_terms(predictor, tree_indices, layers)
+    traj = predicted_terms(predictor, traj_indices, layers)
+    tree_ms, traj_ms = sum(tree.values()), sum(traj.values())
+    pairs = [sum(int(np.sum(cost_model.features(unit).attention_pairs)) for unit in forward_units(indices))
+             for indices in (traj_indices, tree_indices)]
+    pair_ratio, share = pairs[0] / max(pairs[1], 1), traj["full_pair"] / traj_ms
+    ceiling = 1 / ((1 - share) / row["ideal"] + share / pair_ratio)
+    return dict(preset=preset, ideal=row["ideal"], pair_ratio=pair_ratio, traj_pair_share=share, ceiling=ceiling,
+                tree_ms=tree_ms, traj_ms=traj_ms, predicted=traj_ms / tree_ms)
+
+
+def main(argv=None) -> None:
+    args = parse_args((argv if argv is not None else sys.argv[1:]) + ["--device", "cpu"])
+    config = model_config(args.tiny, model=args.model)
+    predictor = cost_model.load_cost_model()
+    print(f"cost model {predictor.source} ({predictor.device}); model {args.model}")
+    rows = [bound_row(preset, config, predictor, args) for preset in args.presets]
+    print(f"\n{'preset':8s} {'tokens':>7s} {'pairs':>7s} {'pair share':>10s} {'ceiling':>17s} "
+          f"{'predicted ms tree / traj':>25s} {'predicted':>17s}")
+    for r in rows:
+        print(f"{r['preset']:8s} {r['ideal']:6.2f}x {r['pair_ratio']:6.2f}x {r['traj_pair_share']:10.0%} "
+              f"{r['ceiling']:6.2f}x ({r['ceiling'] / r['ideal']:5.1%}) {r['tree_ms']:12.0f} / {r['traj_ms']:<10.0f} "
+              f"{r['predicted']:6.2f}x ({r['predicted'] / r['ideal']:5.1%})")
+
+if __name__ == "__main__":
+    main()
