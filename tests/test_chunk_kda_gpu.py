@@ -81,7 +81,8 @@ def test_tree_equals_trajectories_bitwise():
 
 @pytest.mark.parametrize("config", [KDAKernelConfig(intra_block_k=16, intra_fwd_warps=2, intra_bwd_warps=8,
                                                     diag_bwd_heads=2, diag_bwd_warps=2),
-                                    KDAKernelConfig(out_block_v=32, bwd_block_v=32, wy_bwd_warps=8, diag_bwd_heads=8)],
+                                    KDAKernelConfig(out_block_v=32, bwd_block_v=32, wy_bwd_warps=8, diag_bwd_heads=8,
+                                                    intra_bwd_warps=4)],
                          ids=["intra-bk16", "bv32"])
 def test_other_launch_configs(config):
     """Other fixed launches compile to the same algebra (a miscompile of one tile shape shows here)."""
