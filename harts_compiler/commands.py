@@ -24,6 +24,8 @@ def format_summary(plan, stats: dict | None = None) -> str:
         f"trajectory tokens  {stats['trajectory_tokens']:>12,}",
         f"compact tokens     {stats['compact_tokens']:>12,}   compression "
         f"{stats['compression']:.2f}x",
+        f"attention pairs    {stats['attention_pairs']:>12,}   compression {stats['pair_compression']:.2f}x "
+        f"(of {stats['trajectory_attention_pairs']:,} trajectory-wise; full attention's work shrinks by this)",
         f"replay tokens      {stats['replay_tokens']:>12,}   sequences {stats['sequences']:,}, "
         f"rounds (max per tree) {stats['rounds']}",
         "passes             " + ", ".join(f"{p['name']} {p['ms']:.1f} ms" for p in stats["passes"]),

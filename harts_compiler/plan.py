@@ -126,6 +126,13 @@ class Plan:
             if note is not None:
                 stats[key] = note
         stats["cut_replay_rows"] = stats.get("pieces", {}).get("cut_replay_rows", 0)
+        # full attention: a token at depth d attends to d + 1 keys in both modes, so its work shrinks by the
+        # ratio of (query, key) pairs, which long branches keep below the token compression
+        lengths = forest.traj_length.astype(np.int64)
+        traj_pairs = int((lengths * (lengths + 1) // 2).sum())
+        tree_pairs = int((forest.token_position.astype(np.int64) + 1).sum())
+        stats.update(attention_pairs=tree_pairs, trajectory_attention_pairs=traj_pairs,
+                     pair_compression=round(traj_pairs / tree_pairs, 4) if tree_pairs else 0.0)
         # every row the step computes: each distinct token once, plus the linear-attention replay rows
         stats["planned_tokens"] = compact + stats["replay_tokens"] + stats["cut_replay_rows"]
         stats["microbatches"] = ([mb.summary() for mb in self.microbatches()]

@@ -28,6 +28,14 @@ def test_compile_json_keys(batch_file, capsys):
     assert stats["trajectories"] == len(batch)
     assert stats["trajectory_tokens"] == batch.tokens.size
     assert stats["compression"] == pytest.approx(stats["trajectory_tokens"] / stats["compact_tokens"], abs=1e-3)
+    # attention pairs counted on the trajectories: each distinct prefix is one compact token at its depth
+    trajectories = [batch.trajectory(j).tolist() for j in range(len(batch))]
+    prefixes = {tuple(tokens[:p + 1]) for tokens in trajectories for p in range(len(tokens))}
+    assert len(prefixes) == stats["compact_tokens"]
+    assert stats["attention_pairs"] == sum(len(prefix) for prefix in prefixes)
+    assert stats["trajectory_attention_pairs"] == sum(len(t) * (len(t) + 1) // 2 for t in trajectories)
+    assert stats["pair_compression"] == pytest.approx(stats["trajectory_attention_pairs"] / stats["attention_pairs"],
+                                                      abs=1e-4)
     mbs = stats["microbatches"]
     assert {m["rank"] for m in mbs} <= {0, 1}
     assert sum(m["compact_tokens"] for m in mbs) == stats["compact_tokens"]
