@@ -20,11 +20,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_config  # noqa: E402
-from e2e import forward_units, parse_args, plan_preset, predicted_terms  # noqa: E402
+from e2e import parse_args, plan_preset, predicted_terms  # noqa: E402
 from harts_compiler.passes import cost_model  # noqa: E402
 
 
@@ -33,9 +31,7 @@ def bound_row(preset, config, predictor, args) -> dict:
     tree = predicted_terms(predictor, tree_indices, layers)
     traj = predicted_terms(predictor, traj_indices, layers)
     tree_ms, traj_ms = sum(tree.values()), sum(traj.values())
-    pairs = [sum(int(np.sum(cost_model.features(unit).attention_pairs)) for unit in forward_units(indices))
-             for indices in (traj_indices, tree_indices)]
-    pair_ratio, share = pairs[0] / max(pairs[1], 1), traj["full_pair"] / traj_ms
+    pair_ratio, share = row["pair_compression"], traj["full_pair"] / traj_ms
     ceiling = 1 / ((1 - share) / row["ideal"] + share / pair_ratio)
     return dict(preset=preset, ideal=row["ideal"], pair_ratio=pair_ratio, traj_pair_share=share, ceiling=ceiling,
                 tree_ms=tree_ms, traj_ms=traj_ms, predicted=traj_ms / tree_ms)

@@ -256,7 +256,8 @@ def plan_preset(preset, config, args):
     row = {"preset": preset, "tasks": tasks, "length_scale": scale, "trajectories": len(batch),
            "trajectory_tokens": stats["trajectory_tokens"], "compact_tokens": distinct,
            "planned_tokens": stats["planned_tokens"], "pieces": stats.get("pieces", {}).get("pieces", 0),
-           "ideal": round(stats["trajectory_tokens"] / distinct, 4), "replay_tokens": stats["replay_tokens"],
+           "ideal": round(stats["trajectory_tokens"] / distinct, 4), "pair_compression": stats["pair_compression"],
+           "replay_tokens": stats["replay_tokens"],
            "rounds": stats["rounds"], "microbatch_tokens": budget,
            "tree_microbatches": len(tree_indices), "traj_microbatches": len(traj_indices),
            "planner_ms": compile_ms, "index_ms": index_ms}
