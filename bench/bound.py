@@ -50,5 +50,6 @@ def main(argv=None) -> None:
               f"{r['ceiling']:6.2f}x ({r['ceiling'] / r['ideal']:5.1%}) {r['tree_ms']:12.0f} / {r['traj_ms']:<10.0f} "
               f"{r['predicted']:6.2f}x ({r['predicted'] / r['ideal']:5.1%})")
 
+
 if __name__ == "__main__":
     main()
