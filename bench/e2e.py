@@ -46,6 +46,8 @@ not its dispatch to FlashQLA); "speedup" divides that baseline by tree mode, and
 baseline. On CUDA (GDN models), the GDN kernel of the
 largest trajectory microbatch is also timed alone against fla's, and SDPA's flash attention per
 trajectory against our attention kernel.
+`--memory-sites` (CUDA): what one forward of the largest tree / trajectory-wise microbatch leaves alive before
+its backward, summed by allocation site (`memory_sites.py`).
 JSON results go to $OUT/e2e.json when OUT is set (and to --json).
 """
 from __future__ import annotations
@@ -64,6 +66,7 @@ from harts_compiler.progress import progress
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402
 from e2e_numerics import numerics  # noqa: E402
+from memory_sites import forward_memory_sites, print_sites  # noqa: E402
 from anchors import fla_trajectory_kernel, import_flashqla, trajectory_kernel  # noqa: E402
 from common import (BENCH_MODELS, LENGTH_SCALE, TINY_GENERATOR, Step, build_model,  # noqa: E402
                     describe_device, finish_args, format_table, kernel_ms, median, model_config, parameter_count,
@@ -94,6 +97,9 @@ def parse_args(argv):
                    "(default 8192; tiny 150)")
     p.add_argument("--error-factor", type=float, default=2.0)
     p.add_argument("--no-breakdown", action="store_true")
+    p.add_argument("--memory-sites", action="store_true",
+                   help="CUDA: what one forward of the largest tree / trajectory-wise microbatch leaves alive, by "
+                        "allocation site (bench/memory_sites.py)")
     p.add_argument("--no-fla", action="store_true",
                    help="do not time the trajectory-wise step with external kernels (fla's, FlashQLA's)")
     p.add_argument("--seed", type=int, default=0)
@@ -102,6 +108,11 @@ def parse_args(argv):
     finish_args(p, args, dict(target_tokens=(300, 96_000), microbatch_tokens=(256, 16384), chunk_size=(16, 64),
                               numerics_tokens=(150, 8192), warmup=(1, 1), repeat=(1, 3)))
     return args
+
+
+def plan_rows(plan) -> int:
+    """Token rows of a launch plan, or of all pieces of a lowered chain."""
+    return sum(index.positions.numel() for index in getattr(plan, "indices", [plan]))
 
 
 def gib_text(gib: float | None) -> str:
@@ -288,7 +299,7 @@ def run_preset(preset, model, args) -> dict:
     tree, tree_step, tree_grads = time_mode(model, tree_indices, row["trajectory_tokens"], args)
     print(f"  tree: {tree['ms']:.1f} ms/step, peak {gib_text(tree['peak_gib'])} GiB "
           f"(lowering {tree['lower_ms']:.0f} ms, before the timed steps)", flush=True)
-    traj, _, traj_grads = time_mode(model, traj_indices, row["trajectory_tokens"], args)
+    traj, traj_step, traj_grads = time_mode(model, traj_indices, row["trajectory_tokens"], args)
     print(f"  trajectory-wise: {traj['ms']:.1f} ms/step, peak {gib_text(traj['peak_gib'])} GiB (lowering "
           f"{traj['lower_ms']:.0f} ms)", flush=True)
     row.update(tree_ms=tree["ms"], traj_ms=traj["ms"], tree_all_ms=tree["all_ms"], traj_all_ms=traj["all_ms"],
@@ -310,6 +321,10 @@ def run_preset(preset, model, args) -> dict:
     if not args.no_breakdown:
         row["breakdown_ms"] = component_breakdown(tree_step, args.device)
         row["breakdown_ms"]["planner (compile + index)"] = row["planner_ms"] + row["index_ms"]
+    if args.memory_sites and args.device.type == "cuda":
+        for label, step in (("tree", tree_step), ("trajectory-wise", traj_step)):
+            largest = max(step.plans, key=plan_rows)
+            print_sites(label, forward_memory_sites(model, largest, step.kernels))
     if args.device.type == "cuda":
         row["baseline_kernels"] = fla_comparison(model, traj_indices, args.device)
     row["_batch"] = batch

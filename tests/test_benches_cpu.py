@@ -218,3 +218,27 @@ def test_bound_pair_ratio_and_ceiling():
     assert row["ceiling"] == pytest.approx(1 / ((1 - share) / row["ideal"] + share / row["pair_ratio"]))
     assert min(row["ideal"], row["pair_ratio"]) <= row["ceiling"] <= max(row["ideal"], row["pair_ratio"])
     assert row["predicted"] == pytest.approx(row["traj_ms"] / row["tree_ms"]) and row["tree_ms"] > 0
+
+
+def test_memory_sites_groups_live_blocks_by_their_innermost_repository_frame():
+    """bench/memory_sites.py on a snapshot in the CUDA allocator's format (frames innermost first)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import memory_sites
+    finally:
+        sys.path.remove(str(BENCH))
+    root = "/repo"
+
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+    ours = [frame("/site-packages/torch/nn/functional.py", 10, "linear"), frame("/repo/runtime/moe.py", 42, "forward"),
+            frame("/repo/runtime/model.py", 7, "forward")]
+    snapshot = {"segments": [
+        {"blocks": [{"state": "active_allocated", "size": 1024, "requested_size": 1000, "frames": ours},
+                    {"state": "inactive", "size": 4096, "frames": ours},
+                    {"state": "active_allocated", "size": 512, "requested_size": 500, "frames": ours}]},
+        {"blocks": [{"state": "active_allocated", "size": 2048, "requested_size": 2000, "frames": []},
+                    {"state": "active_allocated", "size": 64, "requested_size": 60,
+                     "frames": [frame("/site-packages/torch/x.py", 1, "f")]}]}]}
+    sites = memory_sites.live_bytes_by_site(snapshot, root=root)
+    assert sites == {"runtime/moe.py:42 forward": 1500, "<no stack>": 2000, "<elsewhere>": 60}
