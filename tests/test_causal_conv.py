@@ -9,6 +9,7 @@ from harts_compiler.codegen.kernels.causal_conv import (
     tree_causal_conv,
     tree_causal_conv_reference,
 )
+from harts_compiler.codegen.kernels.causal_conv.function import BLOCK_T
 from harts_compiler.codegen.kernels.upload import to_device
 
 W = 4
@@ -92,6 +93,16 @@ def test_successor_lists_invert_conv_pred():
         assert got == want
     degrees = [int((pred == m).sum()) for m in range(pred.shape[0])]
     assert index.max_degree == max(degrees) > W - 1  # the root's last token is read by every child
+
+
+def test_dx_loop_bound_is_per_row_block():
+    """A root token read by 20 children raises the dx kernel's loop bound of its own row block only."""
+    pred, _ = tree_tables([-1] + [0] * 20, [40] + [3] * 20)
+    index = prepare_conv_index(pred)
+    degrees = [int((pred == m).sum()) for m in range(pred.shape[0])]
+    blocks = [max(degrees[b:b + BLOCK_T]) for b in range(0, len(degrees), BLOCK_T)]
+    assert index.block_degree.tolist() == blocks and len(blocks) == 4
+    assert blocks[1] == index.max_degree > 20 and max(blocks[2:]) <= W - 1
 
 
 @pytest.mark.parametrize("shape, message", [((5, 3), "conv_pred"), ((6, 2), "conv_pred")])

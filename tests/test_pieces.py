@@ -163,6 +163,28 @@ def test_pieces_under_activation_checkpointing():
     assert max(rel(outs[1][1][n], outs[0][1][n]) for n in outs[0][1]) < 1e-13
 
 
+@pytest.mark.parametrize("kind", ["conv", "replay", "kv"])
+def test_carried_gradients_own_their_storage(kind):
+    """A carried input's gradient is a copy of its rows, not a slice of the whole concatenated tensor's gradient:
+    the producing piece holds it until every later piece's backward has run."""
+    from types import SimpleNamespace
+
+    from harts_compiler.runtime.ops.carry import LayerCarry
+    rows = torch.tensor([0, 2])
+    carried = torch.randn(3, 8, requires_grad=True)
+    own = torch.randn(50, 8, requires_grad=True)
+    piece = SimpleNamespace(conv_out=rows, replay_out=rows, kv_out=rows)
+    if kind == "conv":
+        out = LayerCarry(piece, {"conv": carried}).conv_inputs(own)
+    elif kind == "replay":
+        out = LayerCarry(piece, {"replay": (carried,) * 5}).linear_inputs(*(own,) * 5)[0][0]
+    else:
+        out = LayerCarry(piece, {"kv": (carried, carried)}).attention_keys(own, own)[0]
+    (out * torch.randn_like(out)).sum().backward()
+    grad = carried.grad
+    assert grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+
+
 def test_a_piece_alone_is_refused_and_build_index_names_the_chain():
     token_lists = adversarial("deep chain", 4)
     plan = pieced_plan(token_lists, 4, 16)

@@ -29,9 +29,10 @@ class ConvIndex:
     until uploaded with the launch plan (`upload.to_device`)."""
     succ_ptr: np.ndarray     # [T+1] int64
     succ_flat: np.ndarray    # [S] int64, i * (W-1) + j: row i reads token m at tap j
+    block_degree: np.ndarray  # [cdiv(T, BLOCK_T)] int64: most successors of a token in each block of BLOCK_T rows
     rows: int
     taps: int                # W - 1
-    max_degree: int          # most successors of one token (loop bound of the dx kernel)
+    max_degree: int          # most successors of one token
 
     @property
     def succ_row(self):
@@ -53,8 +54,13 @@ def prepare_conv_index(conv_pred) -> ConvIndex:
     order = np.argsort(src * (rows * taps + 1) + flat, kind="stable")  # by (token, flat = i * taps + j)
     counts = np.bincount(src, minlength=rows)
     ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return ConvIndex(succ_ptr=ptr, succ_flat=flat[order], rows=rows, taps=taps,
-                     max_degree=int(counts.max()) if rows else 0)
+    # the dx kernel's loop bound per row block: a branch token read by a hundred children would otherwise make
+    # every block of the microbatch walk a hundred masked successors
+    blocks = -(-rows // BLOCK_T)
+    padded = np.zeros(blocks * BLOCK_T, np.int64)
+    padded[:rows] = counts
+    return ConvIndex(succ_ptr=ptr, succ_flat=flat[order], block_degree=padded.reshape(blocks, BLOCK_T).max(1),
+                     rows=rows, taps=taps, max_degree=int(counts.max()) if rows else 0)
 
 
 @triton.jit
@@ -122,7 +128,7 @@ def _conv_dx_successor(w, gpre, succ_flat, acc, start, end, s, cols, m_c, Ch, W:
 
 
 @triton.jit
-def _conv_bwd_dx_kernel(w, gpre, succ_ptr, succ_flat, dx, T, Ch, max_deg, W: tl.constexpr,
+def _conv_bwd_dx_kernel(w, gpre, succ_ptr, succ_flat, block_degree, dx, T, Ch, W: tl.constexpr,
                         BT: tl.constexpr, BC: tl.constexpr, INTERPRET: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -132,6 +138,7 @@ def _conv_bwd_dx_kernel(w, gpre, succ_ptr, succ_flat, dx, T, Ch, max_deg, W: tl.
     acc = tl.load(gpre + rows[:, None] * Ch + cols[None, :], mask=m, other=0.0) * b_w[None, :]
     start = tl.load(succ_ptr + rows[:, None], mask=m_r[:, None], other=0)
     end = tl.load(succ_ptr + rows[:, None] + 1, mask=m_r[:, None], other=0)
+    max_deg = tl.load(block_degree + tl.program_id(0))
     if INTERPRET:  # the CPU interpreter cannot take a runtime bound in range() (numpy >= 2.4)
         s = max_deg * 0
         while s < max_deg:
@@ -171,8 +178,8 @@ class TreeCausalConvFunction(torch.autograd.Function):
         if rows:
             _conv_bwd_pre_kernel[grid](x, weight, conv_pred, dy.contiguous(), gpre, dw_part, rows, ch, W=width,
                                        BT=BLOCK_T, BC=BLOCK_C, SILU=ctx.silu)
-            _conv_bwd_dx_kernel[grid](weight, gpre, index.succ_ptr, index.succ_flat, dx, rows, ch,
-                                      index.max_degree, W=width, BT=BLOCK_T, BC=BLOCK_C,
+            _conv_bwd_dx_kernel[grid](weight, gpre, index.succ_ptr, index.succ_flat, index.block_degree, dx, rows,
+                                      ch, W=width, BT=BLOCK_T, BC=BLOCK_C,
                                       INTERPRET=interpreting())
         dweight = dw_part.sum(0).to(weight.dtype) if rows else torch.zeros_like(weight)
         return dx, dweight, None, None, None

@@ -12,6 +12,26 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class RowSums:
+    """Where the backward of a gather into [rows, max_len] sums: value dst[d] gets the gradient entries
+    src[bounds[d]:bounds[d + 1]] (flat positions of the grid, in order); values no position reads are absent."""
+    dst: np.ndarray     # [D] distinct value indices, ascending
+    bounds: np.ndarray  # [D + 1]
+    src: np.ndarray     # [J] flat positions, grouped by value, ascending within a group
+
+
+def row_sums(index: np.ndarray) -> RowSums:
+    """The RowSums of `index` [rows, max_len] (-1 = nothing gathered). O(J log J); a trajectory's row reads
+    ascending values (its path in layout order), so the stable sort merges `rows` sorted runs."""
+    flat = np.asarray(index, np.int64).reshape(-1)
+    positions = np.flatnonzero(flat >= 0)
+    src = positions[np.argsort(flat[positions], kind="stable")]
+    keys = flat[src]
+    dst, starts = np.unique(keys, return_index=True)
+    return RowSums(dst=dst.astype(np.int64), bounds=np.append(starts, keys.size).astype(np.int64), src=src)
+
+
+@dataclass(frozen=True)
 class TargetPlan:
     num_tokens: int
     needed: np.ndarray            # [N] compact tokens that predict at least one target, sorted
@@ -22,6 +42,8 @@ class TargetPlan:
     target_bounds: tuple[int, ...]  # chunk c owns sorted targets target_bounds[c]:target_bounds[c+1]
     row_target: np.ndarray        # [rows, max_len] target of (row, p), -1 at p = 0 and in padding
     row_needed: np.ndarray        # [rows, max_len] position in `needed` of the token predicting (row, p), or -1
+    target_sums: RowSums          # the backward of the row_target gather
+    needed_sums: RowSums          # the backward of the row_needed gather
 
 
 def check_targets(target_src, target_token, row_target, row_pred, lengths, num_tokens: int, vocab: int, *,
@@ -73,7 +95,9 @@ def plan_targets(target_src, target_token, row_target, row_pred, num_tokens: int
     to_needed[needed] = np.arange(needed.size)
     row_pred = np.asarray(row_pred, np.int64)
     row_needed = np.where(row_pred >= 0, to_needed[np.maximum(row_pred, 0)], -1)
+    row_target = np.asarray(row_target, np.int64)
     return TargetPlan(num_tokens=num_tokens, needed=needed.astype(np.int64), token_bounds=token_bounds,
                       target_order=order.astype(np.int64), target_slot=slot_sorted.astype(np.int64),
                       target_token=tok[order], target_bounds=target_bounds,
-                      row_target=np.asarray(row_target, np.int64), row_needed=row_needed)
+                      row_target=row_target, row_needed=row_needed,
+                      target_sums=row_sums(row_target), needed_sums=row_sums(row_needed))

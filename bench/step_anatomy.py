@@ -1,0 +1,202 @@
+"""Where one training step's time and memory go, tree mode against trajectory-wise, on a generated batch.
+
+    PYTHONUNBUFFERED=1 python bench/step_anatomy.py --presets tau2 --length-scale 1.0 \
+        --target-tokens 1000000 --microbatch-tokens 65536
+    python bench/step_anatomy.py --device cpu --tiny          # smoke test (no memory sections on the CPU)
+
+The batch, model and step are bench/e2e.py's (same options). For each preset:
+1. components (bench/breakdown.py) of one profiled step of each mode, as ms per million trajectory tokens, and
+   the trajectory-wise / tree ratio of each: the speedup that component reaches, to compare with the token
+   ratio (the pair ratio for attention). Trajectory-wise profiles its first --traj-microbatches microbatches
+   (they are alike) and scales by the trajectory tokens they hold.
+2. the kernels with the most device time in each mode, same units (CUDA).
+3. the memory timeline of a tree step (CUDA): allocated memory at every decoder layer's forward and
+   recomputation, and the highest peak between two of those events, so the phase that sets the step's peak
+   is named (piece, layer, forward or backward).
+4. the live allocations at that peak, summed by source line (python frames; allocations made inside
+   autograd's C++ backward have none and are summed as "<no python frame>").
+"""
+from __future__ import annotations
+
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from breakdown import component_breakdown  # noqa: E402
+from common import BENCH_MODELS, Step, build_model, describe_device, model_config, synchronize  # noqa: E402
+from e2e import forward_units, parse_args, plan_preset  # noqa: E402
+from memory_sites import REPO  # noqa: E402
+
+PER = 1e6  # components and kernels are printed per this many trajectory tokens
+
+
+def profiled_kernels(step, top: int) -> list[tuple[str, float]]:
+    """(kernel name, device ms) of one profiled call of `step`, the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    totals: Counter = Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name[:70]] += event.device_time_total / 1e3
+    return totals.most_common(top)
+
+
+class LayerTimeline:
+    """Allocated memory at each decoder layer's forward and recomputation, and the peak since the event before."""
+
+    def __init__(self, model):
+        self.model, self.events, self.pieces, self.saved = model, [], {}, []
+
+    def __enter__(self):
+        for i, layer in enumerate(self.model.model.layers):
+            original = layer.forward
+
+            def forward(x, ctx, _original=original, _layer=i):
+                self.mark(("recompute" if torch._C._current_graph_task_id() != -1 else "forward",
+                           self.pieces.setdefault(id(ctx.plan), len(self.pieces)), _layer))
+                return _original(x, ctx)
+            layer.forward = forward
+            self.saved.append((layer, original))
+        return self
+
+    def __exit__(self, *exc):
+        for layer, original in self.saved:
+            layer.forward = original
+
+    def mark(self, label) -> None:
+        synchronize(torch.device("cuda"))
+        peak = torch.cuda.max_memory_allocated()
+        if self.events:  # the peak between the previous event and this one belongs to the previous
+            self.events[-1]["peak"] = peak
+        self.events.append({"label": label, "at": torch.cuda.memory_allocated(), "peak": None})
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_sites(snapshot: dict, device_index: int, top: int) -> tuple[int, list[tuple[str, int]]]:
+    """Replay the allocator trace: (bytes allocated at the highest point above the start, [(site, bytes)] of the
+    blocks live then that were allocated during the trace)."""
+    trace = snapshot["device_traces"][device_index]
+
+    def deltas():
+        for entry in trace:
+            if entry["action"] == "alloc":
+                yield entry, entry["size"]
+            elif entry["action"] == "free_completed":
+                yield entry, -entry["size"]
+    total = peak = 0
+    peak_at = -1
+    for n, (_, delta) in enumerate(deltas()):
+        total += delta
+        if total > peak:
+            peak, peak_at = total, n
+    live = {}
+    for n, (entry, delta) in enumerate(deltas()):
+        if n > peak_at:
+            break
+        if delta > 0:
+            live[entry["addr"]] = (delta, _site(entry.get("frames") or []))
+        else:
+            live.pop(entry["addr"], None)
+    sites: Counter = Counter()
+    for size, site in live.values():
+        sites[site] += size
+    return peak, sites.most_common(top)
+
+
+def _site(frames) -> str:
+    ours = next((f for f in frames if f["filename"].startswith(REPO)), None)  # innermost first
+    if ours is None:
+        return "<no python frame>" if not frames else f"<elsewhere> {frames[0]['filename'].split('/')[-1]}"
+    return f"{ours['filename'][len(REPO) + 1:]}:{ours['line']} {ours['name']}"
+
+
+def memory_anatomy(step, model, top: int) -> None:
+    device = model.lm_head.weight.device
+    synchronize(device)
+    model.zero_grad(set_to_none=True)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")
+    try:
+        with LayerTimeline(model) as timeline:
+            timeline.mark(("step start", -1, -1))
+            step()
+            timeline.mark(("step end", -1, -1))
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    gib = 2 ** 30
+    print(f"  memory timeline (GiB above the step's start, {start / gib:.1f} GiB resident then): the phases with "
+          "the highest peaks")
+    events = [e for e in timeline.events if e["peak"] is not None]
+    for event in sorted(events, key=lambda e: -e["peak"])[:8]:
+        kind, piece, layer = event["label"]
+        where = kind if piece < 0 else f"{kind:9s} piece {piece} layer {layer}"
+        print(f"    {where:32s} at {(event['at'] - start) / gib:6.2f}  peak after it {(event['peak'] - start) / gib:6.2f}")
+    peak, sites = peak_sites(snapshot, device.index or 0, top)
+    print(f"  live at the step's peak ({peak / gib:.2f} GiB allocated during the step), by site:")
+    for site, size in sites:
+        print(f"    {size / gib:8.3f}  {site}")
+
+
+def component_table(tree_parts: dict, traj_parts: dict, tree_tokens: int, traj_tokens: int, row: dict) -> None:
+    print(f"  ms per {PER / 1e6:g}M trajectory tokens (tree: its step over all {tree_tokens:,}; trajectory-wise: "
+          f"the profiled microbatches' {traj_tokens:,}); ideal: token ratio {row['ideal']:.2f}x, pair ratio "
+          f"{row['pair_compression']:.2f}x")
+    names = [n for n in traj_parts if n not in ("total", "step wall")] + ["total", "step wall"]
+    for name in names:
+        tree = tree_parts.get(name, 0.0) * PER / tree_tokens
+        traj = traj_parts.get(name, 0.0) * PER / traj_tokens
+        ratio = traj / tree if tree else float("inf")
+        print(f"    {name:28s} traj {traj:9.1f}  tree {tree:8.1f}  speedup {ratio:6.2f}x")
+
+
+def kernel_table(label: str, kernels, tokens: int) -> None:
+    print(f"  top kernels, {label} (device ms per {PER / 1e6:g}M trajectory tokens):")
+    for name, ms in kernels:
+        print(f"    {ms * PER / tokens:9.1f}  {name}")
+
+
+def run_preset(preset, model, args, traj_microbatches: int, top: int) -> None:
+    batch, row, tree_indices, traj_indices, _ = plan_preset(preset, model.config, args)
+    cuda = args.device.type == "cuda"
+    tree = Step(model, tree_indices, row["trajectory_tokens"])
+    sample = traj_indices[:traj_microbatches]
+    sample_tokens = sum(index.num_tokens for index in sample)
+    traj = Step(model, sample, row["trajectory_tokens"])
+    for step in (tree, traj):  # warm: kernels compiled, allocator grown
+        step()
+    tree_parts = component_breakdown(tree, args.device)
+    traj_parts = component_breakdown(traj, args.device)
+    print(f"  tree: {len(forward_units(tree_indices))} forwards; trajectory-wise: {len(sample)} of "
+          f"{len(traj_indices)} microbatches profiled")
+    component_table(tree_parts, traj_parts, row["trajectory_tokens"], sample_tokens, row)
+    if cuda:
+        kernel_table("tree", profiled_kernels(tree, top), row["trajectory_tokens"])
+        kernel_table("trajectory-wise", profiled_kernels(traj, top), sample_tokens)
+        memory_anatomy(tree, model, top)
+    del tree, traj
+
+
+def main(argv=None) -> int:
+    import argparse
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--traj-microbatches", type=int, default=2)
+    extra.add_argument("--top", type=int, default=14)
+    known, rest = extra.parse_known_args(argv)
+    args = parse_args(rest)
+    print(f"device {describe_device(args.device)}")
+    model = build_model(model_config(args.tiny, model=args.model), args.device, torch.bfloat16, seed=args.seed,
+                        checkpointing=True)
+    print(f"model {BENCH_MODELS[args.model][1] if args.tiny else args.model}")
+    for preset in args.presets:
+        run_preset(preset, model, args, known.traj_microbatches, known.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
