@@ -24,15 +24,17 @@ def live_bytes_by_site(snapshot: dict, root: str = REPO) -> Counter:
         for block in segment["blocks"]:
             if block["state"] != "active_allocated":
                 continue
-            frames = block.get("frames")
-            if not frames:
-                site = "<no stack>"
-            else:
-                ours = next((f for f in frames if f["filename"].startswith(root)), None)  # innermost first
-                site = "<elsewhere>" if ours is None else \
-                    f"{ours['filename'][len(root) + 1:]}:{ours['line']} {ours['name']}"
-            sites[site] += block.get("requested_size", block["size"])
+            sites[site_of(block.get("frames"), root)] += block.get("requested_size", block["size"])
     return sites
+
+
+def site_of(frames, root: str = REPO) -> str:
+    """"file:line function" of the innermost frame under `root` (frames innermost first); "<elsewhere>" when none
+    is, "<no stack>" without frames (an allocation made inside autograd's C++ backward has no python frame)."""
+    if not frames:
+        return "<no stack>"
+    ours = next((f for f in frames if f["filename"].startswith(root)), None)
+    return "<elsewhere>" if ours is None else f"{ours['filename'][len(root) + 1:]}:{ours['line']} {ours['name']}"
 
 
 def forward_memory_sites(model, plan, kernels: dict, top: int = 12) -> dict:

@@ -14,12 +14,12 @@ The batch, model and step are bench/e2e.py's (same options). For each preset:
    recomputation, and the highest peak between two of those events, so the phase that sets the step's peak
    is named (piece, layer, forward or backward).
 4. the live allocations at that peak, summed by source line (python frames; allocations made inside
-   autograd's C++ backward have none and are summed as "<no python frame>").
+   autograd's C++ backward have none and are summed as "<no stack>").
 """
 from __future__ import annotations
 
 import sys
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402
 from common import BENCH_MODELS, Step, build_model, describe_device, model_config, synchronize  # noqa: E402
 from e2e import forward_units, parse_args, plan_preset  # noqa: E402
-from memory_sites import REPO  # noqa: E402
+from memory_sites import REPO, site_of  # noqa: E402
 
 PER = 1e6  # components and kernels are printed per this many trajectory tokens
 
@@ -77,7 +77,7 @@ class LayerTimeline:
         torch.cuda.reset_peak_memory_stats()
 
 
-def peak_sites(snapshot: dict, device_index: int, top: int) -> tuple[int, list[tuple[str, int]]]:
+def peak_sites(snapshot: dict, device_index: int, top: int, root: str = REPO) -> tuple[int, list[tuple[str, int]]]:
     """Replay the allocator trace: (bytes allocated at the highest point above the start, [(site, bytes)] of the
     blocks live then that were allocated during the trace)."""
     trace = snapshot["device_traces"][device_index]
@@ -99,20 +99,13 @@ def peak_sites(snapshot: dict, device_index: int, top: int) -> tuple[int, list[t
         if n > peak_at:
             break
         if delta > 0:
-            live[entry["addr"]] = (delta, _site(entry.get("frames") or []))
+            live[entry["addr"]] = (delta, site_of(entry.get("frames"), root))
         else:
             live.pop(entry["addr"], None)
     sites: Counter = Counter()
     for size, site in live.values():
         sites[site] += size
     return peak, sites.most_common(top)
-
-
-def _site(frames) -> str:
-    ours = next((f for f in frames if f["filename"].startswith(REPO)), None)  # innermost first
-    if ours is None:
-        return "<no python frame>" if not frames else f"<elsewhere> {frames[0]['filename'].split('/')[-1]}"
-    return f"{ours['filename'][len(REPO) + 1:]}:{ours['line']} {ours['name']}"
 
 
 def memory_anatomy(step, model, top: int) -> None:
@@ -136,7 +129,8 @@ def memory_anatomy(step, model, top: int) -> None:
     for event in sorted(events, key=lambda e: -e["peak"])[:8]:
         kind, piece, layer = event["label"]
         where = kind if piece < 0 else f"{kind:9s} piece {piece} layer {layer}"
-        print(f"    {where:32s} at {(event['at'] - start) / gib:6.2f}  peak after it {(event['peak'] - start) / gib:6.2f}")
+        at, peak = (event["at"] - start) / gib, (event["peak"] - start) / gib
+        print(f"    {where:32s} at {at:6.2f}  peak after it {peak:6.2f}")
     peak, sites = peak_sites(snapshot, device.index or 0, top)
     print(f"  live at the step's peak ({peak / gib:.2f} GiB allocated during the step), by site:")
     for site, size in sites:

@@ -242,3 +242,27 @@ def test_memory_sites_groups_live_blocks_by_their_innermost_repository_frame():
                      "frames": [frame("/site-packages/torch/x.py", 1, "f")]}]}]}
     sites = memory_sites.live_bytes_by_site(snapshot, root=root)
     assert sites == {"runtime/moe.py:42 forward": 1500, "<no stack>": 2000, "<elsewhere>": 60}
+
+
+def test_step_anatomy_finds_the_peak_and_whats_live_there():
+    """bench/step_anatomy.py replays the allocator trace: the highest point and the blocks alive at it."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import step_anatomy
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def event(action, addr, size, path=None):
+        frames = [{"filename": f"/repo/{path}", "line": 3, "name": "f"}] if path else []
+        return {"action": action, "addr": addr, "size": size, "frames": frames}
+    trace = [event("alloc", 1, 100, "a.py"), event("alloc", 2, 50, "b.py"), event("free_requested", 1, 100),
+             event("free_completed", 1, 100), event("alloc", 3, 30), event("alloc", 4, 90, "a.py"),
+             event("free_completed", 4, 90), event("free_completed", 9, 500)]  # 9: allocated before the trace
+    peak, sites = step_anatomy.peak_sites({"device_traces": [trace]}, 0, top=5, root="/repo")
+    assert peak == 170  # blocks 2, 3 and 4
+    assert dict(sites) == {"a.py:3 f": 90, "b.py:3 f": 50, "<no stack>": 30}
+
+
+def test_step_anatomy_runs_at_toy_size(tmp_path):
+    result = run_bench("step_anatomy.py", tmp_path, "--presets", "tau2")
+    assert "linear attention" in result.stdout and "speedup" in result.stdout
