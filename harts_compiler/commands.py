@@ -39,7 +39,9 @@ def format_summary(plan, stats: dict | None = None) -> str:
         for tree in pieces.get("memory", []):
             lines.append(f"  tree {tree['tree']}: {len(tree['pieces'])} pieces carry "
                          f"{tree['carried_bytes'] / 2**30:.2f} GiB, predicted peak "
-                         f"{tree['predicted_peak_bytes'] / 2**30:.2f} GiB (bf16, recomputation)")
+                         f"{tree['predicted_peak_bytes'] / 2**30:.2f} GiB (bf16, recomputation); with "
+                         f"offload_piece_inputs {tree['predicted_peak_offloaded_bytes'] / 2**30:.2f} GiB + "
+                         f"{tree['offloaded_host_bytes'] / 2**30:.2f} GiB on the host")
     if "schedule" in stats:
         sched = stats["schedule"]
         lines.append(f"schedule           {sched['status']} ({STATUS_MEANING.get(sched['status'], '?')}; "
@@ -125,7 +127,9 @@ def pieces_memory(plan, config, dtype_bytes: int = 2) -> list[dict]:
                     "pieces": [{"tokens": p.tokens, "context_tokens": p.context_tokens,
                                 "carried_bytes": p.carried_bytes} for p in pieces],
                     "carried_bytes": sum(p.carried_bytes for p in pieces),
-                    "predicted_peak_bytes": predicted_peak(pieces)})
+                    "predicted_peak_bytes": predicted_peak(pieces),
+                    "predicted_peak_offloaded_bytes": predicted_peak(pieces, offloaded=True),
+                    "offloaded_host_bytes": sum(p.kept_bytes for p in pieces[:-1])})
     return out
 
 

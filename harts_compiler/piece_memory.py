@@ -12,6 +12,13 @@ layer's activations are alive at a time:
 
     peak(tree) = sum_p [ kept(p) + carried(p) ] + max_p transient(p)
 
+With `TreeModel(offload_piece_inputs=True)` the pieces before the last keep their layer inputs in host memory
+(runtime/ops/offload.py) and bring back one layer's at a time, so on the device
+
+    peak(tree, offloaded) = sum_p carried(p) + kept(last) + max_p transient(p)
+
+and sum_{p < last} kept(p) waits in pinned host memory.
+
 kept and transient come from `verify_memory.activation_bytes` (kept: the checkpointed layer inputs; transient:
 the rest of that estimate). Parameters, gradients and optimizer state are not included (they do not depend on
 the plan). The numbers are an estimate to compare plans and budgets by, not a measurement.
@@ -65,7 +72,7 @@ def piece_memory(chain, config, dtype_bytes: int, *, checkpointing: bool = True)
     return out
 
 
-def predicted_peak(pieces: list[PieceMemory]) -> int:
-    """peak(tree) of the memory model (module docstring)."""
-    return (sum(p.kept_bytes + p.carried_bytes for p in pieces)
-            + max((p.transient_bytes for p in pieces), default=0))
+def predicted_peak(pieces: list[PieceMemory], *, offloaded: bool = False) -> int:
+    """peak(tree) of the memory model, or peak(tree, offloaded) (module docstring)."""
+    kept = pieces[-1].kept_bytes if offloaded and pieces else sum(p.kept_bytes for p in pieces)
+    return kept + sum(p.carried_bytes for p in pieces) + max((p.transient_bytes for p in pieces), default=0)

@@ -35,6 +35,7 @@ from .layers import DenseMLP, RMSNorm, ZeroCentredRMSNorm, rope_tables
 from .mla import MultiLatentAttention
 from .moe import RouterStats, SparseMoeBlock, load_balancing_loss
 from .ops.embedding import embed_tokens
+from .ops.offload import HostParkedInput, run_layer
 from .pieces import run_piece_chain
 
 
@@ -125,10 +126,14 @@ class TreeModel(nn.Module):
     """Exact tree-mode execution of a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / Kimi Linear causal LM."""
 
     def __init__(self, config: ModelConfig, *, activation_checkpointing: bool = False,
-                 triton_linear_attention: bool = True, gdn_config: GDNKernelConfig | None = None):
+                 triton_linear_attention: bool = True, gdn_config: GDNKernelConfig | None = None,
+                 offload_piece_inputs: bool = False):
         super().__init__()
         self.config = config
         self.activation_checkpointing = activation_checkpointing
+        # a tree in pieces: the checkpointed layer inputs of every piece but the last wait in host memory until
+        # their backward (ops/offload.py); without checkpointing there are none to move
+        self.offload_piece_inputs = offload_piece_inputs
         # Triton GDN and tree causal-conv kernels on CUDA for bf16/fp16 models (checked on the H200:
         # tests/test_chunk_gdn_gpu.py, test_causal_conv.py, test_runtime_gpu.py). fp32/fp64 models
         # and `triton_linear_attention=False` run the exact plain-torch path: the kernels' dots
@@ -198,12 +203,14 @@ class TreeModel(nn.Module):
         return plan if plan.device == device else plan.to(device)
 
     def forward(self, batch, *, activation_checkpointing: bool | None = None,
-                gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None, carries=None) -> TreeOutput:
+                gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None, carries=None,
+                offload_inputs: bool = False) -> TreeOutput:
         """Run one microbatch (see `launch_plan` for what `batch` may be; a microbatch whose tree runs as pieces,
         or its `codegen.pieces.PieceChain`, runs its pieces in order and returns whole rows). `gdn_kernel` /
         `kda_kernel`: a reference kernel (same signature as `chunk_gated_delta_rule_reference`) for the GDN / KDA
         layers. `carries`: layer -> LayerCarry when `batch` is one piece of a split tree (`runtime.pieces` passes
-        them; the output then holds that piece's partial rows)."""
+        them, and `offload_inputs` for the pieces whose backward waits; the output then holds that piece's partial
+        rows)."""
         options = dict(activation_checkpointing=activation_checkpointing, gdn_kernel=gdn_kernel,
                        kda_kernel=kda_kernel)
         chain = batch if isinstance(batch, PieceChain) else None
@@ -217,13 +224,16 @@ class TreeModel(nn.Module):
             raise InvalidBatchError("this microbatch is one piece of a split tree: it reads carried tensors from "
                                     "the pieces before it; run the whole microbatch (or its PieceChain)"
                                     if carries is None else "carried tensors were given for a whole microbatch")
-        logprobs, entropy, router_stats = self.run_plan(plan, carries=carries, **options)
+        logprobs, entropy, router_stats = self.run_plan(plan, carries=carries, offload_inputs=offload_inputs,
+                                                        **options)
         return tree_output(plan.trajectory_ids, logprobs, entropy, plan.lengths, router_stats, self.config)
 
     def run_plan(self, plan: LaunchPlan, *, activation_checkpointing: bool | None = None,
-                 gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None, carries=None):
+                 gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None, carries=None,
+                 offload_inputs: bool = False):
         """One uploaded launch plan through every layer: (logprobs rows, entropy rows, router statistics).
-        `carries`: layer -> LayerCarry for a piece of a split tree (`runtime.pieces`)."""
+        `carries`: layer -> LayerCarry for a piece of a split tree (`runtime.pieces`); `offload_inputs`: move the
+        checkpointed layer inputs to host memory once the forward is done (`ops/offload.py`)."""
         ctx = ExecutionContext(plan=plan, config=self.config, gdn_kernel=gdn_kernel, kda_kernel=kda_kernel,
                                carries=carries)
         use_checkpoint = self.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
@@ -231,8 +241,12 @@ class TreeModel(nn.Module):
 
         x = embed_tokens(self.model.embed_tokens.weight, plan, padding_idx=self.config.pad_token_id)
         router_stats: list[RouterStats] = []
+        parked: list[HostParkedInput] = []
         for layer in self.model.layers:
-            if use_checkpoint:
+            if use_checkpoint and offload_inputs:
+                parked.append(HostParkedInput(x))
+                x, stats = checkpoint(run_layer, layer, parked[-1], ctx, use_reentrant=False)
+            elif use_checkpoint:
                 # rounds and state hand-offs are inside the layer, so they are recomputed too
                 x, stats = checkpoint(layer, x, ctx, use_reentrant=False)
             else:
@@ -241,6 +255,8 @@ class TreeModel(nn.Module):
                 router_stats.append(stats)
         x = self.model.norm(x)
         logprobs, entropy = token_logprobs(x, self.lm_head.weight, plan.targets, use_triton=plan.target.logprobs_triton)
+        for inputs in parked:
+            inputs.park()
         return logprobs, entropy, router_stats
 
 

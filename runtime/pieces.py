@@ -13,7 +13,8 @@ summed into one row: each position by exactly one piece), with the MoE statistic
 pieces' tokens, each counted once per trajectory, exactly as for the unsplit tree.
 
 Memory: every piece keeps its autograd graph until the backward (with activation checkpointing, its layer
-inputs), while the activations inside a layer are bounded by the piece's tokens (the microbatch budget).
+inputs, which `TreeModel(offload_piece_inputs=True)` moves to host memory for every piece but the last:
+ops/offload.py), while the activations inside a layer are bounded by the piece's tokens (the microbatch budget).
 """
 from __future__ import annotations
 
@@ -159,12 +160,14 @@ def _forward_chain(model, chain, *, detached: bool, options: dict):
         pairs.append((tensor, cut))
         return cut
 
-    for index, links in zip(chain.indices, chain.links):
+    for number, (index, links) in enumerate(zip(chain.indices, chain.links)):
         plan = model.launch_plan(index, reference_gdn=options.get("gdn_kernel") is not None
                                  or options.get("kda_kernel") is not None)
         carries = {i: LayerCarry(plan.piece, _layer_inputs(kept, i, links, plan.positions.device, kinds[i]))
                    for i in range(len(kinds))}
-        piece_out = model(plan, carries=carries, **options)  # the root module's forward: FSDP2's hooks run per piece
+        offload = model.offload_piece_inputs and number < len(chain.indices) - 1  # the last piece's backward is next
+        # the root module's forward: FSDP2's hooks run per piece
+        piece_out = model(plan, carries=carries, offload_inputs=offload, **options)
         logprobs, entropy, router_stats = piece_out.logprobs, piece_out.entropy, piece_out.router_stats or []
         pairs: list = []
         kept.append({i: {kind: (tuple(leaf(pairs, t) for t in value) if isinstance(value, tuple)

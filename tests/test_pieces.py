@@ -163,6 +163,34 @@ def test_pieces_under_activation_checkpointing():
     assert max(rel(outs[1][1][n], outs[0][1][n]) for n in outs[0][1]) < 1e-13
 
 
+def test_offloaded_piece_inputs_give_the_same_bits(monkeypatch):
+    """offload_piece_inputs: the checkpointed layer inputs of every piece but the last go to host memory after its
+    forward and come back for its backward; outputs and every gradient are bitwise those without it."""
+    from harts_compiler.runtime.ops import offload
+    token_lists = adversarial("deep chain", 4)
+    plan = pieced_plan(token_lists, 4, 16)
+    model = tiny_model(torch.float64, "tiny-qwen3-next")
+    (mb,) = [mb for mb in plan.microbatches() if mb.runs_as_pieces]
+    parked = []
+    monkeypatch.setattr(offload.HostParkedInput, "park",
+                        lambda self, park=offload.HostParkedInput.park: (parked.append(self), park(self)))
+    outs = []
+    for flag in (False, True):
+        model.zero_grad(set_to_none=True)
+        model.offload_piece_inputs = flag
+        try:
+            out = model(mb, activation_checkpointing=True)
+        finally:
+            model.offload_piece_inputs = False
+        (out.logprobs.sum() + out.entropy.sum() + out.aux_loss).backward()
+        outs.append((out.logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    pieces = len(mb.build_chain().indices)
+    assert pieces >= 3 and len(parked) == (pieces - 1) * model.config.num_hidden_layers
+    assert all(p.parked for p in parked)
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(outs[0][1][n], outs[1][1][n]) for n in outs[0][1])
+
+
 @pytest.mark.parametrize("kind", ["conv", "replay", "kv"])
 def test_carried_gradients_own_their_storage(kind):
     """A carried input's gradient is a copy of its rows, not a slice of the whole concatenated tensor's gradient:
