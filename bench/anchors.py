@@ -1,7 +1,8 @@
-"""The external linear-attention kernels the benchmarks compare against: fla (flash-linear-attention) and
-FlashQLA, both optional and never a runtime dependency. Each chunk function (fla's signature: [1, T, H, D]
-inputs) is put behind our single-call signature (`single_call`, the kernel benchmarks) or the runtime's
-`gdn_kernel` / `kda_kernel` signature (`trajectory_kernel`, the end-to-end baseline).
+"""The external kernels the benchmarks compare against: fla (flash-linear-attention) and FlashQLA, both optional
+and never a runtime dependency, and torch's SDPA for full attention. Each chunk function (fla's signature:
+[1, T, H, D] inputs) is put behind our single-call signature (`single_call`, the kernel benchmarks) or the
+runtime's `gdn_kernel` / `kda_kernel` signature (`trajectory_kernel`, the end-to-end baseline); SDPA runs per
+trajectory behind the runtime's `attention_kernel` signature (`TrajectorySDPA`).
 
 Import from a script in bench/ as `from anchors import ...`.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 
@@ -94,3 +96,32 @@ def fla_trajectory_kernel(rule: str = "gdn"):
     """fla's chunk kernel of a linear-attention rule ("gdn": chunk_gated_delta_rule, "kda": chunk_kda) as a
     trajectory-wise kernel (`trajectory_kernel`); None when fla is not importable."""
     return trajectory_kernel(import_fla(rule))
+
+
+class TrajectorySDPA:
+    """Causal attention per trajectory through `torch.nn.functional.scaled_dot_product_attention` with torch's own
+    backend choice (cuDNN on the H200 for these shapes): what a trajectory-wise trainer gets from torch, behind the
+    runtime's `attention_kernel` signature `(q, k, v, plan, *, scale)`. K/V heads are expanded to the query heads.
+    Trajectory-wise microbatches only: each trajectory is a run of rows whose keys end together (`subtree_end`);
+    `add(plan, index)` records a plan's runs on the host, so the step reads nothing back from the device."""
+
+    def __init__(self):
+        self.runs = {}
+
+    def add(self, plan, index) -> None:
+        ends = np.asarray(index.subtree_end)
+        starts = np.flatnonzero(np.r_[True, ends[1:] != ends[:-1]])
+        if not np.array_equal(ends[starts], np.r_[starts[1:], ends.size]):
+            raise ValueError("TrajectorySDPA: a microbatch of whole trajectories only (each one run of rows)")
+        self.runs[id(plan)] = list(zip(starts.tolist(), ends[starts].tolist()))
+
+    def __call__(self, q, k, v, plan, *, scale):
+        group = q.shape[1] // k.shape[1]
+        outs = []
+        for start, end in self.runs[id(plan)]:
+            def heads(x, repeat=1):  # [L, H, D] -> [1, H * repeat, L, D]
+                return x[start:end].transpose(0, 1).repeat_interleave(repeat, dim=0)[None]
+            o = torch.nn.functional.scaled_dot_product_attention(heads(q), heads(k, group), heads(v, group),
+                                                                 is_causal=True, scale=scale)
+            outs.append(o[0].transpose(0, 1))
+        return torch.cat(outs)

@@ -140,15 +140,20 @@ class Step:
     does while the previous step runs: the timed step reads device launch plans only (`lower_ms`: the
     lowering and upload time of all of them)."""
 
-    def __init__(self, model, indices, trajectory_tokens: int, linear_kernel=None):
+    def __init__(self, model, indices, trajectory_tokens: int, linear_kernel=None, attention_kernel=None):
         self.model = model
         self.trajectory_tokens = trajectory_tokens
         self.aux_coef = model.config.router_aux_loss_coef
         self.kernels = linear_kernel_arguments(model.config, linear_kernel)  # None: the runtime's own
+        if attention_kernel is not None:  # e.g. anchors.TrajectorySDPA (trajectory-wise microbatches)
+            self.kernels["attention_kernel"] = attention_kernel
         device = model.lm_head.weight.device
         start = time.perf_counter()
         self.plans = [lower_chain(model, index) if isinstance(index, PieceChain) else
                       model.launch_plan(index, reference_gdn=linear_kernel is not None) for index in indices]
+        if attention_kernel is not None:
+            for plan, index in zip(self.plans, indices):
+                attention_kernel.add(plan, index)
         synchronize(device)
         self.lower_ms = (time.perf_counter() - start) * 1e3
 

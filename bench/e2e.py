@@ -41,8 +41,10 @@ work follows its forward op through the autograd sequence numbers; plus planner 
 Baseline: the fastest of the runtime's trajectory mode (our kernels) and the same trajectory-wise step
 with an external kernel of the model's rule in every linear-attention layer: fla's
 chunk_gated_delta_rule / chunk_kda ("traj fla ms") and, for GDN, FlashQLA's chunk_gated_delta_rule
-("traj fq ms"), each when importable on CUDA (`--no-fla` skips both; fla's column is fla's own kernels,
-not its dispatch to FlashQLA); "speedup" divides that baseline by tree mode, and the JSON names the
+("traj fq ms"), each when importable on CUDA; then, for gated-attention (GQA) models on CUDA, the fastest of
+those with torch's SDPA (its default backend, cuDNN on the H200) per trajectory in every full-attention layer
+("traj sdpa ms", `anchors.TrajectorySDPA`). `--no-fla` skips all of them; fla's column is fla's own kernels,
+not its dispatch to FlashQLA. "speedup" divides that baseline by tree mode, and the JSON names the
 baseline. On CUDA (GDN models), the GDN kernel of the
 largest trajectory microbatch is also timed alone against fla's, and SDPA's flash attention per
 trajectory against our attention kernel.
@@ -67,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402
 from e2e_numerics import numerics  # noqa: E402
 from memory_sites import forward_memory_sites, print_sites  # noqa: E402
-from anchors import fla_trajectory_kernel, import_flashqla, trajectory_kernel  # noqa: E402
+from anchors import TrajectorySDPA, fla_trajectory_kernel, import_flashqla, trajectory_kernel  # noqa: E402
 from common import (BENCH_MODELS, LENGTH_SCALE, TINY_GENERATOR, Step, build_model,  # noqa: E402
                     describe_device, finish_args, format_table, kernel_ms, median, model_config, parameter_count,
                     peak_memory, plan_microbatches, prefix_forest, sized_batch, time_calls, trajectory_microbatches,
@@ -101,7 +103,7 @@ def parse_args(argv):
                    help="CUDA: what one forward of the largest tree / trajectory-wise microbatch leaves alive, by "
                         "allocation site (bench/memory_sites.py)")
     p.add_argument("--no-fla", action="store_true",
-                   help="do not time the trajectory-wise step with external kernels (fla's, FlashQLA's)")
+                   help="do not time the trajectory-wise step with external kernels (fla's, FlashQLA's, SDPA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON results here")
     args = p.parse_args(argv)
@@ -119,10 +121,10 @@ def gib_text(gib: float | None) -> str:
     return "-" if gib is None else f"{gib:.1f}"  # None: no CUDA memory statistics (CPU)
 
 
-def time_mode(model, indices, trajectory_tokens, args, linear_kernel=None):
+def time_mode(model, indices, trajectory_tokens, args, linear_kernel=None, attention_kernel=None):
     """Median step ms; peak memory = weights + the step's peak above what was resident before it
     (so another mode's saved gradients do not count); a copy of the gradients."""
-    step = Step(model, indices, trajectory_tokens, linear_kernel=linear_kernel)
+    step = Step(model, indices, trajectory_tokens, linear_kernel=linear_kernel, attention_kernel=attention_kernel)
     model.zero_grad(set_to_none=True)
     with peak_memory(args.device) as memory:
         times = time_calls(step, args.device, warmup=args.warmup, repeat=args.repeat)
@@ -232,18 +234,30 @@ def baseline_timing(model, traj_indices, row, args, ours_ms) -> dict:
     """The trajectory-wise baseline is the fastest of our kernels in trajectory mode and the same step with
     each importable external kernel of the model's linear-attention rule in every linear-attention layer
     (fla's chunk_gated_delta_rule or chunk_kda; FlashQLA's chunk_gated_delta_rule), on CUDA."""
-    result = {"traj_fla_ms": None, "traj_flashqla_ms": None, "baseline": "ours (trajectory mode)",
-              "baseline_ms": ours_ms}
-    for name, key, kernel in external_kernels(model.config.linear_rule, args):
+    result = {"traj_fla_ms": None, "traj_flashqla_ms": None, "traj_sdpa_ms": None,
+              "baseline": "ours (trajectory mode)", "baseline_ms": ours_ms}
+
+    def candidate(name, key, kernel, attention=None) -> bool:
+        """Time one trajectory-wise variant; True when it is the new baseline."""
         try:
-            timed, _, _ = time_mode(model, traj_indices, row["trajectory_tokens"], args, linear_kernel=kernel)
+            timed, _, _ = time_mode(model, traj_indices, row["trajectory_tokens"], args, linear_kernel=kernel,
+                                    attention_kernel=attention)
         except Exception as exc:  # noqa: BLE001 - an optional baseline must not sink the benchmark
             print(f"  trajectory-wise with {name} failed: {exc!r}")
-            continue
+            return False
         print(f"  trajectory-wise, {name}: {timed['ms']:.1f} ms/step", flush=True)
         result[key] = timed["ms"]
-        if timed["ms"] < result["baseline_ms"]:
-            result.update(baseline=f"{name} (trajectory mode)", baseline_ms=timed["ms"])
+        if timed["ms"] >= result["baseline_ms"]:
+            return False
+        result.update(baseline=f"{name} (trajectory mode)", baseline_ms=timed["ms"])
+        return True
+
+    best_name, best_kernel = "ours", None
+    for name, key, kernel in external_kernels(model.config.linear_rule, args):
+        if candidate(name, key, kernel):
+            best_name, best_kernel = name, kernel
+    if args.device.type != "cpu" and not args.no_fla and not model.config.is_kimi:  # GQA: SDPA takes these shapes
+        candidate(f"{best_name} + SDPA attention", "traj_sdpa_ms", best_kernel, TrajectorySDPA())
     return result
 
 
@@ -391,7 +405,7 @@ def report(rows, args, info, config, failures) -> None:
     columns = [("preset", "preset"), ("trajectory_tokens", "traj tok"), ("compact_tokens", "distinct"),
                ("planned_tokens", "planned"),
                ("ideal", "ideal"), ("traj_ms", "traj ms"), ("traj_fla_ms", "traj fla ms"),
-               ("traj_flashqla_ms", "traj fq ms"), ("tree_ms", "tree ms"),
+               ("traj_flashqla_ms", "traj fq ms"), ("traj_sdpa_ms", "traj sdpa ms"), ("tree_ms", "tree ms"),
                ("speedup", "speedup"),
                ("of_ideal", "of ideal"), ("traj_peak_gib", "traj GiB"), ("tree_peak_gib", "tree GiB"),
                ("err_traj", "err traj"), ("err_tree", "err tree"), ("mean_err_traj", "mean traj"),

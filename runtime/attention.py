@@ -91,6 +91,6 @@ class GatedAttention(nn.Module):
         carry = ctx.layer_carry(self.layer_idx)
         if carry is not None:  # a piece: the context's K/V in front, its queries are the last T keys
             k, v = carry.attention_keys(k, v)
-        out = tree_attention(q, k, v, ctx.plan, scale=self.scaling)
+        out = (ctx.attention_kernel or tree_attention)(q, k, v, ctx.plan, scale=self.scaling)
         out = out.reshape(T, -1) * torch.sigmoid(gate)
         return self.o_proj(out)

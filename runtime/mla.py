@@ -64,7 +64,7 @@ class MultiLatentAttention(nn.Module):
         carry = ctx.layer_carry(self.layer_idx)
         if carry is not None:
             k, v = carry.attention_keys(k, v)
-        out = tree_attention(q, k, v.contiguous(), ctx.plan, scale=self.scaling)  # [T, H, v_dim]
+        out = (ctx.attention_kernel or tree_attention)(q, k, v.contiguous(), ctx.plan, scale=self.scaling)
         if hasattr(self, "g_proj"):  # as transformers: the gate in fp32 (wider for fp64), then the model dtype
             out = out * torch.sigmoid(self.g_proj(x).to(compute_dtype(x.dtype))).to(x.dtype).unsqueeze(-1)
         return self.o_proj(out.reshape(T, H * self.v_dim))

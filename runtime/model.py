@@ -62,6 +62,7 @@ class ExecutionContext:
     config: ModelConfig
     gdn_kernel: Callable | None = None  # a reference GDN kernel for the torch path (tests: the token-loop oracle)
     kda_kernel: Callable | None = None  # the same for KDA layers
+    attention_kernel: Callable | None = None  # another full-attention kernel with tree_attention's signature
     carries: dict | None = None  # a piece of a split tree: layer -> its `ops.carry.LayerCarry`
     _rope: dict = dataclasses.field(default_factory=dict)
 
@@ -203,16 +204,17 @@ class TreeModel(nn.Module):
         return plan if plan.device == device else plan.to(device)
 
     def forward(self, batch, *, activation_checkpointing: bool | None = None,
-                gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None, carries=None,
-                offload_inputs: bool = False) -> TreeOutput:
+                gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None,
+                attention_kernel: Callable | None = None, carries=None, offload_inputs: bool = False) -> TreeOutput:
         """Run one microbatch (see `launch_plan` for what `batch` may be; a microbatch whose tree runs as pieces,
         or its `codegen.pieces.PieceChain`, runs its pieces in order and returns whole rows). `gdn_kernel` /
         `kda_kernel`: a reference kernel (same signature as `chunk_gated_delta_rule_reference`) for the GDN / KDA
-        layers. `carries`: layer -> LayerCarry when `batch` is one piece of a split tree (`runtime.pieces` passes
-        them, and `offload_inputs` for the pieces whose backward waits; the output then holds that piece's partial
-        rows)."""
+        layers; `attention_kernel`: another full-attention kernel, `(q, k, v, plan, *, scale) -> o` as
+        `runtime.attention.tree_attention` (the benchmarks' trajectory-wise baselines). `carries`: layer ->
+        LayerCarry when `batch` is one piece of a split tree (`runtime.pieces` passes them, and `offload_inputs` for
+        the pieces whose backward waits; the output then holds that piece's partial rows)."""
         options = dict(activation_checkpointing=activation_checkpointing, gdn_kernel=gdn_kernel,
-                       kda_kernel=kda_kernel)
+                       kda_kernel=kda_kernel, attention_kernel=attention_kernel)
         chain = batch if isinstance(batch, PieceChain) else None
         if chain is None and getattr(batch, "runs_as_pieces", False):
             batch.check_model(self)
@@ -229,13 +231,13 @@ class TreeModel(nn.Module):
         return tree_output(plan.trajectory_ids, logprobs, entropy, plan.lengths, router_stats, self.config)
 
     def run_plan(self, plan: LaunchPlan, *, activation_checkpointing: bool | None = None,
-                 gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None, carries=None,
-                 offload_inputs: bool = False):
+                 gdn_kernel: Callable | None = None, kda_kernel: Callable | None = None,
+                 attention_kernel: Callable | None = None, carries=None, offload_inputs: bool = False):
         """One uploaded launch plan through every layer: (logprobs rows, entropy rows, router statistics).
         `carries`: layer -> LayerCarry for a piece of a split tree (`runtime.pieces`); `offload_inputs`: move the
         checkpointed layer inputs to host memory once the forward is done (`ops/offload.py`)."""
         ctx = ExecutionContext(plan=plan, config=self.config, gdn_kernel=gdn_kernel, kda_kernel=kda_kernel,
-                               carries=carries)
+                               attention_kernel=attention_kernel, carries=carries)
         use_checkpoint = self.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         use_checkpoint = use_checkpoint and torch.is_grad_enabled()
 

@@ -266,3 +266,42 @@ def test_step_anatomy_finds_the_peak_and_whats_live_there():
 def test_step_anatomy_runs_at_toy_size(tmp_path):
     result = run_bench("step_anatomy.py", tmp_path, "--presets", "tau2")
     assert "linear attention" in result.stdout and "speedup" in result.stdout
+
+
+def test_trajectory_sdpa_baseline_equals_our_attention():
+    """bench/anchors.TrajectorySDPA as the runtime's attention kernel in trajectory mode (fp64, CPU: SDPA's math
+    backend) gives the model's own log-probs and gradients; a tree microbatch is refused."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import anchors
+    finally:
+        sys.path.remove(str(BENCH))
+    from harts_compiler.codegen.index import trajectory_index
+    from harts_compiler.runtime import TreeModel
+    model = TreeModel.from_config("tiny-qwen3-next", seed=2, dtype=torch.float64)
+    rng = np.random.default_rng(0)
+    trajectories = [rng.integers(0, 100, n) for n in (37, 5, 64, 1, 20)]
+    index = trajectory_index(trajectories, [str(i) for i in range(5)], chunk_size=16, conv_width=4)
+    plan = model.launch_plan(index)
+    calls = []
+
+    class Counted(anchors.TrajectorySDPA):
+        def __call__(self, *args, **kwargs):
+            calls.append(1)
+            return super().__call__(*args, **kwargs)
+    results = []
+    for kernel in (None, Counted()):
+        if kernel is not None:
+            kernel.add(plan, index)
+        model.zero_grad(set_to_none=True)
+        out = model(plan, attention_kernel=kernel)
+        out.logprobs.sum().backward()
+        results.append((out.logprobs.detach(), [p.grad.clone() for p in model.parameters()]))
+    (want, want_grads), (got, got_grads) = results
+    assert len(calls) == model.config.layer_types.count("full_attention") > 0
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(got_grads, want_grads))
+    tree = trajectory_index([[1, 2, 3]], ["a"], chunk_size=16, conv_width=4)
+    tree.subtree_end[:] = [3, 2, 3]  # token 1 closes its own subtree: not one run of rows
+    with pytest.raises(ValueError, match="whole trajectories"):
+        anchors.TrajectorySDPA().add(plan, tree)
