@@ -162,13 +162,29 @@ def test_single_rank_step_with_a_tree_riding_in_a_piece_matches_trajectory_wise(
     assert_single_rank_step_exact(plan, token_lists)
 
 
-def assert_single_rank_step_exact(plan, token_lists):
+def test_single_rank_step_with_offloaded_piece_inputs_matches_trajectory_wise(monkeypatch):
+    """The step driver's detached pieces with checkpointing and the earlier pieces' layer inputs offloaded."""
+    from harts_compiler.runtime.ops import offload
+    parked = []
+    monkeypatch.setattr(offload.HostParkedInput, "park",
+                        lambda self, park=offload.HostParkedInput.park: (parked.append(1), park(self)))
+    token_lists = tree_token_lists()
+    assert_single_rank_step_exact(compile_plan(token_lists, dp_size=1), token_lists, offload=True)
+    assert parked
+
+
+def assert_single_rank_step_exact(plan, token_lists, offload: bool = False):
     for preset, objective, _ in RUNS:
         model = tiny_model(torch.float64, preset)
         data = loss_data(model, token_lists)
         want_loss, want_grads = reference(model, token_lists, data, objective, plan)
         model.zero_grad(set_to_none=True)
-        result = data_parallel_step(model, plan, TrajectoryInputs.for_plan(plan, **data), objective)
+        model.offload_piece_inputs = offload
+        try:
+            result = data_parallel_step(model, plan, TrajectoryInputs.for_plan(plan, **data), objective,
+                                        **({"activation_checkpointing": True} if offload else {}))
+        finally:
+            model.offload_piece_inputs = False
         assert abs(result.loss - want_loss) <= TOL * abs(want_loss)
         assert_grads_close(grads_of(model), want_grads, f"{preset} {objective.aggregation}")
 
