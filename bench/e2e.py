@@ -48,6 +48,8 @@ not its dispatch to FlashQLA. "speedup" divides that baseline by tree mode, and 
 baseline. On CUDA (GDN models), the GDN kernel of the
 largest trajectory microbatch is also timed alone against fla's, and SDPA's flash attention per
 trajectory against our attention kernel.
+`--offload-piece-inputs`: tree mode moves the checkpointed layer inputs of a tree's earlier pieces to host memory
+until their backward (the step's peak then holds one piece's).
 `--memory-sites` (CUDA): what one forward of the largest tree / trajectory-wise microbatch leaves alive before
 its backward, summed by allocation site (`memory_sites.py`).
 JSON results go to $OUT/e2e.json when OUT is set (and to --json).
@@ -98,6 +100,9 @@ def parse_args(argv):
                    "(default 8192; tiny 150)")
     p.add_argument("--error-factor", type=float, default=2.0)
     p.add_argument("--no-breakdown", action="store_true")
+    p.add_argument("--offload-piece-inputs", action="store_true",
+                   help="trees in pieces keep their earlier pieces' layer inputs in host memory "
+                        "(TreeModel(offload_piece_inputs=True))")
     p.add_argument("--memory-sites", action="store_true",
                    help="CUDA: what one forward of the largest tree / trajectory-wise microbatch leaves alive, by "
                         "allocation site (bench/memory_sites.py)")
@@ -222,6 +227,7 @@ def main(argv=None) -> int:
     config = model_config(args.tiny, model=args.model)
     start = time.perf_counter()
     model = build_model(config, device, torch.bfloat16, seed=args.seed, checkpointing=True)
+    model.offload_piece_inputs = args.offload_piece_inputs
     tiny = BENCH_MODELS[args.model][1]
     print(f"device {info}\nmodel {tiny if args.tiny else args.model}: "
           f"{parameter_count(model) / 1e9:.3f}B parameters, {config.num_hidden_layers} layers "
