@@ -104,6 +104,11 @@ class Pieces:
     piece_tree: np.ndarray
     piece_start: np.ndarray
     piece_end: np.ndarray
+    # what a piece reads from the pieces before it (derived from the forest, recorded and verified so a `.hir`
+    # shows it): the context keys (its first token's root path: that many tokens' attention K/V per layer) and
+    # the linear-attention rows replayed before its first token at the cut (context % chunk size)
+    piece_context: np.ndarray
+    piece_replay: np.ndarray
 
     @property
     def num_pieces(self) -> int:
@@ -129,9 +134,9 @@ class Pieces:
         found = [int(t) for t in trees if self.of_tree(int(t)).size]
         return found[0] if found else None
 
-    def verify(self, forest: Forest) -> None:
+    def verify(self, forest: Forest, chunk_size: int) -> None:
         P = self.num_pieces
-        if self.piece_start.shape != (P,) or self.piece_end.shape != (P,):
+        if any(a.shape != (P,) for a in (self.piece_start, self.piece_end, self.piece_context, self.piece_replay)):
             raise IRError("Pieces: array shapes disagree")
         if P == 0:
             return
@@ -145,6 +150,14 @@ class Pieces:
             p = int(np.argmax(self.piece_tokens > self.budget))
             raise IRError(f"Pieces: piece {p} holds {int(self.piece_tokens[p])} tokens "
                           f"> budget {self.budget}")
+        if self.piece_start.min() < 0 or self.piece_end.max() > forest.num_tokens:
+            raise IRError("Pieces: token range out of the forest")
+        context = forest.token_position[self.piece_start]
+        for name, want in (("context", context), ("replay", context % chunk_size)):
+            got = getattr(self, f"piece_{name}")
+            if not np.array_equal(got, want):
+                p = int(np.flatnonzero(got != want)[0])
+                raise IRError(f"Pieces: piece {p} records {name}={int(got[p])}, its first token implies {int(want[p])}")
         for t in np.unique(self.piece_tree).tolist():
             mine = self.of_tree(t)
             starts, ends = self.piece_start[mine], self.piece_end[mine]
@@ -268,7 +281,7 @@ class Program:
             if self.sequences is None:
                 raise IRError("Program: pieces need sequences")
             if not (same("pieces") and same("forest")):
-                self.pieces.verify(self.forest)
+                self.pieces.verify(self.forest, self.sequences.chunk_size)
         if self.microbatches is not None:
             if self.forest is None or not self.forest.laid_out:
                 raise IRError("Program: microbatches need a laid-out forest")

@@ -24,8 +24,8 @@ to an arrays file beside the text (`arrays "NAME.npz" sha256=...` header, `token
 A tree larger than the budget runs as pieces (`cut-pieces`), one record each, before the microbatches:
 
     pieces budget=4096 count=2
-    piece tree=0 own=0:4096
-    piece tree=0 own=4096:7000
+    piece tree=0 own=0:4096 context=0 replay=0
+    piece tree=0 own=4096:7000 context=812 replay=44
 """
 from __future__ import annotations
 
@@ -124,7 +124,8 @@ def format_program(program: Program, arrays_name: str | None = None,
     if pc is not None:
         lines.append(f"pieces budget={pc.budget} count={pc.num_pieces}")
         for p in range(pc.num_pieces):
-            lines.append(f"piece tree={int(pc.piece_tree[p])} own={int(pc.piece_start[p])}:{int(pc.piece_end[p])}")
+            lines.append(f"piece tree={int(pc.piece_tree[p])} own={int(pc.piece_start[p])}:{int(pc.piece_end[p])} "
+                         f"context={int(pc.piece_context[p])} replay={int(pc.piece_replay[p])}")
     m = program.microbatches
     if m is not None:
         lines.append(f"microbatches dp_size={m.dp_size} microbatch_tokens={m.microbatch_tokens} "
@@ -221,7 +222,8 @@ def _build(records: dict, arrays: dict | None) -> Program:
         rows = records.get("piece", [])
         pieces = Pieces(budget=records["pieces"][0]["budget"], piece_tree=_col(rows, "tree"),
                         piece_start=np.asarray([r["own"][0] for r in rows], np.int64),
-                        piece_end=np.asarray([r["own"][1] for r in rows], np.int64))
+                        piece_end=np.asarray([r["own"][1] for r in rows], np.int64),
+                        piece_context=_col(rows, "context"), piece_replay=_col(rows, "replay"))
     microbatches = None
     if "microbatches" in records:
         head, mbs = records["microbatches"][0], records.get("mb", [])

@@ -31,7 +31,7 @@ SCHEMA: dict[str, dict[str, tuple[str, bool]]] = {
     "seq": {"tree": (INT, True), "round": (INT, True), "sigma": (INT, True), "own": (PAIR, True),
             "init": (PAIR, True), "replay": (LIST, True), "exports": (LIST, True)},
     "pieces": {"budget": (INT, True), "count": (INT, True)},
-    "piece": {"tree": (INT, True), "own": (PAIR, True)},
+    "piece": {"tree": (INT, True), "own": (PAIR, True), "context": (INT, True), "replay": (INT, True)},
     "microbatches": {"dp_size": (INT, True), "microbatch_tokens": (INT, True), "count": (INT, True)},
     "mb": {"rank": (INT, True), "slot": (INT, True), "trees": (LIST, True)},
 }

@@ -32,7 +32,8 @@ class CutPieces(Pass):
     programming over cut positions, one sliding-window minimum per cut.
 
     Output invariants: `Pieces.verify` (a split tree's pieces are two or more consecutive ranges covering it,
-    each within the budget). A note records the split trees, pieces, context tokens and replay rows at cuts.
+    each within the budget; each records the context keys and cut replay rows its first token implies). A note
+    records the split trees, pieces, context tokens and replay rows at cuts.
     Complexity: O(T * pieces) vectorised numpy over the tokens of split trees.
     """
 
@@ -60,9 +61,11 @@ class CutPieces(Pass):
             ends.append(bounds[1:])
             context += int(position[cuts].sum())
             replay += int((position[cuts] % seqs.chunk_size).sum())
-        pieces = Pieces(budget=budget, piece_tree=np.asarray(trees, np.int64),
-                        piece_start=np.concatenate(starts).astype(np.int64),
-                        piece_end=np.concatenate(ends).astype(np.int64))
+        piece_start = np.concatenate(starts).astype(np.int64)
+        piece_context = forest.token_position[piece_start].astype(np.int64)  # the first token's root path
+        pieces = Pieces(budget=budget, piece_tree=np.asarray(trees, np.int64), piece_start=piece_start,
+                        piece_end=np.concatenate(ends).astype(np.int64), piece_context=piece_context,
+                        piece_replay=piece_context % seqs.chunk_size)
         note = {"budget": budget, "split_trees": int(oversize.size), "pieces": pieces.num_pieces,
                 "context_tokens": context, "cut_replay_rows": replay,
                 "max_piece_tokens": int(pieces.piece_tokens.max())}

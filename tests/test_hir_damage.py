@@ -145,3 +145,15 @@ def test_a_cycle_before_layout_is_refused_by_positions():
     parse_hir(text).verify()
     with pytest.raises(IRError, match="does not start where its parent"):
         parse_hir(edit(text, "node", "parent", "0", which=3))  # node 3 (a root) under node 0, its own child
+
+
+@pytest.mark.parametrize("field, value", [("context", "7"), ("replay", "3")])
+def test_a_piece_record_that_disagrees_with_its_first_token_is_named(field, value):
+    """A piece's recorded context keys and cut replay rows are checked against the forest."""
+    token_lists = [[1] * 9 + [2, 3, 4, 5, 6], [1] * 9 + [7, 8, 9, 10]]
+    plan = hc.compile(hc.TreeBatch.from_trajectories(token_lists), hc.CompileOptions(chunk_size=4,
+                                                                                     microbatch_tokens=10))
+    text = format_program(plan.program)[0]
+    assert "own=8:18 context=8 replay=0" in text  # the second piece reads the 8 keys before it, chunk-aligned
+    with pytest.raises(IRError, match=f"piece 1 records {field}={value}"):
+        parse_hir(edit(text, "piece", field, value, which=1)).verify()
