@@ -7,7 +7,7 @@ to an arrays file beside the text (`arrays "NAME.npz" sha256=...` header, `token
 `ir.artifact` writes and checks the pair). Only the node-level facts are stored; per-token tables
 (predecessors, conv table, targets, gather runs) are rebuilt by `ir.derive`, the same code the passes use.
 
-    hir 1
+    hir 2
     pass name="prefix-compress" ms=0.41
     note pass="schedule" json="{\"status\": \"OPTIMAL\"}"
     trajectories count=2
@@ -41,7 +41,7 @@ from .forest import Forest
 from .program import Microbatches, Pieces, Program, Sequences, Trajectories
 from .text_checks import check_fields, check_records
 
-VERSION = 1
+VERSION = 2  # 2: piece records carry context= and replay=
 _FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\[[^\]]*\]|\S+)')
 
 

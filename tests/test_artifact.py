@@ -94,7 +94,7 @@ def test_a_smaller_plan_saved_over_a_larger_one_removes_the_old_arrays(tmp_path)
 def test_arrays_and_binary_files_given_as_plans_are_one_line_errors(tmp_path, capsys):
     path = tmp_path / "p.hir"
     hc.compile(long_batch(5), OPTIONS).save(path)
-    (tmp_path / "bin.hir").write_bytes(b"hir 1\n\xff\xfe")
+    (tmp_path / "bin.hir").write_bytes(b"hir 2\n\xff\xfe")
     for target, message in ((arrays_path(path), "is an arrays file"), (tmp_path / "bin.hir", "not UTF-8"),
                             (tmp_path, "is a directory"), (tmp_path / "none.hir", "no such file")):
         assert main(["ir", str(target)]) == 2

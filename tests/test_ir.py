@@ -162,4 +162,4 @@ def test_parse_errors():
     with pytest.raises(IRError, match="header"):
         parse_hir("forest laid_out=1\n")
     with pytest.raises(IRError, match="line 2: forest record lacks field 'nodes'"):
-        parse_hir("hir 1\nforest laid_out=1 conv_width=4\nnode parent=-1\n")
+        parse_hir("hir 2\nforest laid_out=1 conv_width=4\nnode parent=-1\n")
