@@ -168,6 +168,9 @@ def parse_hir(text: str, arrays: dict | None = None) -> Program:
             if header is not None or not rest.isdigit():
                 raise IRError(f".hir line {number}: the header 'hir {VERSION}' must come once, first")
             header = int(rest)
+            if header != VERSION:
+                raise IRError(f".hir line {number}: format version {header}, this harts reads version {VERSION} "
+                              "(compile the batch again)")
             continue
         if header != VERSION:
             raise IRError(f".hir line {number}: missing or unsupported header (want 'hir {VERSION}' first)")
