@@ -46,7 +46,7 @@ Lower bounds (documented because the benchmark's gap is measured against them):
   half the budget need a cell each, smaller ones fill what those leave; it includes ceil(tokens /
   budget)), evaluated at up to L2_CHECKPOINTS prefixes; as sum_s max_s = integral over t of
   #{s: max_s >= t}, the objective is >= sum_k (c_k - c_{k+1}) N_k. It is tight when items are
-  large (about one per (rank, slot), e.g. split-oversize parts), where the averaging bound is
+  large (about one per (rank, slot), e.g. trees in pieces), where the averaging bound is
   loose (8% below the optimum on 45 `swe` items that L2 proves optimal);
 * the CP-SAT bound when the whole problem was one model.
 

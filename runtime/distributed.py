@@ -32,11 +32,12 @@ Use (every rank, after `dist.init_process_group`; same plan and inputs everywher
     result = data_parallel_step(model, plan, inputs, PPOObjective(kl_coef=0.0))
     optimizer.step()          # each rank's sharded .grad is its shard of the batch's gradient
 
-Split trees (`split-oversize`): every trajectory lies whole in one part, as one row of one
-microbatch (shared root paths are recomputed in each part that needs them), so the coverage check
-(each trajectory's row once over all ranks and slots), the global normalisers (token-mean over
-all target positions, seq-mean over trajectories) and the aux-loss weights (a microbatch's
-trajectory tokens = its tokens weighted by multiplicity) need nothing special. `run_plan` and
+Trees in pieces (`cut-pieces`): a tree over the budget is one microbatch whose pieces run k forwards
+then k backwards on every rank (`runtime.pieces.run_piece_chain_detached`), and its output holds the
+tree's whole rows, so every trajectory is still one row of one microbatch: the coverage check (each
+trajectory's row once over all ranks and slots), the global normalisers (token-mean over all target
+positions, seq-mean over trajectories) and the aux-loss weights (a microbatch's trajectory tokens = its
+tokens weighted by multiplicity) need nothing special. `run_plan` and
 `assemble_rows` put a plan's microbatch outputs back into `[n_traj, max_len]` rows (verification).
 """
 from __future__ import annotations
@@ -329,7 +330,7 @@ def assemble_rows(plan, outputs, field: str = "logprobs") -> tuple[torch.Tensor,
 
     Rows of one trajectory are summed over the outputs: a row holds 0 wherever its microbatch
     does not compute the target, so this is right for every row layout the planner produces
-    (after `split-oversize` each trajectory is one row of one microbatch; a trajectory must be
+    (each trajectory is one row of one microbatch, trees in pieces included; a trajectory must be
     covered exactly once per position, which the lengths check can only partly see).
     Differentiable (a sum of the rows)."""
     forest = plan.program.forest

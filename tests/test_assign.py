@@ -108,7 +108,7 @@ def test_improves_on_greedy_lpt_trap_and_cp_sat_beats_local_search():
 
 
 def test_small_problems_get_the_lns_before_the_whole_model():
-    # Parts that nearly fill a (rank, slot) each (like split-oversize's): the whole model alone
+    # Items that nearly fill a (rank, slot) each (like trees in pieces): the whole model alone
     # (one worker, a fraction of a second) rarely improves the local search, so small problems
     # run regrouping, the local search and LNS steps first, then the whole model (>= 2 solves).
     from harts_compiler.passes.assign_local import local_search

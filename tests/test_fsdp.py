@@ -5,7 +5,7 @@ Spawned gloo ranks (2 and 4) shard fp64 tiny Qwen3-Next and Qwen3.5-MoE models p
 gathered with `full_tensor()`, must equal the single-process trajectory-wise reference
 (tests/test_distributed.py's, which shares none of the step's code) to 1e-12. The plans have
 empty (rank, slot)s, where a rank runs the zero-loss padding microbatch, and one tree that
-`split-oversize` cuts into parts. The checkpoint test saves the sharded model + optimizer with
+`cut-pieces` runs as pieces. The checkpoint test saves the sharded model + optimizer with
 DCP after a step, loads it into a freshly sharded model and into a plain TreeModel, and exports
 a `from_pretrained` directory.
 """
