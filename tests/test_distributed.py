@@ -42,7 +42,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tree_token_lists(n_trees: int = 4, seed: int = 0, oversize: bool = True) -> list[list[int]]:
-    """With `oversize`, first one tree of 60-120 compact tokens that must be split into parts (the
+    """With `oversize`, first one tree of 60-120 compact tokens that must run as pieces (the
     same tree whatever n_trees), then `n_trees` trees of 21-40 compact tokens (each fills a
     microbatch of BUDGET); distinct root tokens."""
     big_rng, rng = np.random.default_rng(seed + 1000), np.random.default_rng(seed)
