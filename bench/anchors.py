@@ -117,11 +117,8 @@ class TrajectorySDPA:
 
     def __call__(self, q, k, v, plan, *, scale):
         group = q.shape[1] // k.shape[1]
-        outs = []
-        for start, end in self.runs[id(plan)]:
-            def heads(x, repeat=1):  # [L, H, D] -> [1, H * repeat, L, D]
-                return x[start:end].transpose(0, 1).repeat_interleave(repeat, dim=0)[None]
-            o = torch.nn.functional.scaled_dot_product_attention(heads(q), heads(k, group), heads(v, group),
-                                                                 is_causal=True, scale=scale)
-            outs.append(o[0].transpose(0, 1))
-        return torch.cat(outs)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        outs = [torch.nn.functional.scaled_dot_product_attention(
+                    *(x[start:end].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=scale)
+                for start, end in self.runs[id(plan)]]
+        return torch.cat([o[0].transpose(0, 1) for o in outs])

@@ -25,12 +25,12 @@ def time_mode(model, indices, trajectory_tokens, args, linear_kernel=None, atten
 
 
 def fla_comparison(model, traj_indices, device) -> dict:
-    """Is fla's GDN kernel or SDPA's flash attention faster than ours in trajectory mode?
+    """Is fla's GDN kernel or SDPA's attention (torch's backend choice) faster than ours in trajectory mode?
 
     Times one layer's kernel, fwd+bwd, on the largest trajectory microbatch's shapes (random
     inputs): our GDN as the runtime runs it (the microbatch's launch plan) vs fla's, our tree attention
-    (trajectory mask) vs SDPA per trajectory; the step estimate swaps those kernel times in for every
-    layer. The launch plan is lowered and uploaded once, outside the timing."""
+    (trajectory mask) vs SDPA per trajectory (`anchors.TrajectorySDPA`); the step estimate swaps those kernel
+    times in for every layer. The launch plan is lowered and uploaded once, outside the timing."""
     import importlib.util
     if importlib.util.find_spec("fla") is None:
         return {"fla": "not importable: baseline kernels are ours"}
@@ -38,7 +38,6 @@ def fla_comparison(model, traj_indices, device) -> dict:
         return {"fla": "per-kernel comparison of GDN models only (bench/kda.py and bench/attention.py time KDA and "
                        "MLA against fla and SDPA)"}
     try:
-        import torch.nn.functional as F
         fla_kernel = fla_trajectory_kernel("gdn")  # the same wrapper as the fla baseline step
         if fla_kernel is None:
             return {"fla": "import failed: baseline kernels are ours"}
@@ -72,12 +71,11 @@ def fla_comparison(model, traj_indices, device) -> dict:
         def attn_ours(q, k, v):  # the plan's block lists (built with the plan, outside the timing)
             return tree_attention(q, k, v, plan, scale=D ** -0.5)
 
-        def attn_sdpa(q, k, v):  # K/V heads expanded so SDPA can take its flash backend
-            k, v = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
-            outs = [F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
-                                                   v[s:e].transpose(0, 1)[None], is_causal=True)
-                    for s, e in zip(bounds[:-1], bounds[1:])]
-            return torch.cat([o[0].transpose(0, 1) for o in outs])
+        sdpa = TrajectorySDPA()
+        sdpa.add(plan, index)
+
+        def attn_sdpa(q, k, v):
+            return sdpa(q, k, v, plan, scale=D ** -0.5)
 
         def fwd_bwd(fn, tensors):
             leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
@@ -93,7 +91,7 @@ def fla_comparison(model, traj_indices, device) -> dict:
         return {"fla": f"importable ({getattr(fla, '__version__', '?')})", "tokens": T, **ms,
                 "est_saving_per_microbatch_ms": saving,
                 "faster": [n for n, a, b in [("fla GDN", "gdn_fla_ms", "gdn_ours_ms"),
-                                             ("SDPA flash", "attn_sdpa_ms", "attn_ours_ms")] if ms[a] < ms[b]]}
+                                             ("SDPA", "attn_sdpa_ms", "attn_ours_ms")] if ms[a] < ms[b]]}
     except Exception as exc:  # noqa: BLE001 - an optional comparison must not sink the benchmark
         return {"fla": f"importable, comparison failed: {exc!r}"}
 

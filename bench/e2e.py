@@ -46,7 +46,7 @@ those with torch's SDPA (its default backend, cuDNN on the H200) per trajectory 
 ("traj sdpa ms", `anchors.TrajectorySDPA`). `--no-fla` skips all of them; fla's column is fla's own kernels,
 not its dispatch to FlashQLA. "speedup" divides that baseline by tree mode, and the JSON names the
 baseline. On CUDA (GDN models), the GDN kernel of the
-largest trajectory microbatch is also timed alone against fla's, and SDPA's flash attention per
+largest trajectory microbatch is also timed alone against fla's, and SDPA's attention per
 trajectory against our attention kernel.
 `--offload-piece-inputs`: tree mode moves the checkpointed layer inputs of a tree's earlier pieces to host memory
 until their backward (the step's peak then holds one piece's).
