@@ -116,7 +116,7 @@ def model_config(spec: str):
 def pieces_memory(plan, config, dtype_bytes: int = 2) -> list[dict]:
     """Per tree run as pieces (bf16 activations): each piece's tokens, context and carried bytes, and the
     tree's predicted peak (`piece_memory`'s model)."""
-    from .piece_memory import piece_memory, predicted_peak
+    from .piece_memory import offloaded_bytes, piece_memory, predicted_peak
 
     out = []
     for mb in plan.microbatches():
@@ -129,7 +129,7 @@ def pieces_memory(plan, config, dtype_bytes: int = 2) -> list[dict]:
                     "carried_bytes": sum(p.carried_bytes for p in pieces),
                     "predicted_peak_bytes": predicted_peak(pieces),
                     "predicted_peak_offloaded_bytes": predicted_peak(pieces, offloaded=True),
-                    "offloaded_host_bytes": sum(p.kept_bytes for p in pieces[:-1])})
+                    "offloaded_host_bytes": offloaded_bytes(pieces)})
     return out
 
 

@@ -72,7 +72,12 @@ def piece_memory(chain, config, dtype_bytes: int, *, checkpointing: bool = True)
     return out
 
 
+def offloaded_bytes(pieces: list[PieceMemory]) -> int:
+    """What `offload_piece_inputs` keeps in host memory: the layer inputs of every piece but the last."""
+    return sum(p.kept_bytes for p in pieces[:-1])
+
+
 def predicted_peak(pieces: list[PieceMemory], *, offloaded: bool = False) -> int:
     """peak(tree) of the memory model, or peak(tree, offloaded) (module docstring)."""
-    kept = pieces[-1].kept_bytes if offloaded and pieces else sum(p.kept_bytes for p in pieces)
+    kept = sum(p.kept_bytes for p in pieces) - (offloaded_bytes(pieces) if offloaded else 0)
     return kept + sum(p.carried_bytes for p in pieces) + max((p.transient_bytes for p in pieces), default=0)

@@ -50,7 +50,6 @@ class CutPieces(Pass):
         if oversize.size == 0:
             return program.replace(pieces=None)
         trees, starts, ends = [], [], []
-        context, replay = 0, 0
         for t in oversize.tolist():
             lo, hi = int(forest.tree_start[t]), int(forest.tree_end[t])
             position = forest.token_position[lo:hi]
@@ -59,15 +58,13 @@ class CutPieces(Pass):
             trees += [t] * (bounds.size - 1)
             starts.append(bounds[:-1])
             ends.append(bounds[1:])
-            context += int(position[cuts].sum())
-            replay += int((position[cuts] % seqs.chunk_size).sum())
         piece_start = np.concatenate(starts).astype(np.int64)
         piece_context = forest.token_position[piece_start].astype(np.int64)  # the first token's root path
         pieces = Pieces(budget=budget, piece_tree=np.asarray(trees, np.int64), piece_start=piece_start,
                         piece_end=np.concatenate(ends).astype(np.int64), piece_context=piece_context,
                         piece_replay=piece_context % seqs.chunk_size)
         note = {"budget": budget, "split_trees": int(oversize.size), "pieces": pieces.num_pieces,
-                "context_tokens": context, "cut_replay_rows": replay,
+                "context_tokens": int(piece_context.sum()), "cut_replay_rows": int(pieces.piece_replay.sum()),
                 "max_piece_tokens": int(pieces.piece_tokens.max())}
         return program.replace(pieces=pieces, notes=program.notes + ((self.name, json.dumps(note)),))
 

@@ -308,3 +308,23 @@ def test_whole_trees_riding_with_a_piece_equal_trajectory_wise(preset):
     assert abs(got_total - want_total) < TOL * abs(want_total)
     worst = max((rel(got_grads[n], want_grads[n]), n) for n in want_grads)
     assert worst[0] < TOL, worst
+
+
+def test_piece_memory_model_and_its_offloaded_peak():
+    """harts compile --model's piece memory: the first piece carries nothing, later ones their context; the
+    offloaded peak is the full one less every earlier piece's layer inputs, which wait on the host."""
+    from harts_compiler.commands import pieces_memory
+    from harts_compiler.piece_memory import offloaded_bytes, piece_memory, predicted_peak
+    from harts_compiler.runtime.config import ModelConfig, PRESETS
+    token_lists = adversarial("deep chain", 4)
+    plan = pieced_plan(token_lists, 4, 16)
+    config = ModelConfig.from_dict(dict(PRESETS["tiny-qwen3-next"]))
+    (mb,) = [mb for mb in plan.microbatches() if mb.runs_as_pieces]
+    pieces = piece_memory(mb.build_chain(), config, 2)
+    assert pieces[0].carried_bytes == 0 and all(p.carried_bytes > 0 for p in pieces[1:])
+    assert offloaded_bytes(pieces) == sum(p.kept_bytes for p in pieces[:-1]) > 0
+    full = predicted_peak(pieces)
+    assert full == (sum(p.kept_bytes + p.carried_bytes for p in pieces) + max(p.transient_bytes for p in pieces))
+    assert predicted_peak(pieces, offloaded=True) == full - offloaded_bytes(pieces)
+    (report,) = pieces_memory(plan, config)
+    assert report["predicted_peak_bytes"] == full and report["offloaded_host_bytes"] == offloaded_bytes(pieces)
