@@ -73,8 +73,9 @@ def tree_case(prefix, branches, branch_length, vocab):
 
 
 def targets_on(index, vocab: int, chunk_tokens: int, device):
-    """The device TargetPlan of host index tables: planned and uploaded once, outside the timed calls."""
-    return to_device(target_plan_of(index, vocab, chunk_tokens), device)
+    """The device TargetPlan of host index tables (for the Triton path on CUDA, as the runtime lowers it): planned
+    and uploaded once, outside the timed calls."""
+    return to_device(target_plan_of(index, vocab, chunk_tokens, triton=torch.device(device).type == "cuda"), device)
 
 
 def dense_tables(index, device) -> SimpleNamespace:

@@ -148,6 +148,7 @@ def lower(index: MicrobatchIndex, target: LaunchTarget) -> LaunchPlan:
         multiplicity=index.multiplicity, conv_pred=index.conv_pred, subtree_end=subtree_end, lengths=index.lengths,
         embed_order=embed_order, embed_ids=embed_ids.astype(np.int64),
         embed_bounds=np.r_[0, np.cumsum(embed_counts)].astype(np.int64), gdn=gdn,
-        targets=target_plan_of(index, target.vocab_size, target.logprob_chunk_tokens),
+        targets=target_plan_of(index, target.vocab_size, target.logprob_chunk_tokens,
+                               triton=target.logprobs_triton),
         conv=prepare_conv_index(index.conv_pred) if target.conv_triton else None,
         attention=attention, windows=windows, piece=piece)

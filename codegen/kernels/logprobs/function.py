@@ -214,35 +214,40 @@ def _check_inputs(hidden, lm_head_weight, temperature) -> None:
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature!r}")
 
 
-def target_plan_of(index, vocab: int, chunk_tokens: int = 4096) -> TargetPlan:
-    """The checked host TargetPlan of index tables (a MicrobatchIndex or anything with its target fields)."""
+def target_plan_of(index, vocab: int, chunk_tokens: int = 4096, *, triton: bool = False) -> TargetPlan:
+    """The checked host TargetPlan of index tables (a MicrobatchIndex or anything with its target fields), for the
+    Triton path (`triton`) or the torch one."""
     tables = [np.asarray(getattr(index, name).cpu() if hasattr(getattr(index, name), "cpu") else getattr(index, name))
               for name in ("target_src", "target_token", "row_target", "row_pred", "lengths")]
     num_tokens = len(index.token_ids)
     # a piece of a split tree computes only the positions its own tokens predict: partial rows
     check_targets(*tables, num_tokens, vocab, partial_rows=getattr(index, "context", None) is not None)
-    return plan_targets(*tables[:4], num_tokens, chunk_tokens)
+    return plan_targets(*tables[:4], num_tokens, chunk_tokens, triton=triton)
 
 
-def _to_rows(values: torch.Tensor, row_index: torch.Tensor, sums: RowSums, use_triton: bool) -> torch.Tensor:
-    """values[row_index] with 0 where row_index < 0 (differentiable; backward sums duplicates)."""
+def _gather_rows(values: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
+    return values[row_index.clamp(min=0)].masked_fill(row_index < 0, 0.0)
+
+
+def _to_rows(values: torch.Tensor, row_index: torch.Tensor, sums: RowSums | None) -> torch.Tensor:
+    """values[row_index] with 0 where row_index < 0 (differentiable; backward sums duplicates: with `sums`, one
+    segment_add in fp32, else torch's gather backward, which float64 values keep)."""
     if values.numel() == 0:  # nothing to predict; stay in the graph so backward() still works
         return values.sum().expand(row_index.shape)
-    if use_triton:
+    if sums is not None and values.dtype != torch.float64:
         return _RowGather.apply(values, row_index, sums)
-    gathered = values[row_index.clamp(min=0)]
-    return gathered.masked_fill(row_index < 0, 0.0)
+    return _gather_rows(values, row_index)
 
 
 class _RowGather(torch.autograd.Function):
-    """values[row_index] (0 where row_index < 0) whose backward is one `segment_add` over the plan's RowSums:
-    fixed order, no atomics, no sort. The gather's own backward sorts all rows x max_len positions on every
-    call, a cost per trajectory token that tree mode cannot compress (3-4% of a full-length tree step)."""
+    """`_gather_rows` whose backward is one `segment_add` over the plan's RowSums: fixed order, no atomics, no sort.
+    The gather's own backward sorts all rows x max_len positions on every call, a cost per trajectory token that
+    tree mode cannot compress (3-4% of a full-length tree step)."""
 
     @staticmethod
     def forward(ctx, values, row_index, sums: RowSums):
         ctx.sums, ctx.size = sums, values.shape[0]
-        return values[row_index.clamp(min=0)].masked_fill(row_index < 0, 0.0)
+        return _gather_rows(values, row_index)
 
     @staticmethod
     def backward(ctx, grad):
@@ -272,13 +277,6 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets, 
     hidden and lm_head_weight; tokens that predict nothing are never computed and get zero grad.
     """
     _check_inputs(hidden, lm_head_weight, temperature)
-    if not isinstance(targets, TargetPlan):
-        targets = to_device(target_plan_of(targets, lm_head_weight.shape[0], chunk_tokens), hidden.device)
-    if targets.num_tokens != hidden.shape[0]:
-        raise ValueError(f"token_logprobs: the targets were planned for {targets.num_tokens} tokens, hidden has "
-                         f"{hidden.shape[0]}")
-    if targets.needed.device != hidden.device:
-        raise ValueError(f"token_logprobs: the targets are on {targets.needed.device}, hidden on {hidden.device}")
     if use_triton is None:
         use_triton = hidden.is_cuda and hidden.dtype != torch.float64
     elif use_triton and hidden.dtype == torch.float64:
@@ -286,7 +284,15 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets, 
     elif use_triton and not hidden.is_cuda and not interpreting():
         raise ValueError("token_logprobs: use_triton=True needs CUDA tensors (or TRITON_INTERPRET=1 "
                          f"on CPU), got hidden on {hidden.device}")
+    if not isinstance(targets, TargetPlan):
+        targets = to_device(target_plan_of(targets, lm_head_weight.shape[0], chunk_tokens, triton=use_triton),
+                            hidden.device)
+    if targets.num_tokens != hidden.shape[0]:
+        raise ValueError(f"token_logprobs: the targets were planned for {targets.num_tokens} tokens, hidden has "
+                         f"{hidden.shape[0]}")
+    if targets.needed.device != hidden.device:
+        raise ValueError(f"token_logprobs: the targets are on {targets.needed.device}, hidden on {hidden.device}")
     target_logprob, needed_entropy = _ChunkedLogProbs.apply(hidden, lm_head_weight, targets,
                                                             float(temperature), bool(use_triton))
-    return (_to_rows(target_logprob, targets.row_target, targets.target_sums, use_triton),
-            _to_rows(needed_entropy, targets.row_needed, targets.needed_sums, use_triton))
+    return (_to_rows(target_logprob, targets.row_target, targets.target_sums),
+            _to_rows(needed_entropy, targets.row_needed, targets.needed_sums))

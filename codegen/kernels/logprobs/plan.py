@@ -42,8 +42,10 @@ class TargetPlan:
     target_bounds: tuple[int, ...]  # chunk c owns sorted targets target_bounds[c]:target_bounds[c+1]
     row_target: np.ndarray        # [rows, max_len] target of (row, p), -1 at p = 0 and in padding
     row_needed: np.ndarray        # [rows, max_len] position in `needed` of the token predicting (row, p), or -1
-    target_sums: RowSums          # the backward of the row_target gather
-    needed_sums: RowSums          # the backward of the row_needed gather
+    # the backward sums of the row_target / row_needed gathers on the Triton path (None: torch's own gather
+    # backward, the CPU and float64 path)
+    target_sums: RowSums | None = None
+    needed_sums: RowSums | None = None
 
 
 def check_targets(target_src, target_token, row_target, row_pred, lengths, num_tokens: int, vocab: int, *,
@@ -81,8 +83,9 @@ def check_targets(target_src, target_token, row_target, row_pred, lengths, num_t
 
 
 def plan_targets(target_src, target_token, row_target, row_pred, num_tokens: int,
-                 chunk_tokens: int = 4096) -> TargetPlan:
-    """Chunks of `chunk_tokens` predicting tokens and the targets each chunk owns (O(P log P))."""
+                 chunk_tokens: int = 4096, *, triton: bool = False) -> TargetPlan:
+    """Chunks of `chunk_tokens` predicting tokens and the targets each chunk owns (O(P log P)); with `triton`, the
+    row gathers' backward sums too (O(rows x max_len))."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"token_logprobs: chunk_tokens must be a positive int, got {chunk_tokens!r}")
     src, tok = np.asarray(target_src, np.int64), np.asarray(target_token, np.int64)
@@ -100,4 +103,5 @@ def plan_targets(target_src, target_token, row_target, row_pred, num_tokens: int
                       target_order=order.astype(np.int64), target_slot=slot_sorted.astype(np.int64),
                       target_token=tok[order], target_bounds=target_bounds,
                       row_target=row_target, row_needed=row_needed,
-                      target_sums=row_sums(row_target), needed_sums=row_sums(row_needed))
+                      target_sums=row_sums(row_target) if triton else None,
+                      needed_sums=row_sums(row_needed) if triton else None)
