@@ -6,8 +6,8 @@ gdn_cases.ANCHORS and the agentic batch).
 
 (do not pipe through grep: it holds the output back until the end). Prints one table per section (a
 per-kernel profile of tree vs trajectory-wise from bench/gdn_profile.py among them); the
-last lines are the summary. Needs CUDA (fla optional). A fresh machine spends ~2-3 minutes compiling our
-kernels and autotuning fla's before the first numbers: give the call at least 6 minutes (with --variants, 9).
+last lines are the summary. Needs CUDA (fla optional). Compiling our kernels and autotuning fla's on their first
+call takes 2-3 minutes before the first numbers; a whole run takes at least 6 minutes (with --variants, 9).
 """
 from __future__ import annotations
 

@@ -9,13 +9,13 @@ logsigmoid of N(0, 1)), l2norm in the kernel, an fp32 initial state per sequence
 
 Errors are norm-relative per output / gradient, on the first --heads-checked heads (heads are independent,
 and the fp32 reference materialises [chunks, heads, 64, 64, K] decay tensors). Needs CUDA; without fla (not
-importable) only our columns are printed. A fresh machine compiles our kernels (and autotunes fla's) before the
-first numbers: give the call ~5 minutes.
+importable) only our columns are printed. Triton compiles our kernels (and autotunes fla's) on their first call,
+so the first numbers come after about 5 minutes.
 
 --sweep also runs ours under each launch-config change of SWEEP (same inputs, after the default): fwd+bwd ms,
 the device ms of the kernels whose time moved by more than 2% against the default's, and the worst error
-ratio to the default's (a change must not cost accuracy). Each change compiles the kernels it touches again:
-~30 s each on a fresh machine. Device times per kernel need CUDA.
+ratio to the default's (a change must not cost accuracy). Each change compiles the kernels it touches again
+(about 30 s each). The per-kernel device times are read from the CUDA profiler.
 """
 from __future__ import annotations
 

@@ -2,18 +2,18 @@
 
     PYTHONUNBUFFERED=1 python bench/step_anatomy.py --presets tau2 --length-scale 1.0 \
         --target-tokens 1000000 --microbatch-tokens 65536
-    python bench/step_anatomy.py --device cpu --tiny          # smoke test (no memory sections on the CPU)
+    python bench/step_anatomy.py --device cpu --tiny          # toy size on the CPU: section 1 only
 
 The batch, model and step are bench/e2e.py's (same options). For each preset:
 1. components (bench/breakdown.py) of one profiled step of each mode, as ms per million trajectory tokens, and
    the trajectory-wise / tree ratio of each: the speedup that component reaches, to compare with the token
    ratio (the pair ratio for attention). Trajectory-wise profiles its first --traj-microbatches microbatches
-   (they are alike) and scales by the trajectory tokens they hold.
-2. the kernels with the most device time in each mode, same units (CUDA).
-3. the memory timeline of a tree step (CUDA): allocated memory at every decoder layer's forward and
+   (they are alike) and scales by the trajectory tokens they hold;
+2. on CUDA, the kernels with the most device time in each mode, in the same units;
+3. on CUDA, the memory timeline of a tree step: allocated memory at every decoder layer's forward and
    recomputation, and the highest peak between two of those events, so the phase that sets the step's peak
-   is named (piece, layer, forward or backward).
-4. the live allocations at that peak, summed by source line (python frames; allocations made inside
+   is named (piece, layer, forward or backward);
+4. on CUDA, the live allocations at that peak, summed by source line (python frames; allocations made inside
    autograd's C++ backward have none and are summed as "<no stack>").
 """
 from __future__ import annotations
