@@ -295,7 +295,7 @@ def report(rows, args, info, config, failures) -> None:
 
 
 def save_json(rows, args, info, config, failures):
-    """e2e.json (also after every preset, so a run stopped at its time limit leaves results)."""
+    """e2e.json (also after every preset, so a run stopped early leaves results)."""
     public = [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows]
     payload = {"device": info, "args": {k: str(v) for k, v in vars(args).items()},
                "model": config.to_dict(), "rows": public, "failures": failures}

@@ -252,7 +252,7 @@ def main():
                         help="with --trees-only: the tree step's kernels of the first selected case in time order, "
                              "with their streams, per config")
     parser.add_argument("--profile", action="store_true",
-                        help="with --trees-only: device ms per kernel of the first selected case, per config")
+                        help="with --trees-only: GPU ms per kernel of the first selected case, per config")
     parser.add_argument("--checks-only", action="store_true",
                         help="only the correctness checks: bf16 vs the fp32 reference (and fla's error) at up to 32k "
                              "tokens, and tree == trajectory-wise bitwise")
@@ -285,7 +285,7 @@ def main():
                 profile_section(log, trees=trees, config=cfg)
         return
     summary = {}
-    # cheapest and most telling first, so a run stopped at its time limit has printed them
+    # cheapest and most telling first, so a run stopped early has printed them
     conv_section(log)
     if not args.skip_check:
         summary["check_ok[exports]"] = check_against_reference(fla, log, only_exports=True)[0]

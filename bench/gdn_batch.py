@@ -110,7 +110,7 @@ def measure_batch(name: str, batch, budget: int, args, **extra) -> dict:
     if args.profile and args.device.type == "cuda":  # where a tree microbatch's time goes, kernel by kernel
         from gdn_profile import compare
         largest = [max(indices, key=lambda ix: ix.num_tokens) for indices in (traj_indices, tree_indices)]
-        print(f"[{name}] device ms per kernel, largest microbatch of each mode "
+        print(f"[{name}] GPU ms per kernel, largest microbatch of each mode "
               f"({largest[0].num_tokens} / {largest[1].num_tokens} tokens, {len(largest[1].rounds)} rounds; "
               f"sequences per round {row['sequences'][tree_indices.index(largest[1])]})")
         compare({"traj": gdn_step(largest[0], args, 0), "tree": gdn_step(largest[1], args, 0)}, top=12)
@@ -129,7 +129,7 @@ def main(argv=None) -> None:
                    help="GDN key / value heads (default 16 / 32 as BENCH_MODEL; bench/gdn.py runs 16 / 16)")
     p.add_argument("--target-tokens", type=int, default=None, help="trajectory tokens per batch (default 96k)")
     p.add_argument("--microbatch-tokens", type=int, default=16384)
-    p.add_argument("--profile", action="store_true", help="per-kernel device ms of the largest microbatches (CUDA)")
+    p.add_argument("--profile", action="store_true", help="per-kernel GPU ms of the largest microbatches (CUDA)")
     p.add_argument("--compare", nargs="*", default=[], choices=sorted(COMPARE),
                    help="also time tree mode with these configurations (COMPARE)")
     p.add_argument("--seed", type=int, default=0)

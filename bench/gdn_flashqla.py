@@ -17,7 +17,7 @@ shape: about 4 minutes for the first case, a minute or two for each later one, s
     PYTHONUNBUFFERED=1 python bench/gdn_flashqla.py [--cases 0 2] [--skip-errors] [--skip-trees] [--profile] \
         2>&1 | tee $OUT/gdn_flashqla.log
 
---profile prints, per case, each kernel's device ms per kernel it launches (where FlashQLA's time goes
+--profile prints, per case, each kernel's GPU ms per kernel it launches (where FlashQLA's time goes
 against ours).
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def error_section(kernels) -> dict:
 
 
 def timing_section(kernels, profile=False) -> list[dict]:
-    """fwd+bwd ms of each kernel per case; with `profile` also each one's device ms per kernel launched."""
+    """fwd+bwd ms of each kernel per case; with `profile` also each one's GPU ms per kernel launched."""
     print("\n== trajectory-wise fwd+bwd ms (do_bench median) ==")
     print(f"{'case':24s} {'tokens':>7s} " + " ".join(f"{name:>9s}" for name in kernels) + f" {'ours/FQ speed':>13s}")
     rows = []
@@ -195,7 +195,7 @@ def main():
     parser.add_argument("--skip-errors", action="store_true", help="leave out section 1")
     parser.add_argument("--skip-trees", action="store_true", help="leave out section 3")
     parser.add_argument("--cases", type=int, nargs="+", help="indices into CASES for sections 1-2 (default: all)")
-    parser.add_argument("--profile", action="store_true", help="section 2 also prints device ms per kernel of each")
+    parser.add_argument("--profile", action="store_true", help="section 2 also prints GPU ms per kernel of each")
     args = parser.parse_args()
     if args.cases:
         CASES[:] = [CASES[i] for i in args.cases]

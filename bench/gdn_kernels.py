@@ -1,6 +1,6 @@
 """Trajectory-wise GDN fwd+bwd kernel by kernel: ours against fla 0.6.0, and launch-config sweeps.
 
-Answers "which of our kernels loses to which of fla's" before any kernel is rewritten: device ms per
+Answers "which of our kernels loses to which of fla's" before any kernel is rewritten: GPU ms per
 kernel name (torch.profiler, summed over launches) for one fwd+bwd of each, on the trajectory rows
 of the first anchor tree of gdn_cases.ANCHORS (8 sequences of 7,680 tokens = 61,440 tokens, H = 16, K = V = 128,
 bf16, l2norm in the kernel), then fwd+bwd ms of ours under each `GDNKernelConfig` given with --sweep.
@@ -54,7 +54,7 @@ def main():
     if fla is not None:
         steps["fla"] = lambda: torch.autograd.grad(fla(*leaves, scale=scale, initial_state=h0, cu_seqlens=cu,
                                                        use_qk_l2norm=True)[0], leaves, do)
-    print(f"== device ms per kernel, one trajectory-wise fwd+bwd, {sum(args.lengths)} tokens ==")
+    print(f"== GPU ms per kernel, one trajectory-wise fwd+bwd, {sum(args.lengths)} tokens ==")
     compare(steps, top=30)
     print("\n== fwd+bwd ms (do_bench median) ==")
     timings = {name: kernel_ms(step, torch.device("cuda")) for name, step in steps.items()}

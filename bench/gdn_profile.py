@@ -17,7 +17,7 @@ import torch
 
 
 def device_ms_by_kernel(step, repeat: int = 3) -> tuple[dict[str, tuple[float, int]], float]:
-    """({kernel name: (device ms per step, launches per step)}, wall ms per step) over `repeat` steps
+    """({kernel name: (GPU ms per step, launches per step)}, wall ms per step) over `repeat` steps
     after one warm-up step."""
     step()
     torch.cuda.synchronize()
@@ -38,7 +38,7 @@ def device_ms_by_kernel(step, repeat: int = 3) -> tuple[dict[str, tuple[float, i
 
 
 def print_kernels(label: str, kernels: dict[str, tuple[float, int]]) -> None:
-    """One line per kernel of `device_ms_by_kernel`'s dict, heaviest first: label, device ms, launches, name."""
+    """One line per kernel of `device_ms_by_kernel`'s dict, heaviest first: label, GPU ms, launches, name."""
     for name, (ms, launches) in sorted(kernels.items(), key=lambda item: -item[1][0]):
         print(f"  {label:8s} {ms:8.3f} ms {launches:4d}x  {name}")
 
@@ -97,7 +97,7 @@ def profile_section(log: list, trees=((4096, 8, 3584),), config=None) -> list[di
     from gdn_cases import tree_case
     from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
     case = tree_case(trees, config or GDNKernelConfig())
-    print(f"\n== device ms per kernel, one fwd+bwd, trees {list(trees)} ==")
+    print(f"\n== GPU ms per kernel, one fwd+bwd, trees {list(trees)} ==")
 
     def fwd_bwd(fn, leaves, do):
         return lambda: torch.autograd.grad(fn(*leaves), leaves, do)

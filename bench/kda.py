@@ -13,9 +13,9 @@ importable) only our columns are printed. Triton compiles our kernels (and autot
 so the first numbers come after about 5 minutes.
 
 --sweep also runs ours under each launch-config change of SWEEP (same inputs, after the default): fwd+bwd ms,
-the device ms of the kernels whose time moved by more than 2% against the default's, and the worst error
+the GPU ms of the kernels whose time moved by more than 2% against the default's, and the worst error
 ratio to the default's (a change must not cost accuracy). Each change compiles the kernels it touches again
-(about 30 s each). The per-kernel device times are read from the CUDA profiler.
+(about 30 s each). Per-kernel GPU times come from torch's profiler.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def ours_call(plan, scale, config):
 
 
 def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False, sweep=()):
-    """({label: fwd+bwd ms}, {label: errors}, {label: {kernel: (device ms, launches)}}) of ours, fla (when
+    """({label: fwd+bwd ms}, {label: errors}, {label: {kernel: (GPU ms, launches)}}) of ours, fla (when
     given) and ours under each config change of `sweep` (label: the change as text). Device ms per kernel (CUDA
     only) for every label with `profile`, else for ours and the sweep's."""
     tensors, cu = make_inputs(lengths, heads, device, dim)
@@ -120,7 +120,7 @@ def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False, swe
 
 
 def print_sweep(sweep, timings, errors, kernel_times):
-    """One line per change: fwd+bwd ms, the kernels whose device ms moved > 2% (default's in brackets), and the
+    """One line per change: fwd+bwd ms, the kernels whose GPU ms moved > 2% (default's in brackets), and the
     worst error ratio to the default's."""
     print(f"sweep (ours, default {timings['ours']:.3f} ms):")
     default = kernel_times.get("ours", {})
@@ -139,7 +139,7 @@ def main():
     parser.add_argument("--heads-checked", type=int, default=2, help="heads compared with the fp32 reference")
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--profile", action="store_true", help="also print device ms per kernel of each")
+    parser.add_argument("--profile", action="store_true", help="also print GPU ms per kernel of each")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU-sized lengths, 2 heads of 16 (a smoke run: TRITON_INTERPRET=1 --device cpu)")
     parser.add_argument("--sweep", action="store_true", help="also run ours under each config change of SWEEP")

@@ -9,7 +9,7 @@ The batch, model and step are bench/e2e.py's (same options). For each preset:
    the trajectory-wise / tree ratio of each: the speedup that component reaches, to compare with the token
    ratio (the pair ratio for attention). Trajectory-wise profiles its first --traj-microbatches microbatches
    (they are alike) and scales by the trajectory tokens they hold;
-2. on CUDA, the kernels with the most device time in each mode, in the same units;
+2. on CUDA, the kernels with the most GPU time in each mode, in the same units;
 3. on CUDA, the memory timeline of a tree step: allocated memory at every decoder layer's forward and
    recomputation, and the highest peak between two of those events, so the phase that sets the step's peak
    is named (piece, layer, forward or backward);
@@ -34,7 +34,7 @@ PER = 1e6  # components and kernels are printed per this many trajectory tokens
 
 
 def profiled_kernels(step, top: int) -> list[tuple[str, float]]:
-    """(kernel name, device ms) of one profiled call of `step`, the largest first."""
+    """(kernel name, GPU ms) of one profiled call of `step`, the largest first."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
@@ -150,7 +150,7 @@ def component_table(tree_parts: dict, traj_parts: dict, tree_tokens: int, traj_t
 
 
 def kernel_table(label: str, kernels, tokens: int) -> None:
-    print(f"  top kernels, {label} (device ms per {PER / 1e6:g}M trajectory tokens):")
+    print(f"  top kernels, {label} (GPU ms per {PER / 1e6:g}M trajectory tokens):")
     for name, ms in kernels:
         print(f"    {ms * PER / tokens:9.1f}  {name}")
 
