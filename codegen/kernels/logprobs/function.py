@@ -230,11 +230,11 @@ def _gather_rows(values: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
 
 
 def _to_rows(values: torch.Tensor, row_index: torch.Tensor, sums: RowSums | None) -> torch.Tensor:
-    """values[row_index] with 0 where row_index < 0 (differentiable; backward sums duplicates: with `sums`, one
-    segment_add in fp32, else torch's gather backward, which float64 values keep)."""
+    """values[row_index] with 0 where row_index < 0 (differentiable; backward sums duplicates: with `sums` (the
+    Triton path), one segment_add in fp32, else torch's gather backward)."""
     if values.numel() == 0:  # nothing to predict; stay in the graph so backward() still works
         return values.sum().expand(row_index.shape)
-    if sums is not None and values.dtype != torch.float64:
+    if sums is not None:
         return _RowGather.apply(values, row_index, sums)
     return _gather_rows(values, row_index)
 
@@ -294,5 +294,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets, 
         raise ValueError(f"token_logprobs: the targets are on {targets.needed.device}, hidden on {hidden.device}")
     target_logprob, needed_entropy = _ChunkedLogProbs.apply(hidden, lm_head_weight, targets,
                                                             float(temperature), bool(use_triton))
-    return (_to_rows(target_logprob, targets.row_target, targets.target_sums),
-            _to_rows(needed_entropy, targets.row_needed, targets.needed_sums))
+    # the planned row sums serve the Triton path; the torch path (CPU, float64) keeps torch's gather backward
+    target_sums, needed_sums = (targets.target_sums, targets.needed_sums) if use_triton else (None, None)
+    return (_to_rows(target_logprob, targets.row_target, target_sums),
+            _to_rows(needed_entropy, targets.row_needed, needed_sums))
