@@ -168,3 +168,22 @@ def test_precise_q_do_remainder_is_zero_in_fp32():
                                             config=config))
         for name, a, b in zip(NAMES, *results):
             assert torch.equal(a, b), f"{name} at {block_v} columns"
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_group_sum_and_grouped_l2norm_backward(groups):
+    """The value heads' rows of dq/dk are summed per key head in a fixed order, on their own (group_sum) or inside
+    the l2 norm's backward; both equal torch's sum over the group, and each other bitwise."""
+    from harts_compiler.codegen.kernels.chunk_gdn.l2norm import group_sum, l2norm_rows, l2norm_rows_backward
+    gen = torch.Generator().manual_seed(groups)
+    x = torch.randn(37, 3, 16, generator=gen, dtype=torch.float64)
+    dy = torch.randn(37, 3 * groups, 16, generator=gen, dtype=torch.float64)
+    summed = group_sum(dy, groups)
+    torch.testing.assert_close(summed, dy.view(37, 3, groups, 16).sum(2).to(summed.dtype), rtol=1e-6, atol=1e-6)
+    _, rstd = l2norm_rows(x)
+    fused = l2norm_rows_backward(x, rstd, dy, groups=groups)
+    assert torch.equal(fused, l2norm_rows_backward(x, rstd, summed))
+    x_leaf = x.clone().requires_grad_(True)
+    y = x_leaf / torch.sqrt((x_leaf * x_leaf).sum(-1, keepdim=True) + 1e-6)
+    want, = torch.autograd.grad(y, x_leaf, dy.view(37, 3, groups, 16).sum(2))
+    torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ fixed order (`codegen.lower` groups them on the host; torch's own CUDA embedding
 back from the device).
 
 With `groups` G > 1 the source rows have G heads per destination head (value heads per key head, as
-function._group_sum): dst[r, h, c] += sum_{g < G} sum_j src[j, h * G + g, c].
+l2norm.group_sum): dst[r, h, c] += sum_{g < G} sum_j src[j, h * G + g, c].
 """
 from __future__ import annotations
 

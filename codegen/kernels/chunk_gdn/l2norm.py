@@ -25,16 +25,34 @@ def _l2norm_fwd_kernel(x, y, rstd, n_rows, eps, D: tl.constexpr, BR: tl.constexp
 
 
 @triton.jit
-def _l2norm_bwd_kernel(x, dy, rstd, dx, n_rows, D: tl.constexpr, BR: tl.constexpr):
+def _group_rows(dy, rows, o_d, m_r, D: tl.constexpr, G: tl.constexpr):
+    """[BR, D] fp32: the sum of the G consecutive rows of dy that belong to each of `rows` (value heads h * G + g of
+    key head h), added in the order g = 0..G-1."""
+    b_dy = tl.load(dy + (rows * G)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
+    for g in tl.static_range(1, G):
+        b_dy += tl.load(dy + (rows * G + g)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
+    return b_dy
+
+
+@triton.jit
+def _l2norm_bwd_kernel(x, dy, rstd, dx, n_rows, D: tl.constexpr, BR: tl.constexpr, G: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, D)
     m_r = rows < n_rows
     b_x = tl.load(x + rows[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
-    b_dy = tl.load(dy + rows[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
+    b_dy = _group_rows(dy, rows, o_d, m_r, D, G)
     b_r = tl.load(rstd + rows, mask=m_r, other=0.0)
     b_y = b_x * b_r[:, None]
     b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_dy * b_y, 1)[:, None])
     tl.store(dx + rows[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=m_r[:, None])
+
+
+@triton.jit
+def _group_sum_kernel(dy, out, n_rows, D: tl.constexpr, BR: tl.constexpr, G: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, D)
+    m_r = rows < n_rows
+    tl.store(out + rows[:, None] * D + o_d[None, :], _group_rows(dy, rows, o_d, m_r, D, G), mask=m_r[:, None])
 
 
 def l2norm_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,15 +67,32 @@ def l2norm_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y, rstd
 
 
-def l2norm_rows_backward(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """dx in x's dtype from dy of any dtype (an fp32 dy is used as it is, not rounded to x's dtype first)."""
+def l2norm_rows_backward(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """dx in x's dtype from dy of any dtype (an fp32 dy is used as it is, not rounded to x's dtype first). With
+    `groups` G, dy holds G rows per row of x (x [T, HK, D], dy [T, HK * G, D]: the value heads that read each key
+    head), summed in fp32 in the kernel, in the order of `group_sum`."""
     d = x.shape[-1]
     n_rows = x.numel() // d
     dx = torch.empty_like(x)
     if n_rows:
         _l2norm_bwd_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](x, dy.contiguous(), rstd, dx, n_rows, D=d,
-                                                                BR=BLOCK_ROWS)
+                                                                BR=BLOCK_ROWS, G=groups)
     return dx
+
+
+def group_sum(dy: torch.Tensor, groups: int) -> torch.Tensor:
+    """[T, HK * G, D] -> [T, HK, D] fp32, each key head's G value-head rows added in the order g = 0..G-1 (one
+    read of dy: torch's sum over that strided middle dim ran at about a tenth of the bandwidth); dy itself when
+    G == 1."""
+    if groups == 1:
+        return dy
+    rows, heads, d = dy.shape
+    out = torch.empty(rows, heads // groups, d, device=dy.device, dtype=torch.float32)
+    n_rows = out.numel() // d
+    if n_rows:
+        _group_sum_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](dy.contiguous(), out, n_rows, D=d, BR=BLOCK_ROWS,
+                                                               G=groups)
+    return out
 
 
 class L2NormFunction(torch.autograd.Function):

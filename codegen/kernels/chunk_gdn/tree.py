@@ -28,21 +28,13 @@ from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from .chunk_bwd import chunk_bwd
 from .config import triton_supports
 from .inputs import validate_gdn_tensors
-from .l2norm import l2norm_rows_backward, normalize_qk
+from .l2norm import group_sum, l2norm_rows_backward, normalize_qk
 from .lanes import LaneStreams
 from ..segment_add import segment_add
 from .state_bwd import dv_local_bwd, state_bwd_scan
 from .state_fwd import output_fwd, state_fwd
 from .tree_plan import CHUNK_SIZE, TreeGDNPlan
 from .wy_fwd import wy_fwd
-
-
-def _group_sum(x: torch.Tensor, key_heads: int) -> torch.Tensor:
-    """[R, HV, K] per value head -> [R, HK, K]: value head h reads key head h // (HV // HK)."""
-    rows, hv, kd = x.shape
-    if hv == key_heads:
-        return x
-    return x.view(rows, key_heads, hv // key_heads, kd).sum(2)
 
 
 # The helpers below are the plan plumbing that chunk_kda's tree.py runs with its own kernels.
@@ -131,14 +123,17 @@ def input_gradients(plan: TreeGDNPlan, dtypes, key_heads: int, chunk_grads, l2no
     replayed = dict(zip(("k", "v", "beta", "g"), side[0])) if side else {}  # by replay slot
     grads = []
     for name, dtype in zip(names, dtypes):
-        per_key_head = name in ("q", "k")
-        grad = _group_sum(per_token[name], key_heads) if per_key_head else per_token[name]
+        grad = per_token[name]
+        groups = grad.shape[1] // key_heads if name in ("q", "k") else 1  # value heads per key head
         # own row + the replays' sum, in fp32, rounded once; a replayed row's dq is exactly 0 (its do is 0).
         if plan.replay_dst.numel() and name != "q":
-            groups = replayed[name].shape[1] // key_heads if per_key_head else 1
-            grad = grad.contiguous()
+            grad = group_sum(grad, groups).contiguous()
             segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds, groups=groups)
-        grads.append(l2norm_rows_backward(*unnormalise[name], grad) if name in unnormalise else grad.to(dtype))
+            groups = 1
+        if name in unnormalise:  # the l2 norm's backward sums the value heads' rows itself
+            grads.append(l2norm_rows_backward(*unnormalise[name], grad, groups=groups))
+        else:
+            grads.append(group_sum(grad, groups).to(dtype))
     return grads
 
 
