@@ -29,7 +29,7 @@ POINTERS = {
     "i32": set(),
 }
 SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32"}
-BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64,
+BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64, G=1,
             SILU=True, GATHER=False, TMA=False, QDO=0)
 
 
