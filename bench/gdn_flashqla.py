@@ -18,7 +18,9 @@ shape: about 4 minutes for the first case, a minute or two for each later one, s
         2>&1 | tee $OUT/gdn_flashqla.log
 
 --profile prints, per case, each kernel's GPU ms per kernel it launches (where FlashQLA's time goes
-against ours).
+against ours). --no-fla leaves fla out (its autotuning adds a minute or more per case). TileLang keeps its
+compiled kernels under TILELANG_CACHE_DIR (default ~/.tilelang/cache): pointing that at a saved directory skips
+the compilation on a fresh machine.
 """
 from __future__ import annotations
 
@@ -196,10 +198,11 @@ def main():
     parser.add_argument("--skip-trees", action="store_true", help="leave out section 3")
     parser.add_argument("--cases", type=int, nargs="+", help="indices into CASES for sections 1-2 (default: all)")
     parser.add_argument("--profile", action="store_true", help="section 2 also prints GPU ms per kernel of each")
+    parser.add_argument("--no-fla", action="store_true", help="leave fla out (saves its autotuning)")
     args = parser.parse_args()
     if args.cases:
         CASES[:] = [CASES[i] for i in args.cases]
-    flashqla, fla = single_call(import_flashqla()), fla_single_call("gdn")
+    flashqla, fla = single_call(import_flashqla()), None if args.no_fla else fla_single_call("gdn")
     kernels = {"ours": lambda cu: ours_call(single_call_plan(cu, device=CUDA))}
     if fla is not None:
         kernels["fla"] = lambda cu: fla
