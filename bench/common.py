@@ -207,6 +207,11 @@ def plan_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width
     return plan, indices, compile_ms, (time.perf_counter() - start) * 1e3, budget
 
 
+def forward_units(indices) -> list:
+    """The microbatch indices one step runs a forward and backward for: a tree in pieces runs each piece."""
+    return [p for i in indices for p in (i.indices if isinstance(i, PieceChain) else [i])]
+
+
 def prefix_forest(batch):
     """The batch's prefix forest (prefix-compress + layout only): distinct tokens, tree sizes."""
     return hc.compile(batch, hc.CompileOptions(), passes=["prefix-compress", "layout"]).program.forest

@@ -73,9 +73,8 @@ from e2e_numerics import numerics  # noqa: E402
 from memory_sites import forward_memory_sites, print_sites  # noqa: E402
 from baselines import baseline_timing, fla_comparison, time_mode  # noqa: E402
 from common import (BENCH_MODELS, LENGTH_SCALE, TINY_GENERATOR, build_model, describe_device,  # noqa: E402
-                    finish_args, format_table, model_config, parameter_count, plan_microbatches, prefix_forest,
-                    sized_batch, trajectory_microbatches, write_json)
-from harts_compiler.codegen.pieces import PieceChain  # noqa: E402
+                    finish_args, format_table, forward_units, model_config, parameter_count, plan_microbatches,
+                    prefix_forest, sized_batch, trajectory_microbatches, write_json)
 from harts_compiler.passes import cost_model  # noqa: E402
 
 
@@ -167,11 +166,6 @@ def plan_preset(preset, config, args):
           f"{len(tree_indices)} tree / {len(traj_indices)} trajectory microbatches; planner "
           f"{compile_ms:.0f} ms + index {index_ms:.0f} ms", flush=True)
     return batch, row, tree_indices, traj_indices, layers
-
-
-def forward_units(indices) -> list:
-    """The microbatch indices one step runs a forward and backward for: a tree in pieces runs each piece."""
-    return [p for i in indices for p in (i.indices if isinstance(i, PieceChain) else [i])]
 
 
 def predicted_terms(predictor, indices, layers) -> dict:

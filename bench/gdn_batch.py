@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (LENGTH_SCALE, TINY_GENERATOR, format_table, kernel_ms, plan_microbatches,  # noqa: E402
-                    prefix_forest, sized_batch, trajectory_microbatches)
+from common import (LENGTH_SCALE, TINY_GENERATOR, format_table, forward_units, kernel_ms,  # noqa: E402
+                    plan_microbatches, prefix_forest, sized_batch, trajectory_microbatches)
 from gdn_cases import CONFIG_VARIANTS, tree_batch, tree_cases  # noqa: E402
 
-from harts_compiler.codegen.kernels.chunk_gdn import (gated_delta_rule, plan_gated_delta_rule_reference,  # noqa: E402
-                                                      plan_tree_gdn)
+from harts_compiler.codegen.kernels.chunk_gdn import gated_delta_rule, plan_gated_delta_rule_reference  # noqa: E402
+from harts_compiler.codegen.lower import gdn_plan  # noqa: E402
 from harts_compiler.codegen.kernels.upload import to_device  # noqa: E402
 
 
@@ -44,15 +44,21 @@ def gdn_inputs(tokens: int, heads: tuple[int, int], dims: tuple[int, int], devic
 
 def gdn_step(index, args, seed: int, config=None):
     """One fwd+bwd of the GDN rule over `index`'s rounds (the plan lowered and uploaded outside, as the runtime
-    does once per microbatch for all layers): the Triton kernels on CUDA, the torch reference elsewhere."""
-    plan = to_device(plan_tree_gdn(index.rounds, index.num_tokens, chunk_size=index.chunk_size, config=config),
-                     args.device)
+    does once per microbatch for all layers): the Triton kernels on CUDA, the torch reference elsewhere. A later
+    piece of a split tree starts sequences from states an earlier piece carried over: random fp32 states here,
+    differentiated as the runtime does, and the replay rows it reads from earlier pieces follow its own rows."""
+    plan = to_device(gdn_plan(index, config), args.device)
     run = gated_delta_rule if args.device.type == "cuda" else plan_gated_delta_rule_reference
-    leaves = gdn_inputs(index.num_tokens, args.heads, args.dims, args.device, args.dtype, seed=seed)
-    do = torch.randn(index.num_tokens, args.heads[1], args.dims[1], device=args.device, dtype=args.dtype)
+    leaves = gdn_inputs(plan.num_tokens, args.heads, args.dims, args.device, args.dtype, seed=seed)
+    do = torch.randn(plan.num_tokens, args.heads[1], args.dims[1], device=args.device, dtype=args.dtype)
+    carried = None
+    if plan.num_initial:
+        (_, hv), (kd, vd) = args.heads, args.dims
+        carried = (0.1 * torch.randn(plan.num_initial, hv, kd, vd, device=args.device)).requires_grad_(True)
+        leaves.append(carried)
 
     def step():
-        o, _ = run(*leaves, scale=args.dims[0] ** -0.5, plan=plan, use_qk_l2norm=True)
+        o, _ = run(*leaves[:5], scale=args.dims[0] ** -0.5, plan=plan, initial_states=carried, use_qk_l2norm=True)
         torch.autograd.grad(o, leaves, do)
     return step
 
@@ -90,6 +96,7 @@ def run_trees(name: str, trees, args) -> dict:
 def measure_batch(name: str, batch, budget: int, args, **extra) -> dict:
     shape = dict(chunk_size=64, conv_width=4)
     plan, tree_indices, *_ = plan_microbatches(batch, budget, args.device, **shape)
+    tree_indices = forward_units(tree_indices)  # a tree in pieces: each piece, with its carried states
     traj_indices = trajectory_microbatches(batch, budget, args.device, **shape)
     distinct = prefix_forest(batch).num_tokens
     row = dict(preset=name, **extra, trajectory_tokens=plan.stats["trajectory_tokens"], compact=distinct,

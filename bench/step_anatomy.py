@@ -26,8 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import component_breakdown  # noqa: E402
-from common import BENCH_MODELS, Step, build_model, describe_device, model_config, synchronize  # noqa: E402
-from e2e import forward_units, parse_args, plan_preset  # noqa: E402
+from common import (BENCH_MODELS, Step, build_model, describe_device, forward_units, model_config,  # noqa: E402
+                    synchronize)
+from e2e import parse_args, plan_preset  # noqa: E402
 from memory_sites import REPO, site_of  # noqa: E402
 
 PER = 1e6  # components and kernels are printed per this many trajectory tokens

@@ -113,6 +113,15 @@ def _check_target(index: MicrobatchIndex, target: LaunchTarget) -> None:
                                 f"[0, {target.vocab_size})")
 
 
+def gdn_plan(index: MicrobatchIndex, config=None):
+    """The linear-attention plan (chunk_gdn.TreeGDNPlan) of `index`'s rounds. A piece's rows are its own tokens
+    followed by the replay rows it reads from earlier pieces, and its sequences may start from carried states."""
+    ctx = index.context
+    return plan_tree_gdn(index.rounds, index.num_tokens + (0 if ctx is None else ctx.replay_rows),
+                         chunk_size=index.chunk_size, config=config, num_initial=0 if ctx is None else ctx.num_states,
+                         output_banks=() if ctx is None else ctx.state_out)
+
+
 def lower(index: MicrobatchIndex, target: LaunchTarget) -> LaunchPlan:
     """The launch plan of `index` for `target`, built and verified on the host (see the module docstring).
     Raises PlanMismatchError where plan and model disagree, ValueError naming the field for a bad index."""
@@ -125,10 +134,7 @@ def lower(index: MicrobatchIndex, target: LaunchTarget) -> LaunchPlan:
     ctx = index.context
     piece = None if ctx is None else PieceLaunch(
         num_keys=ctx.num_keys, **{field.name: getattr(ctx, field.name) for field in dataclasses.fields(PieceRows)})
-    gdn = plan_tree_gdn(index.rounds, index.num_tokens + (0 if ctx is None else ctx.replay_rows),
-                        chunk_size=index.chunk_size, config=target.gdn_config,
-                        num_initial=0 if ctx is None else ctx.num_states,
-                        output_banks=() if ctx is None else ctx.state_out)
+    gdn = gdn_plan(index, target.gdn_config)
     keys = index.subtree_end if ctx is None else np.concatenate([ctx.kv_subtree_end, index.subtree_end])
     subtree_end = keys.astype(np.int32)
     queries = None if ctx is None else index.num_tokens  # a piece's queries are the last T keys

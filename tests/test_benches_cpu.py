@@ -103,6 +103,15 @@ def test_gdn_batch_tiny_cpu(tmp_path):
         assert all(math.isfinite(float(c)) and float(c) > 0 for c in cells[1:]), line
 
 
+def test_gdn_batch_times_trees_in_pieces(tmp_path):
+    """bench/gdn_batch.py at a budget below the trees: each piece runs with its carried replay rows and states."""
+    import ast
+    result = run_bench("gdn_batch.py", tmp_path, "--presets", "tau2", "--microbatch-tokens", "64")
+    row = ast.literal_eval(next(line for line in result.stdout.splitlines() if line.startswith("[tau2]"))[7:])
+    assert row["tasks"] < len(row["sequences"])  # more forward units than trees: a tree ran in pieces
+    assert math.isfinite(row["tree_ms"]) and row["tree_ms"] > 0
+
+
 def test_gdn_scans_interpreted(tmp_path):
     """bench/gdn_scans.py: the scans alone under a launch, on the Triton interpreter at a toy size (one head)."""
     env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
