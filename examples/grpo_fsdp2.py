@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
 import time
 
 import numpy as np
@@ -175,3 +176,9 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    # After a clean shutdown (both ranks past destroy_process_group), about one gloo run in twenty still aborted
+    # in the interpreter's teardown ("terminate called without an active exception": a torch background thread
+    # destroyed while joinable). Nothing is left to do, so skip that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
