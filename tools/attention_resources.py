@@ -24,13 +24,15 @@ INT32_POINTERS = {"subtree_end", "q_ptr", "q_cols", "q_full", "q_order", "k_ptr"
 FP32_SCALARS = {"scale", "scale_log2"}
 
 
-def _signature(fn, dtype: str) -> dict:
+def _signature(fn, dtype: str, descriptors: dict) -> dict:
     """Triton types of the kernel's runtime arguments, read from its own argument list (so this tool follows
-    the kernels); constexprs are added by the caller."""
+    the kernels); `descriptors`: block shape of each tensor-descriptor argument. Constexprs are added by the caller."""
     runtime = [name for i, name in enumerate(fn.arg_names) if i not in fn.constexprs]
     types = {}
     for name in runtime:
-        if name in FP32_POINTERS:
+        if name in descriptors:
+            types[name] = f"tensordesc<{dtype}[{','.join(map(str, descriptors[name]))}]>"
+        elif name in FP32_POINTERS:
             types[name] = "*fp32"
         elif name in INT32_POINTERS:
             types[name] = "*i32"
@@ -56,7 +58,14 @@ def compile_report(kind: str, head_dim: int, n_q_heads: int, n_kv_heads: int, co
         constexprs["PACK"] = launch.get("heads", 1)
     else:
         constexprs["BMS"] = min(launch["block_ms"], launch["block_m"])
-    signature = _signature(fn, dtype)
+    value_dim = value_dim or head_dim
+    bn, rows = launch["block_n"], constexprs.get("BMS")
+    descriptors = {}  # as the host builds them: a kernel with a second tile argument takes descriptors
+    if "k2" in fn.arg_names:
+        descriptors.update(k=[bn, first], k2=[bn, rest or first], v=[bn, value_dim])
+    if "q2" in fn.arg_names:
+        descriptors.update(q=[rows, first], q2=[rows, rest or first], do=[rows, value_dim])
+    signature = _signature(fn, dtype, descriptors)
     signature.update({name: "constexpr" for name in constexprs})
     report = hopper_resources(fn, signature, constexprs, num_warps=launch["num_warps"],
                               num_stages=launch["num_stages"], aligned_pointers=True)

@@ -31,7 +31,7 @@ def cuobjdump_path() -> str:
 def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, num_stages: int,
                      aligned_pointers: bool = False) -> dict:
     """Compile `fn` (a @triton.jit function) for sm_90 with `signature` (argument -> type string,
-    constexprs included as "constexpr") and report {regs, stack, shared, fits, wgmma, spill_loads,
+    constexprs included as "constexpr") and report {regs, stack, shared, fits, wgmma, tma_loads, spill_loads,
     spill_stores, sass_digest}; sass_digest (sha1 of the SASS instructions) tells whether a source refactor
     changed the machine code. `aligned_pointers`: give every pointer the 16-byte divisibility the JIT sees for
     torch allocations (without it Triton does not pipeline some loads)."""
@@ -52,7 +52,7 @@ def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, n
     regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     shared = kernel.metadata.shared
     return dict(regs=int(regs.group(1)), stack=int(regs.group(2)), shared=shared,
-                fits=shared <= HOPPER_SHARED_LIMIT, wgmma=sass.count("HGMMA"),
+                fits=shared <= HOPPER_SHARED_LIMIT, wgmma=sass.count("HGMMA"), tma_loads=sass.count("UTMALDG"),
                 spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
                 sass_digest=hashlib.sha1("\n".join(line for line in sass.splitlines() if "/*" in line)
                                          .encode()).hexdigest()[:12])

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .block_index import BlockIndex
 from .configs import KernelConfig
-from .forward import LOG2E, head_dims, load_key_block, query_rows, scores
+from .forward import LOG2E, head_descriptors, head_dims, load_key_block, query_rows, scores, token_descriptor
 from ..interpreter_safe import interpreting
 
 
@@ -46,11 +46,32 @@ def tree_attn_bwd_delta_kernel(o, do, delta, T, HQ: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
+def _key_block_by_pointers(k, v, subtree_end, i_n, i_kvh, TK, HKV: tl.constexpr, D: tl.constexpr,
+                           D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
+                           MASKED: tl.constexpr):
+    """load_key_block with pointer loads, for the dq kernel: there tensor descriptors measured 8% slower at
+    head dim 256 (its one-stage loop then stages each tile through shared memory and registers) and 1.5% faster
+    at MLA's 192 / 128; the forward and the dk/dv kernel gain from them."""
+    offs_n = i_n * BN + tl.arange(0, BN)
+    rows_k = offs_n.to(tl.int64) * (HKV * D) + i_kvh * D
+    rows_v = offs_n.to(tl.int64) * (HKV * DV) + i_kvh * DV
+    in_range = offs_n < TK
+    b_k, b_k2 = query_rows(k, rows_k, in_range, D1, D2, MASKED)
+    if MASKED:
+        b_v = tl.load(v + rows_v[:, None] + tl.arange(0, DV)[None, :], mask=in_range[:, None], other=0.0)
+        b_end = tl.load(subtree_end + offs_n, mask=in_range, other=0)
+    else:
+        b_v = tl.load(v + rows_v[:, None] + tl.arange(0, DV)[None, :])
+        b_end = offs_n  # dummy: unmasked blocks need no ends
+    return offs_n, b_k, b_k2, b_v, b_end
+
+
+@triton.jit
 def _dq_block(b_q, b_q2, b_do, b_lse, b_delta, b_dq, b_dq2, k, v, subtree_end, i_n, rows_g, TK,
               i_kvh, scale_log2, HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr,
               D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr):
-    offs_n, b_k, b_k2, b_v, b_end = load_key_block(k, v, subtree_end, i_n, i_kvh, TK, HKV, D, D1,
-                                                   D2, DV, BN, MASKED)
+    offs_n, b_k, b_k2, b_v, b_end = _key_block_by_pointers(k, v, subtree_end, i_n, i_kvh, TK, HKV, D, D1, D2,
+                                                           DV, BN, MASKED)
     # [BMS, BN]
     b_p = tl.exp2(scores(b_q, b_q2, b_k, b_k2, D2) * scale_log2 - b_lse[:, None])
     if MASKED:
@@ -133,7 +154,7 @@ def tree_attn_bwd_dq_kernel(q, k, v, do, dq, lse, delta, subtree_end,
 
 
 @triton.jit
-def _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows,
+def _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, q2, do, lse, delta, offs_n, b_end, k_rows,
                first, count, it, i_kvh, TQ, q_offset, scale_log2, HQ: tl.constexpr,
                HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
                DV: tl.constexpr, BM: tl.constexpr, BMS: tl.constexpr, HAS_OFFSET: tl.constexpr,
@@ -145,21 +166,20 @@ def _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta, offs_n, 
     pair = it // SUBS
     i_h = i_kvh * G + pair // count
     i_m = tl.load(k_rows + first + pair % count)
-    offs_m = i_m * BM + sub * BMS + tl.arange(0, BMS)  # local query rows
-    rows_m = offs_m.to(tl.int64) * (HQ * D) + i_h * D
-    rows_do = rows_m
-    if DV != D:
-        rows_do = offs_m.to(tl.int64) * (HQ * DV) + i_h * DV
-    offs_dv = tl.arange(0, DV)
+    row0 = i_m * BM + sub * BMS
+    offs_m = row0 + tl.arange(0, BMS)  # local query rows
     head_row = i_h.to(tl.int64) * TQ
-    m_valid = offs_m < TQ
-    b_q, b_q2 = query_rows(q, rows_m, m_valid, D1, D2, MASKED)
+    # q and do through descriptors (rows past TQ read as zeros)
+    b_q = q.load([row0, i_h * D])
+    b_q2 = 0.0  # dummy when D2 == 0
+    if D2 > 0:
+        b_q2 = q2.load([row0, i_h * D + D1])
+    b_do = do.load([row0, i_h * DV])
     if MASKED:
-        b_do = tl.load(do + rows_do[:, None] + offs_dv[None, :], mask=m_valid[:, None], other=0.0)
+        m_valid = offs_m < TQ
         b_lse = tl.load(lse + head_row + offs_m, mask=m_valid, other=0.0)
         b_delta = tl.load(delta + head_row + offs_m, mask=m_valid, other=0.0)
     else:
-        b_do = tl.load(do + rows_do[:, None] + offs_dv[None, :])
         b_lse = tl.load(lse + head_row + offs_m)
         b_delta = tl.load(delta + head_row + offs_m)
     # [BMS, BN] probabilities of this query sub-tile against the key block
@@ -181,7 +201,7 @@ def _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta, offs_n, 
 
 
 @triton.jit
-def _dkdv_range(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta, offs_n, b_end, k_rows,
+def _dkdv_range(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, q2, do, lse, delta, offs_n, b_end, k_rows,
                 first, count, i_kvh, TQ, q_offset, scale_log2, HQ: tl.constexpr,
                 HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
                 DV: tl.constexpr, BM: tl.constexpr, BMS: tl.constexpr, HAS_OFFSET: tl.constexpr,
@@ -193,14 +213,14 @@ def _dkdv_range(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta, offs_n,
     if INTERPRET:
         it = count * 0
         while it < G * count * SUBS:
-            b_dkt, b_dkt2, b_dvt = _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse,
+            b_dkt, b_dkt2, b_dvt = _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, q2, do, lse,
                                               delta, offs_n, b_end, k_rows, first, count, it,
                                               i_kvh, TQ, q_offset, scale_log2, HQ, HKV, D, D1, D2,
                                               DV, BM, BMS, HAS_OFFSET, MASKED)
             it += 1
     else:
         for it in range(0, G * count * SUBS):
-            b_dkt, b_dkt2, b_dvt = _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse,
+            b_dkt, b_dkt2, b_dvt = _dkdv_step(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, q2, do, lse,
                                               delta, offs_n, b_end, k_rows, first, count, it,
                                               i_kvh, TQ, q_offset, scale_log2, HQ, HKV, D, D1, D2,
                                               DV, BM, BMS, HAS_OFFSET, MASKED)
@@ -208,7 +228,7 @@ def _dkdv_range(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta, offs_n,
 
 
 @triton.jit
-def tree_attn_bwd_dkdv_kernel(q, k, v, do, dk, dv, lse, delta, subtree_end,
+def tree_attn_bwd_dkdv_kernel(q, q2, k, k2, v, do, dk, dv, lse, delta, subtree_end,
                               k_ptr, k_rows, k_full, k_order, scale, scale_log2, TQ, TK, q_offset,
                               HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                               D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
@@ -217,8 +237,8 @@ def tree_attn_bwd_dkdv_kernel(q, k, v, do, dk, dv, lse, delta, subtree_end,
     pid = tl.program_id(0)
     i_kvh = pid % HKV
     i_n = tl.load(k_order + pid // HKV)
-    offs_n, b_k, b_k2, b_v, b_end = load_key_block(k, v, subtree_end, i_n, i_kvh, TK, HKV, D, D1,
-                                                   D2, DV, BN, True)
+    offs_n, b_k, b_k2, b_v, b_end = load_key_block(k, k2, v, subtree_end, i_n, i_kvh, TK, D, D1, D2, DV, BN,
+                                                   True)
     n_valid = offs_n < TK
     # transposed accumulators [D1, BN] (+ [D2, BN]) and [DV, BN]
     b_dkt = tl.zeros([D1, BN], dtype=tl.float32)
@@ -229,11 +249,11 @@ def tree_attn_bwd_dkdv_kernel(q, k, v, do, dk, dv, lse, delta, subtree_end,
     start = tl.load(k_ptr + i_n)
     n_full = tl.load(k_full + i_n)
     n_partial = tl.load(k_ptr + i_n + 1) - start - n_full
-    b_dkt, b_dkt2, b_dvt = _dkdv_range(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta,
+    b_dkt, b_dkt2, b_dvt = _dkdv_range(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, q2, do, lse, delta,
                                        offs_n, b_end, k_rows, start, n_full, i_kvh, TQ, q_offset,
                                        scale_log2, HQ, HKV, D, D1, D2, DV, BM, BMS, HAS_OFFSET,
                                        False, INTERPRET)
-    b_dkt, b_dkt2, b_dvt = _dkdv_range(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, do, lse, delta,
+    b_dkt, b_dkt2, b_dvt = _dkdv_range(b_k, b_k2, b_v, b_dkt, b_dkt2, b_dvt, q, q2, do, lse, delta,
                                        offs_n, b_end, k_rows, start + n_full, n_partial, i_kvh, TQ,
                                        q_offset, scale_log2, HQ, HKV, D, D1, D2, DV, BM, BMS,
                                        HAS_OFFSET, True, INTERPRET)
@@ -284,13 +304,17 @@ def bwd_dq(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scale: float
 def bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scale: float,
              launch: dict):
     index = index.with_blocks(launch["block_m"], launch["block_n"])
+    if q.shape[0] == 0:  # no query sees any key
+        return torch.zeros_like(k), torch.zeros_like(v)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     grid = (index.num_key_blocks * k.shape[1],)
     if grid[0]:
+        rows = min(launch["block_ms"], index.block_m)
         tree_attn_bwd_dkdv_kernel[grid](
-            q, k, v, do, dk, dv, lse, delta, subtree_end, index.k_ptr, index.k_rows,
-            index.k_full, index.k_order, scale, scale * LOG2E, q.shape[0], k.shape[0],
+            *head_descriptors(q, rows), *head_descriptors(k, index.block_n),
+            token_descriptor(v, index.block_n, v.shape[2]), token_descriptor(do, rows, do.shape[2]), dk, dv, lse,
+            delta, subtree_end, index.k_ptr, index.k_rows, index.k_full, index.k_order, scale, scale * LOG2E, q.shape[0], k.shape[0],
             k.shape[0] - q.shape[0], **_launch_args(q, k, v, index, launch))
     return dk, dv
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .block_index import BlockIndex
 from ..interpreter_safe import interpreting
@@ -38,32 +39,21 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
 
 
 @triton.jit
-def load_key_block(k, v, subtree_end, i_n, i_kvh, TK, HKV: tl.constexpr, D: tl.constexpr,
-                   D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
-                   MASKED: tl.constexpr):
+def load_key_block(k_desc, k2_desc, v_desc, subtree_end, i_n, i_kvh, TK, D: tl.constexpr, D1: tl.constexpr,
+                   D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr):
     """Key block i_n of kv head i_kvh: (key rows, k [BN, D1], k tail [BN, D2] or dummy, v [BN, DV],
-    subtree_end [BN]; rows past TK are zeros and end 0 when MASKED, else the rows are all in range)."""
+    subtree_end [BN]; the descriptors read rows past TK as zeros, whose end is 0 when MASKED, and
+    unmasked blocks need no ends)."""
     offs_n = i_n * BN + tl.arange(0, BN)
-    rows_k = offs_n.to(tl.int64) * (HKV * D) + i_kvh * D
-    rows_v = offs_n.to(tl.int64) * (HKV * DV) + i_kvh * DV
-    offs_d = tl.arange(0, D1)
-    offs_dv = tl.arange(0, DV)
+    b_k = k_desc.load([i_n * BN, i_kvh * D])
+    b_v = v_desc.load([i_n * BN, i_kvh * DV])
     if MASKED:
-        in_range = offs_n < TK
-        b_k = tl.load(k + rows_k[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        b_v = tl.load(v + rows_v[:, None] + offs_dv[None, :], mask=in_range[:, None], other=0.0)
-        b_end = tl.load(subtree_end + offs_n, mask=in_range, other=0)
+        b_end = tl.load(subtree_end + offs_n, mask=offs_n < TK, other=0)
     else:
-        b_k = tl.load(k + rows_k[:, None] + offs_d[None, :])
-        b_v = tl.load(v + rows_v[:, None] + offs_dv[None, :])
-        b_end = offs_n  # dummy: unmasked blocks need no ends
+        b_end = offs_n  # dummy
     b_k2 = 0.0  # dummy when D2 == 0
     if D2 > 0:
-        offs_d2 = D1 + tl.arange(0, D2)
-        if MASKED:
-            b_k2 = tl.load(k + rows_k[:, None] + offs_d2[None, :], mask=in_range[:, None], other=0.0)
-        else:
-            b_k2 = tl.load(k + rows_k[:, None] + offs_d2[None, :])
+        b_k2 = k2_desc.load([i_n * BN, i_kvh * D + D1])
     return offs_n, b_k, b_k2, b_v, b_end
 
 
@@ -95,11 +85,11 @@ def scores(b_q, b_q2, b_k, b_k2, D2: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end, i_n, rows_g, TK, i_kvh,
+def _attend_block(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end, i_n, rows_g, TK, i_kvh,
                   scale_log2, HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr,
                   D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr):
-    offs_n, b_k, b_k2, b_v, b_end = load_key_block(k, v, subtree_end, i_n, i_kvh, TK, HKV, D, D1,
-                                                   D2, DV, BN, MASKED)
+    offs_n, b_k, b_k2, b_v, b_end = load_key_block(k, k2, v, subtree_end, i_n, i_kvh, TK, D, D1, D2, DV,
+                                                   BN, MASKED)
     # [BM, BN] scores, base-2 scaled
     b_s = scores(b_q, b_q2, b_k, b_k2, D2) * scale_log2
     if MASKED:
@@ -114,7 +104,7 @@ def _attend_block(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end, i_n, rows_g, TK, 
 
 
 @triton.jit
-def _attend_range(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end, q_cols, lo, hi, rows_g, TK,
+def _attend_range(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end, q_cols, lo, hi, rows_g, TK,
                   i_kvh, scale_log2, HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr,
                   D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr,
                   INTERPRET: tl.constexpr):
@@ -122,20 +112,20 @@ def _attend_range(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end, q_cols, lo, hi, r
     if INTERPRET:
         idx = lo
         while idx < hi:
-            acc, m_i, l_i = _attend_block(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end,
+            acc, m_i, l_i = _attend_block(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end,
                                           tl.load(q_cols + idx), rows_g, TK, i_kvh, scale_log2,
                                           HKV, D, D1, D2, DV, BN, MASKED)
             idx += 1
     else:
         for idx in range(lo, hi):
-            acc, m_i, l_i = _attend_block(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end,
+            acc, m_i, l_i = _attend_block(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end,
                                           tl.load(q_cols + idx), rows_g, TK, i_kvh, scale_log2,
                                           HKV, D, D1, D2, DV, BN, MASKED)
     return acc, m_i, l_i
 
 
 @triton.jit
-def tree_attn_fwd_kernel(q, k, v, o, lse, subtree_end, q_ptr, q_cols, q_full, q_order,
+def tree_attn_fwd_kernel(q, k, k2, v, o, lse, subtree_end, q_ptr, q_cols, q_full, q_order,
                          scale_log2, TQ, TK, q_offset,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr,
                          D2: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -168,10 +158,10 @@ def tree_attn_fwd_kernel(q, k, v, o, lse, subtree_end, q_ptr, q_cols, q_full, q_
     start = tl.load(q_ptr + i_m)
     stop = tl.load(q_ptr + i_m + 1)
     full_stop = start + tl.load(q_full + i_m)
-    acc, m_i, l_i = _attend_range(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end, q_cols, start,
+    acc, m_i, l_i = _attend_range(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end, q_cols, start,
                                   full_stop, rows_g, TK, i_kvh, scale_log2, HKV, D, D1, D2, DV, BN,
                                   False, INTERPRET)
-    acc, m_i, l_i = _attend_range(b_q, b_q2, acc, m_i, l_i, k, v, subtree_end, q_cols, full_stop,
+    acc, m_i, l_i = _attend_range(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end, q_cols, full_stop,
                                   stop, rows_g, TK, i_kvh, scale_log2, HKV, D, D1, D2, DV, BN,
                                   True, INTERPRET)
     # rows past TQ saw nothing (l_i = 0); keep them finite, they are not stored
@@ -188,6 +178,23 @@ def forward_packing(q: torch.Tensor, k: torch.Tensor, launch: dict) -> tuple[int
     they divide the GQA group, else 1 head of block_m * heads tokens, so a program keeps its score rows."""
     pack, group = launch.get("heads", 1), q.shape[1] // k.shape[1]  # a power of two (KernelConfig checks)
     return (pack, launch["block_m"]) if group % pack == 0 else (1, launch["block_m"] * pack)
+
+
+def token_descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """Tensor descriptor of a contiguous [tokens, heads, dim] tensor seen as [tokens, heads * dim], in blocks of
+    rows x cols: on Hopper one bulk (TMA) copy into shared memory per block, without staging in registers or
+    per-thread addresses; rows past the end read as zeros. (Descriptors need a 16-byte aligned base.)"""
+    if t.data_ptr() % 16:
+        t = t.clone()
+    flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, cols])
+
+
+def head_descriptors(x: torch.Tensor, rows: int) -> tuple:
+    """(first tile, second tile) descriptors of x's head dim split as split_head_dim does; the second is the
+    first again where the head dim is one tile (the kernels then never read it)."""
+    first, rest = split_head_dim(x.shape[2])
+    return token_descriptor(x, rows, first), token_descriptor(x, rows, rest or first)
 
 
 def head_dims(q: torch.Tensor, v: torch.Tensor) -> dict:
@@ -211,7 +218,8 @@ def tree_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     grid = (index.num_query_blocks * (n_q_heads // pack),)
     if grid[0]:
         tree_attn_fwd_kernel[grid](
-            q, k, v, o, lse, subtree_end, index.q_ptr, index.q_cols, index.q_full, index.q_order,
+            q, *head_descriptors(k, index.block_n), token_descriptor(v, index.block_n, v.shape[2]), o, lse,
+            subtree_end, index.q_ptr, index.q_cols, index.q_full, index.q_order,
             scale * LOG2E, n_queries, n_keys, n_keys - n_queries, HQ=n_q_heads, HKV=k.shape[1],
             **head_dims(q, v), BM=index.block_m * pack, BN=index.block_n, PACK=pack,
             HAS_OFFSET=n_keys != n_queries, INTERPRET=interpreting(),
