@@ -11,7 +11,8 @@ order (no atomics).
   It accumulates the *transposed* gradients ``dk^T, dv^T [D, BN]`` (fp32) as
   ``do^T p`` and ``q^T ds``: k and v then only ever serve as shared-memory B operands, which
   leaves the registers to the two accumulators (with ``k q^T`` as A operand, k and v would sit
-  in registers too and spill at D = 256).
+  in registers too and spill at D = 256). Its q and do sub-tiles come in through tensor descriptors
+  (no register staging); the dq kernel loads k and v with pointers, which measured faster there.
 No ``tl.trans`` of a dot accumulator feeds another dot (Triton 3.6 Hopper miscompile, docs/gdn_kernels.md):
 only loaded tiles are transposed; p and ds enter the next dots untransposed.
 Suffix queries and head dims as in forward.py: q, do, dq, lse and delta by local query rows, the mask

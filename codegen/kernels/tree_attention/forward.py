@@ -6,6 +6,9 @@ blocks with no mask, then the partially masked ones with the per-element tree ma
 ``j <= i < subtree_end[j]`` (which also masks rows/columns past the ends). Softmax runs in base 2
 with ``scale * log2(e)`` folded into the scores; the saved ``lse`` is in that base-2 domain.
 
+Key and value blocks come in through tensor descriptors (``token_descriptor``: one TMA copy per tile on
+Hopper, rows past ``TK`` read as zeros); q is loaded once per program with pointers.
+
 Queries may be the last ``TQ`` of the ``TK`` key rows (``HAS_OFFSET``): q, o and lse are indexed by
 local query rows, the mask by global ones (local + ``q_offset``). ``HAS_OFFSET`` is a compile-time
 flag, so the all-tokens case compiles to the same code as without the offset.
