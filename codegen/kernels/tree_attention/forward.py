@@ -89,7 +89,7 @@ def scores(b_q, b_q2, b_k, b_k2, D2: tl.constexpr):
 
 @triton.jit
 def _attend_block(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end, i_n, rows_g, TK, i_kvh,
-                  scale_log2, HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr,
+                  scale_log2, D: tl.constexpr, D1: tl.constexpr,
                   D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr):
     offs_n, b_k, b_k2, b_v, b_end = load_key_block(k, k2, v, subtree_end, i_n, i_kvh, TK, D, D1, D2, DV,
                                                    BN, MASKED)
@@ -108,7 +108,7 @@ def _attend_block(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end, i_n, rows_g, 
 
 @triton.jit
 def _attend_range(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end, q_cols, lo, hi, rows_g, TK,
-                  i_kvh, scale_log2, HKV: tl.constexpr, D: tl.constexpr, D1: tl.constexpr,
+                  i_kvh, scale_log2, D: tl.constexpr, D1: tl.constexpr,
                   D2: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr,
                   INTERPRET: tl.constexpr):
     # visit list entries [lo, hi); see interpreter_safe.py for the while loop
@@ -117,13 +117,13 @@ def _attend_range(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end, q_cols, lo, h
         while idx < hi:
             acc, m_i, l_i = _attend_block(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end,
                                           tl.load(q_cols + idx), rows_g, TK, i_kvh, scale_log2,
-                                          HKV, D, D1, D2, DV, BN, MASKED)
+                                          D, D1, D2, DV, BN, MASKED)
             idx += 1
     else:
         for idx in range(lo, hi):
             acc, m_i, l_i = _attend_block(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end,
                                           tl.load(q_cols + idx), rows_g, TK, i_kvh, scale_log2,
-                                          HKV, D, D1, D2, DV, BN, MASKED)
+                                          D, D1, D2, DV, BN, MASKED)
     return acc, m_i, l_i
 
 
@@ -162,10 +162,10 @@ def tree_attn_fwd_kernel(q, k, k2, v, o, lse, subtree_end, q_ptr, q_cols, q_full
     stop = tl.load(q_ptr + i_m + 1)
     full_stop = start + tl.load(q_full + i_m)
     acc, m_i, l_i = _attend_range(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end, q_cols, start,
-                                  full_stop, rows_g, TK, i_kvh, scale_log2, HKV, D, D1, D2, DV, BN,
+                                  full_stop, rows_g, TK, i_kvh, scale_log2, D, D1, D2, DV, BN,
                                   False, INTERPRET)
     acc, m_i, l_i = _attend_range(b_q, b_q2, acc, m_i, l_i, k, k2, v, subtree_end, q_cols, full_stop,
-                                  stop, rows_g, TK, i_kvh, scale_log2, HKV, D, D1, D2, DV, BN,
+                                  stop, rows_g, TK, i_kvh, scale_log2, D, D1, D2, DV, BN,
                                   True, INTERPRET)
     # rows past TQ saw nothing (l_i = 0); keep them finite, they are not stored
     l_safe = tl.where(l_i > 0, l_i, 1.0)
