@@ -129,7 +129,7 @@ def input_gradients(plan: TreeGDNPlan, dtypes, key_heads: int, chunk_grads, l2no
         if plan.replay_dst.numel() and name != "q":
             grad = group_sum(grad, groups).contiguous()
             segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds, groups=groups)
-            groups = 1
+            groups = 1  # grad is per key head now
         if name in unnormalise:  # the l2 norm's backward sums the value heads' rows itself
             grads.append(l2norm_rows_backward(*unnormalise[name], grad, groups=groups))
         else:
