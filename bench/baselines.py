@@ -98,8 +98,9 @@ def fla_comparison(model, traj_indices, device) -> dict:
 
 def external_kernels(rule: str, args) -> list[tuple[str, str, object]]:
     """(name, result key, trajectory-wise kernel) of every importable external kernel of the rule: fla's
-    chunk_gated_delta_rule / chunk_kda and, for GDN, FlashQLA's; none on the CPU or with --no-fla."""
-    if args.device.type == "cpu" or args.no_fla:
+    chunk_gated_delta_rule / chunk_kda and, for GDN, FlashQLA's; none on the CPU, with --no-fla or with
+    --no-external-gdn."""
+    if args.device.type == "cpu" or args.no_fla or args.no_external_gdn:
         return []
     found = [(f"fla {rule.upper()}", "traj_fla_ms", fla_trajectory_kernel(rule))]
     if rule == "gdn":

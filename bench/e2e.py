@@ -107,6 +107,9 @@ def parse_args(argv):
                         "allocation site (bench/memory_sites.py)")
     p.add_argument("--no-fla", action="store_true",
                    help="do not time the trajectory-wise step with external kernels (fla's, FlashQLA's, SDPA)")
+    p.add_argument("--no-external-gdn", action="store_true",
+                   help="of the external kernels time only SDPA attention, not fla's or FlashQLA's GDN (each of "
+                        "those costs a full trajectory-wise step plus its autotuning)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON results here")
     args = p.parse_args(argv)
