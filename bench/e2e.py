@@ -43,7 +43,8 @@ with an external kernel of the model's rule in every linear-attention layer: fla
 chunk_gated_delta_rule / chunk_kda ("traj fla ms") and, for GDN, FlashQLA's chunk_gated_delta_rule
 ("traj fq ms"), each when importable on CUDA; then, for gated-attention (GQA) models on CUDA, the fastest of
 those with torch's SDPA (its default backend, cuDNN on the H200) per trajectory in every full-attention layer
-("traj sdpa ms", `anchors.TrajectorySDPA`). `--no-fla` skips all of them; fla's column is fla's own kernels,
+("traj sdpa ms", `anchors.TrajectorySDPA`). `--no-fla` skips all of them, `--no-external-gdn` the GDN ones
+(SDPA then runs with our GDN); fla's column is fla's own kernels,
 not its dispatch to FlashQLA. "speedup" divides that baseline by tree mode, and the JSON names the
 baseline. On CUDA (GDN models), the GDN kernel of the
 largest trajectory microbatch is also timed alone against fla's, and SDPA's attention per
