@@ -51,14 +51,14 @@ def compile_report(kind: str, head_dim: int, n_q_heads: int, n_kv_heads: int, co
     fn = KERNELS[kind]
     launch = {"fwd": config.fwd, "dq": config.dq, "dkdv": config.dkdv}[kind]
     first, rest = split_head_dim(head_dim)
-    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, D1=first, D2=rest, DV=value_dim or head_dim,
+    value_dim = value_dim or head_dim
+    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, D1=first, D2=rest, DV=value_dim,
                       BM=launch["block_m"], BN=launch["block_n"], HAS_OFFSET=suffix_queries, INTERPRET=False)
     if kind == "fwd":  # score rows: block_m tokens of each of `heads` query heads
         constexprs["BM"] *= launch.get("heads", 1)
         constexprs["PACK"] = launch.get("heads", 1)
     else:
         constexprs["BMS"] = min(launch["block_ms"], launch["block_m"])
-    value_dim = value_dim or head_dim
     bn, rows = launch["block_n"], constexprs.get("BMS")
     descriptors = {}  # as the host builds them: a kernel with a second tile argument takes descriptors
     if "k2" in fn.arg_names:

@@ -311,12 +311,13 @@ def bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scale: flo
     dv = torch.empty_like(v)
     grid = (index.num_key_blocks * k.shape[1],)
     if grid[0]:
-        rows = min(launch["block_ms"], index.block_m)
+        args = _launch_args(q, k, v, index, launch)
+        rows = args["BMS"]  # the q / do sub-tile each step loads
         tree_attn_bwd_dkdv_kernel[grid](
             *head_descriptors(q, rows), *head_descriptors(k, index.block_n),
             token_descriptor(v, index.block_n, v.shape[2]), token_descriptor(do, rows, do.shape[2]), dk, dv, lse,
             delta, subtree_end, index.k_ptr, index.k_rows, index.k_full, index.k_order, scale, scale * LOG2E,
-            q.shape[0], k.shape[0], k.shape[0] - q.shape[0], **_launch_args(q, k, v, index, launch))
+            q.shape[0], k.shape[0], k.shape[0] - q.shape[0], **args)
     return dk, dv
 
 
