@@ -1,0 +1,112 @@
+"""GPU checks of the Gluon tree-attention forward (forward_gluon.py, Hopper only) against the Triton forward
+and an fp32 reference: o and lse on random forests, the odd anchor tree (sizes not multiples of the blocks),
+suffix queries, and the benchmark anchor P4096 B8 L3584. Skips without CUDA or off sm_90 (the kernel uses
+Hopper wgmma / TMA / setmaxnreg). Both forwards run at the same 128 x 64 visit lists.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from harts_compiler.codegen.kernels.tree_attention import build_block_index
+from harts_compiler.codegen.kernels.tree_attention.forward import tree_attention_forward
+from harts_compiler.codegen.kernels.tree_attention.reference import tree_attention_reference_chunked, tree_mask
+from harts_compiler.codegen.kernels.upload import to_device
+from tree_layouts import anchor_tree, layout_from_parents, random_forest
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                       reason="needs an sm_90 (Hopper) GPU"),
+]
+
+TRITON_LAUNCH = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+
+def gluon_forward():
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from harts_compiler.codegen.kernels.tree_attention.forward_gluon import tree_attention_forward_gluon
+    return tree_attention_forward_gluon
+
+
+def relative_error(actual, expected):
+    return ((actual.float() - expected).norm() / expected.norm()).item()
+
+
+def lse_fp32(q, k, subtree_end, scale, chunk=256):
+    """[HQ, Tq] base-2 log-sum-exp of the masked scaled scores in fp32 (q: the last Tq of Tk tokens)."""
+    n_queries, n_q_heads, _ = q.shape
+    n_keys = k.shape[0]
+    offset = n_keys - n_queries
+    kh = k.float().transpose(0, 1).repeat_interleave(n_q_heads // k.shape[1], dim=0)
+    keys = torch.arange(n_keys, device=q.device)
+    out = torch.empty(n_q_heads, n_queries, device=q.device)
+    for s in range(0, n_queries, chunk):
+        e = min(s + chunk, n_queries)
+        scores = q[s:e].float().transpose(0, 1) @ kh[:, :offset + e].transpose(1, 2) * scale
+        mask = tree_mask(subtree_end, keys[offset + s:offset + e], keys[:offset + e])
+        out[:, s:e] = torch.logsumexp(scores.masked_fill(~mask[None], float("-inf")), dim=-1) / math.log(2)
+    return out
+
+
+def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None):
+    """Gluon vs Triton vs fp32: o within 1.1x the Triton forward's error (+1e-4), lse within 1e-3 of fp32."""
+    forward_gluon = gluon_forward()
+    value_dim = value_dim or head_dim
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n_keys = layout.num_tokens
+    n_queries = n_keys if num_queries is None else num_queries
+    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").bfloat16()
+    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").bfloat16()
+    subtree_end = layout.subtree_end_tensor("cuda")
+    scale = head_dim ** -0.5
+    index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
+
+    o_triton, lse_triton = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
+    o_gluon, lse_gluon = forward_gluon(q, k, v, subtree_end, index, scale)
+    o_again, lse_again = forward_gluon(q, k, v, subtree_end, index, scale)
+    torch.cuda.synchronize()
+    assert o_gluon.dtype == q.dtype and o_gluon.shape == o_triton.shape and lse_gluon.shape == lse_triton.shape
+    assert torch.isfinite(o_gluon).all() and torch.isfinite(lse_gluon).all()
+    assert torch.equal(o_gluon, o_again) and torch.equal(lse_gluon, lse_again), "not bitwise deterministic"
+
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # tf32 would make the oracle only ~1e-3 accurate
+    try:
+        with torch.no_grad():
+            o_ref = tree_attention_reference_chunked(q.float(), k.float(), v.float(), subtree_end, scale=scale)
+            lse_ref = lse_fp32(q, k, subtree_end, scale)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    err_gluon, err_triton = relative_error(o_gluon, o_ref), relative_error(o_triton, o_ref)
+    lse_err_gluon = (lse_gluon - lse_ref).abs().max().item()
+    lse_err_triton = (lse_triton - lse_ref).abs().max().item()
+    print(f"D={head_dim}/{value_dim} Tk={n_keys} Tq={n_queries} o err gluon {err_gluon:.2e} triton {err_triton:.2e}"
+          f" | lse max err gluon {lse_err_gluon:.2e} triton {lse_err_triton:.2e}"
+          f" | o max |gluon - triton| {(o_gluon.float() - o_triton.float()).abs().max().item():.2e}")
+    assert err_gluon <= 1.1 * err_triton + 1e-4, f"o: {err_gluon:.2e} vs Triton {err_triton:.2e}"
+    assert lse_err_gluon <= 1e-3, f"lse: {lse_err_gluon:.2e} (Triton {lse_err_triton:.2e})"
+
+
+@pytest.mark.parametrize("head_dim, heads", [(256, (16, 2)), (128, (8, 2)), (64, (8, 8))])
+def test_gluon_forward_random_forest(head_dim, heads):
+    layout = random_forest(np.random.default_rng(head_dim), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
+    check(layout, heads, head_dim, seed=head_dim)
+
+
+def test_gluon_forward_odd_anchor_tree():
+    # T = 1023 + 5 * 333: long shared prefix (many full blocks), ragged tails, T not a multiple of a block
+    layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
+    check(layout, (16, 2), 256, seed=3)
+
+
+@pytest.mark.parametrize("num_queries", [5 * 333, 5 * 333 + 100, 77])  # offset aligned, ragged, < one block
+def test_gluon_forward_suffix_queries(num_queries):
+    layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
+    check(layout, (16, 2), 256, seed=11, num_queries=num_queries)
+
+
+def test_gluon_forward_anchor_p4096_b8_l3584():
+    check(anchor_tree(4096, 8, 3584), (16, 2), 256, seed=5)
