@@ -61,7 +61,10 @@ def main() -> None:
     }
     try:
         from harts_compiler.codegen.kernels.tree_attention.forward_gluon import tree_attention_forward_gluon
-        runs["gluon 128x64 ws"] = lambda: tree_attention_forward_gluon(q, k, v, subtree_end, index, scale)
+        for consumers in (1, 2):
+            launch = dict(block_m=128, block_n=64, num_stages=2, consumers=consumers)
+            runs[f"gluon 128x64 ws, {consumers} consumer part."] = (
+                lambda launch=launch: tree_attention_forward_gluon(q, k, v, subtree_end, index, scale, launch))
     except Exception as exc:  # noqa: BLE001
         print(f"gluon import failed: {exc!r}")
 

@@ -50,7 +50,7 @@ def lse_fp32(q, k, subtree_end, scale, chunk=256):
     return out
 
 
-def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None):
+def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1):
     """Gluon vs Triton vs fp32: o within 1.1x the Triton forward's error (+1e-4), lse within 1e-3 of fp32."""
     forward_gluon = gluon_forward()
     value_dim = value_dim or head_dim
@@ -65,8 +65,9 @@ def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None):
     index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
 
     o_triton, lse_triton = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
-    o_gluon, lse_gluon = forward_gluon(q, k, v, subtree_end, index, scale)
-    o_again, lse_again = forward_gluon(q, k, v, subtree_end, index, scale)
+    launch = dict(block_m=128, block_n=64, num_stages=2, consumers=consumers)
+    o_gluon, lse_gluon = forward_gluon(q, k, v, subtree_end, index, scale, launch)
+    o_again, lse_again = forward_gluon(q, k, v, subtree_end, index, scale, launch)
     torch.cuda.synchronize()
     assert o_gluon.dtype == q.dtype and o_gluon.shape == o_triton.shape and lse_gluon.shape == lse_triton.shape
     assert torch.isfinite(o_gluon).all() and torch.isfinite(lse_gluon).all()
@@ -83,30 +84,43 @@ def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None):
     err_gluon, err_triton = relative_error(o_gluon, o_ref), relative_error(o_triton, o_ref)
     lse_err_gluon = (lse_gluon - lse_ref).abs().max().item()
     lse_err_triton = (lse_triton - lse_ref).abs().max().item()
-    print(f"D={head_dim}/{value_dim} Tk={n_keys} Tq={n_queries} o err gluon {err_gluon:.2e} triton {err_triton:.2e}"
+    print(f"consumers={consumers} D={head_dim}/{value_dim} Tk={n_keys} Tq={n_queries}"
+          f" o err gluon {err_gluon:.2e} triton {err_triton:.2e}"
           f" | lse max err gluon {lse_err_gluon:.2e} triton {lse_err_triton:.2e}"
           f" | o max |gluon - triton| {(o_gluon.float() - o_triton.float()).abs().max().item():.2e}")
     assert err_gluon <= 1.1 * err_triton + 1e-4, f"o: {err_gluon:.2e} vs Triton {err_triton:.2e}"
     assert lse_err_gluon <= 1e-3, f"lse: {lse_err_gluon:.2e} (Triton {lse_err_triton:.2e})"
 
 
+CONSUMERS = [1, 2]  # one 8-warp consumer partition, or two 4-warp ones
+
+
+@pytest.mark.parametrize("consumers", CONSUMERS)
 @pytest.mark.parametrize("head_dim, heads", [(256, (16, 2)), (128, (8, 2)), (64, (8, 8))])
-def test_gluon_forward_random_forest(head_dim, heads):
+def test_gluon_forward_random_forest(head_dim, heads, consumers):
     layout = random_forest(np.random.default_rng(head_dim), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
-    check(layout, heads, head_dim, seed=head_dim)
+    check(layout, heads, head_dim, seed=head_dim, consumers=consumers)
 
 
-def test_gluon_forward_odd_anchor_tree():
+@pytest.mark.parametrize("consumers", CONSUMERS)
+def test_gluon_forward_odd_anchor_tree(consumers):
     # T = 1023 + 5 * 333: long shared prefix (many full blocks), ragged tails, T not a multiple of a block
     layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
-    check(layout, (16, 2), 256, seed=3)
+    check(layout, (16, 2), 256, seed=3, consumers=consumers)
 
 
+@pytest.mark.parametrize("consumers", CONSUMERS)
 @pytest.mark.parametrize("num_queries", [5 * 333, 5 * 333 + 100, 77])  # offset aligned, ragged, < one block
-def test_gluon_forward_suffix_queries(num_queries):
+def test_gluon_forward_suffix_queries(num_queries, consumers):
     layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
-    check(layout, (16, 2), 256, seed=11, num_queries=num_queries)
+    check(layout, (16, 2), 256, seed=11, num_queries=num_queries, consumers=consumers)
 
 
-def test_gluon_forward_anchor_p4096_b8_l3584():
-    check(anchor_tree(4096, 8, 3584), (16, 2), 256, seed=5)
+@pytest.mark.parametrize("consumers", CONSUMERS)
+def test_gluon_forward_anchor_p4096_b8_l3584(consumers):
+    check(anchor_tree(4096, 8, 3584), (16, 2), 256, seed=5, consumers=consumers)
+
+
+def test_gluon_forward_single_block():
+    # fewer tokens than one block: one visit per program, masked, the prologue and epilogue only
+    check(layout_from_parents([-1, 0], [20, 17]), (16, 2), 256, seed=23)

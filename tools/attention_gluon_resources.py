@@ -22,9 +22,10 @@ INT32_POINTERS = {"subtree_end", "q_ptr", "q_cols", "q_full", "q_order"}
 
 
 def compile_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2, value_dim: int | None = None,
-                   block_m: int = 128, block_n: int = 64, num_warps: int = 8, stages: int = 2,
-                   suffix_queries: bool = False, sass_out: str | None = None) -> dict:
+                   block_m: int = 128, block_n: int = 64, consumers: int = 1, stages: int = 2,
+                   suffix_queries: bool = False, sass_out: str | None = None, maxnreg: int | None = None) -> dict:
     value_dim = value_dim or head_dim
+    num_warps = block_m // (16 * consumers)
     fn = fg.tree_attn_fwd_gluon_kernel
 
     def desc(heads, rows, cols):  # a host descriptor on a CPU tensor: only its type string is used
@@ -33,7 +34,7 @@ def compile_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2
     descriptors = dict(q_desc=desc(n_q_heads, block_m, head_dim), k_desc=desc(n_kv_heads, block_n, head_dim),
                        v_desc=desc(n_kv_heads, block_n, value_dim))
     constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=block_m, BN=block_n,
-                      STAGES=stages, HAS_OFFSET=suffix_queries, num_warps=num_warps)
+                      STAGES=stages, HAS_OFFSET=suffix_queries, CONSUMERS=consumers, num_warps=num_warps)
     signature = {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -51,8 +52,8 @@ def compile_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2
         else:  # TQ, TK, q_offset
             signature[name] = "i32"
     report = hopper_resources(fn, signature, constexprs, num_warps=num_warps, num_stages=1, aligned_pointers=True,
-                              source_cls=GluonASTSource, options=dict(maxnreg=fg.MAXNREG), sass_out=sass_out)
-    return dict(kind="fwd_gluon", **report)
+                              source_cls=GluonASTSource, options=dict(maxnreg=maxnreg or fg.MAXNREG), sass_out=sass_out)
+    return dict(kind="fwd_gluon", consumers=consumers, stages=stages, **report)
 
 
 def main(argv: list[str]) -> None:
@@ -64,10 +65,11 @@ def main(argv: list[str]) -> None:
     numbers = [int(a) for a in argv]
     head_dim, n_q_heads, n_kv_heads = numbers[:3] if numbers else (256, 16, 2)
     value_dim = numbers[3] if len(numbers) > 3 else head_dim
-    for suffix in (False, True):
-        print(dict(suffix_queries=suffix, **compile_report(head_dim, n_q_heads, n_kv_heads, value_dim,
-                                                            suffix_queries=suffix,
-                                                            sass_out=None if suffix else sass_out)))
+    for consumers in (1, 2):
+        for suffix in (False, True):
+            print(dict(suffix_queries=suffix, **compile_report(
+                head_dim, n_q_heads, n_kv_heads, value_dim, consumers=consumers, suffix_queries=suffix,
+                sass_out=f"{sass_out}.c{consumers}" if sass_out and not suffix else None)))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from .forward import LOG2E
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 PRODUCER_REGS: gl.constexpr = gl.constexpr(24)  # setmaxnreg of the 1-warp TMA partition (the minimum)
+CONSUMER_REGS: gl.constexpr = gl.constexpr(240)  # the worker consumer of CONSUMERS = 2 (the default gets the rest)
 MAXNREG = 168          # per thread at launch: 12 warps x 32 x 168 <= 65,536; consumers end with 240
 
 
@@ -88,31 +89,34 @@ def _softmax(s, m_i, l_i, n_blk, masked, subtree_end, rows_g, TK, scale_log2,
 def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o, lse,
               scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset,
               HQ: gl.constexpr, DV: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, HAS_OFFSET: gl.constexpr, num_warps: gl.constexpr):
-    # wgmma layouts: warps [num_warps, 1] split the 128 rows into one m64 slice per warpgroup; the score
-    # tile is one n64 instruction wide, the O accumulator one n256 (DV <= 256)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+              STAGES: gl.constexpr, HAS_OFFSET: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
+              WARPS: gl.constexpr):
+    """Rows [ROW0, ROW0 + ROWS) of the query block, on WARPS warps (ROWS = 16 * WARPS)."""
+    # wgmma layouts: warps [WARPS, 1] give every warpgroup its own m64 slice of the rows; the score tile is
+    # one n64 instruction wide, the O accumulator one n256 (DV <= 256)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, DV, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_smem.dtype
 
-    offs_m = i_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))  # local query rows
+    q_rows = q_smem.slice(ROW0, ROWS)  # this consumer's rows of the q tile (dim 0)
+    offs_m = i_m * BM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # local query rows
     rows_g = offs_m
     if HAS_OFFSET:
         rows_g = offs_m + q_offset
-    m_i = gl.full([BM], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))  # finite: see forward.py
-    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BM, DV], gl.float32, o_layout)
+    m_i = gl.full([ROWS], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))  # finite: see forward.py
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
 
     # block 0: scores and softmax with nothing to overlap yet (O is zero, so no rescale)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
     # use_acc=False ignores the zeros; they are made where used so they are not live across the loop
-    s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+    s_tok = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), gl.zeros([ROWS, BN], gl.float32, s_layout),
                           use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_bufs.index(0)))[0]
+    s = warpgroup_mma_wait(0, deps=(s_tok, q_rows, k_bufs.index(0)))[0]
     mbarrier.arrive(k_empty.index(0), count=1)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, gl.load(q_cols + start), n_full == 0, subtree_end, rows_g,
                                   TK, scale_log2, BN, s_layout)
@@ -123,8 +127,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
         n_blk = gl.load(q_cols + start + it)  # early: its latency hides behind the waits below
         # S_it = q K_it^T, issued first so the tensor cores have it queued behind nothing
         mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(q_rows, k_bufs.index(slot).permute((1, 0)),
+                              gl.zeros([ROWS, BN], gl.float32, s_layout), use_acc=False, is_async=True)
         # O += P_{it-1} V_{it-1}, P from registers
         mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -151,7 +155,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
     l_safe = gl.where(l_i > 0, l_i, 1.0)
     l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))
     out = (acc / l_o[:, None]).to(dtype)
-    rows_o = i_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
+    rows_o = i_m * BM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     offs_dv = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     ptrs = o + (rows_o.to(gl.int64) * (HQ * DV) + i_h * DV)[:, None] + offs_dv[None, :]
     gl.store(ptrs, out, mask=(rows_o < TQ)[:, None])
@@ -163,7 +167,10 @@ def tree_attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o, lse, subtree_end, q_pt
                                scale_log2, TQ, TK, q_offset,
                                HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                                BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                               HAS_OFFSET: gl.constexpr, num_warps: gl.constexpr):
+                               HAS_OFFSET: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr):
+    # CONSUMERS = 1: the default partition (num_warps = 8) computes all BM rows; 2: the default partition and a
+    # worker of num_warps = 4 warps each take BM / 2 rows, each releasing K/V slots on its own (no partition-wide
+    # bar.sync couples the two warpgroups; the warp schedulers interleave one's softmax with the other's wgmma)
     pid = gl.program_id(0)
     i_h = pid % HQ
     i_m = gl.load(q_order + pid // HQ)
@@ -182,20 +189,34 @@ def tree_attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o, lse, subtree_end, q_pt
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
-        # ready: completed by the TMA transaction bytes (one expect-arrive); empty: one arrive of the
-        # consumer partition, after both warpgroups' wgmma on the slot have retired
+        # ready: completed by the TMA transaction bytes (one expect-arrive); empty: one arrive per consumer
+        # partition, made after its wgmma on the slot retired (the arrive is preceded by a partition bar.sync)
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end,
-                     o, lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset,
-                     HQ, DV, BM, BN, STAGES, HAS_OFFSET, num_warps)),
-        (_producer, (q_desc, k_desc, v_desc, q_cols, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-                     v_ready, v_empty, i_m * BM, i_h * D, i_kvh * D, i_kvh * DV, start, count, BN, STAGES)),
-    ], [1], [PRODUCER_REGS])
+    # (the partition lists are spelled out: a jit function cannot be held in a variable)
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o,
+                         lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, BM, BN, STAGES,
+                         HAS_OFFSET, 0, BM, num_warps)),
+            (_producer, (q_desc, k_desc, v_desc, q_cols, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, i_m * BM, i_h * D, i_kvh * D, i_kvh * DV, start, count, BN, STAGES)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.static_assert(CONSUMERS == 2, "one or two consumer partitions")
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o,
+                         lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, BM, BN, STAGES,
+                         HAS_OFFSET, 0, BM // 2, num_warps)),
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o,
+                         lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, BM, BN, STAGES,
+                         HAS_OFFSET, BM // 2, BM // 2, num_warps)),
+            (_producer, (q_desc, k_desc, v_desc, q_cols, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, i_m * BM, i_h * D, i_kvh * D, i_kvh * DV, start, count, BN, STAGES)),
+        ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def gluon_descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
@@ -219,9 +240,15 @@ def tree_attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  subtree_end: torch.Tensor, index: BlockIndex, scale: float,
                                  launch: dict | None = None):
     """As ``forward.tree_attention_forward``: o [Tq, HQ, DV] (dtype of q), lse [HQ, Tq] fp32 base 2.
-    ``launch``: block_m (128), block_n (64), num_warps (8: two consumer warpgroups), num_stages (2, the K and
-    V ring depth); "heads" packing is not supported here. The index must hold the (block_m, block_n) lists."""
-    launch = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, **(launch or {})}
+    ``launch``: block_m (128), block_n (64), num_stages (2, the K and V ring depth), consumers (1: one 8-warp
+    consumer partition; 2: two 4-warp ones of block_m / 2 rows each); num_warps, if given, must equal
+    block_m / (16 * consumers). "heads" packing is not supported here. The index must hold the (block_m, block_n)
+    lists."""
+    launch = {"block_m": 128, "block_n": 64, "num_stages": 2, "consumers": 1, **(launch or {})}
+    warps = launch["block_m"] // (16 * launch["consumers"])  # a consumer's rows: 16 per warp (m64 per warpgroup)
+    if launch["consumers"] not in (1, 2) or warps not in (4, 8) or launch.get("num_warps", warps) != warps:
+        raise ValueError(f"Gluon forward launch {launch}: block_m / consumers must be 64 or 128 rows "
+                         "(num_warps 4 or 8 per consumer partition)")
     if launch.get("heads", 1) != 1:
         raise ValueError("the Gluon forward does not pack query heads (launch heads must be 1)")
     if not supports(q, k, v):
@@ -240,5 +267,5 @@ def tree_attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             o, lse, subtree_end, index.q_ptr, index.q_cols, index.q_full, index.q_order,
             scale * LOG2E, n_queries, n_keys, n_keys - n_queries,
             HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=bm, BN=bn, STAGES=launch["num_stages"],
-            HAS_OFFSET=n_keys != n_queries, num_warps=launch["num_warps"], maxnreg=MAXNREG)
+            HAS_OFFSET=n_keys != n_queries, CONSUMERS=launch["consumers"], num_warps=warps, maxnreg=MAXNREG)
     return o, lse
