@@ -31,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rep-ms", type=int, default=200)
     parser.add_argument("--no-check", action="store_true", help="skip the fp32 error check")
+    parser.add_argument("-v", action="store_true", help="print the traceback of a failing kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -85,7 +86,7 @@ def main() -> None:
             rows.append((name, ms, flop / ms / 1e9, err))
         except Exception as exc:  # noqa: BLE001
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            if "-v" in sys.argv:
+            if args.v:
                 traceback.print_exc()
     print(f"\nP4096 B8 L3584: {n_tokens} tokens, {pairs / 1e6:.1f} M pairs/head, fwd {flop / 1e12:.2f} TFLOP")
     print(f"{'kernel':34s} {'ms':>8s} {'TFLOP/s':>8s} {'o err vs fp32':>14s}")
