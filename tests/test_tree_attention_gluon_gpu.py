@@ -1,7 +1,8 @@
-"""GPU checks of the Gluon tree-attention forward (forward_gluon.py, Hopper only) against the Triton forward
-and an fp32 reference: o and lse on random forests, the odd anchor tree (sizes not multiples of the blocks),
-suffix queries, and the benchmark anchor P4096 B8 L3584. Skips without CUDA or off sm_90 (the kernel uses
-Hopper wgmma / TMA / setmaxnreg). Both forwards run at the same 128 x 64 visit lists.
+"""GPU checks of the Gluon tree-attention kernels (forward_gluon.py, backward_gluon.py, Hopper only) against the
+Triton kernels and an fp32 reference: o and lse of the forward, dq of the backward, on random forests, the odd
+anchor tree (sizes not multiples of the blocks), suffix queries, and the benchmark anchor P4096 B8 L3584. Skips
+without CUDA or off sm_90 (the kernels use Hopper wgmma / TMA / setmaxnreg). Gluon and Triton run at the same
+128 x 64 visit lists.
 """
 import math
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from harts_compiler.codegen.kernels.tree_attention import build_block_index
+from harts_compiler.codegen.kernels.tree_attention import build_block_index, tree_attention_fp32_oracle
+from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dq
 from harts_compiler.codegen.kernels.tree_attention.forward import tree_attention_forward
 from harts_compiler.codegen.kernels.tree_attention.reference import tree_attention_reference_chunked, tree_mask
 from harts_compiler.codegen.kernels.upload import to_device
@@ -22,12 +24,19 @@ pytestmark = [
 ]
 
 TRITON_LAUNCH = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+TRITON_DQ_LAUNCH = dict(block_m=128, block_n=64, num_warps=8, num_stages=1, block_ms=128)  # the shipped dq at 256
 
 
 def gluon_forward():
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from harts_compiler.codegen.kernels.tree_attention.forward_gluon import tree_attention_forward_gluon
     return tree_attention_forward_gluon
+
+
+def gluon_dq():
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from harts_compiler.codegen.kernels.tree_attention.backward_gluon import bwd_dq_gluon
+    return bwd_dq_gluon
 
 
 def relative_error(actual, expected):
@@ -124,3 +133,72 @@ def test_gluon_forward_anchor_p4096_b8_l3584(consumers):
 def test_gluon_forward_single_block():
     # fewer tokens than one block: one visit per program, masked, the prologue and epilogue only
     check(layout_from_parents([-1, 0], [20, 17]), (16, 2), 256, seed=23)
+
+
+def check_dq(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1):
+    """Gluon dq vs Triton bwd_dq vs the fp32 oracle (autograd through the chunked reference): within 1.1x the
+    Triton kernel's error (+1e-4), finite, bitwise repeatable. lse and delta come from the Triton forward."""
+    dq_gluon_fn = gluon_dq()
+    value_dim = value_dim or head_dim
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n_keys = layout.num_tokens
+    n_queries = n_keys if num_queries is None else num_queries
+    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").bfloat16()
+    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").bfloat16()
+    do = torch.randn(n_queries, heads[0], value_dim, generator=gen, device="cuda").bfloat16()
+    subtree_end = layout.subtree_end_tensor("cuda")
+    scale = head_dim ** -0.5
+    index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
+
+    o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
+    delta = bwd_delta(o, do)
+    dq_triton = bwd_dq(q, k, v, do, lse, delta, subtree_end, index, scale, TRITON_DQ_LAUNCH)
+    launch = dict(block_m=128, block_n=64, consumers=consumers)
+    dq_gluon = dq_gluon_fn(q, k, v, do, lse, delta, subtree_end, index, scale, launch)
+    dq_again = dq_gluon_fn(q, k, v, do, lse, delta, subtree_end, index, scale, launch)
+    torch.cuda.synchronize()
+    assert dq_gluon.dtype == q.dtype and dq_gluon.shape == q.shape
+    assert torch.isfinite(dq_gluon).all()
+    assert torch.equal(dq_gluon, dq_again), "dq not bitwise deterministic"
+
+    dq_ref = tree_attention_fp32_oracle(q, k, v, do, subtree_end, scale=scale)[1]
+    err_gluon, err_triton = relative_error(dq_gluon, dq_ref), relative_error(dq_triton, dq_ref)
+    print(f"dq consumers={consumers} D={head_dim}/{value_dim} Tk={n_keys} Tq={n_queries}"
+          f" err gluon {err_gluon:.2e} triton {err_triton:.2e}"
+          f" | max |gluon - triton| {(dq_gluon.float() - dq_triton.float()).abs().max().item():.2e}")
+    assert err_gluon <= 1.1 * err_triton + 1e-4, f"dq: {err_gluon:.2e} vs Triton {err_triton:.2e}"
+
+
+@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("head_dim, heads", [(256, (16, 2)), (128, (8, 2)), (64, (8, 8))])
+def test_gluon_dq_random_forest(head_dim, heads, consumers):
+    layout = random_forest(np.random.default_rng(head_dim), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
+    check_dq(layout, heads, head_dim, seed=head_dim, consumers=consumers)
+
+
+@pytest.mark.parametrize("consumers", CONSUMERS)
+def test_gluon_dq_odd_anchor_tree(consumers):
+    layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
+    check_dq(layout, (16, 2), 256, seed=3, consumers=consumers)
+
+
+@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("num_queries", [5 * 333, 5 * 333 + 100, 77])
+def test_gluon_dq_suffix_queries(num_queries, consumers):
+    layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
+    check_dq(layout, (16, 2), 256, seed=11, num_queries=num_queries, consumers=consumers)
+
+
+@pytest.mark.parametrize("consumers", CONSUMERS)
+def test_gluon_dq_anchor_p4096_b8_l3584(consumers):
+    check_dq(anchor_tree(4096, 8, 3584), (16, 2), 256, seed=5, consumers=consumers)
+
+
+def test_gluon_dq_single_block():
+    check_dq(layout_from_parents([-1, 0], [20, 17]), (16, 2), 256, seed=23)
+
+
+def test_gluon_dq_rejects_head_packing():
+    with pytest.raises(ValueError, match="pack"):
+        gluon_dq()(*([None] * 8), 1.0, dict(heads=2))
