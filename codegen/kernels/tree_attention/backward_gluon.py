@@ -14,11 +14,11 @@ One CTA per (query block of BM = 128 rows, query head), query blocks in ``q_orde
 - consumer (default partition, 8 warps = 2 warpgroups of 64 rows), or two 4-warp consumers of 64 rows each
   (``consumers=2``: the warp schedulers interleave one's ds math with the other's wgmma).
 
-Per block j the consumer issues S_j = q K_j^T and dP_j = do V_j^T as async wgmma behind the still running
-dq += ds_{j-1} K_{j-1} (so the tensor cores see dq_{j-1}, S_j, dP_j back to back), waits for all three,
-releases K_{j-1} and V_j, computes p and ds in registers and issues dq += ds_j K_j (ds from registers, the RS
-form; K not transposed) without waiting. K_j is read by two wgmma a block apart, so the K ring needs two
-buffers to prefetch at all; V is released as soon as dP retired and needs one.
+Per block j the consumer issues S_j = q K_j^T behind the still running dq += ds_{j-1} K_{j-1}, waits for
+that one only (wait(1)) and releases K_{j-1}, issues dP_j = do V_j^T, computes p_j while dP_j runs, then
+releases V_j, forms ds_j and issues dq += ds_j K_j (ds from registers, the RS form; K not transposed) without
+waiting: the tensor cores see dq_{j-1}, S_j, dP_j back to back. K_j is read until dq_j retires in block j + 1,
+so the K ring needs two buffers to prefetch at all; V is free once dP retired and makes do with one.
 
 Shared memory at D = DV = 256, BN = 64: q 64 KB + do 64 KB + K 2 x 32 KB + V 1 x 32 KB = 224 KB (229,376 B
 + barriers, Hopper's limit is 232,448 B). A second V buffer (256 KB) does not fit; BN = 32 with deeper rings
@@ -61,17 +61,16 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_cols, q_smem, do_smem, k_bufs, 
 
 
 @gluon.jit
-def _ds(s, dp, lse_i, delta_i, n_blk, masked, subtree_end, rows_g, TK, scale_log2,
-        BN: gl.constexpr, s_layout: gl.constexpr):
-    """ds = p * (dp - delta) (fp32) of key block n_blk; masked: apply the tree mask (a runtime branch, only
-    the partial blocks pay for it; p of a hidden pair is set to 0 as in the Triton kernel)."""
+def _probs(s, lse_i, n_blk, masked, subtree_end, rows_g, TK, scale_log2, BN: gl.constexpr, s_layout: gl.constexpr):
+    """p = exp2(s * scale * log2(e) - lse) of key block n_blk; masked: apply the tree mask (a runtime branch,
+    only the partial blocks pay for it; p of a hidden pair is 0, as in the Triton kernel)."""
     p = gl.exp2(s * scale_log2 - lse_i[:, None])
     if masked:
         offs_n = n_blk * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         end = gl.load(subtree_end + offs_n, mask=offs_n < TK, other=0)
         visible = (offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :])
         p = gl.where(visible, p, 0.0)
-    return p * (dp - delta_i[:, None])
+    return p
 
 
 @gluon.jit
@@ -108,33 +107,36 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
     mbarrier.wait(v_ready.index(0), 0)
     dp_tok = warpgroup_mma(do_rows, v_bufs.index(0).permute((1, 0)), gl.zeros([ROWS, BN], gl.float32, s_layout),
                            use_acc=False, is_async=True)
-    s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok, q_rows, do_rows, k_bufs.index(0), v_bufs.index(0)))[:2]
+    s = warpgroup_mma_wait(1, deps=(s_tok, q_rows, k_bufs.index(0)))[0]
+    p = _probs(s, lse_i, gl.load(q_cols + start), n_full == 0, subtree_end, rows_g, TK, scale_log2, BN, s_layout)
+    dp = warpgroup_mma_wait(0, deps=(dp_tok, do_rows, v_bufs.index(0)))[0]
     mbarrier.arrive(v_empty.index(0), count=1)
-    ds = _ds(s, dp, lse_i, delta_i, gl.load(q_cols + start), n_full == 0, subtree_end, rows_g, TK, scale_log2,
-             BN, s_layout)
-    ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
+    ds_op = gl.convert_layout((p * (dp - delta_i[:, None])).to(dtype), ds_layout)
     dq_tok = warpgroup_mma(ds_op, k_bufs.index(0), gl.zeros([ROWS, D], gl.float32, dq_layout), use_acc=False,
                            is_async=True)
 
+    # Block it: S_it queues behind dq += ds_{it-1} K_{it-1}; once that retired (wait(1): S may still run),
+    # dP_it is issued, p_it computed while dP_it runs, then ds_it and its dq wgmma. The accumulators in flight
+    # never exceed dq + two score tiles: 128 + 32 + 32 registers a thread (dq, S and dP all in flight at once
+    # would add the 16 of ds_{it-1} and spill).
     for it in range(1, count):
         ks = it % K_STAGES
         prev = (it - 1) % K_STAGES
         vs = it % V_STAGES
         n_blk = gl.load(q_cols + start + it)  # early: its latency hides behind the waits below
-        # S_it and dP_it queue behind dq += ds_{it-1} K_{it-1}, which is still running
         mbarrier.wait(k_ready.index(ks), (it // K_STAGES) & 1)
         s_tok = warpgroup_mma(q_rows, k_bufs.index(ks).permute((1, 0)),
                               gl.zeros([ROWS, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(dq_tok, ds_op, k_bufs.index(prev)))[0]
+        mbarrier.arrive(k_empty.index(prev), count=1)  # K_{it-1} read by its last wgmma
         mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
         dp_tok = warpgroup_mma(do_rows, v_bufs.index(vs).permute((1, 0)),
                                gl.zeros([ROWS, BN], gl.float32, s_layout), use_acc=False, is_async=True)
-        # all three retired (in order): K_{it-1} and V_it can be refilled
-        acc, s, dp = warpgroup_mma_wait(0, deps=(dq_tok, s_tok, dp_tok, ds_op, k_bufs.index(prev), q_rows,
-                                                 do_rows, k_bufs.index(ks), v_bufs.index(vs)))[:3]
-        mbarrier.arrive(k_empty.index(prev), count=1)
+        s = warpgroup_mma_wait(1, deps=(s_tok, q_rows, k_bufs.index(ks)))[0]
+        p = _probs(s, lse_i, n_blk, it >= n_full, subtree_end, rows_g, TK, scale_log2, BN, s_layout)
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, do_rows, v_bufs.index(vs)))[0]
         mbarrier.arrive(v_empty.index(vs), count=1)
-        ds = _ds(s, dp, lse_i, delta_i, n_blk, it >= n_full, subtree_end, rows_g, TK, scale_log2, BN, s_layout)
-        ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
+        ds_op = gl.convert_layout((p * (dp - delta_i[:, None])).to(dtype), ds_layout)
         dq_tok = warpgroup_mma(ds_op, k_bufs.index(ks), acc, is_async=True)
 
     # the last dq wgmma; its K slot needs no release (the producer is done)
