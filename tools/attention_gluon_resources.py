@@ -9,6 +9,8 @@ that wheel first on the path:
     PYTHONPATH=/tmp/t36site python tools/attention_gluon_resources.py 256 16 2 [256] [--sass out.sass] [--dq]
 
 ``--dq``: the dq kernel only (K ring 2, V ring 1 at 128 x 64; smem q + do + 3 key tiles).
+``--dkdv``: the dk/dv kernel only (backward_dkdv_gluon.py: 64-key blocks, 64-row q / do sub-tiles in 2-stage
+rings; smem K + V + 2 x (q + do) + p + ds tiles).
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ from hopper_resources import hopper_resources  # tools/, this script's folder
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
+from harts_compiler.codegen.kernels.tree_attention import backward_dkdv_gluon as bkg
 from harts_compiler.codegen.kernels.tree_attention import backward_gluon as bg
 from harts_compiler.codegen.kernels.tree_attention import forward_gluon as fg
 
-INT32_POINTERS = {"subtree_end", "q_ptr", "q_cols", "q_full", "q_order"}
+INT32_POINTERS = {"subtree_end", "q_ptr", "q_cols", "q_full", "q_order", "k_ptr", "k_rows", "k_full", "k_order"}
 
 
 def compile_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2, value_dim: int | None = None,
@@ -99,6 +102,42 @@ def compile_dq_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int 
     return dict(kind="dq_gluon", consumers=consumers, k_stages=k_stages, v_stages=v_stages, **report)
 
 
+def compile_dkdv_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2, value_dim: int | None = None,
+                        block_m: int = 128, block_n: int = 64, block_ms: int = 64, stages: int = 2,
+                        suffix_queries: bool = False, sass_out: str | None = None, maxnreg: int | None = None) -> dict:
+    """As compile_report, for the Gluon dk/dv kernel (backward_dkdv_gluon.py; one 8-warp consumer partition)."""
+    value_dim = value_dim or head_dim
+    fn = bkg.tree_attn_bwd_dkdv_gluon_kernel
+
+    def desc(heads, rows, cols):
+        return fg.gluon_descriptor(torch.empty(256, heads, cols, dtype=torch.bfloat16), rows, cols)
+
+    descriptors = dict(q_desc=desc(n_q_heads, block_ms, head_dim), k_desc=desc(n_kv_heads, block_n, head_dim),
+                       v_desc=desc(n_kv_heads, block_n, value_dim), do_desc=desc(n_q_heads, block_ms, value_dim))
+    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=block_m, BN=block_n, BMS=block_ms,
+                      STAGES=stages, HAS_OFFSET=suffix_queries, num_warps=8)
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in descriptors:
+            signature[name] = mangle_type(descriptors[name])
+        elif name in INT32_POINTERS:
+            signature[name] = "*i32"
+        elif name in ("lse", "delta"):
+            signature[name] = "*fp32"
+        elif name in ("dk", "dv"):
+            signature[name] = "*bf16"
+        elif name in ("scale", "scale_log2"):
+            signature[name] = "fp32"
+        else:  # TQ, TK, q_offset
+            signature[name] = "i32"
+    report = hopper_resources(fn, signature, constexprs, num_warps=8, num_stages=1, aligned_pointers=True,
+                              source_cls=GluonASTSource, options=dict(maxnreg=maxnreg or bkg.MAXNREG),
+                              sass_out=sass_out)
+    return dict(kind="dkdv_gluon", stages=stages, **report)
+
+
 def main(argv: list[str]) -> None:
     sass_out = None
     if "--sass" in argv:
@@ -106,10 +145,18 @@ def main(argv: list[str]) -> None:
         sass_out = argv[at + 1]
         argv = argv[:at] + argv[at + 2:]
     dq_only = "--dq" in argv
-    argv = [a for a in argv if a != "--dq"]
+    dkdv_only = "--dkdv" in argv
+    argv = [a for a in argv if a not in ("--dq", "--dkdv")]
     numbers = [int(a) for a in argv]
     head_dim, n_q_heads, n_kv_heads = numbers[:3] if numbers else (256, 16, 2)
     value_dim = numbers[3] if len(numbers) > 3 else head_dim
+    if not dq_only:
+        for suffix in (False, True):
+            print(dict(suffix_queries=suffix, **compile_dkdv_report(
+                head_dim, n_q_heads, n_kv_heads, value_dim, suffix_queries=suffix,
+                sass_out=f"{sass_out}.dkdv" if sass_out and not suffix else None)))
+    if dkdv_only:
+        return
     for consumers in (1, 2):
         for suffix in (False, True):
             if not dq_only:
