@@ -147,7 +147,9 @@ def _consumer(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
         dvt = done[0]
         dkt = done[1]
         s = done[2]
-        mbarrier.arrive(empty.index(prev), count=1, pred=it > 0)  # the previous step's slot is read
+        # both warpgroups past that wait: the previous step's ring slot, p_smem and ds_smem are free
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(prev), count=1, pred=it > 0)
 
         p = gl.exp2(s * scale_log2 - lse_i[:, None])
         if masked:
@@ -157,7 +159,6 @@ def _consumer(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
             visible = ((offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :])
                        & m_valid[:, None])
             p = gl.where(visible, p, 0.0)
-        gl.thread_barrier()  # both warpgroups' previous dV / dK retired: p_smem and ds_smem are free
         p_smem.store(p.to(dtype))
         fence_async_shared()
         gl.thread_barrier()  # all of p written before either warpgroup's wgmma reads it
@@ -186,6 +187,7 @@ def tree_attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk, dv, lse
                                     HAS_OFFSET: gl.constexpr, num_warps: gl.constexpr):
     gl.static_assert(num_warps == 8, "the consumer is 2 warpgroups (score tiles split by key columns)")
     gl.static_assert(BMS == 64, "query sub-tiles of 64 rows: one m64 score wgmma per warpgroup")
+    gl.static_assert(STAGES >= 2, "a ring slot is released one step after its own step")
     G: gl.constexpr = HQ // HKV
     pid = gl.program_id(0)
     i_kvh = pid % HKV
@@ -230,8 +232,8 @@ def dkdv_launch(launch: dict | None = None) -> dict:
             or launch.get("num_warps", 8) != 8):
         raise ValueError(f"Gluon dk/dv launch {launch}: needs block_n 64, block_ms 64, block_m 64 or 128, "
                          "num_warps 8")
-    if launch["stages"] < 1:
-        raise ValueError(f"Gluon dk/dv launch {launch}: stages (the q / do ring depth) must be >= 1")
+    if launch["stages"] < 2:  # a slot is released one step after its own: one buffer would deadlock
+        raise ValueError(f"Gluon dk/dv launch {launch}: stages (the q / do ring depth) must be >= 2")
     if launch.get("heads", 1) != 1:
         raise ValueError("the Gluon dk/dv kernel does not pack query heads (launch heads must be 1)")
     return launch
