@@ -1,5 +1,6 @@
-"""GPU checks of the Gluon tree-attention kernels (forward_gluon.py, backward_gluon.py, Hopper only) against the
-Triton kernels and an fp32 reference: o and lse of the forward, dq of the backward, on random forests, the odd
+"""GPU checks of the Gluon tree-attention kernels (forward_gluon.py, backward_gluon.py, backward_dkdv_gluon.py, Hopper
+only) against the Triton kernels and an fp32 reference: o and lse of the forward, dq and dk/dv of the backward, on
+random forests, the odd
 anchor tree (sizes not multiples of the blocks), suffix queries, and the benchmark anchor P4096 B8 L3584. Skips
 without CUDA or off sm_90 (the kernels use Hopper wgmma / TMA / setmaxnreg). Gluon and Triton run at the same
 128 x 64 visit lists.
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from harts_compiler.codegen.kernels.tree_attention import build_block_index, tree_attention_fp32_oracle
-from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dq
+from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dkdv, bwd_dq
 from harts_compiler.codegen.kernels.tree_attention.forward import tree_attention_forward
 from harts_compiler.codegen.kernels.tree_attention.reference import tree_attention_reference_chunked, tree_mask
 from harts_compiler.codegen.kernels.upload import to_device
@@ -25,6 +26,7 @@ pytestmark = [
 
 TRITON_LAUNCH = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
 TRITON_DQ_LAUNCH = dict(block_m=128, block_n=64, num_warps=8, num_stages=1, block_ms=128)  # the shipped dq at 256
+TRITON_DKDV_LAUNCH = dict(block_m=128, block_n=64, num_warps=8, num_stages=1, block_ms=128)  # the shipped dk/dv at 256
 
 
 def gluon_forward():
@@ -37,6 +39,12 @@ def gluon_dq():
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from harts_compiler.codegen.kernels.tree_attention.backward_gluon import bwd_dq_gluon
     return bwd_dq_gluon
+
+
+def gluon_dkdv():
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from harts_compiler.codegen.kernels.tree_attention.backward_dkdv_gluon import bwd_dkdv_gluon
+    return bwd_dkdv_gluon
 
 
 def relative_error(actual, expected):
@@ -202,3 +210,92 @@ def test_gluon_dq_single_block():
 def test_gluon_dq_rejects_head_packing():
     with pytest.raises(ValueError, match="pack"):
         gluon_dq()(*([None] * 8), 1.0, dict(heads=2))
+
+
+def check_dkdv(layout, heads, head_dim, seed, num_queries=None, value_dim=None, stages=2):
+    """Gluon dk/dv vs Triton bwd_dkdv (the same 128 x 64 visit lists) vs the fp32 oracle: each within 1.1x the
+    Triton kernel's error (+1e-4), finite, bitwise repeatable, dtypes of k and v. lse and delta from Triton."""
+    dkdv_gluon_fn = gluon_dkdv()
+    value_dim = value_dim or head_dim
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n_keys = layout.num_tokens
+    n_queries = n_keys if num_queries is None else num_queries
+    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").bfloat16()
+    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").bfloat16()
+    do = torch.randn(n_queries, heads[0], value_dim, generator=gen, device="cuda").bfloat16()
+    subtree_end = layout.subtree_end_tensor("cuda")
+    scale = head_dim ** -0.5
+    index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
+
+    o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
+    delta = bwd_delta(o, do)
+    dk_triton, dv_triton = bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index, scale, TRITON_DKDV_LAUNCH)
+    launch = dict(block_m=128, block_n=64, block_ms=64, stages=stages)
+    dk_gluon, dv_gluon = dkdv_gluon_fn(q, k, v, do, lse, delta, subtree_end, index, scale, launch)
+    dk_again, dv_again = dkdv_gluon_fn(q, k, v, do, lse, delta, subtree_end, index, scale, launch)
+    torch.cuda.synchronize()
+    assert dk_gluon.dtype == k.dtype and dk_gluon.shape == k.shape
+    assert dv_gluon.dtype == v.dtype and dv_gluon.shape == v.shape
+    assert torch.isfinite(dk_gluon).all() and torch.isfinite(dv_gluon).all()
+    assert torch.equal(dk_gluon, dk_again) and torch.equal(dv_gluon, dv_again), "dk/dv not bitwise deterministic"
+
+    _, _, dk_ref, dv_ref = tree_attention_fp32_oracle(q, k, v, do, subtree_end, scale=scale)
+    for name, gluon, triton_out, ref in (("dk", dk_gluon, dk_triton, dk_ref), ("dv", dv_gluon, dv_triton, dv_ref)):
+        err_gluon, err_triton = relative_error(gluon, ref), relative_error(triton_out, ref)
+        print(f"{name} stages={stages} D={head_dim}/{value_dim} Tk={n_keys} Tq={n_queries}"
+              f" err gluon {err_gluon:.2e} triton {err_triton:.2e}"
+              f" | max |gluon - triton| {(gluon.float() - triton_out.float()).abs().max().item():.2e}")
+        assert err_gluon <= 1.1 * err_triton + 1e-4, f"{name}: {err_gluon:.2e} vs Triton {err_triton:.2e}"
+
+
+@pytest.mark.parametrize("head_dim, heads, stages", [(256, (16, 2), 2), (128, (8, 2), 2), (128, (8, 2), 3),
+                                                     (64, (8, 8), 2)])
+def test_gluon_dkdv_random_forest(head_dim, heads, stages):
+    layout = random_forest(np.random.default_rng(head_dim), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
+    check_dkdv(layout, heads, head_dim, seed=head_dim, stages=stages)
+
+
+def test_gluon_dkdv_odd_anchor_tree():
+    layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
+    check_dkdv(layout, (16, 2), 256, seed=3)
+
+
+@pytest.mark.parametrize("num_queries", [5 * 333, 5 * 333 + 100, 77])  # offset aligned, ragged, < one block
+def test_gluon_dkdv_suffix_queries(num_queries):
+    # context key blocks that no suffix query sees get zero dk/dv
+    layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
+    check_dkdv(layout, (16, 2), 256, seed=11, num_queries=num_queries)
+
+
+def test_gluon_dkdv_anchor_p4096_b8_l3584():
+    check_dkdv(anchor_tree(4096, 8, 3584), (16, 2), 256, seed=5)
+
+
+def test_gluon_dkdv_single_block():
+    # fewer tokens than one block: one key block, one masked visit, ragged query and key rows
+    check_dkdv(layout_from_parents([-1, 0], [20, 17]), (16, 2), 256, seed=23)
+
+
+def test_gluon_dkdv_no_queries():
+    # Tq = 0: zeros without a launch, as bwd_dkdv
+    layout = layout_from_parents([-1, 0], [100, 50])
+    subtree_end = layout.subtree_end_tensor("cuda")
+    index = to_device(build_block_index(subtree_end, 128, 64, num_queries=0), "cuda")
+    q = torch.empty(0, 16, 256, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(layout.num_tokens, 2, 256, device="cuda").bfloat16()
+    lse = torch.empty(16, 0, device="cuda")
+    dk, dv = gluon_dkdv()(q, k, k, q, lse, lse, subtree_end, index, 1.0)
+    assert dk.shape == k.shape and not dk.any() and not dv.any()
+
+
+def test_gluon_dkdv_rejects_unsupported():
+    fn = gluon_dkdv()
+    with pytest.raises(ValueError, match="pack"):
+        fn(*([None] * 8), 1.0, dict(heads=2))
+    with pytest.raises(ValueError, match="block_ms"):
+        fn(*([None] * 8), 1.0, dict(block_ms=128))
+    q = torch.empty(8, 16, 192, device="cuda", dtype=torch.bfloat16)  # MLA's 192 / 128
+    v = torch.empty(8, 2, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="power-of-two"):
+        fn(q, q[:, :2], v, v, None, None, None, None, 1.0)
