@@ -4,7 +4,8 @@
 
 Builds P4096 B8 L3584 (32,768 tokens, 16/2 heads, D = DV = 256, bf16), runs the Triton forward for o and lse
 and bwd_delta, then times the shipped Triton bwd_dkdv (``config_for(256).dkdv``) and the Gluon dk/dv kernel
-(64-row sub-tiles, q / do rings of 2 stages: 3 do not fit in shared memory at D = 256) with
+(64-row sub-tiles, q / do rings of 2 stages: 3 do not fit in shared memory at D = 256; one 8-warp consumer
+partition or two 4-warp ones) with
 triton.testing.do_bench, and checks dk and dv against the fp32 oracle (autograd through the chunked reference).
 A failing call prints one line and the script goes on.
 """
@@ -68,9 +69,10 @@ def main() -> None:
     }
     try:
         from harts_compiler.codegen.kernels.tree_attention.backward_dkdv_gluon import bwd_dkdv_gluon
-        launch = dict(block_m=128, block_n=64, block_ms=64, stages=2)
-        runs["gluon 128x64 sub 64, q/do ring 2"] = (
-            lambda: bwd_dkdv_gluon(q, k, v, do, lse, delta, subtree_end, index, scale, launch))
+        for consumers in (1, 2):
+            launch = dict(block_m=128, block_n=64, block_ms=64, stages=2, consumers=consumers)
+            runs[f"gluon 128x64 sub 64, q/do ring 2, {consumers} consumer part."] = (
+                lambda launch=launch: bwd_dkdv_gluon(q, k, v, do, lse, delta, subtree_end, index, scale, launch))
     except Exception as exc:  # noqa: BLE001
         print(f"gluon import failed: {exc!r}")
 

@@ -103,9 +103,9 @@ def compile_dq_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int 
 
 
 def compile_dkdv_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2, value_dim: int | None = None,
-                        block_m: int = 128, block_n: int = 64, block_ms: int = 64, stages: int = 2,
+                        block_m: int = 128, block_n: int = 64, block_ms: int = 64, stages: int = 2, consumers: int = 1,
                         suffix_queries: bool = False, sass_out: str | None = None, maxnreg: int | None = None) -> dict:
-    """As compile_report, for the Gluon dk/dv kernel (backward_dkdv_gluon.py; one 8-warp consumer partition)."""
+    """As compile_report, for the Gluon dk/dv kernel (backward_dkdv_gluon.py)."""
     value_dim = value_dim or head_dim
     fn = bkg.tree_attn_bwd_dkdv_gluon_kernel
 
@@ -115,7 +115,7 @@ def compile_dkdv_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: in
     descriptors = dict(q_desc=desc(n_q_heads, block_ms, head_dim), k_desc=desc(n_kv_heads, block_n, head_dim),
                        v_desc=desc(n_kv_heads, block_n, value_dim), do_desc=desc(n_q_heads, block_ms, value_dim))
     constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=block_m, BN=block_n, BMS=block_ms,
-                      STAGES=stages, HAS_OFFSET=suffix_queries, num_warps=8)
+                      STAGES=stages, HAS_OFFSET=suffix_queries, CONSUMERS=consumers, num_warps=8 // consumers)
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -132,10 +132,10 @@ def compile_dkdv_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: in
             signature[name] = "fp32"
         else:  # TQ, TK, q_offset
             signature[name] = "i32"
-    report = hopper_resources(fn, signature, constexprs, num_warps=8, num_stages=1, aligned_pointers=True,
-                              source_cls=GluonASTSource, options=dict(maxnreg=maxnreg or bkg.MAXNREG),
-                              sass_out=sass_out)
-    return dict(kind="dkdv_gluon", stages=stages, **report)
+    report = hopper_resources(fn, signature, constexprs, num_warps=8 // consumers, num_stages=1,
+                              aligned_pointers=True, source_cls=GluonASTSource,
+                              options=dict(maxnreg=maxnreg or bkg.MAXNREG), sass_out=sass_out)
+    return dict(kind="dkdv_gluon", consumers=consumers, stages=stages, **report)
 
 
 def main(argv: list[str]) -> None:
@@ -151,10 +151,11 @@ def main(argv: list[str]) -> None:
     head_dim, n_q_heads, n_kv_heads = numbers[:3] if numbers else (256, 16, 2)
     value_dim = numbers[3] if len(numbers) > 3 else head_dim
     if not dq_only:
-        for suffix in (False, True):
-            print(dict(suffix_queries=suffix, **compile_dkdv_report(
-                head_dim, n_q_heads, n_kv_heads, value_dim, suffix_queries=suffix,
-                sass_out=f"{sass_out}.dkdv" if sass_out and not suffix else None)))
+        for consumers in (1, 2):
+            for suffix in (False, True):
+                print(dict(suffix_queries=suffix, **compile_dkdv_report(
+                    head_dim, n_q_heads, n_kv_heads, value_dim, consumers=consumers, suffix_queries=suffix,
+                    sass_out=f"{sass_out}.dkdv.c{consumers}" if sass_out and not suffix else None)))
     if dkdv_only:
         return
     for consumers in (1, 2):

@@ -31,6 +31,12 @@ overwriting p / ds (the other warpgroup's previous dV / dK may still read them).
 Shared memory at D = DV = 256: K 32 KB + V 32 KB + q ring 2 x 32 KB + do ring 2 x 32 KB + p 8 KB + ds 8 KB =
 208 KB (212,992 B + barriers; Hopper's limit 232,448 B). Registers (maxnreg 168 x 12 warps, as the forward):
 producer 24, consumer 240 a thread: dK^T + dV^T 2 x 64, S and dP 16 each, p / ds 16 each.
+
+``consumers=2`` splits the work by matmul instead of by key columns (the n32 score wgmma of the above read
+their 64 x 256 A tile from shared memory for half an n64's work; by the operand bytes a Hopper SM's shared memory
+delivers, an n32 bf16 wgmma is shared-memory bound, an n64 one just not): a 4-warp partition computes S (m64 n64),
+p and dV^T, a 4-warp one dP (m64 n64), ds and dK^T, each accumulator 128 registers a thread. p crosses in fp32
+(16 KB, one buffer, p_ready / p_free mbarriers) so ds has the Triton kernel's precision; smem 224 KB.
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .block_index import BlockIndex
 from .forward import LOG2E
-from .forward_gluon import MAXNREG, PRODUCER_REGS, gluon_descriptor, supports
+from .forward_gluon import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, gluon_descriptor, supports
 
 
 @gluon.jit
@@ -180,12 +186,109 @@ def _consumer(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
 
 
 @gluon.jit
+def _consumer_s(q_bufs, do_bufs, k_smem, p_smem, p32_smem, kv_bar, q_ready, do_ready, empty, p_ready, p_free,
+                k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start, n_full, n_visits, TQ, TK, q_offset,
+                HKV: gl.constexpr, G: gl.constexpr, DV: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                BMS: gl.constexpr, STAGES: gl.constexpr, HAS_OFFSET: gl.constexpr):
+    """CONSUMERS = 2, 4 warps: S = q K^T (one m64 n64 wgmma), p, dV^T += do^T p; hands p (fp32) to _consumer_d."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BN, 16])
+    rows = gl.arange(0, BMS, layout=gl.SliceLayout(1, s_layout))
+    dvt = gl.zeros([DV, BN], gl.float32, dv_layout)
+    mbarrier.wait(kv_bar, 0)
+    k_t = k_smem.permute((1, 0))
+    for it in range(G * n_visits * (BM // BMS)):
+        i_h, row0, masked = _step(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        offs_m = row0 + rows
+        m_valid = offs_m < TQ
+        lse_i = gl.load(lse + i_h.to(gl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+        q_s = q_bufs.index(slot)
+        do_s = do_bufs.index(slot)
+        mbarrier.wait(q_ready.index(slot), phase)
+        s_tok = warpgroup_mma(q_s, k_t, gl.zeros([BMS, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_tok, q_s, k_smem))[0]
+        p = gl.exp2(s * scale_log2 - lse_i[:, None])
+        if masked:  # key columns and ends loaded here: n64 tiles give a thread 16 columns, 32 registers to keep
+            offs_n = i_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+            end = gl.load(subtree_end + offs_n, mask=offs_n < TK, other=0)
+            rows_g = offs_m
+            if HAS_OFFSET:
+                rows_g = offs_m + q_offset
+            visible = ((offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :])
+                       & m_valid[:, None])
+            p = gl.where(visible, p, 0.0)
+        p_smem.store(p.to(p_smem.dtype))
+        mbarrier.wait(p_free, (it & 1) ^ 1)  # _consumer_d has read the previous p
+        p32_smem.store(p)
+        fence_async_shared()
+        gl.thread_barrier()  # all 4 warps' p stored before the arrive and the wgmma
+        mbarrier.arrive(p_ready, count=1)
+        mbarrier.wait(do_ready.index(slot), phase)
+        # dV retires within the step: left in flight into the next one, ptxas serialises every wgmma of the kernel
+        # (C7514; bisected to the tree-mask code of this loop); the dP / dK partition keeps the tensor cores busy
+        dv_tok = warpgroup_mma(do_s.permute((1, 0)), p_smem, dvt, is_async=True)
+        dvt = warpgroup_mma_wait(0, deps=(dv_tok, p_smem, do_s))[0]
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot), count=1)  # this partition is done with the slot (and p_smem)
+    _store_transposed(dv, dvt, i_n, i_kvh, TK, HKV, DV, BN, dv_layout)
+
+
+@gluon.jit
+def _consumer_d(q_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_ready, do_ready, empty, p_ready, p_free,
+                k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ, TK, HKV: gl.constexpr,
+                G: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BMS: gl.constexpr,
+                STAGES: gl.constexpr):
+    """CONSUMERS = 2, 4 warps: dP = do V^T (one m64 n64 wgmma), ds from _consumer_s's fp32 p (the Triton
+    kernel's precision), dK^T += q^T ds."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BN, 16])
+    rows = gl.arange(0, BMS, layout=gl.SliceLayout(1, s_layout))
+    dkt = warpgroup_mma_init(gl.zeros([D, BN], gl.float32, dk_layout))
+    mbarrier.wait(kv_bar, 0)
+    v_t = v_smem.permute((1, 0))
+    for it in range(G * n_visits * (BM // BMS)):
+        i_h, row0, masked = _step(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        prev = (it + STAGES - 1) % STAGES
+        offs_m = row0 + rows
+        delta_i = gl.load(delta + i_h.to(gl.int64) * TQ + offs_m, mask=offs_m < TQ, other=0.0)
+        q_s = q_bufs.index(slot)
+        do_s = do_bufs.index(slot)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dp_tok = warpgroup_mma(do_s, v_t, gl.zeros([BMS, BN], gl.float32, s_layout), use_acc=False,
+                               is_async=True)
+        done = warpgroup_mma_wait(0, deps=(dkt, dp_tok, ds_smem, q_bufs.index(prev), do_bufs.index(prev), v_smem))
+        dkt = done[0]
+        dp = done[1]
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(prev), count=1, pred=it > 0)
+        mbarrier.wait(p_ready, it & 1)
+        p = p32_smem.load(s_layout)
+        gl.thread_barrier()  # all 4 warps read p before it may be overwritten
+        mbarrier.arrive(p_free, count=1)
+        ds_smem.store((p * (dp - delta_i[:, None])).to(ds_smem.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.wait(q_ready.index(slot), phase)
+        dkt = warpgroup_mma(q_s.permute((1, 0)), ds_smem, dkt, is_async=True)
+    dkt = warpgroup_mma_wait(0, deps=(dkt, ds_smem, q_bufs))[0]
+    _store_transposed(dk, dkt * scale, i_n, i_kvh, TK, HKV, D, BN, dk_layout)
+
+
+@gluon.jit
 def tree_attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk, dv, lse, delta, subtree_end, k_ptr,
                                     k_rows, k_full, k_order, scale, scale_log2, TQ, TK, q_offset,
                                     HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                                     BM: gl.constexpr, BN: gl.constexpr, BMS: gl.constexpr, STAGES: gl.constexpr,
-                                    HAS_OFFSET: gl.constexpr, num_warps: gl.constexpr):
-    gl.static_assert(num_warps == 8, "the consumer is 2 warpgroups (score tiles split by key columns)")
+                                    HAS_OFFSET: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr):
+    gl.static_assert(num_warps * CONSUMERS == 8, "2 warpgroups: one 8-warp consumer or two 4-warp ones")
     gl.static_assert(BMS == 64, "query sub-tiles of 64 rows: one m64 score wgmma per warpgroup")
     gl.static_assert(STAGES >= 2, "a ring slot is released one step after its own step")
     G: gl.constexpr = HQ // HKV
@@ -209,29 +312,50 @@ def tree_attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk, dv, lse
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
-        # ready: completed by the TMA transaction bytes; empty: one arrive of the consumer partition
+        # ready: completed by the TMA transaction bytes; empty: one arrive per consumer partition
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
 
-    gl.warp_specialize([
-        (_consumer, (q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, do_ready, empty, k_rows,
-                     subtree_end, dk, dv, lse, delta, scale, scale_log2, i_n, i_kvh, start, n_full, n_visits, TQ,
-                     TK, q_offset, HKV, G, D, DV, BM, BN, BMS, STAGES, HAS_OFFSET)),
-        (_producer, (q_desc, do_desc, k_desc, v_desc, k_rows, q_bufs, do_bufs, k_smem, v_smem, kv_bar, q_ready,
-                     do_ready, empty, i_n, i_kvh, start, n_full, n_visits, G, D, DV, BM, BN, BMS, STAGES)),
-    ], [1], [PRODUCER_REGS])
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, do_ready, empty, k_rows,
+                         subtree_end, dk, dv, lse, delta, scale, scale_log2, i_n, i_kvh, start, n_full, n_visits, TQ,
+                         TK, q_offset, HKV, G, D, DV, BM, BN, BMS, STAGES, HAS_OFFSET)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, k_rows, q_bufs, do_bufs, k_smem, v_smem, kv_bar, q_ready,
+                         do_ready, empty, i_n, i_kvh, start, n_full, n_visits, G, D, DV, BM, BN, BMS, STAGES)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.static_assert(CONSUMERS == 2, "one or two consumer partitions")
+        # p in fp32 for ds (single buffer, handed over with p_ready / p_free), p in bf16 for the dV wgmma
+        p32_smem = gl.allocate_shared_memory(gl.float32, [BMS, BN],
+                                             gl.NVMMASharedLayout.get_default_for([BMS, BN], gl.float32))
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        gl.warp_specialize([
+            (_consumer_s, (q_bufs, do_bufs, k_smem, p_smem, p32_smem, kv_bar, q_ready, do_ready, empty, p_ready,
+                           p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start, n_full, n_visits, TQ,
+                           TK, q_offset, HKV, G, DV, BM, BN, BMS, STAGES, HAS_OFFSET)),
+            (_consumer_d, (q_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_ready, do_ready, empty, p_ready,
+                           p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ, TK, HKV, G, D,
+                           BM, BN, BMS, STAGES)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, k_rows, q_bufs, do_bufs, k_smem, v_smem, kv_bar, q_ready,
+                         do_ready, empty, i_n, i_kvh, start, n_full, n_visits, G, D, DV, BM, BN, BMS, STAGES)),
+        ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def dkdv_launch(launch: dict | None = None) -> dict:
     """The full launch dict (defaults filled in); ValueError if unsupported. Keys of a Triton launch that this
     kernel has no use for (num_stages) are ignored; block_ms must be 64 and num_warps 8 if given."""
-    launch = {"block_m": 128, "block_n": 64, "stages": 2, **(launch or {})}
+    launch = {"block_m": 128, "block_n": 64, "stages": 2, "consumers": 1, **(launch or {})}
     launch["block_ms"] = launch.get("block_ms", 64)
     if (launch["block_n"] != 64 or launch["block_ms"] != 64 or launch["block_m"] not in (64, 128)
-            or launch.get("num_warps", 8) != 8):
+            or launch["consumers"] not in (1, 2) or launch.get("num_warps", 8 // launch["consumers"])
+            != 8 // launch["consumers"]):
         raise ValueError(f"Gluon dk/dv launch {launch}: needs block_n 64, block_ms 64, block_m 64 or 128, "
-                         "num_warps 8")
+                         "consumers 1 or 2 (num_warps 8 or 4 per consumer partition)")
     if launch["stages"] < 2:  # a slot is released one step after its own: one buffer would deadlock
         raise ValueError(f"Gluon dk/dv launch {launch}: stages (the q / do ring depth) must be >= 2")
     if launch.get("heads", 1) != 1:
@@ -242,8 +366,10 @@ def dkdv_launch(launch: dict | None = None) -> dict:
 def bwd_dkdv_gluon(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scale: float,
                    launch: dict | None = None):
     """As ``backward.bwd_dkdv``: (dk [Tk, HKV, D], dv [Tk, HKV, DV]) in k's and v's dtypes. ``launch``: block_m
-    (128), block_n (64), block_ms (64), stages (2, the q / do ring depth). The index must hold the (block_m,
-    block_n) lists. bf16 / fp16 with power-of-two head dims in [64, 256] (not MLA's 192 / 128)."""
+    (128), block_n (64), block_ms (64), stages (2, the q / do ring depth), consumers (1: one 8-warp consumer
+    with S / dP split by key columns; 2: a 4-warp S / p / dV partition and a 4-warp dP / ds / dK one). The index
+    must hold the (block_m, block_n) lists. bf16 / fp16 with power-of-two head dims in [64, 256] (not MLA's
+    192 / 128)."""
     launch = dkdv_launch(launch)
     if not supports(q, k, v) or k.dtype != q.dtype or v.dtype != q.dtype or do.dtype != q.dtype:
         raise ValueError(f"the Gluon dk/dv kernel takes bf16/fp16 (one dtype) with power-of-two head dims in "
@@ -263,5 +389,6 @@ def bwd_dkdv_gluon(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scal
             gluon_descriptor(do.contiguous(), bms, value_dim), dk, dv, lse, delta, subtree_end, index.k_ptr,
             index.k_rows, index.k_full, index.k_order, scale, scale * LOG2E, n_queries, n_keys, n_keys - n_queries,
             HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=index.block_m, BN=bn, BMS=bms,
-            STAGES=launch["stages"], HAS_OFFSET=n_keys != n_queries, num_warps=8, maxnreg=MAXNREG)
+            STAGES=launch["stages"], HAS_OFFSET=n_keys != n_queries, CONSUMERS=launch["consumers"],
+            num_warps=8 // launch["consumers"], maxnreg=MAXNREG)
     return dk, dv
