@@ -297,14 +297,12 @@ def test_gluon_dkdv_no_queries():
 
 def test_gluon_dkdv_rejects_unsupported():
     fn = gluon_dkdv()
-    with pytest.raises(ValueError, match="pack"):
-        fn(*([None] * 8), 1.0, dict(heads=2))
-    with pytest.raises(ValueError, match="block_ms"):
-        fn(*([None] * 8), 1.0, dict(block_ms=128))
-    with pytest.raises(ValueError, match="consumers"):
-        fn(*([None] * 8), 1.0, dict(consumers=2, num_warps=8))
-    with pytest.raises(ValueError, match="stages"):
-        fn(*([None] * 8), 1.0, dict(stages=1))
+    q = torch.empty(8, 16, 256, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(8, 2, 256, device="cuda", dtype=torch.bfloat16)
+    for launch, match in ((dict(heads=2), "pack"), (dict(block_ms=128), "block_ms"),
+                          (dict(consumers=2, num_warps=8), "consumers"), (dict(stages=1), "stages")):
+        with pytest.raises(ValueError, match=match):
+            fn(q, k, k, q, None, None, None, None, 1.0, launch)
     q = torch.empty(8, 16, 192, device="cuda", dtype=torch.bfloat16)  # MLA's 192 / 128
     v = torch.empty(8, 2, 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="power-of-two"):

@@ -10,7 +10,8 @@ that wheel first on the path:
 
 ``--dq``: the dq kernel only (K ring 2, V ring 1 at 128 x 64; smem q + do + 3 key tiles).
 ``--dkdv``: the dk/dv kernel only (backward_dkdv_gluon.py: 64-key blocks, 64-row q / do sub-tiles in 2-stage
-rings; smem K + V + 2 x (q + do) + p + ds tiles).
+rings; smem K + V + 2 x (q + do) + p + ds tiles, + an fp32 p tile with two consumer partitions). ``wgmma_waits``
+equal to ``wgmma`` means ptxas serialised every wgmma (its warning C7514).
 """
 from __future__ import annotations
 

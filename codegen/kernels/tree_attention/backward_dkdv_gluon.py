@@ -369,8 +369,9 @@ def bwd_dkdv_gluon(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scal
     (128), block_n (64), block_ms (64), stages (2, the q / do ring depth), consumers (1: one 8-warp consumer
     with S / dP split by key columns; 2: a 4-warp S / p / dV partition and a 4-warp dP / ds / dK one). The index
     must hold the (block_m, block_n) lists. bf16 / fp16 with power-of-two head dims in [64, 256] (not MLA's
-    192 / 128)."""
-    launch = dkdv_launch(launch)
+    192 / 128). consumers defaults to 1, to 2 when a head dim is 64."""
+    # default consumers 2 below head dim 128: the [4, 2] accumulator of consumers=1 gets its wgmma serialised
+    launch = dkdv_launch({"consumers": 1 if min(q.shape[2], v.shape[2]) >= 128 else 2, **(launch or {})})
     if not supports(q, k, v) or k.dtype != q.dtype or v.dtype != q.dtype or do.dtype != q.dtype:
         raise ValueError(f"the Gluon dk/dv kernel takes bf16/fp16 (one dtype) with power-of-two head dims in "
                          f"[64, 256], got {q.dtype}/{k.dtype}/{v.dtype}, D={q.shape[2]}, DV={v.shape[2]}")
