@@ -307,3 +307,34 @@ def test_gluon_dkdv_rejects_unsupported():
     v = torch.empty(8, 2, 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="power-of-two"):
         fn(q, q[:, :2], v, v, None, None, None, None, 1.0)
+
+
+def test_tree_attention_runs_the_gluon_kernels_at_head_dim_256():
+    # the public entry point on Hopper: bf16 at head dim 256 goes through the Gluon kernels (bitwise their output
+    # and gradients), a config without Gluon launches through the Triton ones
+    import dataclasses
+
+    from harts_compiler.codegen.kernels.tree_attention import config_for, tree_attention
+    from harts_compiler.codegen.kernels.tree_attention.function import hopper_launches
+    layout = random_forest(np.random.default_rng(29), n_trees=3, wide_prob=0.6)
+    subtree_end = layout.subtree_end_tensor("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    q, k, v, do = (torch.randn(layout.num_tokens, h, 256, generator=gen, device="cuda").bfloat16()
+                   for h in (16, 2, 2, 16))
+    config, scale = config_for(256), 256 ** -0.5
+    assert hopper_launches(q, v, config) == config.gluon
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = tree_attention(*leaves, subtree_end, scale=scale)
+    grads = torch.autograd.grad(out, leaves, do)
+    index = to_device(build_block_index(subtree_end, 128, 64), "cuda")
+    o, lse = gluon_forward()(q, k, v, subtree_end, index, scale, config.gluon["fwd"])
+    delta = bwd_delta(o, do)
+    dq = gluon_dq()(q, k, v, do, lse, delta, subtree_end, index, scale, config.gluon["dq"])
+    dk, dv = gluon_dkdv()(q, k, v, do, lse, delta, subtree_end, index, scale, config.gluon["dkdv"])
+    for ours, direct in zip((out, *grads), (o, dq, dk, dv)):
+        assert torch.equal(ours, direct)
+    triton_config = dataclasses.replace(config, gluon=None)
+    triton_out = tree_attention(q, k, v, subtree_end, scale=scale, config=triton_config)
+    host_end = subtree_end.cpu()
+    triton_index = to_device(build_block_index(host_end, 64, 64).with_tiles(host_end, config.tiles), "cuda")
+    assert torch.equal(triton_out, tree_attention_forward(q, k, v, subtree_end, triton_index, scale, config.fwd)[0])
