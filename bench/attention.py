@@ -13,7 +13,8 @@ case: the P32768 root as context keys of an earlier microbatch, the 8 branches o
 First (unless --no-sweep) every candidate launch shape of the shape's candidates (configs.CANDIDATES_256
 / CANDIDATES_MLA) is timed kernel by kernel on the first anchor and checked against the fp32 reference;
 the fastest correct one per kernel makes the config of the rest of the run (printed; configs.py ships
-it after review).
+it after review). The sweep tunes the Triton launches: a shape the Gluon kernels serve on this device
+(head dim 256 on Hopper) runs its shipped Gluon launches without one.
 
 Conventions (as before): "ideal" = trajectory attention pairs / tree attention pairs (visible pairs
 only, queries of the suffix only); an anchor's "of ideal" = (anchor ms / ours ms) / ideal, which is
@@ -44,6 +45,7 @@ from harts_compiler.codegen.kernels.tree_attention import (  # noqa: E402
 from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dkdv, bwd_dq  # noqa: E402
 from harts_compiler.codegen.kernels.tree_attention.configs import CANDIDATES_256, CANDIDATES_MLA  # noqa: E402
 from harts_compiler.codegen.kernels.tree_attention.forward import tree_attention_forward  # noqa: E402
+from harts_compiler.codegen.kernels.tree_attention.function import hopper_launches  # noqa: E402
 from harts_compiler.codegen.kernels.upload import to_device  # noqa: E402
 from tree_layouts import TreeLayout, anchor_tree, layout_from_parents  # noqa: E402
 
@@ -346,7 +348,10 @@ def main():
     for name in args.shapes.split(","):
         shape = (TINY_SHAPES if args.tiny else SHAPES)[name]
         config = config_for(shape.d, shape.dv)
-        if not args.no_sweep:
+        probe = torch.empty(0, 1, shape.d, device=device, dtype=dtype)
+        gluon = hopper_launches(probe, probe.new_empty(0, 1, shape.dv), config)
+        log(f"{name}: {'Gluon kernels (Hopper) ' + str(gluon) if gluon else 'Triton kernels'}")
+        if not args.no_sweep and not gluon:  # the sweep tunes the Triton launches: here the Gluon kernels run
             config = sweep(all_cases[0], shape, name, device, dtype, results["sweep"])
         results["errors"][name] = [check_errors(c, shape, config, device, dtype) for c in all_cases[:1] + [
             c for c in all_cases if c.num_queries < c.layout.num_tokens][:1]]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from harts_compiler.codegen.kernels.tree_attention.block_index import build_block_index
-from harts_compiler.codegen.kernels.tree_attention.configs import _launch, uniform_config
-from harts_compiler.codegen.kernels.tree_attention.function import tree_attention, uses_triton
+from harts_compiler.codegen.kernels.tree_attention.configs import _launch, config_for, uniform_config
+from harts_compiler.codegen.kernels.tree_attention.function import hopper_launches, tree_attention, uses_triton
 from harts_compiler.codegen.kernels.tree_attention.reference import tree_attention_reference
 from tree_layouts import anchor_tree, layout_from_parents, random_forest
 
@@ -152,3 +152,15 @@ def test_unaligned_inputs_read_through_descriptors():
         results.append([o, *torch.autograd.grad(o, leaves, do)])
     for got, want in zip(*results):
         assert torch.equal(got, want)
+
+
+def test_gluon_launches_only_on_hopper_for_16_bit_equal_head_dims():
+    # the Gluon kernels run only where hopper_launches says so: never for CPU tensors (the interpreter runs the
+    # Triton kernels), never for a config without Gluon launches (MLA, head dims 64 / 128, benchmark overrides)
+    shipped = config_for(256)
+    assert set(shipped.gluon) == {"fwd", "dq", "dkdv"}
+    assert all((g["block_m"], g["block_n"]) in shipped.tiles for g in shipped.gluon.values())
+    assert config_for(192, 128).gluon is None and config_for(128).gluon is None
+    q = torch.zeros(4, 2, 256, dtype=torch.bfloat16)
+    assert hopper_launches(q, q, shipped) is None
+    assert hopper_launches(q, q, dataclasses.replace(shipped, gluon=None)) is None

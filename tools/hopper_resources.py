@@ -29,18 +29,23 @@ def cuobjdump_path() -> str:
 
 
 def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, num_stages: int,
-                     aligned_pointers: bool = False) -> dict:
+                     aligned_pointers: bool = False, source_cls=ASTSource, options: dict | None = None,
+                     sass_out: str | None = None) -> dict:
     """Compile `fn` (a @triton.jit function) for sm_90 with `signature` (argument -> type string,
-    constexprs included as "constexpr") and report {regs, stack, shared, fits, wgmma, tma_loads, spill_loads,
-    spill_stores, sass_digest}; sass_digest (sha1 of the SASS instructions) tells whether a source refactor
+    constexprs included as "constexpr") and report {regs, stack, shared, fits, wgmma, wgmma_waits, tma_loads,
+    spill_loads, spill_stores, sass_digest}; wgmma_waits counts WARPGROUP.DEPBAR (one per wgmma: ptxas serialised
+    them, its warning C7514); sass_digest (sha1 of the SASS instructions) tells whether a source refactor
     changed the machine code. `aligned_pointers`: give every pointer the 16-byte divisibility the JIT sees for
-    torch allocations (without it Triton does not pipeline some loads)."""
+    torch allocations (without it Triton does not pipeline some loads). `source_cls`: GluonASTSource for a
+    @gluon.jit kernel; `options`: further compile options (maxnreg); `sass_out`: write the SASS there. Also
+    reports `setmaxnreg`: the register counts of the USETMAXREG instructions (warp-specialised kernels: the
+    per-partition budgets; `regs` is then the launch count, maxnreg)."""
     attrs = None
     if aligned_pointers:
         attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values()) if ty.startswith("*")}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+    kernel = triton.compile(source_cls(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
+                            options=dict(num_warps=num_warps, num_stages=num_stages, **(options or {})))
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as handle:
@@ -49,10 +54,15 @@ def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, n
                                check=True).stdout
         sass = subprocess.run([cuobjdump_path(), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
+    if sass_out:
+        with open(sass_out, "w") as handle:
+            handle.write(sass)
     regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     shared = kernel.metadata.shared
     return dict(regs=int(regs.group(1)), stack=int(regs.group(2)), shared=shared,
-                fits=shared <= HOPPER_SHARED_LIMIT, wgmma=sass.count("HGMMA"), tma_loads=sass.count("UTMALDG"),
+                fits=shared <= HOPPER_SHARED_LIMIT, wgmma=sass.count("HGMMA"),
+                wgmma_waits=sass.count("WARPGROUP.DEPBAR"), tma_loads=sass.count("UTMALDG"),
+                setmaxnreg=sorted({int(n, 16) for n in re.findall(r"USETMAXREG\S* (?:UP\d, )?(0x[0-9a-f]+)", sass)}),
                 spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
                 sass_digest=hashlib.sha1("\n".join(line for line in sass.splitlines() if "/*" in line)
                                          .encode()).hexdigest()[:12])

@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from .block_index import BlockIndex
-from .configs import KernelConfig
 from .forward import LOG2E, head_descriptors, head_dims, load_key_block, query_rows, scores, token_descriptor
 from ..interpreter_safe import interpreting
 
@@ -319,13 +318,3 @@ def bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scale: flo
             delta, subtree_end, index.k_ptr, index.k_rows, index.k_full, index.k_order, scale, scale * LOG2E,
             q.shape[0], k.shape[0], k.shape[0] - q.shape[0], **args)
     return dk, dv
-
-
-def tree_attention_backward(q, k, v, o, do, lse, subtree_end, index: BlockIndex, scale: float,
-                            config: KernelConfig):
-    """Gradients (dq [Tq], dk [Tk], dv [Tk]) with the dtypes of q, k, v (launch shapes from ``config``)."""
-    do = do.contiguous()
-    delta = bwd_delta(o, do)
-    dq = bwd_dq(q, k, v, do, lse, delta, subtree_end, index, scale, config.dq)
-    dk, dv = bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index, scale, config.dkdv)
-    return dq, dk, dv

@@ -7,6 +7,8 @@ of ``block_ms`` rows. Candidates were screened offline with ``tools/attention_re
 within Hopper's 227 KB) and timed on the H200; the fastest won even where it spills a few hundred
 bytes: what matters most is 128-row score tiles (n64 wgmma per warpgroup). See
 docs/tree_attention_kernels.md. Head dims 64 and 128 are checked on the GPU but not tuned.
+At head dim 256 a config also names launches of the Gluon kernels (``gluon``): on Hopper (sm_90) they run in
+place of the Triton ones, which stay the kernels of other GPUs, of MLA and of the CPU interpreter.
 
 q/k and v head dims may differ (MLA): ``config_for(head_dim, value_dim)``. The q/k head dim is then any
 power of two or sum of two (each >= 16, the smallest dot), up to 256; 192 / 128 (Kimi Linear) has its
@@ -36,6 +38,9 @@ class KernelConfig:
     fwd: dict = field(default_factory=lambda: _launch(64, 64, 8, 2, heads=2))
     dq: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
     dkdv: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
+    # the Gluon kernels' launches (keys "fwd", "dq", "dkdv"), run instead of the Triton ones on Hopper (sm_90)
+    # for 16-bit inputs; None: the Triton kernels everywhere (see function.py, hopper_launches)
+    gluon: dict | None = None
 
     def __post_init__(self):
         heads = self.fwd.get("heads", 1)
@@ -56,8 +61,8 @@ class KernelConfig:
         """The distinct (block_m, block_n) tiles of the three kernels: the block lists a plan must hold. A packed
         forward adds its unpacked tile (block_m * heads tokens), run where the heads do not divide the GQA group."""
         fwd_unpacked = dict(self.fwd, block_m=self.fwd["block_m"] * self.fwd.get("heads", 1))
-        return tuple(dict.fromkeys((launch["block_m"], launch["block_n"])
-                                   for launch in (self.fwd, fwd_unpacked, self.dq, self.dkdv)))
+        launches = (self.fwd, fwd_unpacked, self.dq, self.dkdv, *(self.gluon or {}).values())
+        return tuple(dict.fromkeys((launch["block_m"], launch["block_n"]) for launch in launches))
 
 
 def uniform_config(block_m: int, block_n: int, block_ms: int, num_warps: int,
@@ -73,7 +78,13 @@ CONFIGS = {
                      dkdv=_launch(128, 64, 4, 2, block_ms=64)),
     128: KernelConfig(fwd=_launch(128, 64, 8, 3), dq=_launch(128, 64, 8, 2, block_ms=64),
                       dkdv=_launch(128, 64, 8, 2, block_ms=64)),
-    256: KernelConfig(),
+    256: KernelConfig(gluon=dict(
+        # on the H200 (P4096 B8 L3584, 16/2 heads) against the Triton launches above: fwd 4.73 ms (614 TFLOP/s) vs
+        # 6.74; dq 6.75 (645) vs 8.94; dk/dv 10.81 (537) vs 13.01. Two 4-warp consumers beat one 8-warp one in the
+        # forward (5.52 ms) and dk/dv (11.71); dq is even (6.83 with two)
+        fwd=dict(block_m=128, block_n=64, num_stages=2, consumers=2),
+        dq=dict(block_m=128, block_n=64, k_stages=2, v_stages=1, consumers=1),
+        dkdv=dict(block_m=128, block_n=64, block_ms=64, stages=2, consumers=2))),
 }
 
 # MLA: (q/k head dim, v head dim). Shared memory below is per program for bf16, q/k as two tiles 128 + 64.

@@ -2,7 +2,9 @@
 
 ``tree_attention`` runs the Triton kernels on CUDA tensors, and on CPU tensors under
 ``TRITON_INTERPRET=1`` (tests at tiny sizes); otherwise, and always for float64, it runs the
-plain-torch reference (query-chunked, so a few thousand tokens fit on CPU).
+plain-torch reference (query-chunked, so a few thousand tokens fit on CPU). On Hopper (sm_90), for
+16-bit inputs whose config names Gluon launches (head dim 256), the Gluon kernels run instead: the
+same contract, warp-specialised with TMA producers (``hopper_launches``).
 """
 from __future__ import annotations
 
@@ -10,28 +12,55 @@ import torch
 
 from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from ..upload import to_device
-from .backward import tree_attention_backward
+from .backward import bwd_delta, bwd_dkdv, bwd_dq
 from .block_index import BlockIndex, build_block_index
 from .configs import KernelConfig, config_for
 from .forward import tree_attention_forward
 from .reference import check_tree_attention_inputs, tree_attention_reference_chunked
 
+try:  # Gluon's Hopper API as the kernels use it (warp_specialize with per-partition registers): Triton >= 3.6
+    from . import backward_dkdv_gluon, backward_gluon, forward_gluon
+except ImportError:  # an older Triton: the Triton kernels run on Hopper too
+    forward_gluon = None
+
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def hopper_launches(q: torch.Tensor, v: torch.Tensor, config: KernelConfig) -> dict | None:
+    """The Gluon launches of ``config`` when its Hopper kernels run this input, else None (the Triton kernels run):
+    CUDA tensors on an sm_90 device, bf16 / fp16, q/k head dim equal to v's (the shapes the Gluon kernels are
+    tested at) and a Triton that has Gluon's Hopper API."""
+    if config.gluon is None or forward_gluon is None or not q.is_cuda or q.dtype not in forward_gluon.GL_DTYPES:
+        return None
+    if q.shape[2] != v.shape[2] or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return None
+    return config.gluon
 
 
 class TreeAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, subtree_end, scale: float, index: BlockIndex, config: KernelConfig):
-        o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, config.fwd)
+        gluon = hopper_launches(q, v, config)
+        if gluon:
+            o, lse = forward_gluon.tree_attention_forward_gluon(q, k, v, subtree_end, index, scale, gluon["fwd"])
+        else:
+            o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, config.fwd)
         ctx.save_for_backward(q, k, v, o, lse, subtree_end)
-        ctx.scale, ctx.index, ctx.config = scale, index, config
+        ctx.scale, ctx.index, ctx.config, ctx.gluon = scale, index, config, gluon
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, subtree_end = ctx.saved_tensors
-        dq, dk, dv = tree_attention_backward(q, k, v, o, do, lse, subtree_end, ctx.index,
-                                             ctx.scale, ctx.config)
+        do = do.contiguous()
+        delta = bwd_delta(o, do)
+        args = (q, k, v, do, lse, delta, subtree_end, ctx.index, ctx.scale)
+        if ctx.gluon:
+            dq = backward_gluon.bwd_dq_gluon(*args, ctx.gluon["dq"])
+            dk, dv = backward_dkdv_gluon.bwd_dkdv_gluon(*args, ctx.gluon["dkdv"])
+        else:
+            dq = bwd_dq(*args, ctx.config.dq)
+            dk, dv = bwd_dkdv(*args, ctx.config.dkdv)
         return dq, dk, dv, None, None, None, None
 
 

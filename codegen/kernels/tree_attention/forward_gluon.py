@@ -1,0 +1,271 @@
+"""Gluon forward of tree attention for Hopper (sm_90): warp-specialised, FA3-style (experiment).
+
+Same contract as ``forward.tree_attention_forward`` (visit lists, tree mask ``j <= i < subtree_end[j]`` with
+``i = local + q_offset``, base-2 softmax with ``scale * log2(e)`` folded, finite running-max floor -1e30,
+o [Tq, HQ, DV] in q's dtype, lse [HQ, Tq] fp32 base 2). Why Gluon: Triton 3.6 on sm_90 ends every matmul
+group in a full warpgroup wait and gives no warp specialisation (docs/tree_attention_kernels.md, "Open").
+
+One CTA per (query block of BM = 128 rows, query head), query blocks in ``q_order``, heads fastest.
+Partitions (``gl.warp_specialize``):
+
+- producer, 1 warp, 24 registers: TMA-loads the q tile once, then K and V tiles of the visit list into two
+  rings of STAGES buffers each, K and V with separate ready/empty mbarriers so the consumer can start
+  ``q k^T`` of a block as soon as its K lands, before its V;
+- consumer (the default partition), 8 warps = 2 warpgroups of 64 score rows each (one [128, *] wgmma
+  accumulator with warps [8, 1] gives every warpgroup its own m64 slice): online softmax in registers.
+
+Intra-warpgroup overlap (FA3 section 3.2): iteration ``it`` issues ``S_it = q K_it^T`` and ``O += P_{it-1}
+V_{it-1}`` as async wgmma, waits for S only (``warpgroup_mma_wait(1)``), runs the softmax of block ``it``
+while the P V wgmma is still on the tensor cores, then waits for it and rescales O. P goes to the P V wgmma
+from registers (RS form), so it never touches shared memory.
+
+Registers (maxnreg 168 x 12 warps = 64,512): the producer warpgroup gets 24 a thread, the consumer
+warpgroups the rest, (64,512 - 4 * 32 * 24) / 256 = 240 a thread: O 128x256 fp32 is 128 a thread, S and
+the next S 32 each, P in bf16 16. Shared memory at D = DV = 256, BN = 64, STAGES = 2: q 64 KB + K 2 x 32
+KB + V 2 x 32 KB = 192 KB (+ barriers).
+
+Full key blocks (the first ``q_full`` of the list) skip the mask; the rest load ``subtree_end`` for their
+64 keys and mask per element. That choice is a runtime branch per block here (one loop keeps the
+pipeline across the full/masked boundary); rows and keys past the ends are masked there as well (TMA
+reads rows past Tk as zeros, the mask gives them -inf).
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .block_index import BlockIndex
+from .forward import LOG2E
+
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+PRODUCER_REGS: gl.constexpr = gl.constexpr(24)  # setmaxnreg of the 1-warp TMA partition (the minimum)
+CONSUMER_REGS: gl.constexpr = gl.constexpr(240)  # the worker consumer of CONSUMERS = 2 (the default gets the rest)
+MAXNREG = 168          # per thread at launch: 12 warps x 32 x 168 <= 65,536; consumers end with 240
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_cols, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty,
+              v_ready, v_empty, row_q, col_q, col_k, col_v, start, count,
+              BN: gl.constexpr, STAGES: gl.constexpr):
+    # q once, then K_it, V_it in visit-list order. A slot is refilled once the consumer released it; a fresh
+    # mbarrier counts as having completed phase "1", so the first STAGES waits on `empty` pass at once.
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row_q, col_q], q_bar, q_smem)
+    for it in range(count):
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        row_k = gl.load(q_cols + start + it) * BN
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row_k, col_k], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row_k, col_v], v_ready.index(slot), v_bufs.index(slot))
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, n_blk, masked, subtree_end, rows_g, TK, scale_log2,
+             BN: gl.constexpr, s_layout: gl.constexpr):
+    """(p fp32, new running max, new row sum, rescale factor of O) of raw scores s [BM, BN] of key block
+    n_blk; masked: apply the tree mask (runtime branch, only the partial blocks pay for it)."""
+    if masked:
+        offs_n = n_blk * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        end = gl.load(subtree_end + offs_n, mask=offs_n < TK, other=0)
+        visible = (offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :])
+        s = gl.where(visible, s, float("-inf"))
+    # max in the scaled domain (scale > 0 commutes with max); exp2(s * c - m) is one FFMA + MUFU per element
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
+    p = gl.exp2(s * scale_log2 - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o, lse,
+              scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset,
+              HQ: gl.constexpr, DV: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              STAGES: gl.constexpr, HAS_OFFSET: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
+              WARPS: gl.constexpr):
+    """Rows [ROW0, ROW0 + ROWS) of the query block, on WARPS warps (ROWS = 16 * WARPS)."""
+    # wgmma layouts: warps [WARPS, 1] give every warpgroup its own m64 slice of the rows; the score tile is
+    # one n64 instruction wide, the O accumulator one n256 (DV <= 256)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, DV, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_smem.dtype
+
+    q_rows = q_smem.slice(ROW0, ROWS)  # this consumer's rows of the q tile (dim 0)
+    offs_m = i_m * BM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # local query rows
+    rows_g = offs_m
+    if HAS_OFFSET:
+        rows_g = offs_m + q_offset
+    m_i = gl.full([ROWS], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))  # finite: see forward.py
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
+
+    # block 0: scores and softmax with nothing to overlap yet (O is zero, so no rescale)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    # use_acc=False ignores the zeros; they are made where used so they are not live across the loop
+    s_tok = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), gl.zeros([ROWS, BN], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, q_rows, k_bufs.index(0)))[0]
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, gl.load(q_cols + start), n_full == 0, subtree_end, rows_g,
+                                  TK, scale_log2, BN, s_layout)
+
+    for it in range(1, count):
+        slot = it % STAGES
+        prev = (it - 1) % STAGES
+        n_blk = gl.load(q_cols + start + it)  # early: its latency hides behind the waits below
+        # S_it = q K_it^T, issued first so the tensor cores have it queued behind nothing
+        mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+        s_tok = warpgroup_mma(q_rows, k_bufs.index(slot).permute((1, 0)),
+                              gl.zeros([ROWS, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+        # O += P_{it-1} V_{it-1}, P from registers
+        mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+        # wait for S only (wgmma groups retire in order); K_it's slot can be refilled
+        s = warpgroup_mma_wait(1, deps=(s_tok, k_bufs.index(slot)))[0]
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        # softmax of block it overlaps the P V wgmma of block it-1
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, n_blk, it >= n_full, subtree_end,
+                                      rows_g, TK, scale_log2, BN, s_layout)
+        acc = warpgroup_mma_wait(0, deps=(o_tok, p_op, v_bufs.index(prev)))[0]
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+
+    # the last block's P V
+    last = (count - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((count - 1) // STAGES) & 1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    o_tok = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(o_tok, p_op, v_bufs.index(last)))[0]
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    # epilogue: rows past TQ saw nothing (l = 0); keep them finite, they are not stored
+    l_safe = gl.where(l_i > 0, l_i, 1.0)
+    l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))
+    out = (acc / l_o[:, None]).to(dtype)
+    rows_o = i_m * BM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    offs_dv = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+    ptrs = o + (rows_o.to(gl.int64) * (HQ * DV) + i_h * DV)[:, None] + offs_dv[None, :]
+    gl.store(ptrs, out, mask=(rows_o < TQ)[:, None])
+    gl.store(lse + i_h.to(gl.int64) * TQ + offs_m, m_i + gl.log2(l_safe), mask=offs_m < TQ)
+
+
+@gluon.jit
+def tree_attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o, lse, subtree_end, q_ptr, q_cols, q_full, q_order,
+                               scale_log2, TQ, TK, q_offset,
+                               HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+                               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                               HAS_OFFSET: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr):
+    # CONSUMERS = 1: the default partition (num_warps = 8) computes all BM rows; 2: the default partition and a
+    # worker of num_warps = 4 warps each take BM / 2 rows, each releasing K/V slots on its own (no partition-wide
+    # bar.sync couples the two warpgroups; the warp schedulers interleave one's softmax with the other's wgmma)
+    pid = gl.program_id(0)
+    i_h = pid % HQ
+    i_m = gl.load(q_order + pid // HQ)
+    i_kvh = i_h // (HQ // HKV)
+    start = gl.load(q_ptr + i_m)
+    count = gl.load(q_ptr + i_m + 1) - start  # >= 1: a query block always sees its diagonal key block
+    n_full = gl.load(q_full + i_m)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        # ready: completed by the TMA transaction bytes (one expect-arrive); empty: one arrive per consumer
+        # partition, made after its wgmma on the slot retired (the arrive is preceded by a partition bar.sync)
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+
+    # (the partition lists are spelled out: a jit function cannot be held in a variable)
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o,
+                         lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, BM, BN, STAGES,
+                         HAS_OFFSET, 0, BM, num_warps)),
+            (_producer, (q_desc, k_desc, v_desc, q_cols, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, i_m * BM, i_h * D, i_kvh * D, i_kvh * DV, start, count, BN, STAGES)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.static_assert(CONSUMERS == 2, "one or two consumer partitions")
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o,
+                         lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, BM, BN, STAGES,
+                         HAS_OFFSET, 0, BM // 2, num_warps)),
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o,
+                         lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, BM, BN, STAGES,
+                         HAS_OFFSET, BM // 2, BM // 2, num_warps)),
+            (_producer, (q_desc, k_desc, v_desc, q_cols, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, i_m * BM, i_h * D, i_kvh * D, i_kvh * DV, start, count, BN, STAGES)),
+        ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def gluon_descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """Gluon TMA descriptor of a contiguous [tokens, heads, dim] tensor seen as [tokens, heads * dim], blocks
+    rows x cols in the default NVMMA (128-byte swizzled) layout that wgmma reads; rows past the end read 0."""
+    if t.data_ptr() % 16:
+        t = t.clone()
+    flat = t.reshape(t.shape[0], t.shape[1] * t.shape[2])
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], GL_DTYPES[t.dtype])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, cols], layout)
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Shapes this kernel compiles for: 16-bit, power-of-two q/k and v head dims in [64, 256]."""
+    d, dv = q.shape[2], v.shape[2]
+    pow2 = lambda x: 64 <= x <= 256 and x & (x - 1) == 0  # noqa: E731
+    return q.dtype in GL_DTYPES and pow2(d) and pow2(dv)
+
+
+def tree_attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 subtree_end: torch.Tensor, index: BlockIndex, scale: float,
+                                 launch: dict | None = None):
+    """As ``forward.tree_attention_forward``: o [Tq, HQ, DV] (dtype of q), lse [HQ, Tq] fp32 base 2.
+    ``launch``: block_m (128), block_n (64), num_stages (2, the K and V ring depth), consumers (1: one 8-warp
+    consumer partition; 2: two 4-warp ones of block_m / 2 rows each); num_warps, if given, must equal
+    block_m / (16 * consumers). "heads" packing is not supported here. The index must hold the (block_m, block_n)
+    lists."""
+    launch = {"block_m": 128, "block_n": 64, "num_stages": 2, "consumers": 1, **(launch or {})}
+    warps = launch["block_m"] // (16 * launch["consumers"])  # a consumer's rows: 16 per warp (m64 per warpgroup)
+    if launch["consumers"] not in (1, 2) or warps not in (4, 8) or launch.get("num_warps", warps) != warps:
+        raise ValueError(f"Gluon forward launch {launch}: block_m / consumers must be 64 or 128 rows "
+                         "(num_warps 4 or 8 per consumer partition)")
+    if launch.get("heads", 1) != 1:
+        raise ValueError("the Gluon forward does not pack query heads (launch heads must be 1)")
+    if not supports(q, k, v):
+        raise ValueError(f"the Gluon forward takes bf16/fp16 with power-of-two head dims in [64, 256], got "
+                         f"{q.dtype}, D={q.shape[2]}, DV={v.shape[2]}")
+    n_queries, n_q_heads, head_dim = q.shape
+    n_keys, n_kv_heads, value_dim = v.shape
+    index = index.with_blocks(launch["block_m"], launch["block_n"])
+    bm, bn = index.block_m, index.block_n
+    o = q.new_empty(n_queries, n_q_heads, value_dim)
+    lse = torch.empty(n_q_heads, n_queries, dtype=torch.float32, device=q.device)
+    grid = (index.num_query_blocks * n_q_heads,)
+    if grid[0]:
+        tree_attn_fwd_gluon_kernel[grid](
+            gluon_descriptor(q, bm, head_dim), gluon_descriptor(k, bn, head_dim), gluon_descriptor(v, bn, value_dim),
+            o, lse, subtree_end, index.q_ptr, index.q_cols, index.q_full, index.q_order,
+            scale * LOG2E, n_queries, n_keys, n_keys - n_queries,
+            HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=bm, BN=bn, STAGES=launch["num_stages"],
+            HAS_OFFSET=n_keys != n_queries, CONSUMERS=launch["consumers"], num_warps=warps, maxnreg=MAXNREG)
+    return o, lse

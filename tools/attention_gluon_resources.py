@@ -1,0 +1,174 @@
+"""Offline resource report of the Gluon tree-attention kernels for Hopper (sm_90), no GPU needed.
+
+Compiles ``forward_gluon.tree_attn_fwd_gluon_kernel`` and ``backward_gluon.tree_attn_bwd_dq_gluon_kernel`` for
+``GPUTarget("cuda", 90, 32)`` as the JIT would for 16-byte aligned torch tensors, and prints shared memory, the
+launch register count (maxnreg), the per-partition register budgets (USETMAXREG in the SASS), stack, wgmma /
+TMA / spill instruction counts. Gluon differs between Triton releases; for the GPU machine's 3.6 run it with
+that wheel first on the path:
+
+    PYTHONPATH=/tmp/t36site python tools/attention_gluon_resources.py 256 16 2 [256] [--sass out.sass] [--dq]
+
+``--dq``: the dq kernel only (K ring 2, V ring 1 at 128 x 64; smem q + do + 3 key tiles).
+``--dkdv``: the dk/dv kernel only (backward_dkdv_gluon.py: 64-key blocks, 64-row q / do sub-tiles in 2-stage
+rings; smem K + V + 2 x (q + do) + p + ds tiles, + an fp32 p tile with two consumer partitions). ``wgmma_waits``
+equal to ``wgmma`` means ptxas serialised every wgmma (its warning C7514).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from hopper_resources import hopper_resources  # tools/, this script's folder
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+from harts_compiler.codegen.kernels.tree_attention import backward_dkdv_gluon as bkg
+from harts_compiler.codegen.kernels.tree_attention import backward_gluon as bg
+from harts_compiler.codegen.kernels.tree_attention import forward_gluon as fg
+
+INT32_POINTERS = {"subtree_end", "q_ptr", "q_cols", "q_full", "q_order", "k_ptr", "k_rows", "k_full", "k_order"}
+
+
+def compile_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2, value_dim: int | None = None,
+                   block_m: int = 128, block_n: int = 64, consumers: int = 1, stages: int = 2,
+                   suffix_queries: bool = False, sass_out: str | None = None, maxnreg: int | None = None) -> dict:
+    value_dim = value_dim or head_dim
+    num_warps = block_m // (16 * consumers)
+    fn = fg.tree_attn_fwd_gluon_kernel
+
+    def desc(heads, rows, cols):  # a host descriptor on a CPU tensor: only its type string is used
+        return fg.gluon_descriptor(torch.empty(256, heads, cols, dtype=torch.bfloat16), rows, cols)
+
+    descriptors = dict(q_desc=desc(n_q_heads, block_m, head_dim), k_desc=desc(n_kv_heads, block_n, head_dim),
+                       v_desc=desc(n_kv_heads, block_n, value_dim))
+    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=block_m, BN=block_n,
+                      STAGES=stages, HAS_OFFSET=suffix_queries, CONSUMERS=consumers, num_warps=num_warps)
+    signature = {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in descriptors:
+            signature[name] = mangle_type(descriptors[name])
+        elif name in INT32_POINTERS:
+            signature[name] = "*i32"
+        elif name == "lse":
+            signature[name] = "*fp32"
+        elif name == "o":
+            signature[name] = "*bf16"
+        elif name == "scale_log2":
+            signature[name] = "fp32"
+        else:  # TQ, TK, q_offset
+            signature[name] = "i32"
+    report = hopper_resources(fn, signature, constexprs, num_warps=num_warps, num_stages=1, aligned_pointers=True,
+                              source_cls=GluonASTSource, options=dict(maxnreg=maxnreg or fg.MAXNREG), sass_out=sass_out)
+    return dict(kind="fwd_gluon", consumers=consumers, stages=stages, **report)
+
+
+def compile_dq_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2, value_dim: int | None = None,
+                      block_m: int = 128, block_n: int = 64, consumers: int = 1, k_stages: int = 2,
+                      v_stages: int = 1, suffix_queries: bool = False, sass_out: str | None = None,
+                      maxnreg: int | None = None) -> dict:
+    """As compile_report, for the Gluon dq kernel (backward_gluon.py)."""
+    value_dim = value_dim or head_dim
+    num_warps = block_m // (16 * consumers)
+    fn = bg.tree_attn_bwd_dq_gluon_kernel
+
+    def desc(heads, rows, cols):
+        return fg.gluon_descriptor(torch.empty(256, heads, cols, dtype=torch.bfloat16), rows, cols)
+
+    descriptors = dict(q_desc=desc(n_q_heads, block_m, head_dim), k_desc=desc(n_kv_heads, block_n, head_dim),
+                       v_desc=desc(n_kv_heads, block_n, value_dim), do_desc=desc(n_q_heads, block_m, value_dim))
+    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=block_m, BN=block_n,
+                      K_STAGES=k_stages, V_STAGES=v_stages, HAS_OFFSET=suffix_queries, CONSUMERS=consumers,
+                      num_warps=num_warps)
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in descriptors:
+            signature[name] = mangle_type(descriptors[name])
+        elif name in INT32_POINTERS:
+            signature[name] = "*i32"
+        elif name in ("lse", "delta"):
+            signature[name] = "*fp32"
+        elif name == "dq":
+            signature[name] = "*bf16"
+        elif name in ("scale", "scale_log2"):
+            signature[name] = "fp32"
+        else:  # TQ, TK, q_offset
+            signature[name] = "i32"
+    report = hopper_resources(fn, signature, constexprs, num_warps=num_warps, num_stages=1, aligned_pointers=True,
+                              source_cls=GluonASTSource, options=dict(maxnreg=maxnreg or bg.MAXNREG),
+                              sass_out=sass_out)
+    return dict(kind="dq_gluon", consumers=consumers, k_stages=k_stages, v_stages=v_stages, **report)
+
+
+def compile_dkdv_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2, value_dim: int | None = None,
+                        block_m: int = 128, block_n: int = 64, block_ms: int = 64, stages: int = 2, consumers: int = 1,
+                        suffix_queries: bool = False, sass_out: str | None = None, maxnreg: int | None = None) -> dict:
+    """As compile_report, for the Gluon dk/dv kernel (backward_dkdv_gluon.py)."""
+    value_dim = value_dim or head_dim
+    fn = bkg.tree_attn_bwd_dkdv_gluon_kernel
+
+    def desc(heads, rows, cols):
+        return fg.gluon_descriptor(torch.empty(256, heads, cols, dtype=torch.bfloat16), rows, cols)
+
+    descriptors = dict(q_desc=desc(n_q_heads, block_ms, head_dim), k_desc=desc(n_kv_heads, block_n, head_dim),
+                       v_desc=desc(n_kv_heads, block_n, value_dim), do_desc=desc(n_q_heads, block_ms, value_dim))
+    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=block_m, BN=block_n, BMS=block_ms,
+                      STAGES=stages, HAS_OFFSET=suffix_queries, CONSUMERS=consumers, num_warps=8 // consumers)
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in descriptors:
+            signature[name] = mangle_type(descriptors[name])
+        elif name in INT32_POINTERS:
+            signature[name] = "*i32"
+        elif name in ("lse", "delta"):
+            signature[name] = "*fp32"
+        elif name in ("dk", "dv"):
+            signature[name] = "*bf16"
+        elif name in ("scale", "scale_log2"):
+            signature[name] = "fp32"
+        else:  # TQ, TK, q_offset
+            signature[name] = "i32"
+    report = hopper_resources(fn, signature, constexprs, num_warps=8 // consumers, num_stages=1,
+                              aligned_pointers=True, source_cls=GluonASTSource,
+                              options=dict(maxnreg=maxnreg or bkg.MAXNREG), sass_out=sass_out)
+    return dict(kind="dkdv_gluon", consumers=consumers, stages=stages, **report)
+
+
+def main(argv: list[str]) -> None:
+    sass_out = None
+    if "--sass" in argv:
+        at = argv.index("--sass")
+        sass_out = argv[at + 1]
+        argv = argv[:at] + argv[at + 2:]
+    dq_only = "--dq" in argv
+    dkdv_only = "--dkdv" in argv
+    argv = [a for a in argv if a not in ("--dq", "--dkdv")]
+    numbers = [int(a) for a in argv]
+    head_dim, n_q_heads, n_kv_heads = numbers[:3] if numbers else (256, 16, 2)
+    value_dim = numbers[3] if len(numbers) > 3 else head_dim
+    if not dq_only:
+        for consumers in (1, 2):
+            for suffix in (False, True):
+                print(dict(suffix_queries=suffix, **compile_dkdv_report(
+                    head_dim, n_q_heads, n_kv_heads, value_dim, consumers=consumers, suffix_queries=suffix,
+                    sass_out=f"{sass_out}.dkdv.c{consumers}" if sass_out and not suffix else None)))
+    if dkdv_only:
+        return
+    for consumers in (1, 2):
+        for suffix in (False, True):
+            if not dq_only:
+                print(dict(suffix_queries=suffix, **compile_report(
+                    head_dim, n_q_heads, n_kv_heads, value_dim, consumers=consumers, suffix_queries=suffix,
+                    sass_out=f"{sass_out}.c{consumers}" if sass_out and not suffix else None)))
+            print(dict(suffix_queries=suffix, **compile_dq_report(
+                head_dim, n_q_heads, n_kv_heads, value_dim, consumers=consumers, suffix_queries=suffix,
+                sass_out=f"{sass_out}.dq.c{consumers}" if sass_out and not suffix else None)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
