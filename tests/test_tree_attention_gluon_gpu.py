@@ -67,7 +67,7 @@ def lse_fp32(q, k, subtree_end, scale, chunk=256):
     return out
 
 
-def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1):
+def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1, stages=2):
     """Gluon vs Triton vs fp32: o within 1.1x the Triton forward's error (+1e-4), lse within 1e-3 of fp32."""
     forward_gluon = gluon_forward()
     value_dim = value_dim or head_dim
@@ -82,7 +82,7 @@ def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consu
     index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
 
     o_triton, lse_triton = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
-    launch = dict(block_m=128, block_n=64, num_stages=2, consumers=consumers)
+    launch = dict(block_m=128, block_n=64, num_stages=stages, consumers=consumers)
     o_gluon, lse_gluon = forward_gluon(q, k, v, subtree_end, index, scale, launch)
     o_again, lse_again = forward_gluon(q, k, v, subtree_end, index, scale, launch)
     torch.cuda.synchronize()
@@ -143,7 +143,7 @@ def test_gluon_forward_single_block():
     check(layout_from_parents([-1, 0], [20, 17]), (16, 2), 256, seed=23)
 
 
-def check_dq(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1):
+def check_dq(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1, k_stages=2, v_stages=1):
     """Gluon dq vs Triton bwd_dq vs the fp32 oracle (autograd through the chunked reference): within 1.1x the
     Triton kernel's error (+1e-4), finite, bitwise repeatable. lse and delta come from the Triton forward."""
     dq_gluon_fn = gluon_dq()
@@ -162,7 +162,7 @@ def check_dq(layout, heads, head_dim, seed, num_queries=None, value_dim=None, co
     o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
     delta = bwd_delta(o, do)
     dq_triton = bwd_dq(q, k, v, do, lse, delta, subtree_end, index, scale, TRITON_DQ_LAUNCH)
-    launch = dict(block_m=128, block_n=64, consumers=consumers)
+    launch = dict(block_m=128, block_n=64, consumers=consumers, k_stages=k_stages, v_stages=v_stages)
     dq_gluon = dq_gluon_fn(q, k, v, do, lse, delta, subtree_end, index, scale, launch)
     dq_again = dq_gluon_fn(q, k, v, do, lse, delta, subtree_end, index, scale, launch)
     torch.cuda.synchronize()
@@ -303,10 +303,51 @@ def test_gluon_dkdv_rejects_unsupported():
                           (dict(consumers=2, num_warps=8), "consumers"), (dict(stages=1), "stages")):
         with pytest.raises(ValueError, match=match):
             fn(q, k, k, q, None, None, None, None, 1.0, launch)
-    q = torch.empty(8, 16, 192, device="cuda", dtype=torch.bfloat16)  # MLA's 192 / 128
+    q = torch.empty(8, 16, 96, device="cuda", dtype=torch.bfloat16)  # 96 = 64 + 32: no Gluon column tiles for it
     v = torch.empty(8, 2, 128, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="power-of-two"):
+    with pytest.raises(ValueError, match="head dim"):
         fn(q, q[:, :2], v, v, None, None, None, None, 1.0)
+
+
+# MLA (q/k head dim 192 = column tiles 128 + 64, v head dim 128): every kernel, both partitionings, the ring depths
+# the MLA launches may use, suffix queries and the anchor tree
+MLA = dict(head_dim=192, value_dim=128)
+
+
+@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gluon_mla_forward(consumers, stages):
+    layout = random_forest(np.random.default_rng(192), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
+    check(layout, (8, 8), seed=192, consumers=consumers, stages=stages, **MLA)
+
+
+@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("k_stages, v_stages", [(2, 1), (2, 2), (3, 2)])
+def test_gluon_mla_dq(consumers, k_stages, v_stages):
+    layout = random_forest(np.random.default_rng(193), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
+    check_dq(layout, (8, 8), seed=193, consumers=consumers, k_stages=k_stages, v_stages=v_stages, **MLA)
+
+
+@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gluon_mla_dkdv(consumers, stages):
+    layout = random_forest(np.random.default_rng(194), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
+    check_dkdv(layout, (8, 8), seed=194, consumers=consumers, stages=stages, **MLA)
+
+
+@pytest.mark.parametrize("num_queries", [5 * 333 + 100, 77])
+def test_gluon_mla_suffix_queries(num_queries):
+    layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
+    check(layout, (16, 16), seed=31, num_queries=num_queries, consumers=2, **MLA)
+    check_dq(layout, (16, 16), seed=31, num_queries=num_queries, **MLA)
+    check_dkdv(layout, (16, 16), seed=31, num_queries=num_queries, consumers=2, **MLA)
+
+
+def test_gluon_mla_anchor_p4096_b8_l3584():
+    layout = anchor_tree(4096, 8, 3584)
+    check(layout, (16, 16), seed=37, consumers=2, **MLA)
+    check_dq(layout, (16, 16), seed=37, **MLA)
+    check_dkdv(layout, (16, 16), seed=37, consumers=2, **MLA)
 
 
 def test_tree_attention_runs_the_gluon_kernels_at_head_dim_256():

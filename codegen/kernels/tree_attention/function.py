@@ -28,11 +28,11 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def hopper_launches(q: torch.Tensor, v: torch.Tensor, config: KernelConfig) -> dict | None:
     """The Gluon launches of ``config`` when its Hopper kernels run this input, else None (the Triton kernels run):
-    CUDA tensors on an sm_90 device, bf16 / fp16, q/k head dim equal to v's (the shapes the Gluon kernels are
-    tested at) and a Triton that has Gluon's Hopper API."""
-    if config.gluon is None or forward_gluon is None or not q.is_cuda or q.dtype not in forward_gluon.GL_DTYPES:
+    CUDA tensors on an sm_90 device, bf16 / fp16, head dims the Gluon kernels take and a Triton that has Gluon's
+    Hopper API."""
+    if config.gluon is None or forward_gluon is None or not q.is_cuda or not forward_gluon.supports(q, q, v):
         return None
-    if q.shape[2] != v.shape[2] or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
         return None
     return config.gluon
 
