@@ -3,7 +3,7 @@
 ``tree_attention`` runs the Triton kernels on CUDA tensors, and on CPU tensors under
 ``TRITON_INTERPRET=1`` (tests at tiny sizes); otherwise, and always for float64, it runs the
 plain-torch reference (query-chunked, so a few thousand tokens fit on CPU). On Hopper (sm_90), for
-16-bit inputs whose config names Gluon launches (head dim 256), the Gluon kernels run instead: the
+bf16 inputs whose config names Gluon launches (head dim 256), the Gluon kernels run instead: the
 same contract, warp-specialised with TMA producers (``hopper_launches``).
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def hopper_launches(q: torch.Tensor, v: torch.Tensor, config: KernelConfig) -> dict | None:
     """The Gluon launches of ``config`` when its Hopper kernels run this input, else None (the Triton kernels run):
-    CUDA tensors on an sm_90 device, bf16 / fp16, q/k head dim equal to v's (the shapes the Gluon kernels are
-    tested at) and a Triton that has Gluon's Hopper API."""
-    if config.gluon is None or forward_gluon is None or not q.is_cuda or q.dtype not in forward_gluon.GL_DTYPES:
+    CUDA tensors on an sm_90 device, bf16, q/k head dim equal to v's (the dtype and shapes the Gluon kernels are
+    tested at on the GPU) and a Triton that has Gluon's Hopper API."""
+    if config.gluon is None or forward_gluon is None or not q.is_cuda or q.dtype != torch.bfloat16:
         return None
     if q.shape[2] != v.shape[2] or torch.cuda.get_device_capability(q.device) != (9, 0):
         return None
