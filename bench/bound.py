@@ -12,11 +12,15 @@ shared prefixes only, and long branches keep most of their pairs. Two numbers pe
 
     python bench/bound.py --presets swe tau2 --length-scale 1.0 --target-tokens 1000000 --microbatch-tokens 65536
     python bench/bound.py                                   # the default presets and sizes of bench/e2e.py
+    python bench/bound.py --pair-cost-scale 0.78 ...        # what if attention's cost per pair were 0.78x
 
-Takes bench/e2e.py's batch options (the others are ignored).
+Takes bench/e2e.py's batch options (the others are ignored) and ``--pair-cost-scale F``: multiply the fitted
+attention cost per pair by F in both modes (attention kernels faster or slower than those the model was fitted
+on, before a refit).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -37,11 +41,36 @@ def bound_row(preset, config, predictor, args) -> dict:
                 tree_ms=tree_ms, traj_ms=traj_ms, predicted=traj_ms / tree_ms)
 
 
+def with_pair_cost_scaled(predictor: cost_model.CostModel, scale: float) -> cost_model.CostModel:
+    """The cost model with its attention cost per pair multiplied by `scale` (both modes)."""
+    coefficients = dict(predictor.coefficients, full_pair=predictor.coefficients["full_pair"] * scale)
+    return dataclasses.replace(predictor, coefficients=coefficients)
+
+
+def pop_pair_cost_scale(argv: list[str]) -> tuple[list[str], float]:
+    """argv without ``--pair-cost-scale F``, and F (1.0 when absent)."""
+    if "--pair-cost-scale" not in argv:
+        return argv, 1.0
+    at = argv.index("--pair-cost-scale")
+    try:
+        scale = float(argv[at + 1]) if at + 1 < len(argv) else float("nan")
+    except ValueError:
+        scale = float("nan")
+    if not scale > 0:  # also nan: missing or not a number
+        print(f"bound.py: --pair-cost-scale needs a positive number, got {' '.join(argv[at + 1:at + 2]) or 'none'}",
+              file=sys.stderr)
+        sys.exit(2)
+    return argv[:at] + argv[at + 2:], scale
+
+
 def main(argv=None) -> None:
-    args = parse_args((argv if argv is not None else sys.argv[1:]) + ["--device", "cpu"])
+    argv, pair_scale = pop_pair_cost_scale(list(argv if argv is not None else sys.argv[1:]))
+    args = parse_args(argv + ["--device", "cpu"])
     config = model_config(args.tiny, model=args.model)
     predictor = cost_model.load_cost_model()
-    print(f"cost model {predictor.source} ({predictor.device}); model {args.model}")
+    predictor = with_pair_cost_scaled(predictor, pair_scale)
+    print(f"cost model {predictor.source} ({predictor.device}); model {args.model}; attention cost per pair "
+          f"x {pair_scale:g}")
     rows = [bound_row(preset, config, predictor, args) for preset in args.presets]
     print(f"\n{'preset':8s} {'tokens':>7s} {'pairs':>7s} {'pair share':>10s} {'ceiling':>17s} "
           f"{'predicted ms tree / traj':>25s} {'predicted':>17s}")

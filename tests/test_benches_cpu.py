@@ -227,6 +227,14 @@ def test_bound_pair_ratio_and_ceiling():
     assert row["ceiling"] == pytest.approx(1 / ((1 - share) / row["ideal"] + share / row["pair_ratio"]))
     assert min(row["ideal"], row["pair_ratio"]) <= row["ceiling"] <= max(row["ideal"], row["pair_ratio"])
     assert row["predicted"] == pytest.approx(row["traj_ms"] / row["tree_ms"]) and row["tree_ms"] > 0
+    # --pair-cost-scale: the attention pairs' cost halved lowers their share and raises the ceiling
+    half = bound.bound_row("tau2", config, bound.with_pair_cost_scaled(cm.load_cost_model(), 0.5), args)
+    assert half["traj_ms"] == pytest.approx(row["traj_ms"] - 0.5 * share * row["traj_ms"])
+    assert half["traj_pair_share"] < share and half["ceiling"] > row["ceiling"]
+    assert bound.pop_pair_cost_scale(["--tiny", "--pair-cost-scale", "0.5"]) == (["--tiny"], 0.5)
+    bad = subprocess.run([sys.executable, str(BENCH / "bound.py"), "--pair-cost-scale", "-1"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "positive number" in bad.stderr
 
 
 def test_memory_sites_groups_live_blocks_by_their_innermost_repository_frame():

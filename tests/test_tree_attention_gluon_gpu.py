@@ -67,16 +67,16 @@ def lse_fp32(q, k, subtree_end, scale, chunk=256):
     return out
 
 
-def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1, stages=2):
+def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1, stages=2, dtype=torch.bfloat16):
     """Gluon vs Triton vs fp32: o within 1.1x the Triton forward's error (+1e-4), lse within 1e-3 of fp32."""
     forward_gluon = gluon_forward()
     value_dim = value_dim or head_dim
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n_keys = layout.num_tokens
     n_queries = n_keys if num_queries is None else num_queries
-    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").bfloat16()
-    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").bfloat16()
-    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").bfloat16()
+    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").to(dtype)
     subtree_end = layout.subtree_end_tensor("cuda")
     scale = head_dim ** -0.5
     index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
@@ -143,7 +143,8 @@ def test_gluon_forward_single_block():
     check(layout_from_parents([-1, 0], [20, 17]), (16, 2), 256, seed=23)
 
 
-def check_dq(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1, k_stages=2, v_stages=1):
+def check_dq(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1, k_stages=2, v_stages=1,
+             dtype=torch.bfloat16):
     """Gluon dq vs Triton bwd_dq vs the fp32 oracle (autograd through the chunked reference): within 1.1x the
     Triton kernel's error (+1e-4), finite, bitwise repeatable. lse and delta come from the Triton forward."""
     dq_gluon_fn = gluon_dq()
@@ -151,10 +152,10 @@ def check_dq(layout, heads, head_dim, seed, num_queries=None, value_dim=None, co
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n_keys = layout.num_tokens
     n_queries = n_keys if num_queries is None else num_queries
-    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").bfloat16()
-    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").bfloat16()
-    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").bfloat16()
-    do = torch.randn(n_queries, heads[0], value_dim, generator=gen, device="cuda").bfloat16()
+    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").to(dtype)
+    do = torch.randn(n_queries, heads[0], value_dim, generator=gen, device="cuda").to(dtype)
     subtree_end = layout.subtree_end_tensor("cuda")
     scale = head_dim ** -0.5
     index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
@@ -212,7 +213,8 @@ def test_gluon_dq_rejects_head_packing():
         gluon_dq()(*([None] * 8), 1.0, dict(heads=2))
 
 
-def check_dkdv(layout, heads, head_dim, seed, num_queries=None, value_dim=None, stages=2, consumers=1):
+def check_dkdv(layout, heads, head_dim, seed, num_queries=None, value_dim=None, stages=2, consumers=1,
+               dtype=torch.bfloat16):
     """Gluon dk/dv vs Triton bwd_dkdv (the same 128 x 64 visit lists) vs the fp32 oracle: each within 1.1x the
     Triton kernel's error (+1e-4), finite, bitwise repeatable, dtypes of k and v. lse and delta from Triton."""
     dkdv_gluon_fn = gluon_dkdv()
@@ -220,10 +222,10 @@ def check_dkdv(layout, heads, head_dim, seed, num_queries=None, value_dim=None, 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n_keys = layout.num_tokens
     n_queries = n_keys if num_queries is None else num_queries
-    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").bfloat16()
-    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").bfloat16()
-    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").bfloat16()
-    do = torch.randn(n_queries, heads[0], value_dim, generator=gen, device="cuda").bfloat16()
+    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").to(dtype)
+    do = torch.randn(n_queries, heads[0], value_dim, generator=gen, device="cuda").to(dtype)
     subtree_end = layout.subtree_end_tensor("cuda")
     scale = head_dim ** -0.5
     index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
@@ -348,6 +350,15 @@ def test_gluon_mla_anchor_p4096_b8_l3584():
     check(layout, (16, 16), seed=37, consumers=2, **MLA)
     check_dq(layout, (16, 16), seed=37, **MLA)
     check_dkdv(layout, (16, 16), seed=37, consumers=2, **MLA)
+
+
+def test_gluon_kernels_in_fp16():
+    # fp16 runs the same kernels (hopper_launches admits it): every kernel against Triton and fp32, GQA and MLA
+    layout = random_forest(np.random.default_rng(16), n_trees=4, max_nodes=20, max_length=200, wide_prob=0.8)
+    for shape in (dict(heads=(16, 2), head_dim=256), dict(heads=(8, 8), **MLA)):
+        check(layout, seed=16, consumers=2, dtype=torch.float16, **shape)
+        check_dq(layout, seed=16, dtype=torch.float16, **shape)
+        check_dkdv(layout, seed=16, consumers=2, dtype=torch.float16, **shape)
 
 
 def test_tree_attention_runs_the_gluon_kernels_at_head_dim_256():

@@ -39,7 +39,7 @@ class KernelConfig:
     dq: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
     dkdv: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
     # the Gluon kernels' launches (keys "fwd", "dq", "dkdv"), run instead of the Triton ones on Hopper (sm_90)
-    # for 16-bit inputs; None: the Triton kernels everywhere (see function.py, hopper_launches)
+    # for bf16 / fp16 inputs; None: the Triton kernels everywhere (see function.py, hopper_launches)
     gluon: dict | None = None
 
     def __post_init__(self):

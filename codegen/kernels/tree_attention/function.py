@@ -3,7 +3,7 @@
 ``tree_attention`` runs the Triton kernels on CUDA tensors, and on CPU tensors under
 ``TRITON_INTERPRET=1`` (tests at tiny sizes); otherwise, and always for float64, it runs the
 plain-torch reference (query-chunked, so a few thousand tokens fit on CPU). On Hopper (sm_90), for
-16-bit inputs whose config names Gluon launches (head dim 256), the Gluon kernels run instead: the
+bf16 / fp16 inputs whose config names Gluon launches (head dim 256, MLA), the Gluon kernels run instead: the
 same contract, warp-specialised with TMA producers (``hopper_launches``).
 """
 from __future__ import annotations
