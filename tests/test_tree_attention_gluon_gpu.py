@@ -361,9 +361,11 @@ def test_gluon_kernels_in_fp16():
         check_dkdv(layout, seed=16, consumers=2, dtype=torch.float16, **shape)
 
 
-def test_tree_attention_runs_the_gluon_kernels_at_head_dim_256():
-    # the public entry point on Hopper: bf16 at head dim 256 goes through the Gluon kernels (bitwise their output
-    # and gradients), a config without Gluon launches through the Triton ones
+@pytest.mark.parametrize("head_dim, value_dim, heads", [(256, 256, (16, 2)), (192, 128, (16, 16))])
+def test_tree_attention_runs_the_gluon_kernels(head_dim, value_dim, heads):
+    # the public entry point on Hopper: bf16 at head dim 256 and MLA's 192 / 128 goes through the Gluon kernels
+    # (bitwise their output and gradients), a config without Gluon launches through the Triton ones, and head
+    # dims whose launches are not tested (256 / 128) stay on Triton
     import dataclasses
 
     from harts_compiler.codegen.kernels.tree_attention import config_for, tree_attention
@@ -371,10 +373,12 @@ def test_tree_attention_runs_the_gluon_kernels_at_head_dim_256():
     layout = random_forest(np.random.default_rng(29), n_trees=3, wide_prob=0.6)
     subtree_end = layout.subtree_end_tensor("cuda")
     gen = torch.Generator(device="cuda").manual_seed(29)
-    q, k, v, do = (torch.randn(layout.num_tokens, h, 256, generator=gen, device="cuda").bfloat16()
-                   for h in (16, 2, 2, 16))
-    config, scale = config_for(256), 256 ** -0.5
+    q, k, v, do = (torch.randn(layout.num_tokens, h, d, generator=gen, device="cuda").bfloat16()
+                   for h, d in ((heads[0], head_dim), (heads[1], head_dim), (heads[1], value_dim),
+                                (heads[0], value_dim)))
+    config, scale = config_for(head_dim, value_dim), head_dim ** -0.5
     assert hopper_launches(q, v, config) == config.gluon
+    assert hopper_launches(q.new_empty(1, 1, 256), q.new_empty(1, 1, 128), config_for(256, 128)) is None
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = tree_attention(*leaves, subtree_end, scale=scale)
     grads = torch.autograd.grad(out, leaves, do)

@@ -109,6 +109,7 @@ MLA_CONFIGS = {
 }
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+GLUON_HEAD_DIMS = ((256, 256), (192, 128))  # (q/k, v) head dims whose configs' Gluon launches run on Hopper
 
 # Launch shapes still in the running at head dim 256 (all fit in shared memory): bench/attention.py
 # times them and the GPU tests check each against the fp32 reference, so whichever wins can ship.

@@ -14,7 +14,7 @@ from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from ..upload import to_device
 from .backward import bwd_delta, bwd_dkdv, bwd_dq
 from .block_index import BlockIndex, build_block_index
-from .configs import KernelConfig, config_for
+from .configs import GLUON_HEAD_DIMS, KernelConfig, config_for
 from .forward import tree_attention_forward
 from .reference import check_tree_attention_inputs, tree_attention_reference_chunked
 
@@ -28,9 +28,12 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def hopper_launches(q: torch.Tensor, v: torch.Tensor, config: KernelConfig) -> dict | None:
     """The Gluon launches of ``config`` when its Hopper kernels run this input, else None (the Triton kernels run):
-    CUDA tensors on an sm_90 device, bf16 / fp16, head dims the Gluon kernels take and a Triton that has Gluon's
-    Hopper API."""
-    if config.gluon is None or forward_gluon is None or not q.is_cuda or not forward_gluon.supports(q, q, v):
+    CUDA tensors on an sm_90 device, bf16 / fp16, head dims whose Gluon launches are tuned and GPU-tested
+    (``GLUON_HEAD_DIMS``: a config found for other dims may carry launches meant for its tuned dims) and a Triton
+    that has Gluon's Hopper API."""
+    if config.gluon is None or forward_gluon is None or not q.is_cuda or q.dtype not in forward_gluon.GL_DTYPES:
+        return None
+    if (q.shape[2], v.shape[2]) not in GLUON_HEAD_DIMS:
         return None
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return None
