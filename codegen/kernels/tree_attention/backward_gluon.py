@@ -1,4 +1,4 @@
-"""Gluon dq kernel of the tree-attention backward for Hopper (sm_90): warp-specialised (experiment).
+"""Gluon dq kernel of the tree-attention backward for Hopper (sm_90): warp-specialised.
 
 Same contract as ``backward.bwd_dq``: per query block, walk its visit list (full key blocks first, then the
 partially masked ones with the mask ``j <= i < subtree_end[j]``, ``i = local + q_offset``), s = q k^T,

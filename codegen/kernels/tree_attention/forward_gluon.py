@@ -1,4 +1,4 @@
-"""Gluon forward of tree attention for Hopper (sm_90): warp-specialised, FA3-style (experiment).
+"""Gluon forward of tree attention for Hopper (sm_90): warp-specialised, FA3-style.
 
 Same contract as ``forward.tree_attention_forward`` (visit lists, tree mask ``j <= i < subtree_end[j]`` with
 ``i = local + q_offset``, base-2 softmax with ``scale * log2(e)`` folded, finite running-max floor -1e30,
