@@ -1,4 +1,4 @@
-"""Gluon dk/dv kernel of the tree-attention backward for Hopper (sm_90), warp-specialised.
+"""Gluon dk/dv kernel of the tree-attention backward for Hopper (sm_90): warp-specialised.
 
 Same contract as ``backward.bwd_dkdv``: one CTA per (key block of BN = 64 keys, KV head), key blocks in
 ``k_order``, KV heads fastest; it walks the key block's transposed visit list (full query blocks first, then the
