@@ -3,7 +3,9 @@
 The Triton kernels run 16-bit models on CUDA (the shapes checked on the H200); fp32 and fp64 models run the
 exact plain-torch paths (the kernels' dots would take fp32 operands through TF32, ~1e-3 relative), which are
 also the CPU path and the oracle. The choice is made once per forward, from the model and its parameters'
-dtype and device, as the `LaunchTarget` that the plan is lowered for; the ops read it from the plan.
+dtype and device, as the `LaunchTarget` that the plan is lowered for; the ops read it from the plan. Tree
+attention's Triton / Gluon choice on Hopper is the kernel's own (by device and dtype, at call time:
+`tree_attention.function.hopper_launches`); the plan's attention tiles hold the block lists of both.
 """
 from __future__ import annotations
 
