@@ -108,6 +108,17 @@ def _store_transposed(out, acc, i_n, i_kvh, TK, HKV: gl.constexpr, ROWS: gl.cons
 
 
 @gluon.jit
+def _mask_probs(p, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET: gl.constexpr):
+    """p of a partial step with the tree mask applied (keys offs_n with ends `end`, local query rows offs_m,
+    rows past Tq dropped)."""
+    rows_g = offs_m
+    if HAS_OFFSET:
+        rows_g = offs_m + q_offset
+    visible = (offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :]) & m_valid[:, None]
+    return gl.where(visible, p, 0.0)
+
+
+@gluon.jit
 def _consumer(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, do_ready, empty, k_rows,
               subtree_end, dk, dv, lse, delta, scale, scale_log2, i_n, i_kvh, start, n_full, n_visits, TQ, TK,
               q_offset, HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BM: gl.constexpr,
@@ -159,12 +170,7 @@ def _consumer(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
 
         p = gl.exp2(s * scale_log2 - lse_i[:, None])
         if masked:
-            rows_g = offs_m
-            if HAS_OFFSET:
-                rows_g = offs_m + q_offset
-            visible = ((offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :])
-                       & m_valid[:, None])
-            p = gl.where(visible, p, 0.0)
+            p = _mask_probs(p, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET)
         p_smem.store(p.to(dtype))
         fence_async_shared()
         gl.thread_barrier()  # all of p written before either warpgroup's wgmma reads it
@@ -215,12 +221,7 @@ def _consumer_s(q_bufs, do_bufs, k_smem, p_smem, p32_smem, kv_bar, q_ready, do_r
         if masked:  # key columns and ends loaded here: n64 tiles give a thread 16 columns, 32 registers to keep
             offs_n = i_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
             end = gl.load(subtree_end + offs_n, mask=offs_n < TK, other=0)
-            rows_g = offs_m
-            if HAS_OFFSET:
-                rows_g = offs_m + q_offset
-            visible = ((offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :])
-                       & m_valid[:, None])
-            p = gl.where(visible, p, 0.0)
+            p = _mask_probs(p, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET)
         p_smem.store(p.to(p_smem.dtype))
         mbarrier.wait(p_free, (it & 1) ^ 1)  # _consumer_d has read the previous p
         p32_smem.store(p)
