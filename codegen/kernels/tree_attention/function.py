@@ -18,21 +18,27 @@ from .configs import KernelConfig, config_for
 from .forward import tree_attention_forward
 from .reference import check_tree_attention_inputs, tree_attention_reference_chunked
 
-try:  # Gluon's Hopper API as the kernels use it (warp_specialize with per-partition registers): Triton >= 3.6
-    from . import backward_dkdv_gluon, backward_gluon, forward_gluon
-except ImportError:  # an older Triton: the Triton kernels run on Hopper too
-    forward_gluon = None
-
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def gluon_kernels():
+    """(forward_gluon, backward_gluon, backward_dkdv_gluon), or None where Triton lacks Gluon's Hopper API as the
+    kernels use it (warp_specialize with per-partition registers: Triton >= 3.6). Imported on first use, so runs
+    that never reach a Hopper GPU do not pay for Gluon's import."""
+    try:
+        from . import backward_dkdv_gluon, backward_gluon, forward_gluon
+    except ImportError:
+        return None
+    return forward_gluon, backward_gluon, backward_dkdv_gluon
 
 
 def hopper_launches(q: torch.Tensor, v: torch.Tensor, config: KernelConfig) -> dict | None:
     """The Gluon launches of ``config`` when its Hopper kernels run this input, else None (the Triton kernels run):
     CUDA tensors on an sm_90 device, bf16, q/k head dim equal to v's (the dtype and shapes the Gluon kernels are
     tested at on the GPU) and a Triton that has Gluon's Hopper API."""
-    if config.gluon is None or forward_gluon is None or not q.is_cuda or q.dtype != torch.bfloat16:
+    if config.gluon is None or not q.is_cuda or q.dtype != torch.bfloat16 or q.shape[2] != v.shape[2]:
         return None
-    if q.shape[2] != v.shape[2] or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if torch.cuda.get_device_capability(q.device) != (9, 0) or gluon_kernels() is None:
         return None
     return config.gluon
 
@@ -42,7 +48,8 @@ class TreeAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, subtree_end, scale: float, index: BlockIndex, config: KernelConfig):
         gluon = hopper_launches(q, v, config)
         if gluon:
-            o, lse = forward_gluon.tree_attention_forward_gluon(q, k, v, subtree_end, index, scale, gluon["fwd"])
+            o, lse = gluon_kernels()[0].tree_attention_forward_gluon(q, k, v, subtree_end, index, scale,
+                                                                      gluon["fwd"])
         else:
             o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, config.fwd)
         ctx.save_for_backward(q, k, v, o, lse, subtree_end)
@@ -56,6 +63,7 @@ class TreeAttentionFunction(torch.autograd.Function):
         delta = bwd_delta(o, do)
         args = (q, k, v, do, lse, delta, subtree_end, ctx.index, ctx.scale)
         if ctx.gluon:
+            _, backward_gluon, backward_dkdv_gluon = gluon_kernels()
             dq = backward_gluon.bwd_dq_gluon(*args, ctx.gluon["dq"])
             dk, dv = backward_dkdv_gluon.bwd_dkdv_gluon(*args, ctx.gluon["dkdv"])
         else:
