@@ -67,9 +67,9 @@ def lse_fp32(q, k, subtree_end, scale, chunk=256):
     return out
 
 
-def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1, stages=2, dtype=torch.bfloat16):
-    """Gluon vs Triton vs fp32: o within 1.1x the Triton forward's error (+1e-4), lse within 1e-3 of fp32."""
-    forward_gluon = gluon_forward()
+def case_inputs(layout, heads, head_dim, seed, num_queries=None, value_dim=None, dtype=torch.bfloat16):
+    """q [Tq, HQ, D], k [Tk, HKV, D], v [Tk, HKV, DV], do [Tq, HQ, DV] in `dtype` from one seeded generator in that
+    order, subtree_end, the scale and the 128 x 64 block index (Tq: the last num_queries tokens, default all)."""
     value_dim = value_dim or head_dim
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n_keys = layout.num_tokens
@@ -77,9 +77,17 @@ def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consu
     q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").to(dtype)
     k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").to(dtype)
     v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").to(dtype)
+    do = torch.randn(n_queries, heads[0], value_dim, generator=gen, device="cuda").to(dtype)
     subtree_end = layout.subtree_end_tensor("cuda")
-    scale = head_dim ** -0.5
     index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
+    return q, k, v, do, subtree_end, head_dim ** -0.5, index
+
+
+def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1, stages=2, dtype=torch.bfloat16):
+    """Gluon vs Triton vs fp32: o within 1.1x the Triton forward's error (+1e-4), lse within 1e-3 of fp32."""
+    forward_gluon = gluon_forward()
+    q, k, v, _, subtree_end, scale, index = case_inputs(layout, heads, head_dim, seed, num_queries, value_dim, dtype)
+    n_keys, n_queries = k.shape[0], q.shape[0]
 
     o_triton, lse_triton = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
     launch = dict(block_m=128, block_n=64, num_stages=stages, consumers=consumers)
@@ -101,7 +109,7 @@ def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consu
     err_gluon, err_triton = relative_error(o_gluon, o_ref), relative_error(o_triton, o_ref)
     lse_err_gluon = (lse_gluon - lse_ref).abs().max().item()
     lse_err_triton = (lse_triton - lse_ref).abs().max().item()
-    print(f"consumers={consumers} D={head_dim}/{value_dim} Tk={n_keys} Tq={n_queries}"
+    print(f"consumers={consumers} D={head_dim}/{v.shape[2]} Tk={n_keys} Tq={n_queries}"
           f" o err gluon {err_gluon:.2e} triton {err_triton:.2e}"
           f" | lse max err gluon {lse_err_gluon:.2e} triton {lse_err_triton:.2e}"
           f" | o max |gluon - triton| {(o_gluon.float() - o_triton.float()).abs().max().item():.2e}")
@@ -148,18 +156,8 @@ def check_dq(layout, heads, head_dim, seed, num_queries=None, value_dim=None, co
     """Gluon dq vs Triton bwd_dq vs the fp32 oracle (autograd through the chunked reference): within 1.1x the
     Triton kernel's error (+1e-4), finite, bitwise repeatable. lse and delta come from the Triton forward."""
     dq_gluon_fn = gluon_dq()
-    value_dim = value_dim or head_dim
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    n_keys = layout.num_tokens
-    n_queries = n_keys if num_queries is None else num_queries
-    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").to(dtype)
-    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").to(dtype)
-    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").to(dtype)
-    do = torch.randn(n_queries, heads[0], value_dim, generator=gen, device="cuda").to(dtype)
-    subtree_end = layout.subtree_end_tensor("cuda")
-    scale = head_dim ** -0.5
-    index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
-
+    q, k, v, do, subtree_end, scale, index = case_inputs(layout, heads, head_dim, seed, num_queries, value_dim, dtype)
+    n_keys, n_queries = k.shape[0], q.shape[0]
     o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
     delta = bwd_delta(o, do)
     dq_triton = bwd_dq(q, k, v, do, lse, delta, subtree_end, index, scale, TRITON_DQ_LAUNCH)
@@ -173,7 +171,7 @@ def check_dq(layout, heads, head_dim, seed, num_queries=None, value_dim=None, co
 
     dq_ref = tree_attention_fp32_oracle(q, k, v, do, subtree_end, scale=scale)[1]
     err_gluon, err_triton = relative_error(dq_gluon, dq_ref), relative_error(dq_triton, dq_ref)
-    print(f"dq consumers={consumers} D={head_dim}/{value_dim} Tk={n_keys} Tq={n_queries}"
+    print(f"dq consumers={consumers} D={head_dim}/{v.shape[2]} Tk={n_keys} Tq={n_queries}"
           f" err gluon {err_gluon:.2e} triton {err_triton:.2e}"
           f" | max |gluon - triton| {(dq_gluon.float() - dq_triton.float()).abs().max().item():.2e}")
     assert err_gluon <= 1.1 * err_triton + 1e-4, f"dq: {err_gluon:.2e} vs Triton {err_triton:.2e}"
@@ -218,18 +216,8 @@ def check_dkdv(layout, heads, head_dim, seed, num_queries=None, value_dim=None, 
     """Gluon dk/dv vs Triton bwd_dkdv (the same 128 x 64 visit lists) vs the fp32 oracle: each within 1.1x the
     Triton kernel's error (+1e-4), finite, bitwise repeatable, dtypes of k and v. lse and delta from Triton."""
     dkdv_gluon_fn = gluon_dkdv()
-    value_dim = value_dim or head_dim
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    n_keys = layout.num_tokens
-    n_queries = n_keys if num_queries is None else num_queries
-    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").to(dtype)
-    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").to(dtype)
-    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").to(dtype)
-    do = torch.randn(n_queries, heads[0], value_dim, generator=gen, device="cuda").to(dtype)
-    subtree_end = layout.subtree_end_tensor("cuda")
-    scale = head_dim ** -0.5
-    index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
-
+    q, k, v, do, subtree_end, scale, index = case_inputs(layout, heads, head_dim, seed, num_queries, value_dim, dtype)
+    n_keys, n_queries = k.shape[0], q.shape[0]
     o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
     delta = bwd_delta(o, do)
     dk_triton, dv_triton = bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index, scale, TRITON_DKDV_LAUNCH)
@@ -245,7 +233,7 @@ def check_dkdv(layout, heads, head_dim, seed, num_queries=None, value_dim=None, 
     _, _, dk_ref, dv_ref = tree_attention_fp32_oracle(q, k, v, do, subtree_end, scale=scale)
     for name, gluon, triton_out, ref in (("dk", dk_gluon, dk_triton, dk_ref), ("dv", dv_gluon, dv_triton, dv_ref)):
         err_gluon, err_triton = relative_error(gluon, ref), relative_error(triton_out, ref)
-        print(f"{name} consumers={consumers} stages={stages} D={head_dim}/{value_dim} Tk={n_keys} Tq={n_queries}"
+        print(f"{name} consumers={consumers} stages={stages} D={head_dim}/{v.shape[2]} Tk={n_keys} Tq={n_queries}"
               f" err gluon {err_gluon:.2e} triton {err_triton:.2e}"
               f" | max |gluon - triton| {(gluon.float() - triton_out.float()).abs().max().item():.2e}")
         assert err_gluon <= 1.1 * err_triton + 1e-4, f"{name}: {err_gluon:.2e} vs Triton {err_triton:.2e}"

@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from .block_index import BlockIndex
-from .backward_dkdv_gluon_parts import acc_layout, consumer_d, consumer_s, step_of, store_transposed
+from .backward_dkdv_gluon_parts import acc_layout, consumer_d, consumer_s, mask_probs, step_of, store_transposed
 from .forward import LOG2E
 from .forward_gluon import (CONSUMER_REGS, HEAD_DIMS, MAXNREG, PRODUCER_REGS, column_tiles, gluon_descriptor,
                             issue_scores, qk_descriptors, supports)
@@ -123,12 +123,7 @@ def _consumer(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, v_smem, p_smem, ds_smem
 
         p = gl.exp2(s * scale_log2 - lse_i[:, None])
         if masked:
-            rows_g = offs_m
-            if HAS_OFFSET:
-                rows_g = offs_m + q_offset
-            visible = ((offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :])
-                       & m_valid[:, None])
-            p = gl.where(visible, p, 0.0)
+            p = mask_probs(p, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET)
         p_smem.store(p.to(dtype))
         fence_async_shared()
         gl.thread_barrier()  # all of p written before either warpgroup's wgmma reads it

@@ -30,6 +30,17 @@ def step_of(it, k_rows, start, n_full, n_visits, i_kvh, G: gl.constexpr, BM: gl.
     return i_h, i_m * BM + sub * BMS, masked
 
 
+@gluon.jit
+def mask_probs(p, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET: gl.constexpr):
+    """p of a partial step with the tree mask applied (keys offs_n with ends `end`, local query rows offs_m,
+    rows past Tq dropped)."""
+    rows_g = offs_m
+    if HAS_OFFSET:
+        rows_g = offs_m + q_offset
+    visible = (offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :]) & m_valid[:, None]
+    return gl.where(visible, p, 0.0)
+
+
 @gluon.constexpr_function
 def acc_layout(rows, bn):
     """wgmma accumulator layout of a transposed gradient [rows, bn] on 8 warps: split by rows (each warpgroup
@@ -80,12 +91,7 @@ def consumer_s(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_b
         if masked:  # key columns and ends loaded here: n64 tiles give a thread 16 columns, 32 registers to keep
             offs_n = i_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
             end = gl.load(subtree_end + offs_n, mask=offs_n < TK, other=0)
-            rows_g = offs_m
-            if HAS_OFFSET:
-                rows_g = offs_m + q_offset
-            visible = ((offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :])
-                       & m_valid[:, None])
-            p = gl.where(visible, p, 0.0)
+            p = mask_probs(p, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET)
         p_smem.store(p.to(p_smem.dtype))
         mbarrier.wait(p_free, (it & 1) ^ 1)  # _consumer_d has read the previous p
         p32_smem.store(p)

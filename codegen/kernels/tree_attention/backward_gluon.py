@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from .block_index import BlockIndex
 from .forward import LOG2E
 from .forward_gluon import (CONSUMER_REGS, HEAD_DIMS, MAXNREG, PRODUCER_REGS, column_tiles, gluon_descriptor,
-                            issue_scores, qk_descriptors, supports)
+                            issue_scores, qk_descriptors, query_block_program, ring_barriers, supports)
 
 
 @gluon.jit
@@ -193,14 +193,7 @@ def tree_attn_bwd_dq_gluon_kernel(q_desc, q2_desc, k_desc, k2_desc, v_desc, do_d
                                   V_STAGES: gl.constexpr, HAS_OFFSET: gl.constexpr, CONSUMERS: gl.constexpr,
                                   num_warps: gl.constexpr):
     gl.static_assert(K_STAGES >= 2, "K_j is read by two wgmma a block apart: the K ring needs >= 2 buffers")
-    pid = gl.program_id(0)
-    i_h = pid % HQ
-    i_m = gl.load(q_order + pid // HQ)
-    i_kvh = i_h // (HQ // HKV)
-    start = gl.load(q_ptr + i_m)
-    count = gl.load(q_ptr + i_m + 1) - start  # >= 1: a query block always sees its diagonal key block
-    n_full = gl.load(q_full + i_m)
-
+    i_h, i_m, i_kvh, start, count, n_full = query_block_program(q_ptr, q_full, q_order, HQ, HKV)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -212,18 +205,9 @@ def tree_attn_bwd_dq_gluon_kernel(q_desc, q2_desc, k_desc, k2_desc, v_desc, do_d
         q2_smem = q_smem
         k2_bufs = k_bufs
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    # ready: completed by the TMA transaction bytes (one expect-arrive); empty: one arrive per consumer partition
-    for i in gl.static_range(K_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=CONSUMERS)
-    for i in gl.static_range(V_STAGES):
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    k_ready, k_empty = ring_barriers(K_STAGES, CONSUMERS)
+    v_ready, v_empty = ring_barriers(V_STAGES, CONSUMERS)
 
     # (the partition lists are spelled out: a jit function cannot be held in a variable)
     if CONSUMERS == 1:

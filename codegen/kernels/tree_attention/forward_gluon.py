@@ -180,6 +180,31 @@ def _consumer(q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty,
 
 
 @gluon.jit
+def query_block_program(q_ptr, q_full, q_order, HQ: gl.constexpr, HKV: gl.constexpr):
+    """(query head, query block, KV head, first visit, visit count, full visits) of this program: one per (query
+    block, query head), blocks in ``q_order``, heads fastest (the forward's and the dq kernel's grid)."""
+    pid = gl.program_id(0)
+    i_h = pid % HQ
+    i_m = gl.load(q_order + pid // HQ)
+    start = gl.load(q_ptr + i_m)
+    count = gl.load(q_ptr + i_m + 1) - start  # >= 1: a query block always sees its diagonal key block
+    return i_h, i_m, i_h // (HQ // HKV), start, count, gl.load(q_full + i_m)
+
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """(ready, empty) mbarriers of a STAGES-slot ring: ready completed by a slot's TMA transaction bytes (one
+    expect-arrive), empty by one arrive per consumer partition, made after its wgmma on the slot retired (the
+    arrive is preceded by a partition bar.sync)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return ready, empty
+
+
+@gluon.jit
 def tree_attn_fwd_gluon_kernel(q_desc, q2_desc, k_desc, k2_desc, v_desc, o, lse, subtree_end, q_ptr, q_cols, q_full,
                                q_order, scale_log2, TQ, TK, q_offset,
                                HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, D1: gl.constexpr,
@@ -189,14 +214,7 @@ def tree_attn_fwd_gluon_kernel(q_desc, q2_desc, k_desc, k2_desc, v_desc, o, lse,
     # CONSUMERS = 1: the default partition (num_warps = 8) computes all BM rows; 2: the default partition and a
     # worker of num_warps = 4 warps each take BM / 2 rows, each releasing K/V slots on its own (no partition-wide
     # bar.sync couples the two warpgroups; the warp schedulers interleave one's softmax with the other's wgmma)
-    pid = gl.program_id(0)
-    i_h = pid % HQ
-    i_m = gl.load(q_order + pid // HQ)
-    i_kvh = i_h // (HQ // HKV)
-    start = gl.load(q_ptr + i_m)
-    count = gl.load(q_ptr + i_m + 1) - start  # >= 1: a query block always sees its diagonal key block
-    n_full = gl.load(q_full + i_m)
-
+    i_h, i_m, i_kvh, start, count, n_full = query_block_program(q_ptr, q_full, q_order, HQ, HKV)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -207,18 +225,9 @@ def tree_attn_fwd_gluon_kernel(q_desc, q2_desc, k_desc, k2_desc, v_desc, o, lse,
         q2_smem = q_smem
         k2_bufs = k_bufs
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        # ready: completed by the TMA transaction bytes (one expect-arrive); empty: one arrive per consumer
-        # partition, made after its wgmma on the slot retired (the arrive is preceded by a partition bar.sync)
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=CONSUMERS)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    k_ready, k_empty = ring_barriers(STAGES, CONSUMERS)
+    v_ready, v_empty = ring_barriers(STAGES, CONSUMERS)
 
     # (the partition lists are spelled out: a jit function cannot be held in a variable)
     if CONSUMERS == 1:

@@ -18,12 +18,18 @@ from .configs import GLUON_HEAD_DIMS, KernelConfig, config_for
 from .forward import tree_attention_forward
 from .reference import check_tree_attention_inputs, tree_attention_reference_chunked
 
-try:  # Gluon's Hopper API as the kernels use it (warp_specialize with per-partition registers): Triton >= 3.6
-    from . import backward_dkdv_gluon, backward_gluon, forward_gluon
-except ImportError:  # an older Triton: the Triton kernels run on Hopper too
-    forward_gluon = None
-
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def gluon_kernels():
+    """(forward_gluon, backward_gluon, backward_dkdv_gluon), or None where Triton lacks Gluon's Hopper API as the
+    kernels use it (warp_specialize with per-partition registers: Triton >= 3.6). Imported on first use, so runs
+    that never reach a Hopper GPU do not pay for Gluon's import."""
+    try:
+        from . import backward_dkdv_gluon, backward_gluon, forward_gluon
+    except ImportError:
+        return None
+    return forward_gluon, backward_gluon, backward_dkdv_gluon
 
 
 def hopper_launches(q: torch.Tensor, v: torch.Tensor, config: KernelConfig) -> dict | None:
@@ -31,11 +37,11 @@ def hopper_launches(q: torch.Tensor, v: torch.Tensor, config: KernelConfig) -> d
     CUDA tensors on an sm_90 device, bf16 / fp16, head dims whose Gluon launches are tuned and GPU-tested
     (``GLUON_HEAD_DIMS``: a config found for other dims may carry launches meant for its tuned dims) and a Triton
     that has Gluon's Hopper API."""
-    if config.gluon is None or forward_gluon is None or not q.is_cuda or q.dtype not in forward_gluon.GL_DTYPES:
+    if config.gluon is None or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return None
     if (q.shape[2], v.shape[2]) not in GLUON_HEAD_DIMS:
         return None
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if torch.cuda.get_device_capability(q.device) != (9, 0) or gluon_kernels() is None:
         return None
     return config.gluon
 
@@ -45,7 +51,8 @@ class TreeAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, subtree_end, scale: float, index: BlockIndex, config: KernelConfig):
         gluon = hopper_launches(q, v, config)
         if gluon:
-            o, lse = forward_gluon.tree_attention_forward_gluon(q, k, v, subtree_end, index, scale, gluon["fwd"])
+            o, lse = gluon_kernels()[0].tree_attention_forward_gluon(q, k, v, subtree_end, index, scale,
+                                                                      gluon["fwd"])
         else:
             o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, config.fwd)
         ctx.save_for_backward(q, k, v, o, lse, subtree_end)
@@ -59,6 +66,7 @@ class TreeAttentionFunction(torch.autograd.Function):
         delta = bwd_delta(o, do)
         args = (q, k, v, do, lse, delta, subtree_end, ctx.index, ctx.scale)
         if ctx.gluon:
+            _, backward_gluon, backward_dkdv_gluon = gluon_kernels()
             dq = backward_gluon.bwd_dq_gluon(*args, ctx.gluon["dq"])
             dk, dv = backward_dkdv_gluon.bwd_dkdv_gluon(*args, ctx.gluon["dkdv"])
         else:
