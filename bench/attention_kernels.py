@@ -1,10 +1,11 @@
 """Tree attention kernel by kernel on Hopper: the Triton launches against the Gluon ones, same run.
 
-    python bench/attention_kernels.py                        # P4096 B8 L3584, 16/2 heads, head dim 256
-    python bench/attention_kernels.py --anchor 16384,8,2048
+    python bench/attention_kernels.py                        # P4096 B8 L3584, gqa (16/2 heads, head dim 256)
+    python bench/attention_kernels.py --shape mla --anchor 16384,8,2048
 
 Times the forward, dq and dk/dv kernels of the shipped Triton config and of the Gluon kernels (the shipped
-Gluon launches and the other consumer partitioning of each), all on one block index and the same bf16 inputs,
+Gluon launches, the other consumer partitioning of each and ring depths one deeper / shallower; a launch that
+does not fit in shared memory is reported as such), all on one block index and the same bf16 inputs,
 and reports ms, TFLOP/s over visible pairs and the error of each kernel's output against the fp32 oracle, plus
 the largest difference from the Triton kernel's output. This is where the ``gluon`` launches in
 ``configs.py`` come from; ``bench/attention.py`` times the shipped path against cuDNN and FA2.
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from attention import Shape, device_block_index, random_qkv, rel  # noqa: E402
+from attention import SHAPES, device_block_index, random_qkv, rel  # noqa: E402
 from common import format_table, kernel_ms  # noqa: E402
 from harts_compiler.codegen.kernels.tree_attention import config_for, tree_attention_fp32_oracle  # noqa: E402
 from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dkdv, bwd_dq  # noqa: E402
@@ -28,16 +29,28 @@ from harts_compiler.codegen.kernels.tree_attention.forward import tree_attention
 from tree_layouts import anchor_tree  # noqa: E402
 
 
+RING = {"fwd": "num_stages", "dq": "k_stages", "dkdv": "stages"}  # the ring depth each Gluon launch names
+
+
 def variants(gluon: dict) -> dict:
-    """Per kernel: the shipped Gluon launch and the same launch with the other consumer partitioning."""
-    return {kind: [launch, dict(launch, consumers=3 - launch["consumers"])] for kind, launch in gluon.items()}
+    """Per kernel: the shipped Gluon launch, the other consumer partitioning, its ring one deeper and (above the
+    minimum of 2) one shallower; dq also with its V ring one deeper."""
+    out = {}
+    for kind, launch in gluon.items():
+        ring = RING[kind]
+        alts = [launch, dict(launch, consumers=3 - launch["consumers"]), dict(launch, **{ring: launch[ring] + 1})]
+        if launch[ring] > 2:
+            alts.append(dict(launch, **{ring: launch[ring] - 1}))
+        if kind == "dq":
+            alts.append(dict(launch, v_stages=launch["v_stages"] + 1))
+        out[kind] = alts
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--anchor", default="4096,8,3584", help="root P, branches B, branch length L")
-    parser.add_argument("--heads", default="16,2", help="query heads, KV heads")
-    parser.add_argument("--head-dim", type=int, default=256)
+    parser.add_argument("--shape", default="gqa", choices=sorted(SHAPES))
     parser.add_argument("--rep-ms", type=int, default=200)
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -46,12 +59,12 @@ def main() -> int:
     from harts_compiler.codegen.kernels.tree_attention import backward_dkdv_gluon, backward_gluon, forward_gluon
 
     device, dtype = torch.device("cuda"), torch.bfloat16
-    hq, hkv = (int(x) for x in args.heads.split(","))
-    shape = Shape(hq, hkv, args.head_dim, args.head_dim)
+    shape = SHAPES[args.shape]
+    hq, hkv = shape.hq, shape.hkv
     layout = anchor_tree(*(int(x) for x in args.anchor.split(",")))
-    config = config_for(shape.d)
+    config = config_for(shape.d, shape.dv)
     if config.gluon is None:
-        print(f"head dim {shape.d}: the config names no Gluon launches")
+        print(f"{args.shape}: the config names no Gluon launches")
         return 2
     gluon = variants(config.gluon)
     subtree_end = layout.subtree_end_tensor(device)
@@ -61,8 +74,9 @@ def main() -> int:
     index = device_block_index(subtree_end, tiles, layout.num_tokens)
     ends = layout.subtree_end.astype(np.int64)
     pairs = int((ends - np.arange(ends.size)).sum())
-    mac = pairs * hq * shape.d  # one q k^T (or p v, ...) over the visible pairs
-    flop = {"fwd": 2.0 * 2 * mac, "dq": 2.0 * 3 * mac, "dkdv": 2.0 * 4 * mac}  # dq: s, dp, dq; dk/dv: s, dp, dv, dk
+    qk, pv = pairs * hq * shape.d, pairs * hq * shape.dv  # multiply-adds of one q k^T / one p v over the pairs
+    # fwd: s, o; dq: s, dp, dq; dk/dv: s, dp, dv, dk (2 flop a multiply-add)
+    flop = {"fwd": 2.0 * (qk + pv), "dq": 2.0 * (2 * qk + pv), "dkdv": 2.0 * (2 * qk + 2 * pv)}
 
     torch.backends.cuda.matmul.allow_tf32 = False  # an fp32 oracle, not a tf32 one
     ref = tree_attention_fp32_oracle(q, k, v, do, subtree_end, scale=scale, query_chunk=512)
@@ -84,7 +98,11 @@ def main() -> int:
     refs = {"fwd": ref[:1], "dq": ref[1:2], "dkdv": ref[2:]}
     rows, triton_out = [], {}
     for kind, kernels, launch, run in runs:
-        out = run()
+        try:
+            out = run()
+        except Exception as exc:  # a ring too deep for shared memory: reported, the rest still runs
+            rows.append(dict(kernel=kind, impl=kernels, launch=str(launch), err=f"failed: {type(exc).__name__}"))
+            continue
         triton_out.setdefault(kind, out)  # the Triton run of each kernel comes first
         ms = kernel_ms(run, device, rep_ms=args.rep_ms)
         rows.append(dict(kernel=kind, impl=kernels, launch=str(launch), ms=ms, tflops=flop[kind] / ms / 1e9,
@@ -92,7 +110,8 @@ def main() -> int:
                          diff=" ".join(f"{(a.float() - b.float()).abs().max().item():.1e}"
                                        for a, b in zip(out, triton_out[kind]))))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; anchor {args.anchor}: {layout.num_tokens} "
-          f"tokens, {pairs / 1e6:.1f} M visible pairs a head, {hq}/{hkv} heads, head dim {shape.d}, bf16")
+          f"tokens, {pairs / 1e6:.1f} M visible pairs a head, {args.shape}: {hq}/{hkv} heads, head dims "
+          f"{shape.d}/{shape.dv}, bf16")
     print(format_table(rows, [("kernel", "kernel"), ("impl", "impl"), ("launch", "launch"), ("ms", "ms"),
                               ("tflops", "TFLOP/s"), ("err", "err vs fp32"), ("diff", "max |diff| vs Triton")]))
     return 0

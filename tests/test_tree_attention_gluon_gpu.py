@@ -67,30 +67,30 @@ def lse_fp32(q, k, subtree_end, scale, chunk=256):
     return out
 
 
-def case_inputs(layout, heads, head_dim, seed, num_queries=None, value_dim=None):
-    """bf16 q [Tq, HQ, D], k [Tk, HKV, D], v [Tk, HKV, DV], do [Tq, HQ, DV] from one seeded generator in that
+def case_inputs(layout, heads, head_dim, seed, num_queries=None, value_dim=None, dtype=torch.bfloat16):
+    """q [Tq, HQ, D], k [Tk, HKV, D], v [Tk, HKV, DV], do [Tq, HQ, DV] in `dtype` from one seeded generator in that
     order, subtree_end, the scale and the 128 x 64 block index (Tq: the last num_queries tokens, default all)."""
     value_dim = value_dim or head_dim
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n_keys = layout.num_tokens
     n_queries = n_keys if num_queries is None else num_queries
-    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").bfloat16()
-    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").bfloat16()
-    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").bfloat16()
-    do = torch.randn(n_queries, heads[0], value_dim, generator=gen, device="cuda").bfloat16()
+    q = torch.randn(n_queries, heads[0], head_dim, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(n_keys, heads[1], head_dim, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(n_keys, heads[1], value_dim, generator=gen, device="cuda").to(dtype)
+    do = torch.randn(n_queries, heads[0], value_dim, generator=gen, device="cuda").to(dtype)
     subtree_end = layout.subtree_end_tensor("cuda")
     index = to_device(build_block_index(subtree_end, 128, 64, num_queries=n_queries), q.device)
     return q, k, v, do, subtree_end, head_dim ** -0.5, index
 
 
-def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1):
+def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1, stages=2, dtype=torch.bfloat16):
     """Gluon vs Triton vs fp32: o within 1.1x the Triton forward's error (+1e-4), lse within 1e-3 of fp32."""
     forward_gluon = gluon_forward()
-    q, k, v, _, subtree_end, scale, index = case_inputs(layout, heads, head_dim, seed, num_queries, value_dim)
+    q, k, v, _, subtree_end, scale, index = case_inputs(layout, heads, head_dim, seed, num_queries, value_dim, dtype)
     n_keys, n_queries = k.shape[0], q.shape[0]
 
     o_triton, lse_triton = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
-    launch = dict(block_m=128, block_n=64, num_stages=2, consumers=consumers)
+    launch = dict(block_m=128, block_n=64, num_stages=stages, consumers=consumers)
     o_gluon, lse_gluon = forward_gluon(q, k, v, subtree_end, index, scale, launch)
     o_again, lse_again = forward_gluon(q, k, v, subtree_end, index, scale, launch)
     torch.cuda.synchronize()
@@ -151,16 +151,17 @@ def test_gluon_forward_single_block():
     check(layout_from_parents([-1, 0], [20, 17]), (16, 2), 256, seed=23)
 
 
-def check_dq(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1):
+def check_dq(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consumers=1, k_stages=2, v_stages=1,
+             dtype=torch.bfloat16):
     """Gluon dq vs Triton bwd_dq vs the fp32 oracle (autograd through the chunked reference): within 1.1x the
     Triton kernel's error (+1e-4), finite, bitwise repeatable. lse and delta come from the Triton forward."""
     dq_gluon_fn = gluon_dq()
-    q, k, v, do, subtree_end, scale, index = case_inputs(layout, heads, head_dim, seed, num_queries, value_dim)
+    q, k, v, do, subtree_end, scale, index = case_inputs(layout, heads, head_dim, seed, num_queries, value_dim, dtype)
     n_keys, n_queries = k.shape[0], q.shape[0]
     o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
     delta = bwd_delta(o, do)
     dq_triton = bwd_dq(q, k, v, do, lse, delta, subtree_end, index, scale, TRITON_DQ_LAUNCH)
-    launch = dict(block_m=128, block_n=64, consumers=consumers)
+    launch = dict(block_m=128, block_n=64, consumers=consumers, k_stages=k_stages, v_stages=v_stages)
     dq_gluon = dq_gluon_fn(q, k, v, do, lse, delta, subtree_end, index, scale, launch)
     dq_again = dq_gluon_fn(q, k, v, do, lse, delta, subtree_end, index, scale, launch)
     torch.cuda.synchronize()
@@ -210,11 +211,12 @@ def test_gluon_dq_rejects_head_packing():
         gluon_dq()(*([None] * 8), 1.0, dict(heads=2))
 
 
-def check_dkdv(layout, heads, head_dim, seed, num_queries=None, value_dim=None, stages=2, consumers=1):
+def check_dkdv(layout, heads, head_dim, seed, num_queries=None, value_dim=None, stages=2, consumers=1,
+               dtype=torch.bfloat16):
     """Gluon dk/dv vs Triton bwd_dkdv (the same 128 x 64 visit lists) vs the fp32 oracle: each within 1.1x the
     Triton kernel's error (+1e-4), finite, bitwise repeatable, dtypes of k and v. lse and delta from Triton."""
     dkdv_gluon_fn = gluon_dkdv()
-    q, k, v, do, subtree_end, scale, index = case_inputs(layout, heads, head_dim, seed, num_queries, value_dim)
+    q, k, v, do, subtree_end, scale, index = case_inputs(layout, heads, head_dim, seed, num_queries, value_dim, dtype)
     n_keys, n_queries = k.shape[0], q.shape[0]
     o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
     delta = bwd_delta(o, do)
@@ -291,15 +293,67 @@ def test_gluon_dkdv_rejects_unsupported():
                           (dict(consumers=2, num_warps=8), "consumers"), (dict(stages=1), "stages")):
         with pytest.raises(ValueError, match=match):
             fn(q, k, k, q, None, None, None, None, 1.0, launch)
-    q = torch.empty(8, 16, 192, device="cuda", dtype=torch.bfloat16)  # MLA's 192 / 128
+    q = torch.empty(8, 16, 96, device="cuda", dtype=torch.bfloat16)  # 96 = 64 + 32: no Gluon column tiles for it
     v = torch.empty(8, 2, 128, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="power-of-two"):
+    with pytest.raises(ValueError, match="head dim"):
         fn(q, q[:, :2], v, v, None, None, None, None, 1.0)
 
 
-def test_tree_attention_runs_the_gluon_kernels_at_head_dim_256():
-    # the public entry point on Hopper: bf16 at head dim 256 goes through the Gluon kernels (bitwise their output
-    # and gradients), a config without Gluon launches through the Triton ones
+# MLA (q/k head dim 192 = column tiles 128 + 64, v head dim 128): every kernel, both partitionings, the ring depths
+# the MLA launches may use, suffix queries and the anchor tree
+MLA = dict(head_dim=192, value_dim=128)
+
+
+@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gluon_mla_forward(consumers, stages):
+    layout = random_forest(np.random.default_rng(192), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
+    check(layout, (8, 8), seed=192, consumers=consumers, stages=stages, **MLA)
+
+
+@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("k_stages, v_stages", [(2, 1), (2, 2), (3, 2)])
+def test_gluon_mla_dq(consumers, k_stages, v_stages):
+    layout = random_forest(np.random.default_rng(193), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
+    check_dq(layout, (8, 8), seed=193, consumers=consumers, k_stages=k_stages, v_stages=v_stages, **MLA)
+
+
+@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gluon_mla_dkdv(consumers, stages):
+    layout = random_forest(np.random.default_rng(194), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
+    check_dkdv(layout, (8, 8), seed=194, consumers=consumers, stages=stages, **MLA)
+
+
+@pytest.mark.parametrize("num_queries", [5 * 333 + 100, 77])
+def test_gluon_mla_suffix_queries(num_queries):
+    layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
+    check(layout, (16, 16), seed=31, num_queries=num_queries, consumers=2, **MLA)
+    check_dq(layout, (16, 16), seed=31, num_queries=num_queries, **MLA)
+    check_dkdv(layout, (16, 16), seed=31, num_queries=num_queries, consumers=2, **MLA)
+
+
+def test_gluon_mla_anchor_p4096_b8_l3584():
+    layout = anchor_tree(4096, 8, 3584)
+    check(layout, (16, 16), seed=37, consumers=2, **MLA)
+    check_dq(layout, (16, 16), seed=37, **MLA)
+    check_dkdv(layout, (16, 16), seed=37, consumers=2, **MLA)
+
+
+def test_gluon_kernels_in_fp16():
+    # fp16 runs the same kernels (hopper_launches admits it): every kernel against Triton and fp32, GQA and MLA
+    layout = random_forest(np.random.default_rng(16), n_trees=4, max_nodes=20, max_length=200, wide_prob=0.8)
+    for shape in (dict(heads=(16, 2), head_dim=256), dict(heads=(8, 8), **MLA)):
+        check(layout, seed=16, consumers=2, dtype=torch.float16, **shape)
+        check_dq(layout, seed=16, dtype=torch.float16, **shape)
+        check_dkdv(layout, seed=16, consumers=2, dtype=torch.float16, **shape)
+
+
+@pytest.mark.parametrize("head_dim, value_dim, heads", [(256, 256, (16, 2)), (192, 128, (16, 16))])
+def test_tree_attention_runs_the_gluon_kernels(head_dim, value_dim, heads):
+    # the public entry point on Hopper: bf16 at head dim 256 and MLA's 192 / 128 goes through the Gluon kernels
+    # (bitwise their output and gradients), a config without Gluon launches through the Triton ones, and head
+    # dims whose launches are not tested (256 / 128) stay on Triton
     import dataclasses
 
     from harts_compiler.codegen.kernels.tree_attention import config_for, tree_attention
@@ -307,10 +361,12 @@ def test_tree_attention_runs_the_gluon_kernels_at_head_dim_256():
     layout = random_forest(np.random.default_rng(29), n_trees=3, wide_prob=0.6)
     subtree_end = layout.subtree_end_tensor("cuda")
     gen = torch.Generator(device="cuda").manual_seed(29)
-    q, k, v, do = (torch.randn(layout.num_tokens, h, 256, generator=gen, device="cuda").bfloat16()
-                   for h in (16, 2, 2, 16))
-    config, scale = config_for(256), 256 ** -0.5
+    q, k, v, do = (torch.randn(layout.num_tokens, h, d, generator=gen, device="cuda").bfloat16()
+                   for h, d in ((heads[0], head_dim), (heads[1], head_dim), (heads[1], value_dim),
+                                (heads[0], value_dim)))
+    config, scale = config_for(head_dim, value_dim), head_dim ** -0.5
     assert hopper_launches(q, v, config) == config.gluon
+    assert hopper_launches(q.new_empty(1, 1, 256), q.new_empty(1, 1, 128), config_for(256, 128)) is None
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = tree_attention(*leaves, subtree_end, scale=scale)
     grads = torch.autograd.grad(out, leaves, do)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harts_compiler.codegen.kernels.tree_attention.block_index import build_block_index
-from harts_compiler.codegen.kernels.tree_attention.configs import _launch, config_for, uniform_config
+from harts_compiler.codegen.kernels.tree_attention.configs import GLUON_HEAD_DIMS, _launch, config_for, uniform_config
 from harts_compiler.codegen.kernels.tree_attention.function import hopper_launches, tree_attention, uses_triton
 from harts_compiler.codegen.kernels.tree_attention.reference import tree_attention_reference
 from tree_layouts import anchor_tree, layout_from_parents, random_forest
@@ -154,13 +154,15 @@ def test_unaligned_inputs_read_through_descriptors():
         assert torch.equal(got, want)
 
 
-def test_gluon_launches_only_on_hopper_for_16_bit_equal_head_dims():
+def test_gluon_launches_only_on_hopper_for_16_bit_inputs():
     # the Gluon kernels run only where hopper_launches says so: never for CPU tensors (the interpreter runs the
-    # Triton kernels), never for a config without Gluon launches (MLA, head dims 64 / 128, benchmark overrides)
+    # Triton kernels), never for a config without Gluon launches (head dims 64 / 128, benchmark overrides)
     shipped = config_for(256)
     assert set(shipped.gluon) == {"fwd", "dq", "dkdv"}
     assert all((g["block_m"], g["block_n"]) in shipped.tiles for g in shipped.gluon.values())
-    assert config_for(192, 128).gluon is None and config_for(128).gluon is None
+    assert config_for(128).gluon is None and set(config_for(192, 128).gluon) == {"fwd", "dq", "dkdv"}
     q = torch.zeros(4, 2, 256, dtype=torch.bfloat16)
     assert hopper_launches(q, q, shipped) is None
+    assert config_for(256, 128).gluon is not None  # the 256 config serves (256, 128) too, but not on Gluon:
+    assert (256, 128) not in GLUON_HEAD_DIMS and (192, 128) in GLUON_HEAD_DIMS  # its launches are not tested there
     assert hopper_launches(q, q, dataclasses.replace(shipped, gluon=None)) is None

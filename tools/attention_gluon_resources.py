@@ -29,40 +29,40 @@ from harts_compiler.codegen.kernels.tree_attention import forward_gluon as fg
 INT32_POINTERS = {"subtree_end", "q_ptr", "q_cols", "q_full", "q_order", "k_ptr", "k_rows", "k_full", "k_order"}
 
 
-def descriptors(n_q_heads: int, n_kv_heads: int, q_rows: int, k_rows: int, head_dim: int, value_dim: int,
-                with_do: bool) -> dict:
-    """Host descriptors of q, k, v (and do) on CPU tensors, as the kernels' wrappers build them: only their type
-    strings are used."""
-    def descriptor(heads, rows, cols):
-        return fg.gluon_descriptor(torch.empty(256, heads, cols, dtype=torch.bfloat16), rows, cols)
-    out = dict(q_desc=descriptor(n_q_heads, q_rows, head_dim), k_desc=descriptor(n_kv_heads, k_rows, head_dim),
-               v_desc=descriptor(n_kv_heads, k_rows, value_dim))
-    if with_do:
-        out["do_desc"] = descriptor(n_q_heads, q_rows, value_dim)
-    return out
+def descriptor(heads: int, rows: int, cols: int):
+    """A host descriptor on a CPU tensor: only its type string is used."""
+    return fg.gluon_descriptor(torch.empty(256, heads, cols, dtype=torch.bfloat16), rows, cols)
 
 
-def gluon_report(fn, constexprs: dict, descs: dict, *, fp32_pointers=(), bf16_pointers=(), fp32_scalars=(),
-                 maxnreg: int | None = None, sass_out: str | None = None) -> dict:
-    """hopper_resources of a Gluon kernel whose signature is: the constexprs, the descriptors' types, int32 index
-    pointers, the named fp32 / bf16 pointers and fp32 scalars, every other argument an int32 (TQ, TK, q_offset)."""
+def qk_descriptors(head_dim: int, n_q_heads: int, n_kv_heads: int, q_rows: int, k_rows: int) -> tuple[dict, dict]:
+    """The q / k column-tile descriptors (q_desc, q2_desc, k_desc, k2_desc) and their D1 / D2 constexprs."""
+    d1, d2 = fg.column_tiles(head_dim)
+    return (dict(q_desc=descriptor(n_q_heads, q_rows, d1), q2_desc=descriptor(n_q_heads, q_rows, d2 or d1),
+                 k_desc=descriptor(n_kv_heads, k_rows, d1), k2_desc=descriptor(n_kv_heads, k_rows, d2 or d1)),
+            dict(D1=d1, D2=d2))
+
+
+def signature_of(fn, constexprs: dict, descriptors: dict, fp32_pointers=(), bf16_pointers=(),
+                 fp32_scalars=()) -> dict:
+    """The JIT signature of a Gluon kernel: constexprs, descriptor types, int32 index pointers, the named fp32 /
+    bf16 pointers and fp32 scalars, every other argument an int32 scalar (TQ, TK, q_offset)."""
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in descs:
-            signature[name] = mangle_type(descs[name])
+        elif name in descriptors:
+            signature[name] = mangle_type(descriptors[name])
         elif name in INT32_POINTERS:
             signature[name] = "*i32"
         elif name in fp32_pointers:
             signature[name] = "*fp32"
         elif name in bf16_pointers:
             signature[name] = "*bf16"
+        elif name in fp32_scalars:
+            signature[name] = "fp32"
         else:
-            signature[name] = "fp32" if name in fp32_scalars else "i32"
-    return hopper_resources(fn, signature, constexprs, num_warps=constexprs["num_warps"], num_stages=1,
-                            aligned_pointers=True, source_cls=GluonASTSource,
-                            options=dict(maxnreg=maxnreg or fg.MAXNREG), sass_out=sass_out)
+            signature[name] = "i32"
+    return signature
 
 
 def compile_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2, value_dim: int | None = None,
@@ -71,11 +71,14 @@ def compile_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2
     value_dim = value_dim or head_dim
     num_warps = block_m // (16 * consumers)
     fn = fg.tree_attn_fwd_gluon_kernel
-    descs = descriptors(n_q_heads, n_kv_heads, block_m, block_n, head_dim, value_dim, with_do=False)
-    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=block_m, BN=block_n,
+
+    descriptors, tiles = qk_descriptors(head_dim, n_q_heads, n_kv_heads, block_m, block_n)
+    descriptors["v_desc"] = descriptor(n_kv_heads, block_n, value_dim)
+    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, **tiles, DV=value_dim, BM=block_m, BN=block_n,
                       STAGES=stages, HAS_OFFSET=suffix_queries, CONSUMERS=consumers, num_warps=num_warps)
-    report = gluon_report(fn, constexprs, descs, fp32_pointers=("lse",), bf16_pointers=("o",),
-                          fp32_scalars=("scale_log2",), maxnreg=maxnreg, sass_out=sass_out)
+    signature = signature_of(fn, constexprs, descriptors, ("lse",), ("o",), ("scale_log2",))
+    report = hopper_resources(fn, signature, constexprs, num_warps=num_warps, num_stages=1, aligned_pointers=True,
+                              source_cls=GluonASTSource, options=dict(maxnreg=maxnreg or fg.MAXNREG), sass_out=sass_out)
     return dict(kind="fwd_gluon", consumers=consumers, stages=stages, **report)
 
 
@@ -87,12 +90,17 @@ def compile_dq_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int 
     value_dim = value_dim or head_dim
     num_warps = block_m // (16 * consumers)
     fn = bg.tree_attn_bwd_dq_gluon_kernel
-    descs = descriptors(n_q_heads, n_kv_heads, block_m, block_n, head_dim, value_dim, with_do=True)
-    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=block_m, BN=block_n,
+
+    descriptors, tiles = qk_descriptors(head_dim, n_q_heads, n_kv_heads, block_m, block_n)
+    descriptors.update(v_desc=descriptor(n_kv_heads, block_n, value_dim),
+                       do_desc=descriptor(n_q_heads, block_m, value_dim))
+    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, **tiles, DV=value_dim, BM=block_m, BN=block_n,
                       K_STAGES=k_stages, V_STAGES=v_stages, HAS_OFFSET=suffix_queries, CONSUMERS=consumers,
                       num_warps=num_warps)
-    report = gluon_report(fn, constexprs, descs, fp32_pointers=("lse", "delta"), bf16_pointers=("dq",),
-                          fp32_scalars=("scale", "scale_log2"), maxnreg=maxnreg, sass_out=sass_out)
+    signature = signature_of(fn, constexprs, descriptors, ("lse", "delta"), ("dq",), ("scale", "scale_log2"))
+    report = hopper_resources(fn, signature, constexprs, num_warps=num_warps, num_stages=1, aligned_pointers=True,
+                              source_cls=GluonASTSource, options=dict(maxnreg=maxnreg or bg.MAXNREG),
+                              sass_out=sass_out)
     return dict(kind="dq_gluon", consumers=consumers, k_stages=k_stages, v_stages=v_stages, **report)
 
 
@@ -102,11 +110,18 @@ def compile_dkdv_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: in
     """As compile_report, for the Gluon dk/dv kernel (backward_dkdv_gluon.py)."""
     value_dim = value_dim or head_dim
     fn = bkg.tree_attn_bwd_dkdv_gluon_kernel
-    descs = descriptors(n_q_heads, n_kv_heads, block_ms, block_n, head_dim, value_dim, with_do=True)
-    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=block_m, BN=block_n, BMS=block_ms,
-                      STAGES=stages, HAS_OFFSET=suffix_queries, CONSUMERS=consumers, num_warps=8 // consumers)
-    report = gluon_report(fn, constexprs, descs, fp32_pointers=("lse", "delta"), bf16_pointers=("dk", "dv"),
-                          fp32_scalars=("scale", "scale_log2"), maxnreg=maxnreg, sass_out=sass_out)
+
+    descriptors, tiles = qk_descriptors(head_dim, n_q_heads, n_kv_heads, block_ms, block_n)
+    descriptors.update(v_desc=descriptor(n_kv_heads, block_n, value_dim),
+                       do_desc=descriptor(n_q_heads, block_ms, value_dim))
+    constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, **tiles, DV=value_dim, BM=block_m, BN=block_n,
+                      BMS=block_ms, STAGES=stages, HAS_OFFSET=suffix_queries, CONSUMERS=consumers,
+                      num_warps=8 // consumers)
+    signature = signature_of(fn, constexprs, descriptors, ("lse", "delta"), ("dk", "dv"),
+                             ("scale", "scale_log2"))
+    report = hopper_resources(fn, signature, constexprs, num_warps=8 // consumers, num_stages=1,
+                              aligned_pointers=True, source_cls=GluonASTSource,
+                              options=dict(maxnreg=maxnreg or bkg.MAXNREG), sass_out=sass_out)
     return dict(kind="dkdv_gluon", consumers=consumers, stages=stages, **report)
 
 

@@ -36,25 +36,34 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 
 from .block_index import BlockIndex
 from .forward import LOG2E
-from .forward_gluon import (CONSUMER_REGS, MAXNREG, PRODUCER_REGS, gluon_descriptor, query_block_program,
-                            ring_barriers, supports)
+from .forward_gluon import (CONSUMER_REGS, HEAD_DIMS, MAXNREG, PRODUCER_REGS, column_tiles, gluon_descriptor,
+                            issue_scores, qk_descriptors, query_block_program, ring_barriers, supports)
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, q_cols, q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready,
-              k_empty, v_ready, v_empty, row_q, col_q, col_do, col_k, col_v, start, count,
-              BN: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+def _producer(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_cols, q_smem, q2_smem, do_smem, k_bufs, k2_bufs,
+              v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, row_q, col_q, col_do, col_k, col_v, start, count,
+              D1: gl.constexpr, D2: gl.constexpr, BN: gl.constexpr, K_STAGES: gl.constexpr,
+              V_STAGES: gl.constexpr):
     # q and do once on one barrier (their bytes summed), then K_it, V_it in visit-list order. A fresh
-    # mbarrier counts as having completed phase "1", so the first waits on `empty` pass at once.
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    # mbarrier counts as having completed phase "1", so the first waits on `empty` pass at once. D2 > 0: q and
+    # K come as two column tiles each (MLA's 192 = 128 + 64), on the same barriers.
+    q_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                             + (q2_desc.block_type.nbytes if D2 > 0 else 0))
+    k_bytes: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if D2 > 0 else 0)
+    mbarrier.expect(q_bar, q_bytes)
     tma.async_copy_global_to_shared(q_desc, [row_q, col_q], q_bar, q_smem)
+    if D2 > 0:
+        tma.async_copy_global_to_shared(q2_desc, [row_q, col_q + D1], q_bar, q2_smem)
     tma.async_copy_global_to_shared(do_desc, [row_q, col_do], q_bar, do_smem)
     for it in range(count):
         row_k = gl.load(q_cols + start + it) * BN
         ks = it % K_STAGES
         mbarrier.wait(k_empty.index(ks), ((it // K_STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
+        mbarrier.expect(k_ready.index(ks), k_bytes)
         tma.async_copy_global_to_shared(k_desc, [row_k, col_k], k_ready.index(ks), k_bufs.index(ks))
+        if D2 > 0:
+            tma.async_copy_global_to_shared(k2_desc, [row_k, col_k + D1], k_ready.index(ks), k2_bufs.index(ks))
         vs = it % V_STAGES
         mbarrier.wait(v_empty.index(vs), ((it // V_STAGES) & 1) ^ 1)
         mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
@@ -75,22 +84,24 @@ def _probs(s, lse_i, n_blk, masked, subtree_end, rows_g, TK, scale_log2, BN: gl.
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end,
-              dq, lse, delta, scale, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset,
-              HQ: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, HAS_OFFSET: gl.constexpr,
+def _consumer(q_smem, q2_smem, do_smem, k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols,
+              subtree_end, dq, lse, delta, scale, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset,
+              HQ: gl.constexpr, D: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, HAS_OFFSET: gl.constexpr,
               ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
-    """Rows [ROW0, ROW0 + ROWS) of the query block, on WARPS warps (ROWS = 16 * WARPS)."""
+    """Rows [ROW0, ROW0 + ROWS) of the query block, on WARPS warps (ROWS = 16 * WARPS). D2 > 0: S sums two
+    chained wgmma over the q / K column tiles and dq is two accumulators, [ROWS, D1] and [ROWS, D2]."""
     # warps [WARPS, 1]: every warpgroup owns an m64 slice of the rows; S / dP are one n64 instruction wide,
-    # the dq accumulator one n256 (D <= 256)
+    # the dq accumulator one n-D1 (D1 <= 256)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BN, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                        instr_shape=[16, D, 16])
+                                                        instr_shape=[16, D1, 16])
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
     dtype: gl.constexpr = q_smem.dtype
 
     q_rows = q_smem.slice(ROW0, ROWS)
+    q2_rows = q2_smem.slice(ROW0, ROWS)
     do_rows = do_smem.slice(ROW0, ROWS)
     offs_m = i_m * BM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # local query rows
     rows_g = offs_m
@@ -99,12 +110,15 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
     m_valid = offs_m < TQ
     lse_i = gl.load(lse + i_h.to(gl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
     delta_i = gl.load(delta + i_h.to(gl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+    if D2 > 0:
+        dq2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                             instr_shape=[16, D2, 16])
+        ds2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq2_layout, k_width=2)
 
     # block 0: nothing in flight yet; dq starts from its first wgmma (use_acc=False ignores the zeros)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
-    s_tok = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), gl.zeros([ROWS, BN], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
+    s_tok = issue_scores(q_rows, q2_rows, k_bufs.index(0), k2_bufs.index(0), ROWS, BN, D2, s_layout)
     mbarrier.wait(v_ready.index(0), 0)
     dp_tok = warpgroup_mma(do_rows, v_bufs.index(0).permute((1, 0)), gl.zeros([ROWS, BN], gl.float32, s_layout),
                            use_acc=False, is_async=True)
@@ -112,23 +126,32 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
     p = _probs(s, lse_i, gl.load(q_cols + start), n_full == 0, subtree_end, rows_g, TK, scale_log2, BN, s_layout)
     dp = warpgroup_mma_wait(0, deps=(dp_tok, do_rows, v_bufs.index(0)))[0]
     mbarrier.arrive(v_empty.index(0), count=1)
-    ds_op = gl.convert_layout((p * (dp - delta_i[:, None])).to(dtype), ds_layout)
-    dq_tok = warpgroup_mma(ds_op, k_bufs.index(0), gl.zeros([ROWS, D], gl.float32, dq_layout), use_acc=False,
+    ds = (p * (dp - delta_i[:, None])).to(dtype)
+    ds_op = gl.convert_layout(ds, ds_layout)
+    dq_tok = warpgroup_mma(ds_op, k_bufs.index(0), gl.zeros([ROWS, D1], gl.float32, dq_layout), use_acc=False,
                            is_async=True)
+    if D2 > 0:
+        ds2_op = gl.convert_layout(ds, ds2_layout)
+        dq2_tok = warpgroup_mma(ds2_op, k2_bufs.index(0), gl.zeros([ROWS, D2], gl.float32, dq2_layout),
+                                use_acc=False, is_async=True)
 
     # Block it: S_it queues behind dq += ds_{it-1} K_{it-1}; once that retired (wait(1): S may still run),
     # dP_it is issued, p_it computed while dP_it runs, then ds_it and its dq wgmma. The accumulators in flight
-    # never exceed dq + two score tiles: 128 + 32 + 32 registers a thread (dq, S and dP all in flight at once
-    # would add the 16 of ds_{it-1} and spill).
+    # never exceed dq + two score tiles: 128 + 32 + 32 registers a thread at D = 256 (dq, S and dP all in flight
+    # at once would add the 16 of ds_{it-1} and spill). wgmma groups retire in order, so wait(1) after S_it
+    # means every dq wgmma of block it-1 retired.
     for it in range(1, count):
         ks = it % K_STAGES
         prev = (it - 1) % K_STAGES
         vs = it % V_STAGES
         n_blk = gl.load(q_cols + start + it)  # early: its latency hides behind the waits below
         mbarrier.wait(k_ready.index(ks), (it // K_STAGES) & 1)
-        s_tok = warpgroup_mma(q_rows, k_bufs.index(ks).permute((1, 0)),
-                              gl.zeros([ROWS, BN], gl.float32, s_layout), use_acc=False, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(dq_tok, ds_op, k_bufs.index(prev)))[0]
+        s_tok = issue_scores(q_rows, q2_rows, k_bufs.index(ks), k2_bufs.index(ks), ROWS, BN, D2, s_layout)
+        if D2 > 0:
+            acc, acc2 = warpgroup_mma_wait(1, deps=(dq_tok, dq2_tok, ds_op, ds2_op, k_bufs.index(prev),
+                                                    k2_bufs.index(prev)))[:2]
+        else:
+            acc = warpgroup_mma_wait(1, deps=(dq_tok, ds_op, k_bufs.index(prev)))[0]
         mbarrier.arrive(k_empty.index(prev), count=1)  # K_{it-1} read by its last wgmma
         mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
         dp_tok = warpgroup_mma(do_rows, v_bufs.index(vs).permute((1, 0)),
@@ -137,21 +160,35 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
         p = _probs(s, lse_i, n_blk, it >= n_full, subtree_end, rows_g, TK, scale_log2, BN, s_layout)
         dp = warpgroup_mma_wait(0, deps=(dp_tok, do_rows, v_bufs.index(vs)))[0]
         mbarrier.arrive(v_empty.index(vs), count=1)
-        ds_op = gl.convert_layout((p * (dp - delta_i[:, None])).to(dtype), ds_layout)
+        ds = (p * (dp - delta_i[:, None])).to(dtype)
+        ds_op = gl.convert_layout(ds, ds_layout)
         dq_tok = warpgroup_mma(ds_op, k_bufs.index(ks), acc, is_async=True)
+        if D2 > 0:
+            ds2_op = gl.convert_layout(ds, ds2_layout)
+            dq2_tok = warpgroup_mma(ds2_op, k2_bufs.index(ks), acc2, is_async=True)
 
     # the last dq wgmma; its K slot needs no release (the producer is done)
-    acc = warpgroup_mma_wait(0, deps=(dq_tok, ds_op, k_bufs.index((count - 1) % K_STAGES)))[0]
+    last = (count - 1) % K_STAGES
     rows_o = i_m * BM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
-    ptrs = dq + (rows_o.to(gl.int64) * (HQ * D) + i_h * D)[:, None] + offs_d[None, :]
-    gl.store(ptrs, (acc * scale).to(dtype), mask=(rows_o < TQ)[:, None])
+    row_ptrs = dq + (rows_o.to(gl.int64) * (HQ * D) + i_h * D)[:, None]
+    if D2 > 0:
+        acc, acc2 = warpgroup_mma_wait(0, deps=(dq_tok, dq2_tok, ds_op, ds2_op, k_bufs.index(last),
+                                                k2_bufs.index(last)))[:2]
+        rows_o2 = i_m * BM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq2_layout))
+        offs_d2 = D1 + gl.arange(0, D2, layout=gl.SliceLayout(0, dq2_layout))
+        ptrs2 = dq + (rows_o2.to(gl.int64) * (HQ * D) + i_h * D)[:, None] + offs_d2[None, :]
+        gl.store(ptrs2, (acc2 * scale).to(dtype), mask=(rows_o2 < TQ)[:, None])
+    else:
+        acc = warpgroup_mma_wait(0, deps=(dq_tok, ds_op, k_bufs.index(last)))[0]
+    offs_d = gl.arange(0, D1, layout=gl.SliceLayout(0, dq_layout))
+    gl.store(row_ptrs + offs_d[None, :], (acc * scale).to(dtype), mask=(rows_o < TQ)[:, None])
 
 
 @gluon.jit
-def tree_attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq, lse, delta, subtree_end, q_ptr, q_cols,
-                                  q_full, q_order, scale, scale_log2, TQ, TK, q_offset,
-                                  HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+def tree_attn_bwd_dq_gluon_kernel(q_desc, q2_desc, k_desc, k2_desc, v_desc, do_desc, dq, lse, delta, subtree_end,
+                                  q_ptr, q_cols, q_full, q_order, scale, scale_log2, TQ, TK, q_offset,
+                                  HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, D1: gl.constexpr,
+                                  D2: gl.constexpr, DV: gl.constexpr,
                                   BM: gl.constexpr, BN: gl.constexpr, K_STAGES: gl.constexpr,
                                   V_STAGES: gl.constexpr, HAS_OFFSET: gl.constexpr, CONSUMERS: gl.constexpr,
                                   num_warps: gl.constexpr):
@@ -161,6 +198,12 @@ def tree_attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq, lse, delt
     do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if D2 > 0:  # the second column tiles of q and K
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, q2_desc.block_type.shape, q2_desc.layout)
+        k2_bufs = gl.allocate_shared_memory(k2_desc.dtype, [K_STAGES] + k2_desc.block_type.shape, k2_desc.layout)
+    else:  # unused (every use sits under D2 > 0)
+        q2_smem = q_smem
+        k2_bufs = k_bufs
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     k_ready, k_empty = ring_barriers(K_STAGES, CONSUMERS)
@@ -169,25 +212,28 @@ def tree_attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq, lse, delt
     # (the partition lists are spelled out: a jit function cannot be held in a variable)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols,
-                         subtree_end, dq, lse, delta, scale, scale_log2, i_m, i_h, start, n_full, count, TQ, TK,
-                         q_offset, HQ, D, BM, BN, K_STAGES, V_STAGES, HAS_OFFSET, 0, BM, num_warps)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, q_cols, q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready,
-                         k_empty, v_ready, v_empty, i_m * BM, i_h * D, i_h * DV, i_kvh * D, i_kvh * DV, start,
-                         count, BN, K_STAGES, V_STAGES)),
+            (_consumer, (q_smem, q2_smem, do_smem, k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, q_cols, subtree_end, dq, lse, delta, scale, scale_log2, i_m, i_h, start, n_full,
+                         count, TQ, TK, q_offset, HQ, D, D1, D2, BM, BN, K_STAGES, V_STAGES, HAS_OFFSET, 0, BM,
+                         num_warps)),
+            (_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_cols, q_smem, q2_smem, do_smem,
+                         k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, i_m * BM, i_h * D,
+                         i_h * DV, i_kvh * D, i_kvh * DV, start, count, D1, D2, BN, K_STAGES, V_STAGES)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.static_assert(CONSUMERS == 2, "one or two consumer partitions")
         gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols,
-                         subtree_end, dq, lse, delta, scale, scale_log2, i_m, i_h, start, n_full, count, TQ, TK,
-                         q_offset, HQ, D, BM, BN, K_STAGES, V_STAGES, HAS_OFFSET, 0, BM // 2, num_warps)),
-            (_consumer, (q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols,
-                         subtree_end, dq, lse, delta, scale, scale_log2, i_m, i_h, start, n_full, count, TQ, TK,
-                         q_offset, HQ, D, BM, BN, K_STAGES, V_STAGES, HAS_OFFSET, BM // 2, BM // 2, num_warps)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, q_cols, q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready,
-                         k_empty, v_ready, v_empty, i_m * BM, i_h * D, i_h * DV, i_kvh * D, i_kvh * DV, start,
-                         count, BN, K_STAGES, V_STAGES)),
+            (_consumer, (q_smem, q2_smem, do_smem, k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, q_cols, subtree_end, dq, lse, delta, scale, scale_log2, i_m, i_h, start, n_full,
+                         count, TQ, TK, q_offset, HQ, D, D1, D2, BM, BN, K_STAGES, V_STAGES, HAS_OFFSET, 0, BM // 2,
+                         num_warps)),
+            (_consumer, (q_smem, q2_smem, do_smem, k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, q_cols, subtree_end, dq, lse, delta, scale, scale_log2, i_m, i_h, start, n_full,
+                         count, TQ, TK, q_offset, HQ, D, D1, D2, BM, BN, K_STAGES, V_STAGES, HAS_OFFSET, BM // 2,
+                         BM // 2, num_warps)),
+            (_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_cols, q_smem, q2_smem, do_smem,
+                         k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, i_m * BM, i_h * D,
+                         i_h * DV, i_kvh * D, i_kvh * DV, start, count, D1, D2, BN, K_STAGES, V_STAGES)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -212,20 +258,21 @@ def bwd_dq_gluon(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scale:
     block_ms) are ignored. The index must hold the (block_m, block_n) lists. ``do`` must be contiguous."""
     launch, warps = dq_launch(launch)
     if not supports(q, k, v):
-        raise ValueError(f"the Gluon dq kernel takes bf16/fp16 with power-of-two head dims in [64, 256], got "
-                         f"{q.dtype}, D={q.shape[2]}, DV={v.shape[2]}")
+        raise ValueError(f"the Gluon dq kernel takes bf16/fp16 with {HEAD_DIMS}, got {q.dtype}, D={q.shape[2]}, "
+                         f"DV={v.shape[2]}")
     n_queries, n_q_heads, head_dim = q.shape
     n_keys, n_kv_heads, value_dim = v.shape
     index = index.with_blocks(launch["block_m"], launch["block_n"])
     bm, bn = index.block_m, index.block_n
+    d1, d2 = column_tiles(head_dim)
     dq = torch.empty_like(q)
     grid = (index.num_query_blocks * n_q_heads,)
     if grid[0]:
         tree_attn_bwd_dq_gluon_kernel[grid](
-            gluon_descriptor(q, bm, head_dim), gluon_descriptor(k, bn, head_dim), gluon_descriptor(v, bn, value_dim),
+            *qk_descriptors(q, bm), *qk_descriptors(k, bn), gluon_descriptor(v, bn, value_dim),
             gluon_descriptor(do.contiguous(), bm, value_dim), dq, lse, delta, subtree_end, index.q_ptr,
             index.q_cols, index.q_full, index.q_order, scale, scale * LOG2E, n_queries, n_keys, n_keys - n_queries,
-            HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=bm, BN=bn, K_STAGES=launch["k_stages"],
-            V_STAGES=launch["v_stages"], HAS_OFFSET=n_keys != n_queries, CONSUMERS=launch["consumers"],
-            num_warps=warps, maxnreg=MAXNREG)
+            HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, D1=d1, D2=d2, DV=value_dim, BM=bm, BN=bn,
+            K_STAGES=launch["k_stages"], V_STAGES=launch["v_stages"], HAS_OFFSET=n_keys != n_queries,
+            CONSUMERS=launch["consumers"], num_warps=warps, maxnreg=MAXNREG)
     return dq

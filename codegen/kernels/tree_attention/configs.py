@@ -7,8 +7,8 @@ of ``block_ms`` rows. Candidates were screened offline with ``tools/attention_re
 within Hopper's 227 KB) and timed on the H200; the fastest won even where it spills a few hundred
 bytes: what matters most is 128-row score tiles (n64 wgmma per warpgroup). See
 docs/tree_attention_kernels.md. Head dims 64 and 128 are checked on the GPU but not tuned.
-At head dim 256 a config also names launches of the Gluon kernels (``gluon``): on Hopper (sm_90) they run in
-place of the Triton ones, which stay the kernels of other GPUs, of MLA and of the CPU interpreter.
+At head dim 256 and for MLA a config also names launches of the Gluon kernels (``gluon``): on Hopper (sm_90)
+they run in place of the Triton ones, which stay the kernels of other GPUs and of the CPU interpreter.
 
 q/k and v head dims may differ (MLA): ``config_for(head_dim, value_dim)``. The q/k head dim is then any
 power of two or sum of two (each >= 16, the smallest dot), up to 256; 192 / 128 (Kimi Linear) has its
@@ -39,7 +39,7 @@ class KernelConfig:
     dq: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
     dkdv: dict = field(default_factory=lambda: _launch(128, 64, 8, 1, block_ms=128))
     # the Gluon kernels' launches (keys "fwd", "dq", "dkdv"), run instead of the Triton ones on Hopper (sm_90)
-    # for bf16 inputs; None: the Triton kernels everywhere (see function.py, hopper_launches)
+    # for bf16 / fp16 inputs; None: the Triton kernels everywhere (see function.py, hopper_launches)
     gluon: dict | None = None
 
     def __post_init__(self):
@@ -98,10 +98,18 @@ MLA_CONFIGS = {
         dq=_launch(128, 64, 8, 2, block_ms=128),
         # 128-row sub-tile, two stages: with q and do read through tensor descriptors they fit without spills
         # (sm_90 compile: 218 KB) and took 9.1 ms on P4096 B8 L3584 against 13.8 for one stage
-        dkdv=_launch(128, 64, 8, 2, block_ms=128)),
+        dkdv=_launch(128, 64, 8, 2, block_ms=128),
+        # Gluon on Hopper, q/k as column tiles 128 + 64 (sm_90 compiles, Triton 3.6): forward two consumers, K / V
+        # rings of 3 (172 KB, no spills); dq one consumer (two get every wgmma serialised), K ring 3, V ring 2
+        # (189 KB, 4 spilled registers); dk/dv two consumers (one gets its [64, 64] dK^T tile serialised), q / do
+        # rings of 3 (197 KB, no spills)
+        gluon=dict(fwd=dict(block_m=128, block_n=64, num_stages=3, consumers=2),
+                   dq=dict(block_m=128, block_n=64, k_stages=3, v_stages=2, consumers=1),
+                   dkdv=dict(block_m=128, block_n=64, block_ms=64, stages=3, consumers=2))),
 }
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+GLUON_HEAD_DIMS = ((256, 256), (192, 128))  # (q/k, v) head dims whose configs' Gluon launches run on Hopper
 
 # Launch shapes still in the running at head dim 256 (all fit in shared memory): bench/attention.py
 # times them and the GPU tests check each against the fp32 reference, so whichever wins can ship.

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .block_index import BlockIndex
-from .forward import LOG2E
+from .forward import LOG2E, split_head_dim
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 PRODUCER_REGS: gl.constexpr = gl.constexpr(24)  # setmaxnreg of the 1-warp TMA partition (the minimum)
@@ -48,20 +48,27 @@ MAXNREG = 168          # per thread at launch: 12 warps x 32 x 168 <= 65,536; co
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_cols, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-              v_ready, v_empty, row_q, col_q, col_k, col_v, start, count,
-              BN: gl.constexpr, STAGES: gl.constexpr):
+def _producer(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_cols, q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, q_bar,
+              k_ready, k_empty, v_ready, v_empty, row_q, col_q, col_k, col_v, start, count,
+              D1: gl.constexpr, D2: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     # q once, then K_it, V_it in visit-list order. A slot is refilled once the consumer released it; a fresh
     # mbarrier counts as having completed phase "1", so the first STAGES waits on `empty` pass at once.
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    # D2 > 0 (MLA's 192 = 128 + 64): q and K come as two column tiles each, on the same barriers
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if D2 > 0 else 0)
+    k_bytes: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if D2 > 0 else 0)
+    mbarrier.expect(q_bar, q_bytes)
     tma.async_copy_global_to_shared(q_desc, [row_q, col_q], q_bar, q_smem)
+    if D2 > 0:
+        tma.async_copy_global_to_shared(q2_desc, [row_q, col_q + D1], q_bar, q2_smem)
     for it in range(count):
         slot = it % STAGES
         phase = (it // STAGES) & 1
         row_k = gl.load(q_cols + start + it) * BN
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        mbarrier.expect(k_ready.index(slot), k_bytes)
         tma.async_copy_global_to_shared(k_desc, [row_k, col_k], k_ready.index(slot), k_bufs.index(slot))
+        if D2 > 0:
+            tma.async_copy_global_to_shared(k2_desc, [row_k, col_k + D1], k_ready.index(slot), k2_bufs.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [row_k, col_v], v_ready.index(slot), v_bufs.index(slot))
@@ -86,9 +93,20 @@ def _softmax(s, m_i, l_i, n_blk, masked, subtree_end, rows_g, TK, scale_log2,
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o, lse,
-              scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset,
-              HQ: gl.constexpr, DV: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+def issue_scores(q_rows, q2_rows, k_buf, k2_buf, ROWS: gl.constexpr, BN: gl.constexpr, D2: gl.constexpr,
+            s_layout: gl.constexpr):
+    """Issue S = q K^T as async wgmma (two chained ones over the column tiles when D2 > 0); returns the token."""
+    s_tok = warpgroup_mma(q_rows, k_buf.permute((1, 0)), gl.zeros([ROWS, BN], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    if D2 > 0:
+        s_tok = warpgroup_mma(q2_rows, k2_buf.permute((1, 0)), s_tok, is_async=True)
+    return s_tok
+
+
+@gluon.jit
+def _consumer(q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols,
+              subtree_end, o, lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset,
+              HQ: gl.constexpr, DV: gl.constexpr, D2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               STAGES: gl.constexpr, HAS_OFFSET: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
               WARPS: gl.constexpr):
     """Rows [ROW0, ROW0 + ROWS) of the query block, on WARPS warps (ROWS = 16 * WARPS)."""
@@ -102,6 +120,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
     dtype: gl.constexpr = q_smem.dtype
 
     q_rows = q_smem.slice(ROW0, ROWS)  # this consumer's rows of the q tile (dim 0)
+    q2_rows = q2_smem.slice(ROW0, ROWS)
     offs_m = i_m * BM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # local query rows
     rows_g = offs_m
     if HAS_OFFSET:
@@ -114,8 +133,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
     # use_acc=False ignores the zeros; they are made where used so they are not live across the loop
-    s_tok = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), gl.zeros([ROWS, BN], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
+    s_tok = issue_scores(q_rows, q2_rows, k_bufs.index(0), k2_bufs.index(0), ROWS, BN, D2, s_layout)
     s = warpgroup_mma_wait(0, deps=(s_tok, q_rows, k_bufs.index(0)))[0]
     mbarrier.arrive(k_empty.index(0), count=1)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, gl.load(q_cols + start), n_full == 0, subtree_end, rows_g,
@@ -127,8 +145,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
         n_blk = gl.load(q_cols + start + it)  # early: its latency hides behind the waits below
         # S_it = q K_it^T, issued first so the tensor cores have it queued behind nothing
         mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-        s_tok = warpgroup_mma(q_rows, k_bufs.index(slot).permute((1, 0)),
-                              gl.zeros([ROWS, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+        s_tok = issue_scores(q_rows, q2_rows, k_bufs.index(slot), k2_bufs.index(slot), ROWS, BN, D2, s_layout)
         # O += P_{it-1} V_{it-1}, P from registers
         mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -188,9 +205,10 @@ def ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def tree_attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o, lse, subtree_end, q_ptr, q_cols, q_full, q_order,
-                               scale_log2, TQ, TK, q_offset,
-                               HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+def tree_attn_fwd_gluon_kernel(q_desc, q2_desc, k_desc, k2_desc, v_desc, o, lse, subtree_end, q_ptr, q_cols, q_full,
+                               q_order, scale_log2, TQ, TK, q_offset,
+                               HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, D1: gl.constexpr,
+                               D2: gl.constexpr, DV: gl.constexpr,
                                BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                                HAS_OFFSET: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr):
     # CONSUMERS = 1: the default partition (num_warps = 8) computes all BM rows; 2: the default partition and a
@@ -200,6 +218,12 @@ def tree_attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o, lse, subtree_end, q_pt
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if D2 > 0:  # the second column tiles of q and K
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, q2_desc.block_type.shape, q2_desc.layout)
+        k2_bufs = gl.allocate_shared_memory(k2_desc.dtype, [STAGES] + k2_desc.block_type.shape, k2_desc.layout)
+    else:  # unused (every use sits under D2 > 0)
+        q2_smem = q_smem
+        k2_bufs = k_bufs
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     k_ready, k_empty = ring_barriers(STAGES, CONSUMERS)
@@ -208,23 +232,28 @@ def tree_attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o, lse, subtree_end, q_pt
     # (the partition lists are spelled out: a jit function cannot be held in a variable)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o,
-                         lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, BM, BN, STAGES,
+            (_consumer, (q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols,
+                         subtree_end, o, lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, D2,
+                         BM, BN, STAGES,
                          HAS_OFFSET, 0, BM, num_warps)),
-            (_producer, (q_desc, k_desc, v_desc, q_cols, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
-                         v_empty, i_m * BM, i_h * D, i_kvh * D, i_kvh * DV, start, count, BN, STAGES)),
+            (_producer, (q_desc, q2_desc, k_desc, k2_desc, v_desc, q_cols, q_smem, q2_smem, k_bufs, k2_bufs, v_bufs,
+                         q_bar, k_ready, k_empty, v_ready, v_empty, i_m * BM, i_h * D, i_kvh * D, i_kvh * DV, start,
+                         count, D1, D2, BN, STAGES)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.static_assert(CONSUMERS == 2, "one or two consumer partitions")
         gl.warp_specialize([
-            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o,
-                         lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, BM, BN, STAGES,
+            (_consumer, (q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols,
+                         subtree_end, o, lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, D2,
+                         BM, BN, STAGES,
                          HAS_OFFSET, 0, BM // 2, num_warps)),
-            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols, subtree_end, o,
-                         lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, BM, BN, STAGES,
+            (_consumer, (q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, q_cols,
+                         subtree_end, o, lse, scale_log2, i_m, i_h, start, n_full, count, TQ, TK, q_offset, HQ, DV, D2,
+                         BM, BN, STAGES,
                          HAS_OFFSET, BM // 2, BM // 2, num_warps)),
-            (_producer, (q_desc, k_desc, v_desc, q_cols, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
-                         v_empty, i_m * BM, i_h * D, i_kvh * D, i_kvh * DV, start, count, BN, STAGES)),
+            (_producer, (q_desc, q2_desc, k_desc, k2_desc, v_desc, q_cols, q_smem, q2_smem, k_bufs, k2_bufs, v_bufs,
+                         q_bar, k_ready, k_empty, v_ready, v_empty, i_m * BM, i_h * D, i_kvh * D, i_kvh * DV, start,
+                         count, D1, D2, BN, STAGES)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -238,11 +267,26 @@ def gluon_descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, cols], layout)
 
 
+HEAD_DIMS = "q/k head dim 64, 128, 192 or 256 and v head dim 64, 128 or 256"  # what `supports` admits, for errors
+
+
+def column_tiles(head_dim: int) -> tuple[int, int]:
+    """(D1, D2): the q/k column tiles, D2 = 0 for a power of two; MLA's 192 is 128 + 64 (Gluon's register
+    tensors are powers of two, and 64 bf16 columns are one 128-byte swizzle row of a TMA tile)."""
+    return split_head_dim(head_dim)
+
+
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Shapes this kernel compiles for: 16-bit, power-of-two q/k and v head dims in [64, 256]."""
+    """Shapes these kernels compile for: 16-bit, HEAD_DIMS."""
     d, dv = q.shape[2], v.shape[2]
-    pow2 = lambda x: 64 <= x <= 256 and x & (x - 1) == 0  # noqa: E731
-    return q.dtype in GL_DTYPES and pow2(d) and pow2(dv)
+    return q.dtype in GL_DTYPES and d in (64, 128, 192, 256) and dv in (64, 128, 256)
+
+
+def qk_descriptors(t: torch.Tensor, rows: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """The descriptors of q's or k's two column tiles (the first twice when the head dim is one tile)."""
+    d1, d2 = column_tiles(t.shape[2])
+    first = gluon_descriptor(t, rows, d1)
+    return first, (gluon_descriptor(t, rows, d2) if d2 else first)
 
 
 def tree_attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -261,20 +305,22 @@ def tree_attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if launch.get("heads", 1) != 1:
         raise ValueError("the Gluon forward does not pack query heads (launch heads must be 1)")
     if not supports(q, k, v):
-        raise ValueError(f"the Gluon forward takes bf16/fp16 with power-of-two head dims in [64, 256], got "
-                         f"{q.dtype}, D={q.shape[2]}, DV={v.shape[2]}")
+        raise ValueError(f"the Gluon forward takes bf16/fp16 with {HEAD_DIMS}, got {q.dtype}, D={q.shape[2]}, "
+                         f"DV={v.shape[2]}")
     n_queries, n_q_heads, head_dim = q.shape
     n_keys, n_kv_heads, value_dim = v.shape
     index = index.with_blocks(launch["block_m"], launch["block_n"])
     bm, bn = index.block_m, index.block_n
+    d1, d2 = column_tiles(head_dim)
     o = q.new_empty(n_queries, n_q_heads, value_dim)
     lse = torch.empty(n_q_heads, n_queries, dtype=torch.float32, device=q.device)
     grid = (index.num_query_blocks * n_q_heads,)
     if grid[0]:
         tree_attn_fwd_gluon_kernel[grid](
-            gluon_descriptor(q, bm, head_dim), gluon_descriptor(k, bn, head_dim), gluon_descriptor(v, bn, value_dim),
+            *qk_descriptors(q, bm), *qk_descriptors(k, bn), gluon_descriptor(v, bn, value_dim),
             o, lse, subtree_end, index.q_ptr, index.q_cols, index.q_full, index.q_order,
             scale * LOG2E, n_queries, n_keys, n_keys - n_queries,
-            HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, DV=value_dim, BM=bm, BN=bn, STAGES=launch["num_stages"],
-            HAS_OFFSET=n_keys != n_queries, CONSUMERS=launch["consumers"], num_warps=warps, maxnreg=MAXNREG)
+            HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, D1=d1, D2=d2, DV=value_dim, BM=bm, BN=bn,
+            STAGES=launch["num_stages"], HAS_OFFSET=n_keys != n_queries, CONSUMERS=launch["consumers"],
+            num_warps=warps, maxnreg=MAXNREG)
     return o, lse

@@ -3,7 +3,7 @@
 ``tree_attention`` runs the Triton kernels on CUDA tensors, and on CPU tensors under
 ``TRITON_INTERPRET=1`` (tests at tiny sizes); otherwise, and always for float64, it runs the
 plain-torch reference (query-chunked, so a few thousand tokens fit on CPU). On Hopper (sm_90), for
-bf16 inputs whose config names Gluon launches (head dim 256), the Gluon kernels run instead: the
+bf16 / fp16 inputs whose config names Gluon launches (head dim 256, MLA), the Gluon kernels run instead: the
 same contract, warp-specialised with TMA producers (``hopper_launches``).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ..interpreter_safe import interpreter_needs_fp32, interpreting
 from ..upload import to_device
 from .backward import bwd_delta, bwd_dkdv, bwd_dq
 from .block_index import BlockIndex, build_block_index
-from .configs import KernelConfig, config_for
+from .configs import GLUON_HEAD_DIMS, KernelConfig, config_for
 from .forward import tree_attention_forward
 from .reference import check_tree_attention_inputs, tree_attention_reference_chunked
 
@@ -34,9 +34,12 @@ def gluon_kernels():
 
 def hopper_launches(q: torch.Tensor, v: torch.Tensor, config: KernelConfig) -> dict | None:
     """The Gluon launches of ``config`` when its Hopper kernels run this input, else None (the Triton kernels run):
-    CUDA tensors on an sm_90 device, bf16, q/k head dim equal to v's (the dtype and shapes the Gluon kernels are
-    tested at on the GPU) and a Triton that has Gluon's Hopper API."""
-    if config.gluon is None or not q.is_cuda or q.dtype != torch.bfloat16 or q.shape[2] != v.shape[2]:
+    CUDA tensors on an sm_90 device, bf16 / fp16, head dims whose Gluon launches are tuned and GPU-tested
+    (``GLUON_HEAD_DIMS``: a config found for other dims may carry launches meant for its tuned dims) and a Triton
+    that has Gluon's Hopper API."""
+    if config.gluon is None or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if (q.shape[2], v.shape[2]) not in GLUON_HEAD_DIMS:
         return None
     if torch.cuda.get_device_capability(q.device) != (9, 0) or gluon_kernels() is None:
         return None

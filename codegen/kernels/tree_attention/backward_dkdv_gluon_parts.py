@@ -1,0 +1,167 @@
+"""Pieces of the Gluon dk/dv kernel (``backward_dkdv_gluon.py``): its step order, its accumulator layouts and
+transposed stores, and the two consumer partitions of ``consumers=2`` (S / p / dV^T and dP / ds / dK^T, p handed
+over in fp32 through shared memory; the contract and the partitioning are described there).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+
+from .forward_gluon import issue_scores
+
+
+@gluon.jit
+def step_of(it, k_rows, start, n_full, n_visits, i_kvh, G: gl.constexpr, BM: gl.constexpr, BMS: gl.constexpr):
+    """(query head, first local row, masked) of flat step `it`: the G * n_full * SUBS full steps come first,
+    then the partial ones, each range ordered (group head, visit, sub-tile) with sub-tiles fastest."""
+    SUBS: gl.constexpr = BM // BMS
+    full_steps = G * n_full * SUBS
+    masked = it >= full_steps
+    m = masked.to(gl.int32)  # branch-free selection of the range (scalars)
+    local = it - m * full_steps
+    first = start + m * n_full
+    count = n_full + m * (n_visits - 2 * n_full)  # > 0 whenever a step falls in its range
+    sub = local % SUBS
+    pair = local // SUBS
+    i_h = i_kvh * G + pair // count
+    i_m = gl.load(k_rows + first + pair % count)
+    return i_h, i_m * BM + sub * BMS, masked
+
+
+@gluon.jit
+def mask_probs(p, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET: gl.constexpr):
+    """p of a partial step with the tree mask applied (keys offs_n with ends `end`, local query rows offs_m,
+    rows past Tq dropped)."""
+    rows_g = offs_m
+    if HAS_OFFSET:
+        rows_g = offs_m + q_offset
+    visible = (offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :]) & m_valid[:, None]
+    return gl.where(visible, p, 0.0)
+
+
+@gluon.constexpr_function
+def acc_layout(rows, bn):
+    """wgmma accumulator layout of a transposed gradient [rows, bn] on 8 warps: split by rows (each warpgroup
+    rows / 2, two m64 tiles at 256) when rows >= 128, else (rows = 64: one m64 tile) by key columns."""
+    if rows >= 128:
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, bn, 16])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, bn // 2, 16])
+
+
+@gluon.jit
+def store_transposed(out, acc, i_n, i_kvh, TK, HKV: gl.constexpr, DIM: gl.constexpr, COL0: gl.constexpr,
+                      ROWS: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+    # acc [ROWS, BN] is out[keys, i_kvh, COL0:COL0 + ROWS]^T (out's head dim DIM): stored through transposed
+    # pointers, keys past TK dropped
+    offs_n = i_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    offs_d = COL0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    ptrs = out + (offs_n.to(gl.int64) * (HKV * DIM) + i_kvh * DIM)[None, :] + offs_d[:, None]
+    gl.store(ptrs, acc.to(out.dtype.element_ty), mask=(offs_n < TK)[None, :])
+
+
+@gluon.jit
+def consumer_s(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
+                p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start, n_full, n_visits, TQ,
+                TK, q_offset, HKV: gl.constexpr, G: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                BM: gl.constexpr, BN: gl.constexpr, BMS: gl.constexpr, STAGES: gl.constexpr,
+                HAS_OFFSET: gl.constexpr):
+    """CONSUMERS = 2, 4 warps: S = q K^T (one m64 n64 wgmma), p, dV^T += do^T p; hands p (fp32) to _consumer_d."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BN, 16])
+    rows = gl.arange(0, BMS, layout=gl.SliceLayout(1, s_layout))
+    dvt = gl.zeros([DV, BN], gl.float32, dv_layout)
+    mbarrier.wait(kv_bar, 0)
+    for it in range(G * n_visits * (BM // BMS)):
+        i_h, row0, masked = step_of(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        offs_m = row0 + rows
+        m_valid = offs_m < TQ
+        lse_i = gl.load(lse + i_h.to(gl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+        q_s = q_bufs.index(slot)
+        do_s = do_bufs.index(slot)
+        mbarrier.wait(q_ready.index(slot), phase)
+        s_tok = issue_scores(q_s, q2_bufs.index(slot), k_smem, k2_smem, BMS, BN, D2, s_layout)
+        s = warpgroup_mma_wait(0, deps=(s_tok, q_s, k_smem))[0]
+        p = gl.exp2(s * scale_log2 - lse_i[:, None])
+        if masked:  # key columns and ends loaded here: n64 tiles give a thread 16 columns, 32 registers to keep
+            offs_n = i_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+            end = gl.load(subtree_end + offs_n, mask=offs_n < TK, other=0)
+            p = mask_probs(p, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET)
+        p_smem.store(p.to(p_smem.dtype))
+        mbarrier.wait(p_free, (it & 1) ^ 1)  # _consumer_d has read the previous p
+        p32_smem.store(p)
+        fence_async_shared()
+        gl.thread_barrier()  # all 4 warps' p stored before the arrive and the wgmma
+        mbarrier.arrive(p_ready, count=1)
+        mbarrier.wait(do_ready.index(slot), phase)
+        # dV retires within the step: left in flight into the next one, ptxas serialises every wgmma of the kernel
+        # (C7514; bisected to the tree-mask code of this loop); the dP / dK partition keeps the tensor cores busy
+        dv_tok = warpgroup_mma(do_s.permute((1, 0)), p_smem, dvt, is_async=True)
+        dvt = warpgroup_mma_wait(0, deps=(dv_tok, p_smem, do_s))[0]
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot), count=1)  # this partition is done with the slot (and p_smem)
+    store_transposed(dv, dvt, i_n, i_kvh, TK, HKV, DV, 0, DV, BN, dv_layout)
+
+
+@gluon.jit
+def consumer_d(q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_ready, do_ready, empty, p_ready,
+                p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ, TK, HKV: gl.constexpr,
+                G: gl.constexpr, D: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, BM: gl.constexpr,
+                BN: gl.constexpr, BMS: gl.constexpr, STAGES: gl.constexpr):
+    """CONSUMERS = 2, 4 warps: dP = do V^T (one m64 n64 wgmma), ds from _consumer_s's fp32 p (the Triton
+    kernel's precision), dK^T += q^T ds."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BN, 16])
+    rows = gl.arange(0, BMS, layout=gl.SliceLayout(1, s_layout))
+    dkt = warpgroup_mma_init(gl.zeros([D1, BN], gl.float32, dk_layout))
+    if D2 > 0:  # dK^T's last D2 rows (q2^T ds)
+        dkt2 = warpgroup_mma_init(gl.zeros([D2, BN], gl.float32, dk_layout))
+    mbarrier.wait(kv_bar, 0)
+    v_t = v_smem.permute((1, 0))
+    for it in range(G * n_visits * (BM // BMS)):
+        i_h, row0, masked = step_of(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        prev = (it + STAGES - 1) % STAGES
+        offs_m = row0 + rows
+        delta_i = gl.load(delta + i_h.to(gl.int64) * TQ + offs_m, mask=offs_m < TQ, other=0.0)
+        q_s = q_bufs.index(slot)
+        do_s = do_bufs.index(slot)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dp_tok = warpgroup_mma(do_s, v_t, gl.zeros([BMS, BN], gl.float32, s_layout), use_acc=False,
+                               is_async=True)
+        if D2 > 0:
+            done = warpgroup_mma_wait(0, deps=(dkt, dp_tok, dkt2, ds_smem, q_bufs.index(prev), q2_bufs.index(prev),
+                                               do_bufs.index(prev), v_smem))
+            dkt2 = done[2]
+        else:
+            done = warpgroup_mma_wait(0, deps=(dkt, dp_tok, ds_smem, q_bufs.index(prev), do_bufs.index(prev),
+                                               v_smem))
+        dkt = done[0]
+        dp = done[1]
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(prev), count=1, pred=it > 0)
+        mbarrier.wait(p_ready, it & 1)
+        p = p32_smem.load(s_layout)
+        gl.thread_barrier()  # all 4 warps read p before it may be overwritten
+        mbarrier.arrive(p_free, count=1)
+        ds_smem.store((p * (dp - delta_i[:, None])).to(ds_smem.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.wait(q_ready.index(slot), phase)
+        dkt = warpgroup_mma(q_s.permute((1, 0)), ds_smem, dkt, is_async=True)
+        if D2 > 0:
+            dkt2 = warpgroup_mma(q2_bufs.index(slot).permute((1, 0)), ds_smem, dkt2, is_async=True)
+    if D2 > 0:
+        done = warpgroup_mma_wait(0, deps=(dkt, dkt2, ds_smem, q_bufs, q2_bufs))
+        store_transposed(dk, done[1] * scale, i_n, i_kvh, TK, HKV, D, D1, D2, BN, dk_layout)
+    else:
+        done = warpgroup_mma_wait(0, deps=(dkt, ds_smem, q_bufs))
+    store_transposed(dk, done[0] * scale, i_n, i_kvh, TK, HKV, D, 0, D1, BN, dk_layout)
