@@ -42,9 +42,12 @@ from harts_compiler.codegen.pieces import PieceChain  # noqa: E402
 LIN, FULL = "linear_attention", "full_attention"
 VARIANTS = [[LIN, FULL], [LIN, LIN, LIN, FULL], [LIN, FULL, FULL]]
 # (preset, trajectory tokens, length scale, token budget, generator overrides)
+# The full-length batches give 65k-token microbatches and trees in pieces, whose attention runs over long carried
+# contexts: the end-to-end benchmark's full-length steps are made of those.
 GPU_BATCHES = [("swe", 60_000, 0.05, 4096, {}), ("swe", 100_000, 0.1, 16384, {}),
                ("tau2", 50_000, 0.25, 16384, {}), ("tau2", 130_000, 0.5, 32768, {}),
-               ("grpo", 40_000, 1.0, 8192, {}), ("grpo", 100_000, 1.0, 32768, {})]
+               ("grpo", 40_000, 1.0, 8192, {}), ("grpo", 100_000, 1.0, 32768, {}),
+               ("swe", 1_000_000, 1.0, 65536, {}), ("tau2", 1_000_000, 1.0, 65536, {})]
 TINY_BATCHES = [("swe", 300, 0.005, 64, dict(turns=(2, 5), rollouts=4)),
                 ("tau2", 400, 0.01, 256, dict(turns=(2, 3), rollouts=4)),
                 ("grpo", 300, 0.02, 128, dict(rollouts=4))]
@@ -69,21 +72,23 @@ def parse_args(argv):
 
 
 def collect_shapes(args, vocab_size: int, conv_width: int):
-    """[(label, MicrobatchIndex)] spread evenly over compact tokens (host tables; `Step` lowers and uploads
-    each once, before it is timed)."""
+    """[(label, MicrobatchIndex or PieceChain)]: every tree in pieces (timed whole, its pieces' features summed)
+    and whole microbatches spread evenly over compact tokens, `--shapes` in all (host tables; `Step` lowers and
+    uploads each once, before it is timed)."""
     shape = dict(chunk_size=args.chunk_size, conv_width=conv_width)
-    shapes = []
+    shapes, chains = [], []
     for preset, tokens, scale, budget, overrides in (TINY_BATCHES if args.tiny else GPU_BATCHES):
         batch, _ = sized_batch(preset, tokens, length_scale=scale, vocab_size=vocab_size,
                                seed=args.seed, **overrides)
         _, tree, *_ = plan_microbatches(batch, budget, args.device, vocab_size=vocab_size, **shape)
         traj = trajectory_microbatches(batch, budget, args.device, **shape)
-        # whole microbatches only: the model's per-microbatch constant is paid once per piece of a tree in pieces
+        chains += [(f"{preset}/pieces/{budget}", i) for i in tree if isinstance(i, PieceChain)]
         shapes += [(f"{preset}/tree/{budget}", i) for i in tree if not isinstance(i, PieceChain)]
         shapes += [(f"{preset}/traj/{budget}", i) for i in traj]
     shapes.sort(key=lambda s: s[1].num_tokens)
-    pick = np.unique(np.linspace(0, len(shapes) - 1, min(args.shapes, len(shapes))).round().astype(int))
-    return [shapes[k] for k in pick]
+    wanted = max(args.shapes - len(chains), 1)
+    pick = np.unique(np.linspace(0, len(shapes) - 1, min(wanted, len(shapes))).round().astype(int))
+    return sorted([shapes[k] for k in pick] + chains, key=lambda s: cm.features(s[1]).compact_tokens)
 
 
 def measure(args, shapes) -> list[dict]:
@@ -129,8 +134,10 @@ def main(argv=None) -> int:
     info = describe_device(args.device)
     base = model_config(args.tiny)
     shapes = collect_shapes(args, base.vocab_size, base.linear_conv_kernel_dim)
-    print(f"device {info}\n{len(shapes)} microbatch shapes, {shapes[0][1].num_tokens}-"
-          f"{shapes[-1][1].num_tokens} compact tokens; models {VARIANTS}", flush=True)
+    tokens = [cm.features(index).compact_tokens for _, index in shapes]
+    chains = sum(isinstance(index, PieceChain) for _, index in shapes)
+    print(f"device {info}\n{len(shapes)} microbatch shapes ({chains} trees in pieces), {tokens[0]}-{tokens[-1]} "
+          f"compact tokens; models {VARIANTS}", flush=True)
     rows = measure(args, shapes)
     rng = np.random.default_rng(args.seed)
     held = set(rng.permutation(len(shapes))[:max(1, round(args.holdout * len(shapes)))].tolist())

@@ -56,7 +56,7 @@ from harts_compiler.ir import derive
 DEFAULT_PATH = Path(__file__).with_name("cost_model_h200.json")
 
 FEATURE_NAMES = ("compact_tokens", "replay_tokens", "sequences", "rounds", "chunk_depth",
-                 "attention_pairs", "trajectories", "trajectory_tokens")
+                 "attention_pairs", "trajectories", "trajectory_tokens", "microbatches")
 
 # term -> (layer multiplier: "linear" | "full" | None, feature or None for the constant 1)
 TERMS: dict[str, tuple[str | None, str | None]] = {
@@ -68,7 +68,7 @@ TERMS: dict[str, tuple[str | None, str | None]] = {
     "full_token": ("full", "compact_tokens"),
     "full_pair": ("full", "attention_pairs"),
     "head_token": (None, "compact_tokens"),
-    "microbatch": (None, None),
+    "microbatch": (None, "microbatches"),
 }
 
 # Rough ms-per-unit guesses for the benchmark model (hidden 2048, 32 experts top-4 + shared
@@ -99,6 +99,7 @@ class MicrobatchFeatures:
     attention_pairs: Any
     trajectories: Any
     trajectory_tokens: Any
+    microbatches: Any = 1  # forwards run: a tree in pieces pays the per-microbatch constant once per piece
 
     @property
     def non_replay_tokens(self):
@@ -179,7 +180,8 @@ def tree_features(program) -> MicrobatchFeatures:
         attention_pairs=(cum_pairs[forest.tree_end] - cum_pairs[forest.tree_start]).astype(np.int64),
         trajectories=np.bincount(traj_tree, minlength=n).astype(np.int64),
         trajectory_tokens=np.bincount(traj_tree, weights=forest.traj_length,
-                                      minlength=n).astype(np.int64))
+                                      minlength=n).astype(np.int64),
+        microbatches=np.ones(n, np.int64))
 
 
 def index_features(index) -> MicrobatchFeatures:
@@ -199,11 +201,24 @@ def index_features(index) -> MicrobatchFeatures:
         trajectory_tokens=int(np.asarray(index.lengths).sum()))
 
 
+def chain_features(chain) -> MicrobatchFeatures:
+    """Features of a tree run as pieces (a `PieceChain`): its pieces' features summed, one microbatch each, with
+    the tree's trajectories. A fit reads the chain's measured time against them: its pieces cannot be timed
+    apart (a piece's backward waits for the gradients of the pieces after it)."""
+    parts = [index_features(index) for index in chain.indices]
+    summed = {name: sum(getattr(f, name) for f in parts) for name in FEATURE_NAMES}
+    summed.update(trajectories=len(chain.trajectory_ids), trajectory_tokens=int(np.asarray(chain.lengths).sum()))
+    return MicrobatchFeatures(**summed)
+
+
 def features(source, microbatch=None) -> MicrobatchFeatures:
-    """Features of one microbatch. `source`: a MicrobatchIndex; a PlannedMicrobatch; or a Plan /
-    Program with `microbatch` = its scheduled microbatch number, or a sequence of tree indices."""
+    """Features of one microbatch. `source`: a MicrobatchIndex; a PieceChain (the sum over its pieces); a
+    PlannedMicrobatch; or a Plan / Program with `microbatch` = its scheduled microbatch number, or a sequence of
+    tree indices."""
     if hasattr(source, "rounds") and hasattr(source, "positions"):  # MicrobatchIndex
         return index_features(source)
+    if hasattr(source, "indices") and hasattr(source, "links"):  # PieceChain
+        return chain_features(source)
     if hasattr(source, "trees") and hasattr(source, "program") and microbatch is None:
         return program_features(source.program, source.trees)  # PlannedMicrobatch
     program = getattr(source, "program", source)

@@ -3,6 +3,8 @@ brute-force counts; the fit recovers known coefficients; the data file round-tri
 give errors naming the field."""
 import json
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -63,6 +65,18 @@ def test_tree_features_are_per_tree_program_features(seed, chunk_size):
         assert int(getattr(per_tree, name).sum()) == getattr(whole, name), name
     assert whole.rounds == int(per_tree.rounds.max())  # rounds are a max over trees, not a sum
     assert whole.chunk_depth <= int(per_tree.chunk_depth.sum())
+
+
+def test_chain_features_sum_the_pieces_one_microbatch_each():
+    pieces = [trajectory_index([list(range(n))], chunk_size=4) for n in (9, 3, 17)]
+    chain = SimpleNamespace(indices=pieces, links=[None, None], trajectory_ids=["a", "b"], lengths=np.array([20, 9]))
+    f = cm.features(chain)
+    parts = [cm.features(p) for p in pieces]
+    assert f.microbatches == 3 and all(p.microbatches == 1 for p in parts)
+    assert f.compact_tokens == 29 and f.rounds == 3 and f.trajectories == 2 and f.trajectory_tokens == 29
+    model = cm.load_cost_model()
+    layers = cm.LayerCounts(3, 1)
+    assert model.predict(f, layers) == pytest.approx(sum(model.predict(p, layers) for p in parts))
 
 
 def test_trajectory_index_features():
