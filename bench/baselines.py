@@ -98,12 +98,12 @@ def fla_comparison(model, traj_indices, device) -> dict:
 
 def external_kernels(rule: str, args) -> list[tuple[str, str, object]]:
     """(name, result key, trajectory-wise kernel) of every importable external kernel of the rule: fla's
-    chunk_gated_delta_rule / chunk_kda and, for GDN, FlashQLA's; none on the CPU, with --no-fla or with
-    --no-external-gdn."""
-    if args.device.type == "cpu" or args.no_fla or args.no_external_gdn:
+    chunk_gated_delta_rule / chunk_kda and, for GDN, FlashQLA's, those named by --baselines; none on the CPU or
+    with --no-fla."""
+    if args.device.type == "cpu" or args.no_fla:
         return []
-    found = [(f"fla {rule.upper()}", "traj_fla_ms", fla_trajectory_kernel(rule))]
-    if rule == "gdn":
+    found = [(f"fla {rule.upper()}", "traj_fla_ms", fla_trajectory_kernel(rule))] if "fla" in args.baselines else []
+    if rule == "gdn" and "flashqla" in args.baselines:
         found.append(("FlashQLA GDN", "traj_flashqla_ms", trajectory_kernel(import_flashqla())))
     return [entry for entry in found if entry[2] is not None]
 
@@ -134,6 +134,7 @@ def baseline_timing(model, traj_indices, row, args, ours_ms) -> dict:
     for name, key, kernel in external_kernels(model.config.linear_rule, args):
         if candidate(name, key, kernel):
             best_name, best_kernel = name, kernel
-    if args.device.type != "cpu" and not args.no_fla and not model.config.is_kimi:  # GQA: SDPA takes these shapes
+    if args.device.type != "cpu" and not args.no_fla and "sdpa" in args.baselines and not model.config.is_kimi:
+        # GQA: SDPA takes these shapes
         candidate(f"{best_name} + SDPA attention", "traj_sdpa_ms", best_kernel, TrajectorySDPA())
     return result

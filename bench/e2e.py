@@ -43,8 +43,9 @@ with an external kernel of the model's rule in every linear-attention layer: fla
 chunk_gated_delta_rule / chunk_kda ("traj fla ms") and, for GDN, FlashQLA's chunk_gated_delta_rule
 ("traj fq ms"), each when importable on CUDA; then, for gated-attention (GQA) models on CUDA, the fastest of
 those with torch's SDPA (its default backend, cuDNN on the H200) per trajectory in every full-attention layer
-("traj sdpa ms", `anchors.TrajectorySDPA`). `--no-fla` skips all of them, `--no-external-gdn` the GDN ones
-(SDPA then runs with our GDN); fla's column is fla's own kernels,
+("traj sdpa ms", `anchors.TrajectorySDPA`). `--baselines` picks which of them run (`--baselines sdpa`: SDPA
+with our GDN; `--baselines flashqla` alone when TileLang's first compilation of FlashQLA's kernels, minutes,
+must fit in a run), `--no-fla` skips all of them; fla's column is fla's own kernels,
 not its dispatch to FlashQLA. "speedup" divides that baseline by tree mode, and the JSON names the
 baseline. On CUDA (GDN models), the GDN kernel of the
 largest trajectory microbatch is also timed alone against fla's, and SDPA's attention per
@@ -108,9 +109,9 @@ def parse_args(argv):
                         "allocation site (bench/memory_sites.py)")
     p.add_argument("--no-fla", action="store_true",
                    help="do not time the trajectory-wise step with external kernels (fla's, FlashQLA's, SDPA)")
-    p.add_argument("--no-external-gdn", action="store_true",
-                   help="of the external kernels time only SDPA attention, not fla's or FlashQLA's GDN (each of "
-                        "those costs a full trajectory-wise step plus its autotuning)")
+    p.add_argument("--baselines", nargs="+", choices=("fla", "flashqla", "sdpa"), default=["fla", "flashqla", "sdpa"],
+                   help="the external trajectory-wise steps to time (each costs a full step plus its autotuning or "
+                        "compilation; default all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON results here")
     args = p.parse_args(argv)
