@@ -7,14 +7,16 @@
 The batch, model and step are bench/e2e.py's (same options). For each preset:
 1. components (bench/breakdown.py) of one profiled step of each mode, as ms per million trajectory tokens, and
    the trajectory-wise / tree ratio of each: the speedup that component reaches, to compare with the token
-   ratio (the pair ratio for attention). Trajectory-wise profiles its first --traj-microbatches microbatches
-   (they are alike) and scales by the trajectory tokens they hold;
-2. on CUDA, the kernels with the most GPU time in each mode, in the same units;
+   ratio (the pair ratio for attention). Trajectory-wise profiles --traj-microbatches evenly spaced
+   microbatches and scales by the trajectory tokens they hold;
+2. on CUDA, the kernels with the most GPU time in each mode, in the same units, and the kernels whose tree-mode
+   time is furthest above their trajectory-wise time over the token ratio (attention's ideal is the pair ratio);
 3. on CUDA, the memory timeline of a tree step: allocated memory at every decoder layer's forward and
    recomputation, and the highest peak between two of those events, so the phase that sets the step's peak
    is named (piece, layer, forward or backward);
 4. on CUDA, the live allocations at that peak, summed by source line (python frames; allocations made inside
-   autograd's C++ backward have none and are summed as "<no stack>").
+   autograd's C++ backward have none and are summed as "<no stack>");
+5. on CUDA, GPU idle time in each mode, charged to the host ops whose late launches caused it (bench/gpu_idle.py).
 """
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ from breakdown import component_breakdown  # noqa: E402
 from common import (BENCH_MODELS, Step, build_model, describe_device, forward_units, model_config,  # noqa: E402
                     synchronize)
 from e2e import parse_args, plan_preset  # noqa: E402
+from gpu_idle import idle_report, print_idle  # noqa: E402
 from memory_sites import REPO, site_of  # noqa: E402
 
 PER = 1e6  # components and kernels are printed per this many trajectory tokens
 
 
-def profiled_kernels(step, top: int) -> list[tuple[str, float]]:
-    """(kernel name, GPU ms) of one profiled call of `step`, the largest first."""
+def profiled_kernels(step) -> Counter:
+    """{kernel name: GPU ms} of one profiled call of `step`."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
@@ -43,8 +46,35 @@ def profiled_kernels(step, top: int) -> list[tuple[str, float]]:
     totals: Counter = Counter()
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name[:70]] += event.device_time_total / 1e3
-    return totals.most_common(top)
+            totals[event.name] += event.device_time_total / 1e3
+    return totals
+
+
+def op_sites(step, ops: list[str], top: int) -> None:
+    """GPU time of the given host ops (e.g. aten::cat) in one profiled call of `step`, by the python call
+    stack that issued them (the repository's frames), so a kernel in the excess table is traced to its line."""
+    from torch.profiler import ProfilerActivity, profile
+    # verbose: without it the python frames are not recorded (torch >= 2.0); ops run by autograd's backward
+    # threads have none and print as "?"
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                 experimental_config=verbose) as prof:
+        step()
+        torch.cuda.synchronize()
+    root = str(REPO) + "/"
+    rows = [e for e in prof.key_averages(group_by_stack_n=8) if e.key in ops and e.device_time_total > 0]
+    for op in ops:
+        mine = sorted((e for e in rows if e.key == op), key=lambda e: -e.device_time_total)[:top]
+        print(f"  {op}: GPU ms by call site (tree step)")
+        for e in mine:
+            frames = [f.replace(root, "") for f in e.stack if f.startswith(root) and "/bench/" not in f]
+            print(f"    {e.device_time_total / 1e3:9.1f}  {e.count:6d} calls  {' < '.join(frames[:3]) or '?'}")
+
+
+def short_name(name: str, width: int = 96) -> str:
+    # template kernels differ at the end (the functor), so keep both ends of a long name
+    half = (width - 3) // 2
+    return name if len(name) <= width else f"{name[:half]}...{name[-half:]}"
 
 
 class LayerTimeline:
@@ -150,17 +180,32 @@ def component_table(tree_parts: dict, traj_parts: dict, tree_tokens: int, traj_t
         print(f"    {name:28s} traj {traj:9.1f}  tree {tree:8.1f}  speedup {ratio:6.2f}x")
 
 
-def kernel_table(label: str, kernels, tokens: int) -> None:
+def kernel_table(label: str, kernels: Counter, tokens: int, top: int) -> None:
     print(f"  top kernels, {label} (GPU ms per {PER / 1e6:g}M trajectory tokens):")
-    for name, ms in kernels:
-        print(f"    {ms * PER / tokens:9.1f}  {name}")
+    for name, ms in kernels.most_common(top):
+        print(f"    {ms * PER / tokens:9.1f}  {short_name(name)}")
 
 
-def run_preset(preset, model, args, traj_microbatches: int, top: int) -> None:
+def excess_table(tree: Counter, traj: Counter, tree_tokens: int, traj_tokens: int, ideal: float, top: int) -> None:
+    """Each kernel's tree-mode time above (or below) its trajectory-wise time divided by the token ratio: where
+    the tree step is further from the ideal than the whole step's ratio allows, kernel by kernel."""
+    excess = Counter({name: tree.get(name, 0.0) * PER / tree_tokens - traj.get(name, 0.0) * PER / traj_tokens / ideal
+                      for name in set(tree) | set(traj)})
+    above = sum(v for v in excess.values() if v > 0)
+    below = sum(v for v in excess.values() if v < 0)
+    print(f"  tree time above the token-ratio ideal ({ideal:.2f}x), GPU ms per {PER / 1e6:g}M trajectory tokens: "
+          f"+{above:.1f} over {sum(v > 0 for v in excess.values())} kernels, {below:.1f} under; largest:")
+    for name, ms in excess.most_common(top):
+        print(f"    {ms:+9.1f}  tree {tree.get(name, 0.0) * PER / tree_tokens:8.1f}  "
+              f"traj {traj.get(name, 0.0) * PER / traj_tokens:9.1f}  {short_name(name)}")
+
+
+def run_preset(preset, model, args, traj_microbatches: int, top: int, sites: list[str]) -> None:
     batch, row, tree_indices, traj_indices, _ = plan_preset(preset, model.config, args)
     cuda = args.device.type == "cuda"
     tree = Step(model, tree_indices, row["trajectory_tokens"])
-    sample = traj_indices[:traj_microbatches]
+    # evenly spaced over the packing order, whose first microbatches need not be typical
+    sample = traj_indices[::max(1, len(traj_indices) // traj_microbatches)][:traj_microbatches]
     sample_tokens = sum(index.num_tokens for index in sample)
     traj = Step(model, sample, row["trajectory_tokens"])
     for step in (tree, traj):  # warm: kernels compiled, allocator grown
@@ -171,9 +216,15 @@ def run_preset(preset, model, args, traj_microbatches: int, top: int) -> None:
           f"{len(traj_indices)} microbatches profiled")
     component_table(tree_parts, traj_parts, row["trajectory_tokens"], sample_tokens, row)
     if cuda:
-        kernel_table("tree", profiled_kernels(tree, top), row["trajectory_tokens"])
-        kernel_table("trajectory-wise", profiled_kernels(traj, top), sample_tokens)
+        tree_kernels, traj_kernels = profiled_kernels(tree), profiled_kernels(traj)
+        kernel_table("tree", tree_kernels, row["trajectory_tokens"], top)
+        kernel_table("trajectory-wise", traj_kernels, sample_tokens, top)
+        excess_table(tree_kernels, traj_kernels, row["trajectory_tokens"], sample_tokens, row["ideal"], top)
+        if sites:
+            op_sites(tree, sites, top)
         memory_anatomy(tree, model, top)
+        print_idle("tree", idle_report(tree, top))
+        print_idle(f"trajectory-wise ({len(sample)} microbatches)", idle_report(traj, top))
     del tree, traj
 
 
@@ -182,6 +233,8 @@ def main(argv=None) -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--traj-microbatches", type=int, default=2)
     extra.add_argument("--top", type=int, default=14)
+    extra.add_argument("--op-sites", nargs="*", default=[], metavar="OP",
+                       help="host ops (e.g. aten::cat aten::copy_) whose tree-step GPU time to list by call site")
     known, rest = extra.parse_known_args(argv)
     args = parse_args(rest)
     print(f"device {describe_device(args.device)}")
@@ -189,7 +242,7 @@ def main(argv=None) -> int:
                         checkpointing=True)
     print(f"model {BENCH_MODELS[args.model][1] if args.tiny else args.model}")
     for preset in args.presets:
-        run_preset(preset, model, args, known.traj_microbatches, known.top)
+        run_preset(preset, model, args, known.traj_microbatches, known.top, known.op_sites)
     return 0
 
 

@@ -280,6 +280,27 @@ def test_step_anatomy_finds_the_peak_and_whats_live_there():
     assert dict(sites) == {"a.py:3 f": 90, "b.py:3 f": 50, "<no stack>": 30}
 
 
+def test_gpu_idle_charges_starved_gaps_to_the_late_launch_site():
+    """bench/gpu_idle.py: a gap whose next kernel was launched after the GPU went idle is charged to the host
+    op around that launch; a gap whose kernel was already queued is not."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from gpu_idle import analyse
+    finally:
+        sys.path.remove(str(BENCH))
+    kernel = lambda ts, c: {"cat": "kernel", "ts": ts, "dur": 10, "args": {"correlation": c}}  # noqa: E731
+    launch = lambda ts, c: {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": 7,  # noqa: E731
+                            "args": {"correlation": c}}
+    events = [kernel(0, 1), kernel(100, 2), kernel(120, 3), launch(1, 1), launch(50, 2), launch(90, 3),
+              {"cat": "user_annotation", "name": "harts:MoE/MLP", "ts": 0, "dur": 200, "tid": 7},
+              {"cat": "cpu_op", "name": "aten::item", "ts": 40, "dur": 30, "tid": 7},
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 85, "dur": 10, "tid": 7}]
+    report = analyse(events, wall_ms=1.0, top=5)
+    assert report.gaps == 2 and report.busy_ms == pytest.approx(0.03)
+    assert report.starved_ms == pytest.approx(0.09) and report.queued_ms == pytest.approx(0.01)
+    assert report.sites == [("aten::item < MoE/MLP", pytest.approx(0.09), 1)]
+
+
 def test_step_anatomy_runs_at_toy_size(tmp_path):
     result = run_bench("step_anatomy.py", tmp_path, "--presets", "tau2")
     assert "linear attention" in result.stdout and "speedup" in result.stdout
