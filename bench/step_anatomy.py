@@ -62,13 +62,18 @@ def op_sites(step, ops: list[str], top: int) -> None:
         step()
         torch.cuda.synchronize()
     root = str(REPO) + "/"
-    rows = [e for e in prof.key_averages(group_by_stack_n=8) if e.key in ops and e.device_time_total > 0]
+    times: Counter = Counter()
+    calls: Counter = Counter()
+    for event in prof.events():  # each call with its whole stack (key_averages would cut it at n frames)
+        if event.name in ops and event.device_time_total > 0:
+            frames = [f.replace(root, "") for f in event.stack if f.startswith(root) and "/bench/" not in f]
+            site = (event.name, " < ".join(frames[:3]) or "?")
+            times[site] += event.device_time_total / 1e3
+            calls[site] += 1
     for op in ops:
-        mine = sorted((e for e in rows if e.key == op), key=lambda e: -e.device_time_total)[:top]
         print(f"  {op}: GPU ms by call site (tree step)")
-        for e in mine:
-            frames = [f.replace(root, "") for f in e.stack if f.startswith(root) and "/bench/" not in f]
-            print(f"    {e.device_time_total / 1e3:9.1f}  {e.count:6d} calls  {' < '.join(frames[:3]) or '?'}")
+        for (name, where), ms in [item for item in times.most_common() if item[0][0] == op][:top]:
+            print(f"    {ms:9.1f}  {calls[(name, where)]:6d} calls  {where}")
 
 
 def short_name(name: str, width: int = 96) -> str:
