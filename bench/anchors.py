@@ -72,8 +72,8 @@ def fla_single_call(rule: str = "gdn"):
 def trajectory_kernel(chunk):
     """A chunk function with fla's signature behind the runtime's `gdn_kernel` / `kda_kernel` signature, for
     trajectory-wise microbatches (every sequence starts from the zero state, no state exports): the baseline a
-    trainer without HARTS would run. GDN's value-head groups are expanded (KDA has one value head per key
-    head). None for None."""
+    trainer without HARTS would run. Grouped value heads go in as they are (fla and FlashQLA take HV a multiple
+    of H natively; expanding q / k would cost the baseline a copy and a group sum). None for None."""
     if chunk is None:
         return None
 
@@ -81,9 +81,6 @@ def trajectory_kernel(chunk):
                chunk_size=64, use_qk_l2norm=False):
         if export_seq is not None and len(export_seq):
             raise ValueError("trajectory_kernel: trajectory-wise microbatches only (no state exports)")
-        rep = v.shape[1] // q.shape[1]
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
         o, _ = chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=None,
                      output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,
                      cu_seqlens=cu_seqlens.to(q.device).long())

@@ -165,9 +165,10 @@ def test_attention_tiny_cpu(tmp_path, monkeypatch):
 
 def test_external_kernel_wrappers_match_the_reference():
     """bench/anchors' wrappers put a chunk function with fla's signature ([1, T, H, D], FlashQLA has the same)
-    behind the runtime's kernel signature and the single-call one: value-head groups expanded, zero initial
-    states, the packed rows in place. With our reference behind fla's signature, both must give the
-    reference's output on grouped heads (HK = 2, HV = 4) and three sequences."""
+    behind the runtime's kernel signature and the single-call one: grouped value heads passed as they are (fla
+    0.6.0 and FlashQLA take HV a multiple of H), zero initial states, the packed rows in place. With our
+    reference behind fla's signature, both must give the reference's output on grouped heads (HK = 2, HV = 4)
+    and three sequences."""
     sys.path.insert(0, str(BENCH))
     try:
         import anchors
@@ -177,7 +178,7 @@ def test_external_kernel_wrappers_match_the_reference():
 
     def fla_like(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                  cu_seqlens):
-        assert q.dim() == 4 and q.shape[0] == 1 and q.shape[2] == v.shape[2]  # fla's GDN: equal heads
+        assert q.dim() == 4 and q.shape[0] == 1 and v.shape[2] == 2 * q.shape[2]  # the groups, not expanded
         if initial_state is None:
             initial_state = q.new_zeros(len(cu_seqlens) - 1, v.shape[2], q.shape[3], v.shape[3])
         o, _ = reference(q[0], k[0], v[0], g[0], beta[0], scale=scale, initial_state=initial_state,
@@ -196,8 +197,7 @@ def test_external_kernel_wrappers_match_the_reference():
     o, exported = anchors.trajectory_kernel(fla_like)(q, k, v, g, beta, scale=0.25, initial_state=h0, cu_seqlens=cu,
                                                      use_qk_l2norm=True)
     assert torch.allclose(o, expected, rtol=0, atol=1e-12) and exported.shape == (0, hv, d, d)
-    expanded = [x.repeat_interleave(2, 1) for x in (q, k)]
-    o, _ = anchors.single_call(fla_like)(*expanded, v, g, beta, scale=0.25, initial_state=h0, cu_seqlens=cu,
+    o, _ = anchors.single_call(fla_like)(q, k, v, g, beta, scale=0.25, initial_state=h0, cu_seqlens=cu,
                                         use_qk_l2norm=True)
     assert torch.allclose(o, expected, rtol=0, atol=1e-12)
     assert anchors.trajectory_kernel(None) is None and anchors.single_call(None) is None
