@@ -8,7 +8,8 @@ The batch, model and step are bench/e2e.py's (same options). For each preset:
 1. components (bench/breakdown.py) of one profiled step of each mode, as ms per million trajectory tokens, and
    the trajectory-wise / tree ratio of each: the speedup that component reaches, to compare with the token
    ratio (the pair ratio for attention). Trajectory-wise profiles --traj-microbatches evenly spaced
-   microbatches and scales by the trajectory tokens they hold;
+   microbatches and scales by the trajectory tokens they hold; --profiles N prints each component's median
+   over N profiled calls (single profiles move by up to 10% a component);
 2. on CUDA, the kernels with the most GPU time in each mode, in the same units, and the kernels whose tree-mode
    time is furthest above their trajectory-wise time over the token ratio (attention's ideal is the pair ratio);
 3. on CUDA, the memory timeline of a tree step: allocated memory at every decoder layer's forward and
@@ -24,6 +25,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -205,7 +207,13 @@ def excess_table(tree: Counter, traj: Counter, tree_tokens: int, traj_tokens: in
               f"traj {traj.get(name, 0.0) * PER / traj_tokens:9.1f}  {short_name(name)}")
 
 
-def run_preset(preset, model, args, traj_microbatches: int, top: int, sites: list[str]) -> None:
+def median_breakdown(step, device, profiles: int) -> dict:
+    """Each component's median over `profiles` profiled calls: single profiles move by up to 10% a component."""
+    runs = [component_breakdown(step, device) for _ in range(profiles)]
+    return {name: float(np.median([run.get(name, 0.0) for run in runs])) for name in runs[0]}
+
+
+def run_preset(preset, model, args, traj_microbatches: int, top: int, sites: list[str], profiles: int) -> None:
     batch, row, tree_indices, traj_indices, _ = plan_preset(preset, model.config, args)
     cuda = args.device.type == "cuda"
     tree = Step(model, tree_indices, row["trajectory_tokens"])
@@ -215,8 +223,8 @@ def run_preset(preset, model, args, traj_microbatches: int, top: int, sites: lis
     traj = Step(model, sample, row["trajectory_tokens"])
     for step in (tree, traj):  # warm: kernels compiled, allocator grown
         step()
-    tree_parts = component_breakdown(tree, args.device)
-    traj_parts = component_breakdown(traj, args.device)
+    tree_parts = median_breakdown(tree, args.device, profiles)
+    traj_parts = median_breakdown(traj, args.device, profiles)
     print(f"  tree: {len(forward_units(tree_indices))} forwards; trajectory-wise: {len(sample)} of "
           f"{len(traj_indices)} microbatches profiled")
     component_table(tree_parts, traj_parts, row["trajectory_tokens"], sample_tokens, row)
@@ -238,6 +246,8 @@ def main(argv=None) -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--traj-microbatches", type=int, default=2)
     extra.add_argument("--top", type=int, default=14)
+    extra.add_argument("--profiles", type=int, default=1,
+                       help="profiled calls per mode for the component table, medians printed (e.g. 3)")
     extra.add_argument("--op-sites", nargs="*", default=[], metavar="OP",
                        help="host ops (e.g. aten::cat aten::copy_) whose tree-step GPU time to list by call site")
     known, rest = extra.parse_known_args(argv)
@@ -247,7 +257,7 @@ def main(argv=None) -> int:
                         checkpointing=True)
     print(f"model {BENCH_MODELS[args.model][1] if args.tiny else args.model}")
     for preset in args.presets:
-        run_preset(preset, model, args, known.traj_microbatches, known.top, known.op_sites)
+        run_preset(preset, model, args, known.traj_microbatches, known.top, known.op_sites, known.profiles)
     return 0
 
 
