@@ -234,7 +234,8 @@ def test_generated_batch_invariants(tmp_path, capsys):
     assert tokens["total"][-1] == sum(tokens[s][-1] for s in slots) == plan.stats["compact_tokens"]
     for rank in range(2):
         assert tokens["total"][rank] == sum(tokens[s][rank] or 0 for s in slots)
-        assert ms["total"][rank] == pytest.approx(sum(ms[s][rank] or 0 for s in slots), abs=0.1)
+        # each printed value is rounded to 0.1 ms: the slots' sum may drift by half of that per slot
+        assert ms["total"][rank] == pytest.approx(sum(ms[s][rank] or 0 for s in slots), abs=0.05 * (len(slots) + 1))
 
 
 def test_docs_sample_is_current(tmp_path, capsys, monkeypatch):
