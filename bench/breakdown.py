@@ -67,7 +67,13 @@ def component_breakdown(step: Callable[[], object], device: torch.device) -> dic
     Forward (and recomputed forward) work is attributed by the enclosing `harts:` range; backward
     work by the autograd node's sequence number, which links it to the forward op that created
     it. CUDA: kernel time; CPU: op self time. Returns {component: ms} plus 'total' and, on CUDA,
-    'step wall' (the profiled step's wall time; the gap to 'total' is GPU idle time)."""
+    'step wall' (the profiled step's wall time)."""
+    return components(*profiled_step(step, device), device)
+
+
+def profiled_step(step: Callable[[], object], device: torch.device):
+    """(profiler, wall ms) of one call of `step` inside the component ranges: CPU ops, and CUDA kernels on CUDA.
+    The same profile serves `components`, per-kernel tables and the idle-gap analysis (bench/gpu_idle.py)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with component_ranges(), profile(activities=activities) as prof:
@@ -75,10 +81,14 @@ def component_breakdown(step: Callable[[], object], device: torch.device) -> dic
         step()
         synchronize(device)
         wall_ms = (time.perf_counter() - start) * 1e3
-    on_device = device.type == "cuda"
+    return prof, wall_ms
+
+
+def components(prof, wall_ms: float, device: torch.device) -> dict:
+    """`component_breakdown`'s table from a `profiled_step` profile."""
     events = [e for e in prof.events() if getattr(e, "device_type", None) is None
               or e.device_type == torch.autograd.DeviceType.CPU]
-    totals = attribute_events(events, on_device)
+    totals = attribute_events(events, device.type == "cuda")
     totals["step wall"] = wall_ms
     return totals
 

@@ -1,6 +1,7 @@
 """Where the GPU waits during a step: idle gaps on the kernel timeline and the host work that caused them.
 
-Import from a script in bench/ as `from gpu_idle import idle_report`.
+Import from a script in bench/ as `from gpu_idle import idle_report` (it reads a `breakdown.profiled_step`
+profile).
 
 A gap is time between the end of every kernel / copy so far and the start of the next one. If the next
 kernel was launched only after the GPU went idle, the host was the bottleneck there: the gap is charged to
@@ -15,13 +16,8 @@ import bisect
 import json
 import os
 import tempfile
-import time
 from collections import Counter
 from dataclasses import dataclass
-
-import torch
-
-from breakdown import component_ranges
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 MIN_GAP_US = 5.0  # shorter gaps are the normal back-to-back launch distance of a busy queue
@@ -37,14 +33,9 @@ class IdleReport:
     sites: list[tuple[str, float, int]]  # (host op < component, starved ms, gaps), largest first
 
 
-def idle_report(step, top: int = 12) -> IdleReport:
-    """Profile one call of `step` (CUDA) and charge its GPU idle time to the host sites that caused it."""
-    from torch.profiler import ProfilerActivity, profile
-    with component_ranges(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - start) * 1e3
+def idle_report(prof, wall_ms: float, top: int = 12) -> IdleReport:
+    """The GPU idle time of a profiled step (`breakdown.profiled_step`: CPU ops and CUDA kernels, inside the
+    component ranges), charged to the host sites that caused it."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)

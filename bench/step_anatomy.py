@@ -18,6 +18,8 @@ The batch, model and step are bench/e2e.py's (same options). For each preset:
 4. on CUDA, the live allocations at that peak, summed by source line (python frames; allocations made inside
    autograd's C++ backward have none and are summed as "<no stack>");
 5. on CUDA, GPU idle time in each mode, charged to the host ops whose late launches caused it (bench/gpu_idle.py).
+Sections 1, 2 and 5 read one profiled call per mode (`breakdown.profiled_step`; --profiles adds calls for the
+medians of section 1).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from breakdown import component_breakdown  # noqa: E402
+from breakdown import components, profiled_step  # noqa: E402
 from common import (BENCH_MODELS, Step, build_model, describe_device, forward_units, model_config,  # noqa: E402
                     synchronize)
 from e2e import parse_args, plan_preset  # noqa: E402
@@ -39,12 +41,8 @@ from memory_sites import REPO, site_of  # noqa: E402
 PER = 1e6  # components and kernels are printed per this many trajectory tokens
 
 
-def profiled_kernels(step) -> Counter:
-    """{kernel name: GPU ms} of one profiled call of `step`."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
+def kernel_times(prof) -> Counter:
+    """{kernel name: GPU ms} of a profiled step."""
     totals: Counter = Counter()
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -207,10 +205,15 @@ def excess_table(tree: Counter, traj: Counter, tree_tokens: int, traj_tokens: in
               f"traj {traj.get(name, 0.0) * PER / traj_tokens:9.1f}  {short_name(name)}")
 
 
-def median_breakdown(step, device, profiles: int) -> dict:
-    """Each component's median over `profiles` profiled calls: single profiles move by up to 10% a component."""
-    runs = [component_breakdown(step, device) for _ in range(profiles)]
-    return {name: float(np.median([run.get(name, 0.0) for run in runs])) for name in runs[0]}
+def profile_mode(step, device, profiles: int):
+    """(each component's median over `profiles` profiled calls, the first call's (profiler, wall ms)): single
+    profiles move by up to 10% a component; the kernel and idle tables read the first profile."""
+    first, runs = None, []
+    for _ in range(profiles):
+        prof, wall_ms = profiled_step(step, device)
+        runs.append(components(prof, wall_ms, device))
+        first = first or (prof, wall_ms)
+    return {name: float(np.median([run.get(name, 0.0) for run in runs])) for name in runs[0]}, first
 
 
 def run_preset(preset, model, args, traj_microbatches: int, top: int, sites: list[str], profiles: int) -> None:
@@ -223,22 +226,22 @@ def run_preset(preset, model, args, traj_microbatches: int, top: int, sites: lis
     traj = Step(model, sample, row["trajectory_tokens"])
     for step in (tree, traj):  # warm: kernels compiled, allocator grown
         step()
-    tree_parts = median_breakdown(tree, args.device, profiles)
-    traj_parts = median_breakdown(traj, args.device, profiles)
+    tree_parts, (tree_prof, tree_wall) = profile_mode(tree, args.device, profiles)
+    traj_parts, (traj_prof, traj_wall) = profile_mode(traj, args.device, profiles)
     print(f"  tree: {len(forward_units(tree_indices))} forwards; trajectory-wise: {len(sample)} of "
           f"{len(traj_indices)} microbatches profiled")
     component_table(tree_parts, traj_parts, row["trajectory_tokens"], sample_tokens, row)
     if cuda:
-        tree_kernels, traj_kernels = profiled_kernels(tree), profiled_kernels(traj)
+        tree_kernels, traj_kernels = kernel_times(tree_prof), kernel_times(traj_prof)
         kernel_table("tree", tree_kernels, row["trajectory_tokens"], top)
         kernel_table("trajectory-wise", traj_kernels, sample_tokens, top)
         excess_table(tree_kernels, traj_kernels, row["trajectory_tokens"], sample_tokens, row["ideal"], top)
         if sites:
             op_sites(tree, sites, top)
         memory_anatomy(tree, model, top)
-        print_idle("tree", idle_report(tree, top))
-        print_idle(f"trajectory-wise ({len(sample)} microbatches)", idle_report(traj, top))
-    del tree, traj
+        print_idle("tree", idle_report(tree_prof, tree_wall, top))
+        print_idle(f"trajectory-wise ({len(sample)} microbatches)", idle_report(traj_prof, traj_wall, top))
+    del tree, traj, tree_prof, traj_prof
 
 
 def main(argv=None) -> int:
