@@ -19,6 +19,8 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 MIN_GAP_US = 5.0  # shorter gaps are the normal back-to-back launch distance of a busy queue
 
@@ -86,25 +88,29 @@ class _Nesting:
     """Host ops of one thread, queried for the innermost op and the `harts:` range around a timestamp."""
 
     def __init__(self, ops: list[dict]):
-        self.ops = sorted(ops, key=lambda e: (e["ts"], -e["dur"]))
-        self.starts = [e["ts"] for e in self.ops]
+        self.tables = [self._table([e for e in ops if keep(e["name"])]) for keep in
+                       (lambda n: not n.startswith(("harts:", "cuda")), lambda n: n.startswith("harts:"))]
+
+    @staticmethod
+    def _table(events: list[dict]):
+        events = sorted(events, key=lambda e: e["ts"])
+        ends = np.maximum.accumulate([e["ts"] + e["dur"] for e in events]) if events else np.zeros(0)
+        return events, [e["ts"] for e in events], ends
+
+    @staticmethod
+    def _innermost(table, ts: float):
+        # the latest-starting event still running at ts; the walk back stops once no earlier event ends after ts
+        events, starts, ends = table
+        for i in range(bisect.bisect_right(starts, ts) - 1, -1, -1):
+            if ends[i] < ts:
+                return None
+            if events[i]["ts"] + events[i]["dur"] >= ts:
+                return events[i]["name"]
+        return None
 
     def site(self, ts: float) -> str:
-        # walk back from the last op that starts before ts; ops are few levels deep, the walk is short in practice
-        inner = component = None
-        i = bisect.bisect_right(self.starts, ts) - 1
-        steps = 0
-        while i >= 0 and steps < 4000 and (inner is None or component is None):
-            op = self.ops[i]
-            if op["ts"] + op["dur"] >= ts:
-                name = op["name"]
-                if name.startswith("harts:"):
-                    component = component or name[len("harts:"):]
-                elif inner is None and not name.startswith("cuda"):
-                    inner = name
-            i -= 1
-            steps += 1
-        return f"{inner or '?'} < {component or 'other'}"
+        inner, component = (self._innermost(table, ts) for table in self.tables)
+        return f"{inner or '?'} < {component[len('harts:'):] if component else 'other'}"
 
 
 def print_idle(label: str, report: IdleReport) -> None:
