@@ -45,14 +45,16 @@ def kernel_times(prof) -> Counter:
     """{kernel name: GPU ms} of a profiled step."""
     totals: Counter = Counter()
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        # the harts: component ranges also appear on the GPU timeline (user annotations): not kernels
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
             totals[event.name] += event.device_time_total / 1e3
     return totals
 
 
-def op_sites(step, ops: list[str], top: int) -> None:
-    """GPU time of the given host ops (e.g. aten::cat) in one profiled call of `step`, by the python call
-    stack that issued them (the repository's frames), so a kernel in the excess table is traced to its line."""
+def op_sites(label: str, step, tokens: int, ops: list[str], top: int) -> None:
+    """GPU time of the given host ops (e.g. aten::cat) in one profiled call of `step`, per million of the
+    `tokens` it stands for, by the python call stack that issued them (the repository's frames), so a kernel
+    in the excess table is traced to its line and compared with the same line in the other mode."""
     from torch.profiler import ProfilerActivity, profile
     # verbose: without it the python frames are not recorded (torch >= 2.0); ops run by autograd's backward
     # threads have none and print as "?"
@@ -68,10 +70,10 @@ def op_sites(step, ops: list[str], top: int) -> None:
         if event.name in ops and event.device_time_total > 0:
             frames = [f.replace(root, "") for f in event.stack if f.startswith(root) and "/bench/" not in f]
             site = (event.name, " < ".join(frames[:3]) or "?")
-            times[site] += event.device_time_total / 1e3
+            times[site] += event.device_time_total / 1e3 * 1e6 / tokens
             calls[site] += 1
     for op in ops:
-        print(f"  {op}: GPU ms by call site (tree step)")
+        print(f"  {op}: GPU ms per 1M trajectory tokens by call site ({label})")
         for (name, where), ms in [item for item in times.most_common() if item[0][0] == op][:top]:
             print(f"    {ms:9.1f}  {calls[(name, where)]:6d} calls  {where}")
 
@@ -205,15 +207,18 @@ def excess_table(tree: Counter, traj: Counter, tree_tokens: int, traj_tokens: in
               f"traj {traj.get(name, 0.0) * PER / traj_tokens:9.1f}  {short_name(name)}")
 
 
-def profile_mode(step, device, profiles: int):
-    """(each component's median over `profiles` profiled calls, the first call's (profiler, wall ms)): single
-    profiles move by up to 10% a component; the kernel and idle tables read the first profile."""
-    first, runs = None, []
+def profile_mode(step, device, profiles: int, top: int):
+    """(each component's median over `profiles` profiled calls, and from the first call on CUDA its kernel times
+    and idle report): single profiles move by up to 10% a component. The first profile is read at once: a
+    later profiler session in the process drops the kernel events its trace export would need."""
+    runs, kernels, idle = [], None, None
     for _ in range(profiles):
         prof, wall_ms = profiled_step(step, device)
         runs.append(components(prof, wall_ms, device))
-        first = first or (prof, wall_ms)
-    return {name: float(np.median([run.get(name, 0.0) for run in runs])) for name in runs[0]}, first
+        if kernels is None and device.type == "cuda":
+            kernels, idle = kernel_times(prof), idle_report(prof, wall_ms, top)
+        del prof
+    return {name: float(np.median([run.get(name, 0.0) for run in runs])) for name in runs[0]}, kernels, idle
 
 
 def run_preset(preset, model, args, traj_microbatches: int, top: int, sites: list[str], profiles: int) -> None:
@@ -226,22 +231,22 @@ def run_preset(preset, model, args, traj_microbatches: int, top: int, sites: lis
     traj = Step(model, sample, row["trajectory_tokens"])
     for step in (tree, traj):  # warm: kernels compiled, allocator grown
         step()
-    tree_parts, (tree_prof, tree_wall) = profile_mode(tree, args.device, profiles)
-    traj_parts, (traj_prof, traj_wall) = profile_mode(traj, args.device, profiles)
+    tree_parts, tree_kernels, tree_idle = profile_mode(tree, args.device, profiles, top)
+    traj_parts, traj_kernels, traj_idle = profile_mode(traj, args.device, profiles, top)
     print(f"  tree: {len(forward_units(tree_indices))} forwards; trajectory-wise: {len(sample)} of "
           f"{len(traj_indices)} microbatches profiled")
     component_table(tree_parts, traj_parts, row["trajectory_tokens"], sample_tokens, row)
     if cuda:
-        tree_kernels, traj_kernels = kernel_times(tree_prof), kernel_times(traj_prof)
         kernel_table("tree", tree_kernels, row["trajectory_tokens"], top)
         kernel_table("trajectory-wise", traj_kernels, sample_tokens, top)
         excess_table(tree_kernels, traj_kernels, row["trajectory_tokens"], sample_tokens, row["ideal"], top)
         if sites:
-            op_sites(tree, sites, top)
+            op_sites("tree", tree, row["trajectory_tokens"], sites, top)
+            op_sites("trajectory-wise", traj, sample_tokens, sites, top)
         memory_anatomy(tree, model, top)
-        print_idle("tree", idle_report(tree_prof, tree_wall, top))
-        print_idle(f"trajectory-wise ({len(sample)} microbatches)", idle_report(traj_prof, traj_wall, top))
-    del tree, traj, tree_prof, traj_prof
+        print_idle("tree", tree_idle)
+        print_idle(f"trajectory-wise ({len(sample)} microbatches)", traj_idle)
+    del tree, traj
 
 
 def main(argv=None) -> int:
