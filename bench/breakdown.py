@@ -93,19 +93,22 @@ def components(prof, wall_ms: float, device: torch.device) -> dict:
     return totals
 
 
+def backward_node(event):
+    """The `autograd::engine::evaluate_function: <Node>` event around `event` (an op run by autograd's backward),
+    or None for a forward op."""
+    while event is not None:
+        if event.name.startswith("autograd::engine::evaluate_function"):
+            return event
+        event = event.cpu_parent
+    return None
+
+
 def attribute_events(events, on_device: bool) -> dict:
     """See component_breakdown; `events` are the profiler's CPU-side FunctionEvents."""
     def range_of(event):
         while event is not None:
             if event.name.startswith("harts:"):
                 return event.name[len("harts:"):]
-            event = event.cpu_parent
-        return None
-
-    def backward_node(event):
-        while event is not None:
-            if event.name.startswith("autograd::engine::evaluate_function"):
-                return event
             event = event.cpu_parent
         return None
 

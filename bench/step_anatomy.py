@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from breakdown import components, profiled_step  # noqa: E402
+from breakdown import backward_node, components, profiled_step  # noqa: E402
 from common import (BENCH_MODELS, Step, build_model, describe_device, forward_units, model_config,  # noqa: E402
                     synchronize)
 from e2e import parse_args, plan_preset  # noqa: E402
@@ -69,7 +69,10 @@ def op_sites(label: str, step, tokens: int, ops: list[str], top: int) -> None:
     for event in prof.events():  # each call with its whole stack (key_averages would cut it at n frames)
         if event.name in ops and event.device_time_total > 0:
             frames = [f.replace(root, "") for f in event.stack if f.startswith(root) and "/bench/" not in f]
-            site = (event.name, " < ".join(frames[:3]) or "?")
+            # an op autograd's backward runs carries the python stack of the forward op it differentiates
+            node = backward_node(event)
+            backward = f"[{node.name.split(': ', 1)[1]}] " if node is not None else ""
+            site = (event.name, backward + (" < ".join(frames[:3]) or "?"))
             times[site] += event.device_time_total / 1e3 * 1e6 / tokens
             calls[site] += 1
     for op in ops:
