@@ -85,7 +85,7 @@ def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_
     p_rows = (rows[:, None] * HV + i_h) * K + o_k[None, :]
     tl.store(dq + (kept[:, None] * HV + i_h) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_keep[:, None])
     tl.store(dk + p_rows, b_dk, mask=m_t[:, None])
-    tl.store(dw + p_rows, -b_dw, mask=m_t[:, None])
+    tl.store(dw + p_rows, (-b_dw).to(dw.dtype.element_ty), mask=m_t[:, None])
     if BK < K:
         tl.store(dgc + (rows * HV + i_h) * (K // BK) + i_k, b_dgc, mask=m_t)
     else:
@@ -163,13 +163,12 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
     b_db = tl.sum(b_dkk * b_kk, 1)
     b_dgc_a = b_dkk * b_kk * b_b[:, None]                              # dA * A
     b_dgc = tl.load(dgc + rows * HV + i_h, mask=m_t, other=0.0) + tl.sum(b_dgc_a, 1) - tl.sum(b_dgc_a, 0)
-    b_dkk = b_dkk * b_b[:, None]
+    b_dkk = (b_dkk * b_b[:, None]).to(dt)
     # the other side of k_i . k_j needs b_dkk^T: round trip through this program's scratch tile
     p_s = scratch + i_ch.to(tl.int64) * (BT * BT)
     tl.store(p_s + o_t[:, None] * BT + o_t[None, :], b_dkk)
     tl.debug_barrier()
-    b_dkkt = tl.load(p_s + o_t[None, :] * BT + o_t[:, None]).to(dt)
-    b_dkk = b_dkk.to(dt)
+    b_dkkt = tl.load(p_s + o_t[None, :] * BT + o_t[:, None])
 
     # dk += T^T dw * beta exp(gc) + dkk k + dkk^T k
     for i_k in range(0, K // BK):
@@ -258,7 +257,9 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     out = dk_dv_dbeta_dg(n_out)
     side = out if rows is None else dk_dv_dbeta_dg(rows.num_replays)
     dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32)
-    dw = torch.empty_like(dk_part)
+    # dw and the WY backward's scratch tiles in the inputs' dtype: their only reader rounds them to it before its
+    # dots, so the bits are those of fp32 buffers at half the traffic
+    dw = torch.empty(n_rows, hv, kd, device=dev, dtype=k.dtype)
     dgc = out[3] if rows is None else torch.empty(n_rows, hv, device=dev, dtype=torch.float32)
     if index.num_chunks:
         shifts = chunk_shift_table(index, rows)
@@ -272,7 +273,7 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
             num_warps=cfg.bwd_qk_warps)
         if n_k > 1:
             torch.sum(dgc_parts, dim=-1, out=dgc)
-        scratch = torch.empty(index.num_chunks * hv, BT, BT, device=dev, dtype=torch.float32)
+        scratch = torch.empty(index.num_chunks * hv, BT, BT, device=dev, dtype=k.dtype)
         _wy_bwd_kernel[(index.num_chunks * hv,)](
             k, v, beta, gc, T, dw, dvn, dk_part, dgc, *out, *side, scratch, *tables,
             HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None,

@@ -3,7 +3,7 @@
 Per chunk (BT = 64 rows) and value head:
   gc  = in-chunk cumsum of g                                   [BT]     fp32
   A   = strictly_lower( (beta k) k^T * exp(gc_i - gc_j) )      [BT, BT]
-  T   = (I + A)^-1                                             [BT, BT] fp32, kept for the backward
+  T   = (I + A)^-1                                             [BT, BT], kept for the backward
   w   = T (beta exp(gc) k),  u = T (beta v)                    [BT, K], [BT, V]
 Two kernels. The first accumulates A's ten lower 16x16 blocks over column blocks of k, inverts the four
 diagonal blocks by forward substitution and merges the rest in fp32, all in registers (fla 0.6.0 fuses
@@ -31,7 +31,7 @@ def _store_t(T, row0, row_end, blk_i, blk_j, b_t, i_h, HV: tl.constexpr, BT: tl.
     o_i = tl.arange(0, 16)
     rows = row0 + blk_i * 16 + o_i
     p = T + (rows[:, None] * HV + i_h) * BT + blk_j * 16 + o_i[None, :]
-    tl.store(p, b_t, mask=(rows < row_end)[:, None])
+    tl.store(p, b_t.to(T.dtype.element_ty), mask=(rows < row_end)[:, None])
 
 
 @triton.jit
@@ -232,7 +232,9 @@ def wy_fwd(k, v, g, beta, index, rows=None):
     if BT != 64:
         raise ValueError(f"chunk_gated_delta_rule: the Triton path has chunk_size 64 built in, got {BT}")
     gc = torch.empty(n_rows, hv, device=k.device, dtype=torch.float32)
-    T = torch.empty(n_rows, hv, BT, device=k.device, dtype=torch.float32)
+    # T in the inputs' dtype: every dot that reads it (here and in the WY backward) rounds it to that dtype first,
+    # so storing it rounded gives the same bits at half the traffic
+    T = torch.empty(n_rows, hv, BT, device=k.device, dtype=k.dtype)
     w = torch.empty(n_rows, hv, kd, device=k.device, dtype=k.dtype)
     u = torch.empty(n_rows, hv, vd, device=k.device, dtype=v.dtype)
     if not index.num_chunks:
