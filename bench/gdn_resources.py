@@ -13,6 +13,7 @@ from pathlib import Path
 
 from harts_compiler.codegen.kernels.causal_conv import function as conv
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_bwd, l2norm, state_bwd, state_fwd, wy_fwd
+from harts_compiler.codegen.kernels.chunk_kda import chunk_bwd as kda_chunk_bwd
 from harts_compiler.codegen.kernels.chunk_kda import diag_bwd, intra_bwd, intra_fwd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
@@ -87,6 +88,8 @@ KERNELS = [
     ("kda wu", intra_fwd._wu_kernel, {"HK": 32, "HV": 32, "BK": 64}, None),
     ("kda intra_bwd", intra_bwd._intra_bwd_kernel, {"HK": 32, "HV": 32, "BK": 32}, None),
     ("kda diag_bwd", diag_bwd._diag_bwd_kernel, {"HK": 32, "HV": 32, "BH": 4}, None),
+    ("kda bwd_inter", kda_chunk_bwd._bwd_inter_kernel, {"HK": 32, "HV": 32}, None),
+    ("kda wy_bwd", kda_chunk_bwd._wy_bwd_kernel, {"HK": 32, "HV": 32}, {"dv": "*fp32", "side_dv": "*fp32"}),
 ]
 
 
