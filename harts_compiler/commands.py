@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .cli_help import HelpFormatter
 from .errors import InputError
+from .metadata import field_hints
 from .progress import add_quiet_argument
 
 
@@ -141,6 +142,7 @@ def plan_warnings(plan) -> list[str]:
         largest = max((mb["compact_tokens"] for mb in stats["microbatches"]), default=0)
         warnings.append(f"no --microbatch-tokens: each rank runs its trees as one microbatch (the largest has "
                         f"{largest:,} compact tokens); give the budget one forward+backward fits")
+    warnings += field_hints((plan.metadata or {}).values())
     idle = plan.options.dp_size - len({mb["rank"] for mb in stats["microbatches"]})
     if stats["microbatches"] and idle > 0:
         warnings.append(f"{idle} of {plan.options.dp_size} ranks get no microbatch ({stats['trees']} trees to "

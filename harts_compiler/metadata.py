@@ -8,9 +8,17 @@ into the runtime's `TrajectoryInputs`, so a trainer needs no side table keyed by
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import warnings
+from collections import Counter
+from typing import Iterable, Mapping, Sequence
 
 PER_POSITION = ("old_logprobs", "ref_logprobs", "response_mask")
+# names other RL stacks give the fields the loss reads: kept as plain metadata here, so a rollout file that uses
+# them would silently train without its mask or old log-probs; `field_hints` names them
+NEAR_MISSES = {"loss_mask": "response_mask", "action_mask": "response_mask", "assistant_mask": "response_mask",
+               "response_masks": "response_mask", "old_log_probs": "old_logprobs", "old_logprob": "old_logprobs",
+               "logprobs": "old_logprobs", "ref_log_probs": "ref_logprobs", "ref_logprob": "ref_logprobs",
+               "advantages": "advantage", "rewards": "reward", "group_id": "group"}
 
 
 def check_lengths(metadata: Mapping, length: int, where: str) -> list[str]:
@@ -22,6 +30,16 @@ def check_lengths(metadata: Mapping, length: int, where: str) -> list[str]:
             problems.append(f"{where}: field {name}: {len(value)} entries for {length} tokens (one per position; "
                             "entry 0 predicts nothing and is ignored)")
     return problems
+
+
+def field_hints(fields: Iterable[Mapping]) -> list[str]:
+    """One line per field name that another RL stack uses for a field the loss reads (`NEAR_MISSES`), set on
+    trajectories that lack the field HARTS reads: such a field is kept as plain metadata and has no effect."""
+    counts: Counter = Counter()
+    for f in fields:
+        counts.update(name for name, meant in NEAR_MISSES.items() if name in f and meant not in f)
+    return [f"field {name!r} ({count} trajectories) is kept as plain metadata and not read; the loss reads "
+            f"{NEAR_MISSES[name]!r}" for name, count in sorted(counts.items())]
 
 
 def loss_inputs(plan, *, scale_by_std: bool = True):
@@ -36,6 +54,8 @@ def loss_inputs(plan, *, scale_by_std: bool = True):
     ids = list(plan.program.forest.traj_ids)
     metadata = plan.metadata or {}
     fields = [metadata.get(i, {}) for i in ids]
+    for hint in field_hints(fields):
+        warnings.warn(hint, stacklevel=2)
     if all("advantage" in f for f in fields):
         advantages = {i: f["advantage"] for i, f in zip(ids, fields)}
     else:

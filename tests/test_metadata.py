@@ -84,3 +84,24 @@ def test_loss_inputs_need_the_same_fields_everywhere(tmp_path):
     lines = [{"id": "a", "tokens": [1, 2], "reward": 1.0}]
     with pytest.raises(ValueError, match="'a': a reward without a 'group'"):
         loss_inputs(hc.compile(hc.TreeBatch.load(write(tmp_path, lines)), hc.CompileOptions()))
+
+
+def test_fields_other_stacks_use_are_named_not_silently_ignored(tmp_path):
+    from harts_compiler.commands import plan_warnings
+    lines = [{"id": "a", "tokens": [1, 2, 3], "reward": 1.0, "group": "g", "loss_mask": [0, 1, 1]},
+             {"id": "b", "tokens": [1, 2, 4], "reward": 0.0, "group": "g", "loss_mask": [0, 1, 0],
+              "old_log_probs": [0, -1, -1]}]
+    plan = hc.compile(hc.TreeBatch.load(write(tmp_path, lines)), hc.CompileOptions(microbatch_tokens=64))
+    hints = [w for w in plan_warnings(plan) if "plain metadata" in w]
+    assert len(hints) == 2 and "'loss_mask' (2 trajectories)" in hints[0] and "'response_mask'" in hints[0]
+    assert "'old_log_probs' (1 trajectories)" in hints[1] and "'old_logprobs'" in hints[1]
+    with pytest.warns(UserWarning) as record:
+        inputs = loss_inputs(plan)
+    assert sorted(str(w.message).split()[1] for w in record) == ["'loss_mask'", "'old_log_probs'"]
+    assert inputs.response_mask is None  # kept as metadata only, as the warning says
+    # the field the loss reads, set beside the other stack's name: nothing to say
+    for line in lines:
+        line["response_mask"] = line["loss_mask"]
+        line.pop("old_log_probs", None)
+    plan = hc.compile(hc.TreeBatch.load(write(tmp_path, lines)), hc.CompileOptions(microbatch_tokens=64))
+    assert not [w for w in plan_warnings(plan) if "plain metadata" in w]
