@@ -78,6 +78,7 @@ from common import (BENCH_MODELS, LENGTH_SCALE, TINY_GENERATOR, build_model, des
                     finish_args, format_table, forward_units, model_config, parameter_count, plan_microbatches,
                     prefix_forest, sized_batch, trajectory_microbatches, write_json)
 from harts_compiler.passes import cost_model  # noqa: E402
+from harts_compiler.predict import mode_terms  # noqa: E402
 
 
 
@@ -175,11 +176,7 @@ def plan_preset(preset, config, args):
 
 def predicted_terms(predictor, indices, layers) -> dict:
     """The fitted cost model's ms per term, summed over the forward units of one mode's microbatches."""
-    totals = dict.fromkeys(cost_model.TERMS, 0.0)
-    for piece in forward_units(indices):
-        for term, ms in predictor.terms(cost_model.features(piece), layers).items():
-            totals[term] += ms
-    return totals
+    return mode_terms(predictor, forward_units(indices), layers)
 
 
 def run_preset(preset, model, args) -> dict:

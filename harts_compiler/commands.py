@@ -74,7 +74,9 @@ def compile_main(argv: list[str]) -> int:
     parser.add_argument("-o", "--output", metavar="PLAN", help="save the plan: PLAN (.hir text) and, for long "
                         "token lists, PLAN.npz beside it")
     parser.add_argument("--model", metavar="PRESET|DIR", help="a model preset or checkpoint directory (its "
-                        "config.json): report the bytes trees in pieces carry and their predicted peak memory")
+                        "config.json): report the step's predicted time against trajectory-wise training (the "
+                        "cost model fitted on an H200), and the bytes trees in pieces carry and their predicted "
+                        "peak memory")
     add_quiet_argument(parser)
     args = parser.parse_args(argv)
     config = model_config(args.model) if args.model else None
@@ -93,7 +95,14 @@ def compile_main(argv: list[str]) -> int:
     stats = dict(plan.stats)
     if config is not None and "pieces" in stats:
         stats["pieces"] = {**stats["pieces"], "memory": pieces_memory(plan, config)}
+    prediction = None
+    if config is not None and plan.program.microbatches is not None:
+        from .predict import format_prediction, predicted_step
+        prediction = predicted_step(plan, batch, config)
+        stats["predicted_step"] = prediction
     print(json.dumps(stats) if args.json else format_summary(plan, stats))
+    if prediction is not None and not args.json:
+        print(format_prediction(prediction))
     return 0
 
 

@@ -134,3 +134,24 @@ def test_layer_counts_reach_the_cost_model(batch_file, capsys):
         assert main(["compile", str(batch_file), "--json", *layers]) == 0
         objectives.append(json.loads(capsys.readouterr().out)["schedule"]["objective"])
     assert objectives[1] > 5 * objectives[0]
+
+
+def test_compile_with_a_model_predicts_the_step_against_trajectory_wise(batch_file, tmp_path, capsys):
+    args = ["compile", "--microbatch-tokens", "512", "--model", "tiny-qwen3-next", "--json"]
+    assert main(args[:1] + [str(batch_file)] + args[1:]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    p = stats["predicted_step"]
+    assert p["token_ratio"] == pytest.approx(stats["compression"], rel=1e-3)
+    assert p["pair_ratio"] == stats["pair_compression"] and 0 < p["pair_share"] < 1
+    # attention shrinks by the pair ratio only; tree mode's per-round and replay costs keep it under its ceiling
+    assert p["pair_ratio"] <= p["ceiling"] <= p["token_ratio"]
+    assert 1 < p["speedup"] <= p["ceiling"] and p["speedup"] == pytest.approx(p["traj_ms"] / p["tree_ms"])
+    # nothing shared: the same work in both modes
+    disjoint = tmp_path / "disjoint.jsonl"
+    disjoint.write_text("".join(json.dumps({"id": str(i), "tokens": [i * 100 + t for t in range(90)]}) + "\n"
+                                for i in range(6)))
+    assert main(["compile", str(disjoint)] + args[1:]) == 0
+    p = json.loads(capsys.readouterr().out)["predicted_step"]
+    assert p["token_ratio"] == p["ceiling"] == 1 and p["speedup"] == pytest.approx(1.0, rel=1e-6)
+    assert main(["compile", str(disjoint), "--microbatch-tokens", "512", "--model", "tiny-qwen3-next"]) == 0
+    assert "predicted step" in capsys.readouterr().out
