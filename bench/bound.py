@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_config  # noqa: E402
 from e2e import parse_args, plan_preset, predicted_terms  # noqa: E402
+from harts_compiler import predict  # noqa: E402
 from harts_compiler.passes import cost_model  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def bound_row(preset, config, predictor, args) -> dict:
     traj = predicted_terms(predictor, traj_indices, layers)
     tree_ms, traj_ms = sum(tree.values()), sum(traj.values())
     pair_ratio, share = row["pair_compression"], traj["full_pair"] / traj_ms
-    ceiling = 1 / ((1 - share) / row["ideal"] + share / pair_ratio)
+    ceiling = predict.ceiling(row["ideal"], pair_ratio, share)
     return dict(preset=preset, ideal=row["ideal"], pair_ratio=pair_ratio, traj_pair_share=share, ceiling=ceiling,
                 tree_ms=tree_ms, traj_ms=traj_ms, predicted=traj_ms / tree_ms)
 

@@ -81,7 +81,7 @@ def collect_shapes(args, vocab_size: int, conv_width: int):
         batch, _ = sized_batch(preset, tokens, length_scale=scale, vocab_size=vocab_size,
                                seed=args.seed, **overrides)
         _, tree, *_ = plan_microbatches(batch, budget, args.device, vocab_size=vocab_size, **shape)
-        traj = trajectory_microbatches(batch, budget, args.device, **shape)
+        traj = trajectory_microbatches(batch, budget, **shape)
         chains += [(f"{preset}/pieces/{budget}", i) for i in tree if isinstance(i, PieceChain)]
         shapes += [(f"{preset}/tree/{budget}", i) for i in tree if not isinstance(i, PieceChain)]
         shapes += [(f"{preset}/traj/{budget}", i) for i in traj]

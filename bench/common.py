@@ -21,10 +21,9 @@ import numpy as np
 import torch
 
 import harts_compiler as hc
-from harts_compiler.codegen.index import trajectory_index
 from harts_compiler.codegen.pieces import PieceChain
+from harts_compiler.predict import forward_units, plan_indices, trajectory_microbatches  # noqa: F401 (re-exported)
 from harts_compiler.runtime.pieces import lower_chain
-from harts_compiler.passes.schedule import first_fit_decreasing
 
 # -- the benchmark model ----------------------------------------------------------------------
 
@@ -169,16 +168,6 @@ class Step:
             loss.backward()
 
 
-def trajectory_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width: int):
-    """Trajectory-wise indices (host tables; the model lowers and uploads each in its forward): trajectories
-    packed first-fit decreasing into <= budget tokens (a longer trajectory runs alone)."""
-    lengths = batch.lengths.tolist()
-    bins = first_fit_decreasing(lengths, budget)
-    return [trajectory_index([batch.trajectory(j) for j in sorted(b)], [batch.ids[j] for j in sorted(b)],
-                             chunk_size=chunk_size, conv_width=conv_width)
-            for b in bins]
-
-
 def plan_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width: int,
                       vocab_size: int | None = None, layer_counts=None):
     """(plan, host indices, compile ms, index-building ms, budget used). `layer_counts` (a
@@ -203,13 +192,8 @@ def plan_microbatches(batch, budget: int, device, *, chunk_size: int, conv_width
         plan = hc.compile(batch, hc.CompileOptions(**options))
     compile_ms = (time.perf_counter() - start) * 1e3
     start = time.perf_counter()
-    indices = [mb.build_chain() if mb.runs_as_pieces else mb.build_index() for mb in plan.microbatches()]
+    indices = plan_indices(plan)
     return plan, indices, compile_ms, (time.perf_counter() - start) * 1e3, budget
-
-
-def forward_units(indices) -> list:
-    """The microbatch indices one step runs a forward and backward for: a tree in pieces runs each piece."""
-    return [p for i in indices for p in (i.indices if isinstance(i, PieceChain) else [i])]
 
 
 def prefix_forest(batch):

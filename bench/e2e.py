@@ -155,7 +155,7 @@ def plan_preset(preset, config, args):
         batch, args.microbatch_tokens, args.device, vocab_size=config.vocab_size,
         layer_counts=layers, **shape)
     stats = plan.stats
-    traj_indices = trajectory_microbatches(batch, budget, args.device, **shape)
+    traj_indices = trajectory_microbatches(batch, budget, **shape)
     # ideal = trajectory tokens / distinct tokens (trees over the budget run as pieces: every token once)
     distinct = prefix_forest(batch).num_tokens
     row = {"preset": preset, "tasks": tasks, "length_scale": scale, "trajectories": len(batch),

@@ -48,7 +48,7 @@ def numerics(row, model, reference, args) -> None:
     with torch.no_grad():
         shape = dict(chunk_size=args.chunk_size, conv_width=model.conv_width)
         _, tree_indices, *_ = plan_microbatches(batch, args.microbatch_tokens, args.device, **shape)
-        traj_indices = trajectory_microbatches(batch, args.microbatch_tokens, args.device, **shape)
+        traj_indices = trajectory_microbatches(batch, args.microbatch_tokens, **shape)
         tree = logprob_rows(model(i) for i in tree_indices)
         traj = logprob_rows(model(i) for i in traj_indices)
         kernels = linear_kernel_arguments(model.config, REFERENCE_KERNELS[model.config.linear_rule])

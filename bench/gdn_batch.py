@@ -97,7 +97,7 @@ def measure_batch(name: str, batch, budget: int, args, **extra) -> dict:
     shape = dict(chunk_size=64, conv_width=4)
     plan, tree_indices, *_ = plan_microbatches(batch, budget, args.device, **shape)
     tree_indices = forward_units(tree_indices)  # a tree in pieces: each piece, with its carried states
-    traj_indices = trajectory_microbatches(batch, budget, args.device, **shape)
+    traj_indices = trajectory_microbatches(batch, budget, **shape)
     distinct = prefix_forest(batch).num_tokens
     row = dict(preset=name, **extra, trajectory_tokens=plan.stats["trajectory_tokens"], compact=distinct,
                rounds=plan.stats["rounds"], ideal=plan.stats["trajectory_tokens"] / distinct)

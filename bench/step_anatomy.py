@@ -56,8 +56,8 @@ def op_sites(label: str, step, tokens: int, ops: list[str], top: int) -> None:
     `tokens` it stands for, by the python call stack that issued them (the repository's frames), so a kernel
     in the excess table is traced to its line and compared with the same line in the other mode."""
     from torch.profiler import ProfilerActivity, profile
-    # verbose: without it the python frames are not recorded (torch >= 2.0); ops run by autograd's backward
-    # threads have none and print as "?"
+    # verbose: without it the python frames are not recorded (torch >= 2.0); an op with no repository frame
+    # prints as "?"
     verbose = torch._C._profiler._ExperimentalConfig(verbose=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
                  experimental_config=verbose) as prof:

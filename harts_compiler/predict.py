@@ -12,8 +12,28 @@ from __future__ import annotations
 from pathlib import Path
 
 from harts_compiler.codegen.index import trajectory_index
+from harts_compiler.codegen.pieces import PieceChain
 from harts_compiler.passes import cost_model
 from harts_compiler.passes.schedule import first_fit_decreasing
+
+
+def plan_indices(plan) -> list:
+    """The host index of each of the plan's microbatches (a PieceChain for a tree in pieces)."""
+    return [mb.build_chain() if mb.runs_as_pieces else mb.build_index() for mb in plan.microbatches()]
+
+
+def trajectory_microbatches(batch, budget: int, *, chunk_size: int, conv_width: int) -> list:
+    """Trajectory-wise indices (host tables) of the batch: trajectories packed first-fit decreasing into <= budget
+    tokens (a longer trajectory runs alone), each its own sequence from the zero state."""
+    bins = first_fit_decreasing(batch.lengths.tolist(), budget)
+    return [trajectory_index([batch.trajectory(j) for j in sorted(b)], [batch.ids[j] for j in sorted(b)],
+                             chunk_size=chunk_size, conv_width=conv_width)
+            for b in bins]
+
+
+def forward_units(indices) -> list:
+    """The microbatch indices one step runs a forward and backward for: a tree in pieces runs each piece."""
+    return [p for i in indices for p in (i.indices if isinstance(i, PieceChain) else [i])]
 
 
 def mode_terms(predictor, units, layers) -> dict:
@@ -25,29 +45,31 @@ def mode_terms(predictor, units, layers) -> dict:
     return totals
 
 
+def ceiling(token_ratio: float, pair_ratio: float, pair_share: float) -> float:
+    """The speedup with tree-mode kernels exactly as fast per token and per attention pair as the baseline's."""
+    return 1 / ((1 - pair_share) / token_ratio + pair_share / pair_ratio)
+
+
 def predicted_step(plan, batch, config, predictor=None) -> dict:
     """{tree_ms, traj_ms, speedup, token_ratio, pair_ratio, pair_share, ceiling, cost_model, device} of one step
     of `plan` (compiled from `batch`) on a model of `config` (its layer types), by `predictor` (default: the
     fitted model shipped with the package)."""
     predictor = predictor or cost_model.load_cost_model()
     layers = cost_model.LayerCounts.of(config)
-    tree_units = [unit for mb in plan.microbatches()
-                  for unit in (mb.build_chain().indices if mb.runs_as_pieces else [mb.build_index()])]
     lengths = batch.lengths.tolist()
     budget = max(plan.options.microbatch_tokens or sum(lengths), max(lengths, default=0))
-    options = plan.options
-    traj_units = [trajectory_index([batch.trajectory(j) for j in sorted(b)], [batch.ids[j] for j in sorted(b)],
-                                   chunk_size=options.chunk_size, conv_width=options.conv_width)
-                  for b in first_fit_decreasing(lengths, budget)]
-    tree, traj = mode_terms(predictor, tree_units, layers), mode_terms(predictor, traj_units, layers)
+    traj_indices = trajectory_microbatches(batch, budget, chunk_size=plan.options.chunk_size,
+                                           conv_width=plan.options.conv_width)
+    tree = mode_terms(predictor, forward_units(plan_indices(plan)), layers)
+    traj = mode_terms(predictor, traj_indices, layers)
     tree_ms, traj_ms = sum(tree.values()), sum(traj.values())
     stats = plan.stats
     token_ratio = stats["trajectory_tokens"] / max(stats["compact_tokens"], 1)
     pair_ratio = stats["pair_compression"] or 1.0
     share = traj["full_pair"] / traj_ms if traj_ms > 0 else 0.0
-    ceiling = 1 / ((1 - share) / token_ratio + share / pair_ratio)
     return dict(tree_ms=tree_ms, traj_ms=traj_ms, speedup=traj_ms / tree_ms if tree_ms > 0 else 0.0,
-                token_ratio=token_ratio, pair_ratio=pair_ratio, pair_share=share, ceiling=ceiling,
+                token_ratio=token_ratio, pair_ratio=pair_ratio, pair_share=share,
+                ceiling=ceiling(token_ratio, pair_ratio, share),
                 cost_model=predictor.source, device=predictor.device)
 
 
