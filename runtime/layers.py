@@ -1,8 +1,9 @@
 """Token-local building blocks shared by all layers: norms, RoPE tables, dense MLP.
 
 These act on compact tokens [T, ...] one token at a time, so tree mode and trajectory-wise mode
-run literally the same arithmetic on them. Each follows transformers' Qwen3-Next code line by
-line, with one deliberate change: where transformers casts to float32 we cast to
+run literally the same arithmetic on them. The norms run `codegen/kernels/rmsnorm` (one Triton pass
+for 16-bit CUDA tensors, its plain-torch reference otherwise); the rest follows transformers'
+Qwen3-Next code line by line, with one deliberate change: where transformers casts to float32 we cast to
 `compute_dtype(x)` = the wider of x's dtype and float32, so float64 runs stay float64 end to end
 (float32 and bfloat16 runs are unchanged).
 """
@@ -12,16 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for low-precision dtypes, float64 for float64 (never narrower than the input)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, computed (and returned) in `compute_dtype`: the core of every norm here."""
-    h = x.to(compute_dtype(x.dtype))
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+from harts_compiler.codegen.kernels.rmsnorm import compute_dtype, rms_norm
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -33,8 +25,7 @@ class ZeroCentredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = rms_normalised(x, self.eps)
-        return (h * (1.0 + self.weight.to(h.dtype))).type_as(x)
+        return rms_norm(x, self.weight, self.eps, "offset")
 
 
 class GatedRMSNorm(nn.Module):
@@ -46,11 +37,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        wide = compute_dtype(input_dtype)
-        h = self.weight * rms_normalised(x, self.variance_epsilon).to(input_dtype)
-        h = h * F.silu(gate.to(wide))
-        return h.to(input_dtype)
+        return rms_norm(x, self.weight, self.variance_epsilon, "gated_silu", gate)
 
 
 class RMSNorm(nn.Module):
@@ -62,7 +49,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * rms_normalised(x, self.variance_epsilon).to(x.dtype)
+        return rms_norm(x, self.weight, self.variance_epsilon, "scale")
 
 
 class SigmoidGatedRMSNorm(nn.Module):
@@ -74,9 +61,7 @@ class SigmoidGatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        wide = compute_dtype(x.dtype)
-        h = self.weight.to(wide) * rms_normalised(x, self.variance_epsilon) * torch.sigmoid(gate.to(wide))
-        return h.to(x.dtype)
+        return rms_norm(x, self.weight, self.variance_epsilon, "gated_sigmoid", gate)
 
 
 class DenseMLP(nn.Module):

@@ -343,3 +343,10 @@ def test_trajectory_sdpa_baseline_equals_our_attention():
     tree.subtree_end[:] = [3, 2, 3]  # token 1 closes its own subtree: not one run of rows
     with pytest.raises(ValueError, match="whole trajectories"):
         anchors.TrajectorySDPA().add(plan, tree)
+
+
+def test_rmsnorm_bench_runs_the_kernels_interpreted(tmp_path):
+    """bench/rmsnorm.py --tiny: the Triton norms and torch's chain on the interpreter, the same values."""
+    rows = run_bench("rmsnorm.py", tmp_path).stdout.splitlines()[2:]
+    assert len(rows) == 4 and all(float(line.split()[-1]) < 1e-5 and float(line.split()[-2]) < 1e-5
+                                  for line in rows), rows

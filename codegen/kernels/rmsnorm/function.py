@@ -1,0 +1,66 @@
+"""`rms_norm`: the Triton kernels for 16-bit CUDA tensors, the plain-torch reference everywhere else."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .kernels import MAX_PROGRAMS, _rms_norm_bwd_kernel, _rms_norm_fwd_kernel, launch
+from .reference import GATED, MODES, rms_norm_reference
+
+
+def triton_supports(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None = None) -> bool:
+    """16-bit x, weight (and gate) of one dtype, on CUDA. fp32 and fp64 runs keep the reference, whose arithmetic
+    transformers' checkpoints are checked against on the CPU; the interpreter (which rounds 16-bit stores by
+    truncation, `interpreter_safe`) runs the kernels only when a test calls `RMSNormFunction` itself."""
+    same = weight.dtype == x.dtype and (gate is None or gate.dtype == x.dtype)
+    return x.is_cuda and same and x.dtype in (torch.bfloat16, torch.float16)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, gate, eps: float, mode: str):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        g2 = gate.reshape(-1, shape[-1]).contiguous() if gate is not None else x2
+        n_rows, dim = x2.shape
+        y = torch.empty_like(x2)
+        rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+        block_d, rows, warps = launch(n_rows, dim)
+        if n_rows:
+            _rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+                x2, weight, g2, y, rstd, n_rows, dim, eps, MODE=MODES.index(mode), BLOCK_D=block_d, ROWS=rows,
+                num_warps=warps)
+        ctx.save_for_backward(x2, weight, gate.reshape(-1, shape[-1]) if gate is not None else None, rstd)
+        ctx.mode, ctx.shape = mode, shape
+        return y.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, g2, rstd = ctx.saved_tensors
+        n_rows, dim = x2.shape
+        dy2 = dy.reshape(n_rows, dim).contiguous()
+        dx = torch.empty_like(x2)
+        dg = torch.empty_like(x2) if g2 is not None else dx
+        block_d, rows, warps = launch(n_rows, dim)
+        programs = max(1, min(MAX_PROGRAMS, triton.cdiv(n_rows, rows)))
+        dw_part = torch.empty(programs, block_d, device=x2.device, dtype=torch.float32)
+        if n_rows:
+            _rms_norm_bwd_kernel[(programs,)](
+                x2, weight, g2.contiguous() if g2 is not None else x2, dy2, rstd, dx, dg, dw_part, n_rows, dim,
+                MODE=MODES.index(ctx.mode), BLOCK_D=block_d, ROWS=rows, num_warps=warps)
+        else:
+            dw_part.zero_()
+        dw = dw_part[:, :dim].sum(0).to(weight.dtype)  # a fixed order over the programs' partials
+        dgate = dg.reshape(ctx.shape) if g2 is not None else None
+        return dx.reshape(ctx.shape), dw, dgate, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str,
+             gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The RMS norm of `mode` (`reference.MODES`) over the last dim of x: the Triton kernels where
+    `triton_supports` admits the inputs, `rms_norm_reference` otherwise."""
+    if mode not in MODES or (gate is not None) != (mode in GATED):
+        return rms_norm_reference(x, weight, eps, mode, gate)  # raises the reference's error
+    if not triton_supports(x, weight, gate):
+        return rms_norm_reference(x, weight, eps, mode, gate)
+    return RMSNormFunction.apply(x, weight, gate, eps, mode)
