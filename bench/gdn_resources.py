@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the GDN, KDA and conv kernels on Hopper, without a GPU.
+"""Registers, spills and shared memory of the GDN, KDA, conv and RMS-norm kernels on Hopper, without a GPU.
 
 Compiles each kernel ahead of time for sm_90a with the production constexprs (bf16, H=16, K=V=128,
 BT=64) and reads ptxas's resource report. Spills and register pressure explain most slow kernels, and
@@ -15,6 +15,7 @@ from harts_compiler.codegen.kernels.causal_conv import function as conv
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_bwd, l2norm, state_bwd, state_fwd, wy_fwd
 from harts_compiler.codegen.kernels.chunk_kda import chunk_bwd as kda_chunk_bwd
 from harts_compiler.codegen.kernels.chunk_kda import diag_bwd, intra_bwd, intra_fwd
+from harts_compiler.codegen.kernels.rmsnorm import kernels as rmsnorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
 from hopper_resources import hopper_resources  # noqa: E402
@@ -59,13 +60,17 @@ def signature_of(fn, constexprs, overrides, data_kind="bf16"):
 
 def resources(fn, num_warps, constexprs, overrides=None, num_stages=3, data_kind="bf16", aligned=False):
     params = inspect.signature(fn.fn).parameters
-    consts = {k: v for k, v in {**BASE, **constexprs}.items() if k in params}
+    # a name the overrides type as an argument is not BASE's constexpr of that name (the norms' weight W)
+    consts = {k: v for k, v in {**BASE, **constexprs}.items() if k in params and k not in (overrides or {})}
     sig = signature_of(fn, consts, overrides or {}, data_kind)
     # aligned=False: pointers without the JIT's 16-byte divisibility hint (the worst case: any pointer);
     # aligned=True: as the JIT compiles for torch's allocations (vectorised loads)
     report = hopper_resources(fn, sig, consts, num_warps=num_warps, num_stages=num_stages, aligned_pointers=aligned)
     return report["regs"], report["stack"], report["shared"]
 
+
+RMSNORM_PTRS = {"W": "*bf16", "G": "*bf16", "RSTD": "*fp32", "DW_PART": "*fp32", "n_rows": "i32", "dim": "i32",
+                "eps": "fp32"}
 
 KERNELS = [
     ("wy_kkt_solve", wy_fwd._wy_kkt_solve_kernel, {}, {"T": "*bf16"}),
@@ -88,6 +93,11 @@ KERNELS = [
     ("kda wu", intra_fwd._wu_kernel, {"HK": 32, "HV": 32, "BK": 64}, None),
     ("kda intra_bwd", intra_bwd._intra_bwd_kernel, {"HK": 32, "HV": 32, "BK": 32}, None),
     ("kda diag_bwd", diag_bwd._diag_bwd_kernel, {"HK": 32, "HV": 32, "BH": 4}, None),
+    # RMS norms at their launch (rmsnorm.launch): the decoder norm's 2048-wide rows, GDN's gated 128-wide rows
+    ("rmsnorm fwd 2048", rmsnorm._rms_norm_fwd_kernel, {"MODE": 0, "BLOCK_D": 2048, "ROWS": 1}, RMSNORM_PTRS),
+    ("rmsnorm bwd 2048", rmsnorm._rms_norm_bwd_kernel, {"MODE": 0, "BLOCK_D": 2048, "ROWS": 1}, RMSNORM_PTRS),
+    ("rmsnorm fwd gated", rmsnorm._rms_norm_fwd_kernel, {"MODE": 2, "BLOCK_D": 128, "ROWS": 16}, RMSNORM_PTRS),
+    ("rmsnorm bwd gated", rmsnorm._rms_norm_bwd_kernel, {"MODE": 2, "BLOCK_D": 128, "ROWS": 16}, RMSNORM_PTRS),
     ("kda bwd_inter", kda_chunk_bwd._bwd_inter_kernel, {"HK": 32, "HV": 32}, None),
     ("kda wy_bwd", kda_chunk_bwd._wy_bwd_kernel, {"HK": 32, "HV": 32}, {"dv": "*fp32", "side_dv": "*fp32"}),
 ]

@@ -13,63 +13,64 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# modes (reference.MODES order)
-OFFSET, SCALE, GATED_SILU, GATED_SIGMOID = 0, 1, 2, 3
+# modes (reference.MODES order); constexpr globals, the only globals a compiled kernel may read
+OFFSET, SCALE, GATED_SILU, GATED_SIGMOID = (tl.constexpr(i) for i in range(4))
 MAX_PROGRAMS = 1024  # bounds the backward's [programs, D] fp32 weight-gradient partials
 
 
 def launch(n_rows: int, dim: int) -> tuple[int, int, int]:
-    """(BLOCK_D, ROWS, num_warps): a block of about 8k elements per program (enough loads in flight to hide
-    memory latency), the row padded to a power of two (tl.arange), 8 warps for rows of 2k elements and up."""
+    """(BLOCK_D, ROWS, num_warps): about 2k elements a program (the row padded to a power of two for tl.arange),
+    8 to 16 a thread: at 8k elements (64 a thread at 4 warps) the gated backward spilled 3.9 KB (offline sm_90
+    compile, bench/gdn_resources.py's tool)."""
     block_d = triton.next_power_of_2(dim)
-    rows = max(1, min(64, 8192 // block_d))
+    rows = max(1, 2048 // block_d)
     return block_d, rows, 8 if block_d >= 2048 else 4
 
 
 @triton.jit
-def _load_rows(X, offs_r, offs_d, n_rows, D):
-    mask = (offs_r[:, None] < n_rows) & (offs_d[None, :] < D)
-    return tl.load(X + offs_r[:, None].to(tl.int64) * D + offs_d[None, :], mask=mask, other=0.0), mask
+def _load_rows(X, offs_r, offs_d, n_rows, dim):
+    mask = (offs_r[:, None] < n_rows) & (offs_d[None, :] < dim)
+    return tl.load(X + offs_r[:, None].to(tl.int64) * dim + offs_d[None, :], mask=mask, other=0.0), mask
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(X, W, G, Y, RSTD, n_rows, D, eps, MODE: tl.constexpr, BLOCK_D: tl.constexpr,
+def _rms_norm_fwd_kernel(X, W, G, Y, RSTD, n_rows, dim, eps, MODE: tl.constexpr, BLOCK_D: tl.constexpr,
                          ROWS: tl.constexpr):
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
-    x, mask = _load_rows(X, offs_r, offs_d, n_rows, D)
+    x, mask = _load_rows(X, offs_r, offs_d, n_rows, dim)
     dt = x.dtype
     xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, 1) / D + eps)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, 1) / dim + eps)
     x_hat = xf * rstd[:, None]
-    w = tl.load(W + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)[None, :]
+    w = tl.load(W + offs_d, mask=offs_d < dim, other=0.0).to(tl.float32)[None, :]
     if MODE == OFFSET:
         y = x_hat * (1.0 + w)
     elif MODE == SCALE:
         y = w * x_hat.to(dt).to(tl.float32)
     else:
-        g = _load_rows(G, offs_r, offs_d, n_rows, D)[0].to(tl.float32)
+        g = _load_rows(G, offs_r, offs_d, n_rows, dim)[0].to(tl.float32)
         sig = tl.sigmoid(g)
         if MODE == GATED_SILU:
             y = (w * x_hat.to(dt).to(tl.float32)).to(dt).to(tl.float32) * (g * sig)
         else:
             y = w * x_hat * sig
-    tl.store(Y + offs_r[:, None].to(tl.int64) * D + offs_d[None, :], y.to(dt), mask=mask)
+    tl.store(Y + offs_r[:, None].to(tl.int64) * dim + offs_d[None, :], y.to(dt), mask=mask)
     tl.store(RSTD + offs_r, rstd, mask=offs_r < n_rows)
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(X, W, G, DY, RSTD, DX, DG, DW_PART, n_rows, D, MODE: tl.constexpr, BLOCK_D: tl.constexpr,
+def _rms_norm_bwd_kernel(X, W, G, DY, RSTD, DX, DG, DW_PART, n_rows, dim, MODE: tl.constexpr, BLOCK_D: tl.constexpr,
                          ROWS: tl.constexpr):
     pid = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
-    w = tl.load(W + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)[None, :]
+    w = tl.load(W + offs_d, mask=offs_d < dim, other=0.0).to(tl.float32)[None, :]
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
     for block in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
         offs_r = block * ROWS + tl.arange(0, ROWS)
-        x, mask = _load_rows(X, offs_r, offs_d, n_rows, D)
+        x, mask = _load_rows(X, offs_r, offs_d, n_rows, dim)
         dt = x.dtype
-        dy = _load_rows(DY, offs_r, offs_d, n_rows, D)[0].to(tl.float32)
+        dy = _load_rows(DY, offs_r, offs_d, n_rows, dim)[0].to(tl.float32)
         rstd = tl.load(RSTD + offs_r, mask=offs_r < n_rows, other=0.0)
         x_hat = x.to(tl.float32) * rstd[:, None]
         if MODE == OFFSET:
@@ -79,7 +80,7 @@ def _rms_norm_bwd_kernel(X, W, G, DY, RSTD, DX, DG, DW_PART, n_rows, D, MODE: tl
             d_hat = dy * w
             dw += tl.sum(dy * x_hat.to(dt).to(tl.float32), 0)
         else:
-            g = _load_rows(G, offs_r, offs_d, n_rows, D)[0].to(tl.float32)
+            g = _load_rows(G, offs_r, offs_d, n_rows, dim)[0].to(tl.float32)
             sig = tl.sigmoid(g)
             if MODE == GATED_SILU:
                 r = x_hat.to(dt).to(tl.float32)
@@ -92,7 +93,7 @@ def _rms_norm_bwd_kernel(X, W, G, DY, RSTD, DX, DG, DW_PART, n_rows, D, MODE: tl
                 d_hat = dy * w * sig
                 dg = dy * w * x_hat * (sig * (1.0 - sig))
                 dw += tl.sum(dy * x_hat * sig, 0)
-            tl.store(DG + offs_r[:, None].to(tl.int64) * D + offs_d[None, :], dg.to(dt), mask=mask)
-        dx = rstd[:, None] * (d_hat - x_hat * (tl.sum(d_hat * x_hat, 1) / D)[:, None])
-        tl.store(DX + offs_r[:, None].to(tl.int64) * D + offs_d[None, :], dx.to(dt), mask=mask)
+            tl.store(DG + offs_r[:, None].to(tl.int64) * dim + offs_d[None, :], dg.to(dt), mask=mask)
+        dx = rstd[:, None] * (d_hat - x_hat * (tl.sum(d_hat * x_hat, 1) / dim)[:, None])
+        tl.store(DX + offs_r[:, None].to(tl.int64) * dim + offs_d[None, :], dx.to(dt), mask=mask)
     tl.store(DW_PART + pid * BLOCK_D + offs_d, dw)
