@@ -30,7 +30,7 @@ class RMSNormFunction(torch.autograd.Function):
             _rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
                 x2, weight, g2, y, rstd, n_rows, dim, eps, MODE=MODES.index(mode), BLOCK_D=block_d, ROWS=rows,
                 num_warps=warps)
-        ctx.save_for_backward(x2, weight, gate.reshape(-1, shape[-1]) if gate is not None else None, rstd)
+        ctx.save_for_backward(x2, weight, g2 if gate is not None else None, rstd)
         ctx.mode, ctx.shape = mode, shape
         return y.reshape(shape)
 
@@ -46,7 +46,7 @@ class RMSNormFunction(torch.autograd.Function):
         dw_part = torch.empty(programs, block_d, device=x2.device, dtype=torch.float32)
         if n_rows:
             _rms_norm_bwd_kernel[(programs,)](
-                x2, weight, g2.contiguous() if g2 is not None else x2, dy2, rstd, dx, dg, dw_part, n_rows, dim,
+                x2, weight, g2 if g2 is not None else x2, dy2, rstd, dx, dg, dw_part, n_rows, dim,
                 MODE=MODES.index(ctx.mode), BLOCK_D=block_d, ROWS=rows, num_warps=warps)
         else:
             dw_part.zero_()
