@@ -15,6 +15,7 @@ from harts_compiler.codegen.kernels.causal_conv import function as conv
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_bwd, l2norm, state_bwd, state_fwd, wy_fwd
 from harts_compiler.codegen.kernels.chunk_kda import chunk_bwd as kda_chunk_bwd
 from harts_compiler.codegen.kernels.chunk_kda import diag_bwd, intra_bwd, intra_fwd
+from harts_compiler.codegen.kernels.moe_combine import kernels as moe_combine
 from harts_compiler.codegen.kernels.rmsnorm import kernels as rmsnorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
@@ -69,6 +70,7 @@ def resources(fn, num_warps, constexprs, overrides=None, num_stages=3, data_kind
     return report["regs"], report["stack"], report["shared"]
 
 
+COMBINE_PTRS = {"POS": "*i64", "W": "*bf16", "DW": "*bf16", "hidden_dim": "i32"}
 RMSNORM_PTRS = {"W": "*bf16", "G": "*bf16", "RSTD": "*fp32", "DW_PART": "*fp32", "n_rows": "i32", "dim": "i32",
                 "eps": "fp32"}
 
@@ -98,6 +100,10 @@ KERNELS = [
     ("rmsnorm bwd 2048", rmsnorm._rms_norm_bwd_kernel, {"MODE": 0, "BLOCK_D": 2048, "ROWS": 1}, RMSNORM_PTRS),
     ("rmsnorm fwd gated", rmsnorm._rms_norm_fwd_kernel, {"MODE": 2, "BLOCK_D": 128, "ROWS": 16}, RMSNORM_PTRS),
     ("rmsnorm bwd gated", rmsnorm._rms_norm_bwd_kernel, {"MODE": 2, "BLOCK_D": 128, "ROWS": 16}, RMSNORM_PTRS),
+    # MoE combine at its launch (moe_combine.launch) for Qwen3-Next's 2048-wide rows, 4 slots + gated shared
+    ("combine fwd", moe_combine._combine_fwd_kernel, {"TOP_K": 4, "MODE": 2, "BLOCK_H": 2048}, COMBINE_PTRS),
+    ("combine bwd", moe_combine._combine_bwd_kernel, {"TOP_K": 4, "K_PAD": 4, "MODE": 2, "BLOCK_H": 2048},
+     COMBINE_PTRS),
     ("kda bwd_inter", kda_chunk_bwd._bwd_inter_kernel, {"HK": 32, "HV": 32}, None),
     ("kda wy_bwd", kda_chunk_bwd._wy_bwd_kernel, {"HK": 32, "HV": 32}, {"dv": "*fp32", "side_dv": "*fp32"}),
 ]

@@ -66,7 +66,8 @@ class ExpertParallelExperts(nn.Module):
             full = getattr(experts, name).detach()
             setattr(self, name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)])))
 
-    def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor,
+                shared: torch.Tensor | None = None, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
         group = self.ep_mesh.get_group()
         ep, local = self.ep_mesh.size(), self.local_experts
         routing = sort_by_expert(top_index, self.num_experts)
@@ -84,7 +85,7 @@ class ExpertParallelExperts(nn.Module):
         hidden = expert_ffn(rows[regroup], _local(self.gate_up_proj), _local(self.down_proj), received.sum(0))
         hidden = torch.index_copy(torch.empty_like(hidden), 0, regroup, hidden)
         hidden = _exchange(hidden, send_splits, recv_splits, group)
-        return combine_slots(hidden, routing, top_weight, x.dtype)
+        return combine_slots(hidden, routing, top_weight, shared, shared_logit)
 
 
 def _exchange(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:

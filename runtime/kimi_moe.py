@@ -59,7 +59,7 @@ class KimiMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, multiplicity: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         """x [T, H] -> (y [T, H], expert loads counted once per trajectory: multiplicity [T] weighted)."""
         top_weight, top_index = self.gate(x)
-        y = self.experts(x, top_index, top_weight) + self.shared_experts(x)
+        y = self.experts(x, top_index, top_weight, self.shared_experts(x))
         m = multiplicity.to(top_weight.dtype)
         with torch.no_grad():
             assigned = torch.zeros(self.gate.num_experts, dtype=m.dtype, device=x.device).index_add(

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..codegen.kernels.moe_combine import moe_combine
 from .config import ModelConfig
 from .layers import DenseMLP, compute_dtype
 
@@ -58,10 +59,13 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
-    def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor,
+                shared: torch.Tensor | None = None, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H]: the routed experts' weighted sum, plus the shared expert's output (gated by
+        sigmoid(shared_logit) where given) in the same pass."""
         routing = sort_by_expert(top_index, self.num_experts)
         hidden = expert_ffn(x[routing.token_of], self.gate_up_proj, self.down_proj, routing.counts)
-        return combine_slots(hidden, routing, top_weight, x.dtype)
+        return combine_slots(hidden, routing, top_weight, shared, shared_logit)
 
 
 @dataclasses.dataclass
@@ -70,6 +74,7 @@ class ExpertRouting:
 
     order: torch.Tensor  # [T*k]: flat (token, slot) index of each sorted assignment
     token_of: torch.Tensor  # [T*k]: its token
+    position: torch.Tensor  # [T, k]: the sorted row of each (token, slot), the inverse of order
     counts: torch.Tensor  # [E]: assignments per expert (long)
     num_tokens: int
     top_k: int
@@ -82,8 +87,9 @@ def sort_by_expert(top_index: torch.Tensor, num_experts: int) -> ExpertRouting:
     # scatter_add, not bincount: bincount sizes its output from the data, a device read on CUDA
     counts = torch.zeros(num_experts, dtype=torch.long, device=top_index.device).scatter_add_(
         0, flat_expert, torch.ones_like(flat_expert))
-    return ExpertRouting(order=order, token_of=order // top_k, counts=counts, num_tokens=top_index.shape[0],
-                         top_k=top_k)
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return ExpertRouting(order=order, token_of=order // top_k, position=position.view(-1, top_k), counts=counts,
+                         num_tokens=top_index.shape[0], top_k=top_k)
 
 
 def expert_ffn(xs: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -111,14 +117,11 @@ def expert_ffn(xs: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
 
 
 def combine_slots(hidden: torch.Tensor, routing: ExpertRouting, top_weight: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """Expert outputs in sorted order [T*k, H] -> routing-weighted sum over each token's k slots [T, H]."""
-    hidden = hidden * top_weight.reshape(-1)[routing.order, None]
-    # back to (token, slot) order, then the k slots summed in a fixed order: index_add over token_of
-    # adds with atomics on CUDA (bf16 ones at that), in an order that varies from run to run (the
-    # backward still gathers through x[token_of], whose gradient PyTorch accumulates with atomics)
-    slots = torch.index_copy(torch.empty_like(hidden), 0, routing.order, hidden)
-    return slots.view(routing.num_tokens, routing.top_k, hidden.shape[-1]).sum(1).to(dtype)
+                  shared: torch.Tensor | None = None, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """Expert outputs in sorted order [T*k, H] -> each token's routing-weighted sum over its k slots [T, H] (in a
+    fixed slot order, no atomics: the backward writes each sorted row once), plus the shared term
+    (codegen/kernels/moe_combine)."""
+    return moe_combine(hidden, routing.position, top_weight, shared, shared_logit)
 
 
 class SparseMoeBlock(nn.Module):
@@ -133,8 +136,7 @@ class SparseMoeBlock(nn.Module):
         """x [T, H] -> (y [T, H], routing statistics weighted by multiplicity [T])."""
         shared = self.shared_expert(x)
         probs, top_weight, top_index = self.gate(x)
-        routed = self.experts(x, top_index, top_weight)
-        y = routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        y = self.experts(x, top_index, top_weight, shared, self.shared_expert_gate(x))
         m = multiplicity.to(probs.dtype)
         with torch.no_grad():
             assigned = torch.zeros(probs.shape[1], dtype=probs.dtype, device=x.device).index_add(

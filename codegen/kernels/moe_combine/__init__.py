@@ -1,0 +1,6 @@
+"""MoE output combination (routed slots and the shared expert): one Triton pass each way, plain torch as reference."""
+from .function import MoECombineFunction, moe_combine, triton_supports
+from .reference import SHARED_MODES, moe_combine_reference, shared_mode
+
+__all__ = ["MoECombineFunction", "SHARED_MODES", "moe_combine", "moe_combine_reference", "shared_mode",
+           "triton_supports"]
