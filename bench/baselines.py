@@ -12,16 +12,18 @@ from common import Step, kernel_ms, median, peak_memory, time_calls
 
 
 def time_mode(model, indices, trajectory_tokens, args, linear_kernel=None, attention_kernel=None):
-    """Median step ms; peak memory = weights + the step's peak above what was resident before it
-    (so another mode's saved gradients do not count); a copy of the gradients."""
+    """Median step ms and the median host time that issued it; peak memory = weights + the step's peak above
+    what was resident before it (so another mode's saved gradients do not count); a copy of the gradients."""
     step = Step(model, indices, trajectory_tokens, linear_kernel=linear_kernel, attention_kernel=attention_kernel)
     model.zero_grad(set_to_none=True)
     with peak_memory(args.device) as memory:
-        times = time_calls(step, args.device, warmup=args.warmup, repeat=args.repeat)
+        host = []
+        times = time_calls(step, args.device, warmup=args.warmup, repeat=args.repeat, host=host)
     grads = [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     peak = None if memory["gib"] is None else weights_gib + memory["gib"]
-    return {"ms": median(times), "all_ms": times, "peak_gib": peak, "lower_ms": step.lower_ms}, step, grads
+    return ({"ms": median(times), "all_ms": times, "host_ms": median(host), "peak_gib": peak,
+             "lower_ms": step.lower_ms}, step, grads)
 
 
 def fla_comparison(model, traj_indices, device) -> dict:

@@ -234,9 +234,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_calls(fn: Callable[[], object], device: torch.device, *, warmup: int, repeat: int) -> list[float]:
+def time_calls(fn: Callable[[], object], device: torch.device, *, warmup: int, repeat: int,
+               host: list | None = None) -> list[float]:
     """Wall milliseconds of `repeat` calls after `warmup` calls, the device synchronised around
-    each call (so a call's time is all its host and device work)."""
+    each call (so a call's time is all its host and device work). `host`, when given, receives each call's
+    host time: until `fn` returned, before the synchronisation (a call whose host time reaches its wall time
+    is host-bound: the device waits for launches)."""
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -244,8 +247,11 @@ def time_calls(fn: Callable[[], object], device: torch.device, *, warmup: int, r
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
+        issued = time.perf_counter()
         synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
+        if host is not None:
+            host.append((issued - start) * 1e3)
     return times
 
 
