@@ -72,24 +72,20 @@ class Experts(nn.Module):
 class ExpertRouting:
     """A microbatch's (token, slot) assignments sorted by expert (stable: tokens in order within an expert)."""
 
-    order: torch.Tensor  # [T*k]: flat (token, slot) index of each sorted assignment
-    token_of: torch.Tensor  # [T*k]: its token
-    position: torch.Tensor  # [T, k]: the sorted row of each (token, slot), the inverse of order
+    token_of: torch.Tensor  # [T*k]: the token of each sorted assignment
+    position: torch.Tensor  # [T, k]: the sorted row of each (token, slot)
     counts: torch.Tensor  # [E]: assignments per expert (long)
-    num_tokens: int
-    top_k: int
 
 
 def sort_by_expert(top_index: torch.Tensor, num_experts: int) -> ExpertRouting:
     top_k = top_index.shape[1]
     flat_expert = top_index.reshape(-1)
-    order = torch.argsort(flat_expert, stable=True)
+    order = torch.argsort(flat_expert, stable=True)  # flat (token, slot) index of each sorted assignment
     # scatter_add, not bincount: bincount sizes its output from the data, a device read on CUDA
     counts = torch.zeros(num_experts, dtype=torch.long, device=top_index.device).scatter_add_(
         0, flat_expert, torch.ones_like(flat_expert))
     position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return ExpertRouting(order=order, token_of=order // top_k, position=position.view(-1, top_k), counts=counts,
-                         num_tokens=top_index.shape[0], top_k=top_k)
+    return ExpertRouting(token_of=order // top_k, position=position.view(-1, top_k), counts=counts)
 
 
 def expert_ffn(xs: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

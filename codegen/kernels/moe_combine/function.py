@@ -64,7 +64,6 @@ def moe_combine(hidden: torch.Tensor, position: torch.Tensor, weight: torch.Tens
                 shared: torch.Tensor | None = None, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H] = sum_j weight[t, j] hidden[position[t, j]] + the shared term (`reference` module docstring): the
     Triton kernels where `triton_supports` admits the inputs, `moe_combine_reference` otherwise."""
-    shared_mode(shared, shared_logit)  # raises on a logit without a shared output
     if not triton_supports(hidden, shared, shared_logit):
         return moe_combine_reference(hidden, position, weight, shared, shared_logit)
     return MoECombineFunction.apply(hidden, position, weight, shared, shared_logit)

@@ -59,8 +59,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str,
              gate: torch.Tensor | None = None) -> torch.Tensor:
     """The RMS norm of `mode` (`reference.MODES`) over the last dim of x: the Triton kernels where
     `triton_supports` admits the inputs, `rms_norm_reference` otherwise."""
-    if mode not in MODES or (gate is not None) != (mode in GATED):
-        return rms_norm_reference(x, weight, eps, mode, gate)  # raises the reference's error
-    if not triton_supports(x, weight, gate):
-        return rms_norm_reference(x, weight, eps, mode, gate)
-    return RMSNormFunction.apply(x, weight, gate, eps, mode)
+    if mode in MODES and (gate is not None) == (mode in GATED) and triton_supports(x, weight, gate):
+        return RMSNormFunction.apply(x, weight, gate, eps, mode)
+    return rms_norm_reference(x, weight, eps, mode, gate)  # which also raises on a bad mode or gate
