@@ -1,13 +1,16 @@
 """`harts` command line: one table of subcommands, each `main(argv) -> exit code`.
 
 Adding a command is one line in COMMANDS ("module:function" is imported only when run, so
-`harts --help` stays fast). Bad input (InputError) prints one line per problem and exits 2.
+`harts --help` stays fast). Bad input (InputError) prints one line per problem (the first
+MAX_PROBLEMS_SHOWN, then how many more) and exits 2.
 """
 from __future__ import annotations
 
 import importlib
 import os
 import sys
+
+MAX_PROBLEMS_SHOWN = 20  # a file with thousands of bad lines names the first ones, not all of them
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "compile": ("harts_compiler.commands:compile_main", "compile a JSONL batch into a plan"),
@@ -58,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(command(rest) or 0)
     except InputError as error:
-        for problem in error.problems:
+        shown = error.problems[:MAX_PROBLEMS_SHOWN]
+        for problem in shown:
             print(f"harts {name}: {problem}", file=sys.stderr)
+        if len(error.problems) > len(shown):
+            print(f"harts {name}: ... and {len(error.problems) - len(shown):,} more problems", file=sys.stderr)
         return 2
     except ArtifactError as error:  # a saved plan's files: the message names them
         print(f"harts {name}: {error}", file=sys.stderr)

@@ -61,14 +61,21 @@ class TreeRecord(BaseModel):
 
 
 def describe_pydantic_error(where: str, exc) -> list[str]:
-    """One line per pydantic error: `<where>: field <loc>: <message>`."""
-    lines = []
+    """One line per top-level field of the record that failed: `<where>: field <loc>: <message>`, the field's
+    first error, with a count of the others (a list of 5,000 floats gives one line, not 5,000)."""
+    by_field: dict = {}
     for err in exc.errors():
-        loc = _format_loc(err.get("loc", ()))
-        msg = err.get("msg", "invalid")
-        if err.get("type") == "too_short" and loc.endswith("tokens"):
+        loc = err.get("loc", ())
+        by_field.setdefault(loc[0] if loc else None, []).append(err)
+    lines = []
+    for errors in by_field.values():
+        first = errors[0]
+        loc = _format_loc(first.get("loc", ()))
+        msg = first.get("msg", "invalid")
+        if first.get("type") == "too_short" and loc.endswith("tokens"):
             msg = "empty token list (a trajectory/node needs at least one token)"
-        lines.append(f"{where}: field {loc or '<record>'}: {msg}")
+        more = f" (and {len(errors) - 1:,} more in this field)" if len(errors) > 1 else ""
+        lines.append(f"{where}: field {loc or '<record>'}: {msg}{more}")
     return lines
 
 

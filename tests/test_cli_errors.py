@@ -34,6 +34,16 @@ def test_input_failures(tmp_path, capsys, batch):
     one_line_exit_2(capsys, ["compile", str(bad)], "leading zero")
 
 
+def test_many_problems_are_counted_not_listed(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "a", "tokens": [0.5] * 5000}) + "\n")
+    one_line_exit_2(capsys, ["compile", str(bad)], "(and 4,999 more in this field)")
+    bad.write_text("".join(json.dumps({"id": f"t{i}", "tokens": [-1]}) + "\n" for i in range(300)))
+    assert main(["compile", str(bad)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 21 and "line 20 " in lines[19] and lines[-1] == "harts compile: ... and 280 more problems"
+
+
 def test_output_failures(tmp_path, capsys, batch):
     one_line_exit_2(capsys, ["compile", str(batch), "-o", str(tmp_path / "no" / "p.hir")], "does not exist")
     one_line_exit_2(capsys, ["compile", str(batch), "-o", str(tmp_path)], "is a directory")
