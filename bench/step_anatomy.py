@@ -188,6 +188,24 @@ def component_table(tree_parts: dict, traj_parts: dict, tree_tokens: int, traj_t
         traj = traj_parts.get(name, 0.0) * PER / traj_tokens
         ratio = traj / tree if tree else float("inf")
         print(f"    {name:28s} traj {traj:9.1f}  tree {tree:8.1f}  speedup {ratio:6.2f}x")
+    ceiling = exact_tree_ceiling(traj_parts, row["ideal"], row["pair_compression"])
+    if ceiling:
+        kernels = (traj_parts["total"] / traj_tokens) / (tree_parts["total"] / tree_tokens)
+        print(f"  exact-tree ceiling {ceiling:.2f}x ({ceiling / row['ideal']:.1%} of the token ratio: every part at "
+              f"the token ratio, attention at the pair ratio, weighted by the trajectory-wise parts); the tree's "
+              f"kernels reach {kernels:.2f}x = {kernels / ceiling:.1%} of it")
+
+
+def exact_tree_ceiling(traj_parts: dict, token_ratio: float, pair_ratio: float) -> float | None:
+    """The speedup an exact tree step could reach if every component sped up by its own ideal: attention (whose
+    work is query-key pairs) by the pair ratio, everything else (work per token) by the token ratio. None without
+    a trajectory-wise kernel total."""
+    parts = {name: ms for name, ms in traj_parts.items() if name not in ("total", "step wall")}
+    total = sum(parts.values())
+    if not total:
+        return None
+    attention = parts.get("attention", 0.0)
+    return total / ((total - attention) / token_ratio + attention / pair_ratio)
 
 
 def kernel_table(label: str, kernels: Counter, tokens: int, top: int) -> None:

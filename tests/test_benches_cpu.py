@@ -303,7 +303,20 @@ def test_gpu_idle_charges_starved_gaps_to_the_late_launch_site():
 
 def test_step_anatomy_runs_at_toy_size(tmp_path):
     result = run_bench("step_anatomy.py", tmp_path, "--presets", "tau2")
-    assert "linear attention" in result.stdout and "speedup" in result.stdout
+    assert "linear attention" in result.stdout and "speedup" in result.stdout and "exact-tree ceiling" in result.stdout
+
+
+def test_exact_tree_ceiling_weights_each_part_by_its_own_ratio():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from step_anatomy import exact_tree_ceiling
+    finally:
+        sys.path.remove(str(BENCH))
+    parts = {"attention": 30.0, "MoE/MLP": 70.0, "total": 100.0, "step wall": 120.0}
+    # 100 ms becomes 70 / 7 + 30 / 3 = 20 ms: 5x, not the token ratio's 7x
+    assert exact_tree_ceiling(parts, 7.0, 3.0) == pytest.approx(5.0)
+    assert exact_tree_ceiling({"MoE/MLP": 10.0, "total": 10.0}, 7.0, 3.0) == pytest.approx(7.0)
+    assert exact_tree_ceiling({"total": 0.0}, 7.0, 3.0) is None
 
 
 def test_trajectory_sdpa_baseline_equals_our_attention():
