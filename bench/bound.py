@@ -20,6 +20,7 @@ on, before a refit).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -48,25 +49,25 @@ def with_pair_cost_scaled(predictor: cost_model.CostModel, scale: float) -> cost
     return dataclasses.replace(predictor, coefficients=coefficients)
 
 
-def pop_pair_cost_scale(argv: list[str]) -> tuple[list[str], float]:
-    """argv without ``--pair-cost-scale F``, and F (1.0 when absent)."""
-    if "--pair-cost-scale" not in argv:
-        return argv, 1.0
-    at = argv.index("--pair-cost-scale")
+def positive_float(text: str) -> float:
     try:
-        scale = float(argv[at + 1]) if at + 1 < len(argv) else float("nan")
+        value = float(text)
     except ValueError:
-        scale = float("nan")
-    if not scale > 0:  # also nan: missing or not a number
-        print(f"bound.py: --pair-cost-scale needs a positive number, got {' '.join(argv[at + 1:at + 2]) or 'none'}",
-              file=sys.stderr)
-        sys.exit(2)
-    return argv[:at] + argv[at + 2:], scale
+        value = float("nan")
+    if not value > 0:  # also nan
+        raise argparse.ArgumentTypeError(f"needs a positive number, got {text}")
+    return value
+
+
+def bound_arguments(p) -> None:
+    p.add_argument("--pair-cost-scale", type=positive_float, default=1.0, metavar="F",
+                   help="multiply the fitted attention cost per pair by F in both modes (default 1)")
 
 
 def main(argv=None) -> None:
-    argv, pair_scale = pop_pair_cost_scale(list(argv if argv is not None else sys.argv[1:]))
-    args = parse_args(argv + ["--device", "cpu"])
+    argv = list(argv if argv is not None else sys.argv[1:])
+    args = parse_args(argv + ["--device", "cpu"], __doc__.split("\n")[0], bound_arguments)
+    pair_scale = args.pair_cost_scale
     config = model_config(args.tiny, model=args.model)
     predictor = cost_model.load_cost_model()
     predictor = with_pair_cost_scaled(predictor, pair_scale)

@@ -82,8 +82,12 @@ from harts_compiler.predict import mode_terms  # noqa: E402
 
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv, description: str | None = None, add_arguments=None):
+    """e2e's options (the batch, model and step); the benches that reuse them pass their own description and
+    `add_arguments(parser)` for their own options, so that --help lists everything a script takes."""
+    p = argparse.ArgumentParser(description=description or __doc__.split("\n")[0])
+    if add_arguments is not None:
+        add_arguments(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default="qwen3-next", choices=sorted(BENCH_MODELS),
                    help="benchmark model: qwen3-next (GDN + gated attention, common.BENCH_MODEL) or kimi-linear "

@@ -270,23 +270,24 @@ def run_preset(preset, model, args, traj_microbatches: int, top: int, sites: lis
     del tree, traj
 
 
+def anatomy_arguments(p) -> None:
+    p.add_argument("--traj-microbatches", type=int, default=2,
+                   help="trajectory-wise microbatches profiled, evenly spaced (default 2)")
+    p.add_argument("--top", type=int, default=14, help="rows of the kernel tables (default 14)")
+    p.add_argument("--profiles", type=int, default=1,
+                   help="profiled calls per mode for the component table, medians printed (e.g. 3)")
+    p.add_argument("--op-sites", nargs="*", default=[], metavar="OP",
+                   help="host ops (e.g. aten::cat aten::copy_) whose tree-step GPU time to list by call site")
+
+
 def main(argv=None) -> int:
-    import argparse
-    extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--traj-microbatches", type=int, default=2)
-    extra.add_argument("--top", type=int, default=14)
-    extra.add_argument("--profiles", type=int, default=1,
-                       help="profiled calls per mode for the component table, medians printed (e.g. 3)")
-    extra.add_argument("--op-sites", nargs="*", default=[], metavar="OP",
-                       help="host ops (e.g. aten::cat aten::copy_) whose tree-step GPU time to list by call site")
-    known, rest = extra.parse_known_args(argv)
-    args = parse_args(rest)
+    args = parse_args(argv, __doc__.split("\n")[0], anatomy_arguments)
     print(f"device {describe_device(args.device)}")
     model = build_model(model_config(args.tiny, model=args.model), args.device, torch.bfloat16, seed=args.seed,
                         checkpointing=True)
     print(f"model {BENCH_MODELS[args.model][1] if args.tiny else args.model}")
     for preset in args.presets:
-        run_preset(preset, model, args, known.traj_microbatches, known.top, known.op_sites, known.profiles)
+        run_preset(preset, model, args, args.traj_microbatches, args.top, args.op_sites, args.profiles)
     return 0
 
 
