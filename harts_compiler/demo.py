@@ -75,6 +75,7 @@ def demo_main(argv: list[str]) -> int:
     print(f"\nmodel: {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters, random weights), "
           f"forward + backward in tree mode and trajectory-wise:", flush=True)
     report = verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing,
-                         microbatch_tokens=args.microbatch_tokens, memory_limit=memory_limit, quiet=args.quiet)
+                         microbatch_tokens=args.microbatch_tokens, memory_limit=memory_limit, quiet=args.quiet,
+                         error_factor=args.error_factor)
     print(report.format())
     return 0 if report.passed else 1

@@ -2,9 +2,10 @@
 
 This is the project's correctness contract made executable (docs/design.md section 11): the same
 per-trajectory log-probs, entropies, MoE statistics and parameter gradients, up to floating-point
-reordering. The gradient check uses a fixed random weighting of log-probs and entropies (plus the
-aux loss when neither mode splits the batch), i.e. an arbitrary token-level objective, so every
-parameter gets a non-trivial gradient.
+reordering (float64, float32 on the CPU), or, in bfloat16 / float16 (the GPU kernels) and float32 on a GPU,
+as close to a float64 run as trajectory-wise training is (verify_report.py). The gradient check uses a
+fixed random weighting of log-probs and entropies (plus the aux loss when neither mode splits the batch),
+i.e. an arbitrary token-level objective, so every parameter gets a non-trivial gradient.
 
 Both modes run one microbatch at a time (tree mode: the plan's microbatches; trajectory-wise: packs of
 whole trajectories) with backward after each, so memory is bounded by --microbatch-tokens, not by the
@@ -13,6 +14,7 @@ batch. The peak is estimated before any compute and a run that would not fit is 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import time
 
@@ -21,77 +23,11 @@ from .errors import InputError
 import numpy as np
 import torch
 
-# Bars of docs/design.md section 11 per dtype: (log-prob/entropy max abs diff, gradient max rel diff).
-# fp32 gradients carry ~1e-5 relative reordering noise on wide trees (measured up to 2.1e-5).
-BARS = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 5e-5)}
+from .verify_report import DEFAULT_ERROR_FACTOR, HALF_DTYPES, ModeErrors, ReferenceErrors, VerifyReport
+
 # Tokens per microbatch in both modes when none is given: ~1-3 GB of activations for the tiny models in
 # fp64 on the CPU path (see verify_memory.py), a few seconds per microbatch.
 DEFAULT_MICROBATCH_TOKENS = 4096
-
-
-@dataclasses.dataclass
-class VerifyReport:
-    trajectories: int
-    trajectory_tokens: int
-    compact_tokens: int
-    microbatches: int
-    rounds: int
-    dtype: torch.dtype
-    logprob_diff: float
-    entropy_diff: float
-    aux_diff: float | None  # None: no MoE, or not comparable (several microbatches, see below)
-    expert_load_diff: float | None
-    grad_rel_diff: float
-    worst_param: str
-    tree_seconds: float
-    trajectory_seconds: float
-    on_cpu: bool = True
-    trajectory_packs: int = 1  # trajectory-wise microbatches
-    estimated_bytes: int = 0  # the memory estimate the run was admitted with
-    # (tree mode, trajectory-wise) accumulated gradients by parameter name
-    gradients: tuple[dict, dict] | None = dataclasses.field(default=None, repr=False)
-
-    @property
-    def bars(self) -> tuple[float, float]:
-        return BARS.get(self.dtype, (1e-2, 5e-2))
-
-    @property
-    def passed(self) -> bool:
-        value_bar, grad_bar = self.bars
-        values = [self.logprob_diff, self.entropy_diff] + [d for d in (self.aux_diff, self.expert_load_diff)
-                                                           if d is not None]
-        return max(values) <= value_bar and self.grad_rel_diff <= grad_bar
-
-    def format(self) -> str:
-        value_bar, grad_bar = self.bars
-        ok = lambda diff, bar: "ok" if diff <= bar else "MISSED"  # noqa: E731
-        lines = [
-            f"trajectories {self.trajectories}, trajectory tokens {self.trajectory_tokens}, "
-            f"compact tokens {self.compact_tokens} (compression {self.trajectory_tokens / self.compact_tokens:.2f}x), "
-            f"{self.microbatches} tree microbatch(es), {self.trajectory_packs} trajectory-wise microbatch(es), "
-            f"up to {self.rounds} linear-attention round(s), {self.dtype}, estimated peak memory "
-            f"{self.estimated_bytes / 2**30:.1f} GiB",
-            f"  max |log-prob diff|       {self.logprob_diff:.3e}  (bar {value_bar:.0e}) "
-            f"{ok(self.logprob_diff, value_bar)}",
-            f"  max |entropy diff|        {self.entropy_diff:.3e}  (bar {value_bar:.0e}) "
-            f"{ok(self.entropy_diff, value_bar)}",
-        ]
-        if self.aux_diff is not None:
-            lines.append(f"  |aux-loss diff|           {self.aux_diff:.3e}  (bar {value_bar:.0e}) "
-                         f"{ok(self.aux_diff, value_bar)}")
-        if self.expert_load_diff is not None:
-            lines.append(f"  max |expert-load diff|    {self.expert_load_diff:.3e}  (bar {value_bar:.0e}) "
-                         f"{ok(self.expert_load_diff, value_bar)}")
-        lines += [
-            f"  max rel. gradient diff    {self.grad_rel_diff:.3e}  (bar {grad_bar:.0e}) "
-            f"{ok(self.grad_rel_diff, grad_bar)}  worst: {self.worst_param}",
-            f"  fwd+bwd wall time: tree {self.tree_seconds * 1e3:.0f} ms, trajectory-wise "
-            f"{self.trajectory_seconds * 1e3:.0f} ms, ratio {self.trajectory_seconds / self.tree_seconds:.2f}x"
-            + (" (CPU reference ops: per-call overhead, not token work, dominates a tiny model; speed is "
-               "measured on the GPU, see BENCHMARKS.md)" if self.on_cpu else ""),
-            "verified: tree mode equals trajectory-wise training" if self.passed else "VERIFY FAILED",
-        ]
-        return "\n".join(lines)
 
 
 def _trajectory_weights(number: int, length: int, seed: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +51,10 @@ class _Objective:
 
     def __call__(self, out) -> torch.Tensor:
         rows, width = out.logprobs.shape
-        w_lp = out.logprobs.new_zeros((rows, width))
-        w_ent = out.entropy.new_zeros((rows, width))
+        # at least fp32, so that 16-bit runs and their float64 reference weigh the same objective
+        dtype = torch.promote_types(out.logprobs.dtype, torch.float32)
+        w_lp = torch.zeros((rows, width), dtype=dtype, device=out.logprobs.device)
+        w_ent = torch.zeros((rows, width), dtype=dtype, device=out.logprobs.device)
         for row, traj_id in enumerate(out.trajectory_ids):
             n = min(self.lengths[traj_id], width)
             lp, ent = _trajectory_weights(self.numbers[traj_id], self.lengths[traj_id], self.seed, w_lp.dtype)
@@ -139,6 +77,7 @@ def worst_gradient_difference(got: dict[str, torch.Tensor | None],
             if (mine is None) != (ref is None):
                 return float("inf"), f"gradient present in one mode only: {name}"
             continue
+        mine, ref = mine.double(), ref.double()
         rel = float((mine - ref).norm() / ref.norm().clamp_min(1e-30))
         if rel > diff:
             worst, diff = name, rel
@@ -194,18 +133,22 @@ def _keep_trajectory_rows(out, logprobs, entropy) -> None:
 
 def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: bool = False,
                 microbatch_tokens: int | None = None, memory_limit: int | None = None,
-                quiet: bool = True) -> VerifyReport:
+                quiet: bool = True, error_factor: float = DEFAULT_ERROR_FACTOR) -> VerifyReport:
     """Execute `plan` (compiled from `batch`) in tree mode and `batch` trajectory-wise, one microbatch
     at a time in both (trajectory-wise: packs of at most `microbatch_tokens` tokens; None: the default
-    budget or the longest trajectory); compare.
+    budget or the longest trajectory); compare. A 16-bit model also runs the packs on a float64 copy of
+    itself (plain-torch kernels), which both modes are measured against (`error_factor`: the bar).
     Raises InputError, before any compute, when the memory estimate exceeds `memory_limit` (default:
-    the memory available now)."""
+    the memory available now on the model's device)."""
     from harts_compiler.runtime import trajectory_wise
     from harts_compiler.runtime.distributed import assemble_rows
     from harts_compiler.runtime.trajectory import pack_index, trajectory_packs, trajectory_token_lists
     from harts_compiler.verify_memory import available_memory, check_fits, estimate_memory, footprint
 
     stats = plan.stats
+    weight = model.lm_head.weight
+    # 16-bit runs, and float32 on a GPU, are judged against a float64 run (verify_report.py)
+    against_reference = weight.dtype in HALF_DTYPES or (weight.dtype == torch.float32 and weight.device.type == "cuda")
     microbatches = plan.microbatches()
     token_lists, ids = trajectory_token_lists(batch)
     lengths = [len(t) for t in token_lists]
@@ -220,8 +163,9 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
         model, chunk_size, [footprint(mb.build_chain() if mb.runs_as_pieces else mb.build_index())
                             for mb in microbatches],
         [footprint(index_of_pack(pack)()) for pack in packs], trajectories=len(ids), max_length=max(lengths),
-        checkpointing=activation_checkpointing)
-    limit = available_memory() if memory_limit is None else memory_limit
+        checkpointing=activation_checkpointing, reference_dtype=torch.float64 if against_reference else None)
+    device = model.lm_head.weight.device
+    limit = available_memory(device) if memory_limit is None else memory_limit
     check_fits(estimate, limit, microbatch_tokens=microbatch_tokens,
                limit_source="the memory available" if memory_limit is None else "--memory-limit")
 
@@ -245,18 +189,26 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
                     desc="verify: trajectory-wise", quiet=quiet, activation_checkpointing=activation_checkpointing,
                     keep_rows=_keep_trajectory_rows)
 
-    # the plan's rows (input order, split trees put together) against the reference's rows
+    # the plan's rows (input order, split trees put together), by trajectory id
     tree_lp, _ = assemble_rows(plan, tree_outputs, "logprobs")
     tree_ent, _ = assemble_rows(plan, tree_outputs, "entropy")
     del tree_outputs[:]
-    order = {traj_id: row for row, traj_id in enumerate(plan.program.forest.traj_ids)}
-    lp_diff = ent_diff = 0.0
-    for traj_id, ref_lp in ref.logprobs.items():
-        n, mine = len(ref_lp), order[traj_id]
-        if n:
-            lp_diff = max(lp_diff, float((tree_lp[mine, :n] - ref_lp).abs().max()))
-            ent_diff = max(ent_diff, float((tree_ent[mine, :n] - ref.entropy[traj_id]).abs().max()))
+    n_of = {traj_id: len(row) for traj_id, row in ref.logprobs.items()}
+    tree_rows = {traj_id: (tree_lp[row, :n_of[traj_id]], tree_ent[row, :n_of[traj_id]])
+                 for row, traj_id in enumerate(plan.program.forest.traj_ids)}
+    tree.logprobs = {traj_id: rows[0] for traj_id, rows in tree_rows.items()}
+    tree.entropy = {traj_id: rows[1] for traj_id, rows in tree_rows.items()}
+    lp_diff, ent_diff = row_differences(tree, ref)
     grad_diff, worst = worst_gradient_difference(tree.gradients, ref.gradients)
+    reference = None
+    if against_reference:  # float64 (plain-torch kernels), the same (exactly representable) weights
+        exact = copy.deepcopy(model).to(torch.float64)
+        exact_run = _run_mode(exact, [index_of_pack(pack) for pack in packs], objective, with_aux=with_aux,
+                              desc="verify: float64 reference", quiet=quiet,
+                              activation_checkpointing=activation_checkpointing, keep_rows=_keep_trajectory_rows)
+        del exact
+        reference = ReferenceErrors(tree=mode_errors(tree, exact_run), trajectory=mode_errors(ref, exact_run),
+                                    factor=error_factor)
     comparable_aux = tree.aux_loss is not None and ref.aux_loss is not None
     return VerifyReport(
         trajectories=len(ids), trajectory_tokens=int(stats["trajectory_tokens"]),
@@ -267,30 +219,59 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
         expert_load_diff=None if tree.expert_load is None else float((tree.expert_load - ref.expert_load).abs().max()),
         grad_rel_diff=grad_diff, worst_param=worst, tree_seconds=tree.seconds, trajectory_seconds=ref.seconds,
         on_cpu=model.lm_head.weight.device.type == "cpu", trajectory_packs=len(packs),
-        estimated_bytes=estimate.total, gradients=(tree.gradients, ref.gradients))
+        estimated_bytes=estimate.total, gradients=(tree.gradients, ref.gradients), reference=reference,
+        against_reference=against_reference)
 
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
+def row_differences(mode: ModeResult, reference: ModeResult) -> tuple[float, float]:
+    """(max |log-prob diff|, max |entropy diff|) over the reference's trajectories (float64 arithmetic)."""
+    lp_diff = ent_diff = 0.0
+    for traj_id, ref_lp in reference.logprobs.items():
+        if len(ref_lp):
+            lp_diff = max(lp_diff, float((mode.logprobs[traj_id].double() - ref_lp.double()).abs().max()))
+            ent_diff = max(ent_diff, float((mode.entropy[traj_id].double()
+                                            - reference.entropy[traj_id].double()).abs().max()))
+    return lp_diff, ent_diff
 
 
-def load_model(spec: str, dtype: torch.dtype, seed: int = 0):
-    """A preset name (random weights) or a Hugging Face checkpoint directory; InputError otherwise."""
+def mode_errors(mode: ModeResult, reference: ModeResult) -> ModeErrors:
+    """Rows as in `row_differences`; the gradient as one relative L2 distance over all parameters (a parameter
+    with a tiny gradient has a large relative error in any 16-bit run, so per-parameter ratios are noise), with
+    the parameter of the largest relative difference named."""
+    lp, ent = row_differences(mode, reference)
+    _, worst = worst_gradient_difference(mode.gradients, reference.gradients)
+    pairs = [(mode.gradients[n].double(), g.double()) for n, g in reference.gradients.items() if g is not None]
+    diff = sum(float((mine - ref).pow(2).sum()) for mine, ref in pairs)
+    norm = sum(float(ref.pow(2).sum()) for _, ref in pairs)
+    return ModeErrors(logprob=lp, entropy=ent, gradient=(diff / norm) ** 0.5 if norm else 0.0, worst_param=worst)
+
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+def load_model(spec: str, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
+    """A preset name (random weights) or a Hugging Face checkpoint directory on `device`; InputError otherwise."""
     from pathlib import Path
 
     from harts_compiler.runtime import PRESETS, TreeModel, UnsupportedModelError
 
-    if spec in PRESETS:  # random weights under which every path (and every state hand-off) matters
+    if spec in PRESETS:
         from harts_compiler.runtime.weights import randomise_for_verification_
 
         model = TreeModel.from_config(spec, seed=seed, dtype=torch.float64)
-        return randomise_for_verification_(model, seed).to(dtype)
+        if dtype not in HALF_DTYPES:  # random weights under which every path (and every state hand-off) matters
+            randomise_for_verification_(model, seed)
+        # 16-bit: transformers' initialisation, as a checkpoint has; the verification draw's large products
+        # leave bfloat16 log-probs about 1 off float64 in both modes, which would make the comparison empty
+        return model.to(device=device, dtype=dtype)
     if not Path(spec).is_dir():
         raise InputError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
                          "nor a checkpoint directory")
     if not (Path(spec) / "config.json").is_file():
         raise InputError(f"--model {spec}: a checkpoint directory needs a config.json (none there)")
     try:
-        return TreeModel.from_pretrained(spec).to(dtype)
+        return TreeModel.from_pretrained(spec).to(device=device, dtype=dtype)
     except (OSError, ValueError, KeyError, UnsupportedModelError) as error:  # the message names file or field
         raise InputError(f"--model {spec}: {' '.join(str(error).split())}") from None
 
@@ -300,7 +281,15 @@ def add_execution_arguments(parser: argparse.ArgumentParser, default_model: str 
 
     parser.add_argument("--model", default=default_model,
                         help="preset name (random weights) or HF checkpoint directory (default: %(default)s)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float64", help="(default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float64",
+                        help="float64 / float32: tree mode must equal trajectory-wise up to reordering; bfloat16 / "
+                        "float16 (the kernels a GPU trains with): both modes run against a float64 copy and tree "
+                        "mode may be at most --error-factor times as far from it (default: %(default)s)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model runs: cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument("--error-factor", type=float, default=DEFAULT_ERROR_FACTOR,
+                        help="bfloat16 / float16 bar: tree mode's error against float64 over trajectory-wise "
+                        "training's, per measure (default: %(default)s)")
     parser.add_argument("--chunk-size", type=int, default=64,
                         help="linear-attention chunk, tokens (default: %(default)s)")
     parser.add_argument("--microbatch-tokens", type=int,
@@ -326,10 +315,28 @@ def setup_execution(args):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise InputError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if not args.error_factor >= 1:  # also nan
+        raise InputError(f"--error-factor must be a number >= 1, got {args.error_factor}")
+    device = check_device(args.device)
     limit = None if args.memory_limit is None else parse_memory_size(args.memory_limit)
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load_model(args.model, DTYPES[args.dtype], seed=args.seed), limit
+    return load_model(args.model, DTYPES[args.dtype], seed=args.seed, device=device), limit
+
+
+def check_device(spec: str) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N` that this machine has; InputError otherwise."""
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise InputError(f"--device {spec!r}: expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"--device {spec!r}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise InputError(f"--device {spec}: this machine has {count} CUDA device(s)")
+    return device
 
 
 def run_verification(batch, args, model=None, memory_limit: int | None = None) -> VerifyReport:
@@ -341,7 +348,8 @@ def run_verification(batch, args, model=None, memory_limit: int | None = None) -
     options = CompileOptions.for_model(model, chunk_size=args.chunk_size, microbatch_tokens=int(budget))
     plan = compile(batch, options)
     return verify_plan(model, batch, plan, seed=args.seed, activation_checkpointing=args.checkpointing,
-                       microbatch_tokens=int(budget), memory_limit=memory_limit, quiet=args.quiet)
+                       microbatch_tokens=int(budget), memory_limit=memory_limit, quiet=args.quiet,
+                       error_factor=args.error_factor)
 
 
 def verify_main(argv: list[str]) -> int:

@@ -6,6 +6,9 @@ Both modes run one microbatch at a time, backward right after forward, so the pe
                + the per-trajectory rows kept for the comparison (log-probs and entropies, both modes)
     transient  the activations autograd keeps for the largest microbatch (tree mode or trajectory-wise)
 
+and a 16-bit run adds its float64 reference: a float64 copy of the parameters, its gradient and accumulated
+gradient, its rows, and the float64 activations of the largest trajectory-wise pack.
+
 The activation model counts two kinds of rows a microbatch carries (both read off its MicrobatchIndex):
 compact tokens, which every layer sees, and linear-attention rows (`rounds[*].row_src`, the tokens of the
 sequences each linear-attention round runs, replays included), which only the linear-attention layers see.
@@ -21,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+
+import torch
 
 from .errors import InputError
 
@@ -70,9 +75,9 @@ def activation_bytes(config, dtype_bytes: int, chunk_size: int, size: Footprint,
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    resident: int  # parameters, gradients, kept rows, interpreter
+    resident: int  # parameters, gradients, kept rows, interpreter (and a float64 reference's copy)
     tree_peak: int  # largest tree-mode microbatch
-    trajectory_peak: int  # largest trajectory-wise pack
+    trajectory_peak: int  # largest trajectory-wise pack (the float64 reference's, when it runs one)
     largest_tree: Footprint
     largest_pack: Footprint
 
@@ -82,21 +87,34 @@ class MemoryEstimate:
 
 
 def estimate_memory(model, chunk_size: int, tree_sizes: list[Footprint], pack_sizes: list[Footprint], *,
-                    trajectories: int, max_length: int, checkpointing: bool) -> MemoryEstimate:
+                    trajectories: int, max_length: int, checkpointing: bool,
+                    reference_dtype: torch.dtype | None = None) -> MemoryEstimate:
+    """`reference_dtype`: a copy of the model in that dtype also runs the trajectory-wise packs (16-bit runs'
+    float64 reference), while the model and both modes' gradients stay alive."""
     weight = model.lm_head.weight
     dtype_bytes = weight.element_size()
-    params = sum(p.numel() for p in model.parameters()) * dtype_bytes
+    count = sum(p.numel() for p in model.parameters())
+    params = count * dtype_bytes
     rows = 2 * 2 * 2 * trajectories * max_length * dtype_bytes  # (log-prob, entropy) x modes x assembled copy
     largest_tree = max(tree_sizes, key=lambda s: (s.linear_rows, s.tokens), default=Footprint(0, 0))
     largest_pack = max(pack_sizes, key=lambda s: (s.linear_rows, s.tokens), default=Footprint(0, 0))
-    peak = lambda size: activation_bytes(model.config, dtype_bytes, chunk_size, size,  # noqa: E731
-                                         checkpointing=checkpointing)
-    return MemoryEstimate(resident=4 * params + rows + _INTERPRETER_BYTES, tree_peak=peak(largest_tree),
-                          trajectory_peak=peak(largest_pack), largest_tree=largest_tree, largest_pack=largest_pack)
+    peak = lambda size, nbytes: activation_bytes(model.config, nbytes, chunk_size, size,  # noqa: E731
+                                                 checkpointing=checkpointing)
+    resident = 4 * params + rows + _INTERPRETER_BYTES
+    trajectory_peak = peak(largest_pack, dtype_bytes)
+    if reference_dtype is not None:  # its parameters and gradient, the mode's accumulated gradient, its rows
+        reference_bytes = torch.empty((), dtype=reference_dtype).element_size()
+        resident += 3 * count * reference_bytes + 2 * trajectories * max_length * reference_bytes
+        trajectory_peak = max(trajectory_peak, peak(largest_pack, reference_bytes))
+    return MemoryEstimate(resident=resident, tree_peak=peak(largest_tree, dtype_bytes),
+                          trajectory_peak=trajectory_peak, largest_tree=largest_tree, largest_pack=largest_pack)
 
 
-def available_memory() -> int:
-    """Bytes the kernel says a new allocation can get (MemAvailable), else physical memory."""
+def available_memory(device=None) -> int:
+    """Bytes a new allocation can get on `device`: on a GPU what the driver reports free, on the CPU what the
+    kernel says (MemAvailable), else physical memory."""
+    if device is not None and torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
