@@ -1,5 +1,5 @@
-"""The runtime on its kernel path without a GPU: the launch target forced to the Triton kernels (GDN rounds with
-state exports and injected state gradients, the tree conv, tree attention, chunked log-probs), which Triton's
+"""The runtime on its kernel path without a GPU: the launch target forced to the Triton kernels (GDN or KDA rounds
+with state exports and injected state gradients, the tree conv, tree attention, chunked log-probs), which Triton's
 interpreter runs on the CPU in fp32. Tree mode, trees in pieces and trajectory-wise training through the kernels
 equal the plain-torch path of the same model, so the runtime's wiring of the kernels (row maps, views, carried
 tensors, gradient injection) is checked before any GPU run; tests/test_runtime_gpu.py runs the same code compiled,
@@ -14,7 +14,7 @@ import torch
 import harts_compiler as hc
 from harts_compiler.codegen.kernels.interpreter_safe import interpreting
 from harts_compiler.codegen.kernels.tree_attention import config_for
-from harts_compiler.runtime import TreeModel, trajectory_wise
+from harts_compiler.runtime import PRESETS, TreeModel, trajectory_wise
 from harts_compiler.runtime import model as model_module
 from harts_compiler.runtime.weights import randomise_for_verification_
 from test_runtime_tree import rel
@@ -30,6 +30,9 @@ CONFIG = dict(model_type="qwen3_next", vocab_size=128, hidden_size=64, intermedi
               linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
               full_attention_interval=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
               shared_expert_intermediate_size=32)
+# Kimi Linear (KDA + MLA + grouped routing) at 2 layers, MLA's q/k head dim a sum of two tiles (16 + 16) as at 192
+KIMI_CONFIG = dict(PRESETS["tiny-kimi-linear"], num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                   mlp_layer_types=["dense", "sparse"], qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
 VALUE_TOL = 1e-5  # fp32 log-probs and entropies: the two paths sum in different orders
 # gradients are judged against float64: A_log's and dt_bias's sum away most of their terms, so both fp32 paths
 # are ~5e-4 (relative) from float64 there and direct fp32 bars would test that cancellation, not the wiring; a
@@ -53,20 +56,20 @@ def kernel_path(monkeypatch):
     return monkeypatch
 
 
-def _token_lists():
-    """A shared root past two chunks with branches inside and across chunks, a prefix and a duplicate."""
+def _token_lists(small: bool = False):
+    """A shared root past one or two chunks with branches on and across chunk boundaries and a prefix; the full
+    batch adds a duplicate and a branch off a branch."""
     rng = random.Random(0)
     draw = lambda n: [rng.randrange(128) for _ in range(n)]  # noqa: E731
-    root = draw(150)
-    lists = [root + draw(n) for n in (20, 90, 3)]
-    lists += [root[:64] + draw(40), root[:70] + draw(75), root[:30], list(lists[0])]
-    lists += [lists[1][:200] + draw(30)]
-    return lists
+    root = draw(90 if small else 150)
+    lists = [root + draw(n) for n in ((20, 50) if small else (20, 90, 3))]
+    lists += [root[:64] + draw(30 if small else 40), root[:70] + draw(40 if small else 75), root[:30]]
+    return lists if small else lists + [list(lists[0]), lists[1][:200] + draw(30)]
 
 
-def _model(seed: int) -> TreeModel:
+def _model(seed: int, config: dict = CONFIG) -> TreeModel:
     """fp32 weights under which states carry across chunks and every path matters (the verification draw)."""
-    return randomise_for_verification_(TreeModel.from_config(CONFIG, seed=seed, dtype=torch.float32), seed)
+    return randomise_for_verification_(TreeModel.from_config(config, seed=seed, dtype=torch.float32), seed)
 
 
 def _step(model, microbatches, weights):
@@ -75,14 +78,14 @@ def _step(model, microbatches, weights):
     rows, aux = {}, 0.0
     for mb in microbatches:
         out = trajectory_wise(model, mb) if isinstance(mb, list) else model(mb)  # ids "0", "1", ... both ways
-        loss = out.aux_loss
+        loss = out.aux_loss if out.aux_loss is not None else 0.0  # Kimi-style routing has no aux loss
         for r, traj_id in enumerate(out.trajectory_ids):
             n = int(out.lengths[r])
             w = weights[int(traj_id)][:n]
             loss = loss + (out.logprobs[r, :n] * w).sum() + 0.1 * (out.entropy[r, :n] * w).sum()
             rows[traj_id] = (out.logprobs[r, :n].detach(), out.entropy[r, :n].detach())
         loss.backward()
-        aux += float(out.aux_loss.detach())
+        aux += 0.0 if out.aux_loss is None else float(out.aux_loss.detach())
     return rows, aux, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -109,10 +112,12 @@ def _exact(model, microbatches, weights, kernel_path):
     return result
 
 
-@pytest.mark.parametrize("budget", [None, 128], ids=["one microbatch", "pieces"])
-def test_tree_mode_through_the_kernels_equals_the_torch_path(kernel_path, budget):
-    token_lists = _token_lists()
-    model = _model(0)
+@pytest.mark.parametrize("family, budget", [("qwen3-next", None), ("qwen3-next", 128), ("kimi-linear", 128)],
+                         ids=["qwen3-next one microbatch", "qwen3-next pieces", "kimi-linear pieces"])
+def test_tree_mode_through_the_kernels_equals_the_torch_path(kernel_path, family, budget):
+    kimi = family == "kimi-linear"  # the interpreter runs KDA's kernels slowly: a smaller batch
+    token_lists = _token_lists(small=kimi)
+    model = _model(0, KIMI_CONFIG if kimi else CONFIG)
     weights = [torch.randn(len(t), generator=torch.Generator().manual_seed(k)) for k, t in enumerate(token_lists)]
     plan = hc.compile(hc.TreeBatch.from_trajectories(token_lists),
                       hc.CompileOptions.for_model(model, microbatch_tokens=budget))
