@@ -136,8 +136,9 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
                 quiet: bool = True, error_factor: float = DEFAULT_ERROR_FACTOR) -> VerifyReport:
     """Execute `plan` (compiled from `batch`) in tree mode and `batch` trajectory-wise, one microbatch
     at a time in both (trajectory-wise: packs of at most `microbatch_tokens` tokens; None: the default
-    budget or the longest trajectory); compare. A 16-bit model also runs the packs on a float64 copy of
-    itself (plain-torch kernels), which both modes are measured against (`error_factor`: the bar).
+    budget or the longest trajectory); compare. A 16-bit model (or a float32 one on a GPU) also runs the packs
+    on a float64 copy of itself (plain-torch kernels), which both modes are measured against (`error_factor`:
+    the bar).
     Raises InputError, before any compute, when the memory estimate exceeds `memory_limit` (default:
     the memory available now on the model's device)."""
     from harts_compiler.runtime import trajectory_wise
@@ -239,7 +240,9 @@ def mode_errors(mode: ModeResult, reference: ModeResult) -> ModeErrors:
     with a tiny gradient has a large relative error in any 16-bit run, so per-parameter ratios are noise), with
     the parameter of the largest relative difference named."""
     lp, ent = row_differences(mode, reference)
-    _, worst = worst_gradient_difference(mode.gradients, reference.gradients)
+    one_sided, worst = worst_gradient_difference(mode.gradients, reference.gradients)
+    if one_sided == float("inf"):  # a parameter with a gradient in one run only
+        return ModeErrors(logprob=lp, entropy=ent, gradient=one_sided, worst_param=worst)
     pairs = [(mode.gradients[n].double(), g.double()) for n, g in reference.gradients.items() if g is not None]
     diff = sum(float((mine - ref).pow(2).sum()) for mine, ref in pairs)
     norm = sum(float(ref.pow(2).sum()) for _, ref in pairs)
