@@ -168,7 +168,8 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
     device = model.lm_head.weight.device
     limit = available_memory(device) if memory_limit is None else memory_limit
     check_fits(estimate, limit, microbatch_tokens=microbatch_tokens,
-               limit_source="the memory available" if memory_limit is None else "--memory-limit")
+               limit_source="the memory available" if memory_limit is None else "--memory-limit",
+               float64=weight.dtype == torch.float64)
 
     # warm-up (lazy imports, allocator, autograd machinery) so the timings below compare modes
     first = dict(zip(ids[:2], token_lists[:2]))

@@ -140,8 +140,10 @@ def gigabytes(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def check_fits(estimate: MemoryEstimate, limit: int, *, microbatch_tokens: int, limit_source: str) -> None:
-    """Raise a one-line InputError when `estimate` is over `limit`, naming what dominates and the flag."""
+def check_fits(estimate: MemoryEstimate, limit: int, *, microbatch_tokens: int, limit_source: str,
+               float64: bool = True) -> None:
+    """Raise a one-line InputError when `estimate` is over `limit`, naming what dominates and the flags that lower
+    it (`float64`: the run is in float64, so float32 would halve it)."""
     if estimate.total <= limit:
         return
     if estimate.tree_peak >= estimate.trajectory_peak:
@@ -152,4 +154,5 @@ def check_fits(estimate: MemoryEstimate, limit: int, *, microbatch_tokens: int, 
                f"{gigabytes(estimate.trajectory_peak)}")
     raise InputError(f"needs about {gigabytes(estimate.total)} ({big}; parameters, gradients and rows "
                      f"{gigabytes(estimate.resident)}) but {limit_source} is {gigabytes(limit)}: lower "
-                     f"--microbatch-tokens (now {microbatch_tokens:,}), or add --checkpointing or --dtype float32")
+                     f"--microbatch-tokens (now {microbatch_tokens:,}), or add --checkpointing"
+                     + (" or --dtype float32" if float64 else ""))

@@ -64,6 +64,26 @@ def test_memory_estimate_refuses_in_one_line(batch_file, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "--memory-limit is 64 MiB" in err and "--microbatch-tokens" in err and "needs about" in err
+    assert "--dtype float32" in err  # float64 run: float32 would halve it
+    assert main(["verify", str(batch_file), "--memory-limit", "64M", "--dtype", "bfloat16", "--threads", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs about" in err and "--dtype float32" not in err  # a bf16 run is not helped by float32
+
+
+def test_the_float64_reference_of_a_16_bit_run_is_counted(batch_file):
+    """A bf16 run holds bf16 parameters and gradients and a float64 copy with its own: above the float32 run."""
+    from harts_compiler import TreeBatch
+    from harts_compiler.runtime.trajectory import pack_index, trajectory_token_lists
+    from harts_compiler.verify_memory import estimate_memory, footprint
+    lists, ids = trajectory_token_lists(TreeBatch.load(batch_file))
+    pack = footprint(pack_index(lists, ids, list(range(len(lists))), chunk_size=64, conv_width=4))
+    args = dict(trajectories=len(lists), max_length=max(map(len, lists)), checkpointing=False)
+    half = load_model("tiny-qwen3-next", torch.bfloat16)
+    plain = estimate_memory(half, 64, [pack], [pack], **args)
+    with_reference = estimate_memory(half, 64, [pack], [pack], reference_dtype=torch.float64, **args)
+    params = sum(p.numel() for p in half.parameters())
+    assert with_reference.resident - plain.resident >= 3 * params * 8
+    assert with_reference.trajectory_peak > plain.trajectory_peak
 
 
 def test_estimate_grows_with_the_microbatch():
