@@ -78,6 +78,13 @@ def chunk_count(indices, chunk_size: int = 64) -> int:
                for index in indices for r in index.rounds)
 
 
+def scan_steps(indices, chunk_size: int = 64) -> int:
+    """Chunk steps on the scans' critical path: per microbatch and round, the longest sequence's chunks (a round's
+    scan lasts as long as its longest sequence; the next round starts after it)."""
+    return sum(int(((r.cu_seqlens[1:] - r.cu_seqlens[:-1] + chunk_size - 1) // chunk_size).max(initial=0))
+               for index in indices for r in index.rounds)
+
+
 def run_preset(preset: str, args) -> dict:
     overrides = dict(TINY_GENERATOR[preset]) if args.tiny else {"scale": LENGTH_SCALE[preset]}
     scale = overrides.pop("scale")
@@ -104,6 +111,8 @@ def measure_batch(name: str, batch, budget: int, args, **extra) -> dict:
     # the chunk-parallel kernels cost per chunk: each sequence of a round ends in a partial chunk and a branch
     # replays up to 63 rows, so the chunk ratio, not the token ratio, bounds tree mode's GDN speedup
     row["chunk_ratio"] = chunk_count(traj_indices) / chunk_count(tree_indices)
+    # the two sequential scans, where latency-bound, cost per chunk step of their critical path instead
+    row["scan_ratio"] = scan_steps(traj_indices) / scan_steps(tree_indices)
     row["sequences"] = [[r.num_sequences for r in index.rounds] for index in tree_indices]
     if args.chunks_only:
         print(f"[{name}] {row}", flush=True)
@@ -150,7 +159,7 @@ def main(argv=None) -> None:
     rows = [run_preset(preset, args) for preset in args.presets]
     rows += [run_trees(name, trees, args) for name, trees in tree_cases(args.trees) if args.trees]
     columns = [("preset", "preset"), ("trajectory_tokens", "traj tok"), ("compact", "distinct"),
-               ("rounds", "rounds"), ("ideal", "ideal"), ("chunk_ratio", "chunk ratio")]
+               ("rounds", "rounds"), ("ideal", "ideal"), ("chunk_ratio", "chunk ratio"), ("scan_ratio", "scan ratio")]
     if args.chunks_only:
         print(format_table(rows, columns))
         return

@@ -109,7 +109,21 @@ def test_gdn_batch_times_trees_in_pieces(tmp_path):
     result = run_bench("gdn_batch.py", tmp_path, "--presets", "tau2", "--microbatch-tokens", "64")
     row = ast.literal_eval(next(line for line in result.stdout.splitlines() if line.startswith("[tau2]"))[7:])
     assert row["tasks"] < len(row["sequences"])  # more forward units than trees: a tree ran in pieces
+    assert math.isfinite(row["scan_ratio"]) and row["scan_ratio"] > 0
     assert math.isfinite(row["tree_ms"]) and row["tree_ms"] > 0
+
+
+def test_scan_steps_count_each_rounds_longest_sequence():
+    from types import SimpleNamespace
+    sys.path.insert(0, str(BENCH))
+    try:
+        from gdn_batch import chunk_count, scan_steps
+    finally:
+        sys.path.remove(str(BENCH))
+    rounds = [SimpleNamespace(cu_seqlens=np.array([0, 130])), SimpleNamespace(cu_seqlens=np.array([0, 10, 75, 80]))]
+    index = SimpleNamespace(rounds=rounds)
+    # round 0: one sequence of 3 chunks; round 1: sequences of 1, 2 and 1 chunks, the longest 2
+    assert scan_steps([index]) == 3 + 2 and chunk_count([index]) == 3 + 4
 
 
 def test_gdn_scans_interpreted(tmp_path):
