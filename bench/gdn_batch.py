@@ -15,6 +15,8 @@ attention's share of the end-to-end gap.
 from __future__ import annotations
 
 import argparse
+
+import numpy as np
 import sys
 from pathlib import Path
 
@@ -78,11 +80,20 @@ def chunk_count(indices, chunk_size: int = 64) -> int:
                for index in indices for r in index.rounds)
 
 
-def scan_steps(indices, chunk_size: int = 64) -> int:
-    """Chunk steps on the scans' critical path: per microbatch and round, the longest sequence's chunks (a round's
-    scan lasts as long as its longest sequence; the next round starts after it)."""
-    return sum(int(((r.cu_seqlens[1:] - r.cu_seqlens[:-1] + chunk_size - 1) // chunk_size).max(initial=0))
-               for index in indices for r in index.rounds)
+def scan_steps(indices) -> int:
+    """Chunk steps on the scans' critical path, summed over microbatches: a launch lasts as long as its longest
+    sequence, the launches of one lane (its own stream: a block of trees, `chunk_gdn.lanes`) run one after the
+    other, and the lanes side by side, so a microbatch takes its slowest lane."""
+    from harts_compiler.codegen.lower import gdn_plan
+    total = 0
+    for index in indices:
+        plan = gdn_plan(index)
+        chunks = -(-np.diff(np.asarray(plan.index.cu_seqlens)) // index.chunk_size)
+        lanes = np.zeros(plan.num_lanes, np.int64)
+        for launch in plan.launches:
+            lanes[launch.lane] += int(chunks[launch.first_seq:launch.first_seq + launch.num_seqs].max(initial=0))
+        total += int(lanes.max(initial=0))
+    return total
 
 
 def run_preset(preset: str, args) -> dict:

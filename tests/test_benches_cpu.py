@@ -113,17 +113,26 @@ def test_gdn_batch_times_trees_in_pieces(tmp_path):
     assert math.isfinite(row["tree_ms"]) and row["tree_ms"] > 0
 
 
-def test_scan_steps_count_each_rounds_longest_sequence():
-    from types import SimpleNamespace
+def test_scan_steps_count_each_lanes_longest_sequences():
     sys.path.insert(0, str(BENCH))
     try:
-        from gdn_batch import chunk_count, scan_steps
+        from gdn_batch import scan_steps
     finally:
         sys.path.remove(str(BENCH))
-    rounds = [SimpleNamespace(cu_seqlens=np.array([0, 130])), SimpleNamespace(cu_seqlens=np.array([0, 10, 75, 80]))]
-    index = SimpleNamespace(rounds=rounds)
-    # round 0: one sequence of 3 chunks; round 1: sequences of 1, 2 and 1 chunks, the longest 2
-    assert scan_steps([index]) == 3 + 2 and chunk_count([index]) == 3 + 4
+    import harts_compiler as hc
+    from harts_compiler.codegen.index import trajectory_index
+    from harts_compiler.predict import plan_indices
+    rng = np.random.default_rng(0)
+    lists = [rng.integers(0, 100, n).tolist() for n in (130, 10, 65)]
+    assert scan_steps([trajectory_index(lists, ["a", "b", "c"], chunk_size=64, conv_width=4)]) == 3  # one launch
+    # a tree: 150 root tokens, branches at 20, 64 and 150; its rounds wait for each other, so the path is at least
+    # its longest trajectory's chunks and at most every round's longest sequence in turn
+    root = lists[0] + lists[1] + lists[2][:10]
+    tree = [root + [7] * 70, root[:20] + [8] * 100, root[:64] + [9] * 30, root]
+    index, = plan_indices(hc.compile(hc.TreeBatch.from_trajectories(tree), hc.CompileOptions(chunk_size=64)))
+    longest = max(-(-len(t) // 64) for t in tree)
+    per_round = sum(int((-(-np.diff(r.cu_seqlens) // 64)).max()) for r in index.rounds)
+    assert len(index.rounds) >= 2 and longest <= scan_steps([index]) <= per_round
 
 
 def test_gdn_scans_interpreted(tmp_path):
