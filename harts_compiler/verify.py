@@ -286,13 +286,14 @@ def add_execution_arguments(parser: argparse.ArgumentParser, default_model: str 
     parser.add_argument("--model", default=default_model,
                         help="preset name (random weights) or HF checkpoint directory (default: %(default)s)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float64",
-                        help="float64 / float32: tree mode must equal trajectory-wise up to reordering; bfloat16 / "
-                        "float16 (the kernels a GPU trains with): both modes run against a float64 copy and tree "
-                        "mode may be at most --error-factor times as far from it (default: %(default)s)")
+                        help="float64, and float32 on the CPU: tree mode must equal trajectory-wise up to reordering; "
+                        "bfloat16 / float16 (the kernels a GPU trains with), and float32 on a GPU: both modes run "
+                        "against a float64 copy and tree mode may be at most --error-factor times as far from it "
+                        "(default: %(default)s)")
     parser.add_argument("--device", default="cpu",
                         help="where the model runs: cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--error-factor", type=float, default=DEFAULT_ERROR_FACTOR,
-                        help="bfloat16 / float16 bar: tree mode's error against float64 over trajectory-wise "
+                        help="the bar of runs judged against float64: tree mode's error over trajectory-wise "
                         "training's, per measure (default: %(default)s)")
     parser.add_argument("--chunk-size", type=int, default=64,
                         help="linear-attention chunk, tokens (default: %(default)s)")
