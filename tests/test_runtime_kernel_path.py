@@ -36,7 +36,7 @@ KIMI_CONFIG = dict(PRESETS["tiny-kimi-linear"], num_hidden_layers=2, layer_types
 VALUE_TOL = 1e-5  # fp32 log-probs and entropies: the two paths sum in different orders
 # gradients are judged against float64: A_log's and dt_bias's sum away most of their terms, so both fp32 paths
 # are up to ~2e-5 (relative) from float64 there, the kernels' chunked algebra 2-6x further than the torch path's
-# (beyond 4x in 2 of 47 random batches), and direct fp32 bars would test that cancellation, not the wiring. Each
+# (beyond 4x in 2 of 228 random batches), and direct fp32 bars would test that cancellation, not the wiring. Each
 # gradient may be GRAD_FACTOR times the torch path's distance from float64, or the design's fp32 gradient bar; a
 # wiring error (a state not handed over, a gradient not injected) is off by order 1e-3 or more
 GRAD_FACTOR, GRAD_FLOOR = 4.0, 5e-5
