@@ -50,10 +50,7 @@ def with_pair_cost_scaled(predictor: cost_model.CostModel, scale: float) -> cost
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
+    value = float(text)  # argparse reports a ValueError as an invalid value
     if not value > 0:  # also nan
         raise argparse.ArgumentTypeError(f"needs a positive number, got {text}")
     return value

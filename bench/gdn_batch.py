@@ -15,11 +15,10 @@ attention's share of the end-to-end gap.
 from __future__ import annotations
 
 import argparse
-
-import numpy as np
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -35,6 +35,7 @@ from breakdown import backward_node, components, profiled_step  # noqa: E402
 from common import (BENCH_MODELS, Step, build_model, describe_device, forward_units, model_config,  # noqa: E402
                     synchronize)
 from e2e import parse_args, plan_preset  # noqa: E402
+from harts_compiler import predict  # noqa: E402
 from gpu_idle import idle_report, print_idle  # noqa: E402
 from memory_sites import REPO, site_of  # noqa: E402
 
@@ -202,10 +203,7 @@ def exact_tree_ceiling(traj_parts: dict, token_ratio: float, pair_ratio: float) 
     a trajectory-wise kernel total."""
     parts = {name: ms for name, ms in traj_parts.items() if name not in ("total", "step wall")}
     total = sum(parts.values())
-    if not total:
-        return None
-    attention = parts.get("attention", 0.0)
-    return total / ((total - attention) / token_ratio + attention / pair_ratio)
+    return predict.ceiling(token_ratio, pair_ratio, parts.get("attention", 0.0) / total) if total else None
 
 
 def kernel_table(label: str, kernels: Counter, tokens: int, top: int) -> None:

@@ -165,8 +165,7 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
                             for mb in microbatches],
         [footprint(index_of_pack(pack)()) for pack in packs], trajectories=len(ids), max_length=max(lengths),
         checkpointing=activation_checkpointing, reference_dtype=torch.float64 if against_reference else None)
-    device = model.lm_head.weight.device
-    limit = available_memory(device) if memory_limit is None else memory_limit
+    limit = available_memory(weight.device) if memory_limit is None else memory_limit
     check_fits(estimate, limit, microbatch_tokens=microbatch_tokens,
                limit_source="the memory available" if memory_limit is None else "--memory-limit",
                float64=weight.dtype == torch.float64)
@@ -195,11 +194,9 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
     tree_lp, _ = assemble_rows(plan, tree_outputs, "logprobs")
     tree_ent, _ = assemble_rows(plan, tree_outputs, "entropy")
     del tree_outputs[:]
-    n_of = {traj_id: len(row) for traj_id, row in ref.logprobs.items()}
-    tree_rows = {traj_id: (tree_lp[row, :n_of[traj_id]], tree_ent[row, :n_of[traj_id]])
-                 for row, traj_id in enumerate(plan.program.forest.traj_ids)}
-    tree.logprobs = {traj_id: rows[0] for traj_id, rows in tree_rows.items()}
-    tree.entropy = {traj_id: rows[1] for traj_id, rows in tree_rows.items()}
+    rows = list(enumerate(plan.program.forest.traj_ids))
+    tree.logprobs = {traj_id: tree_lp[row, :len(ref.logprobs[traj_id])] for row, traj_id in rows}
+    tree.entropy = {traj_id: tree_ent[row, :len(ref.logprobs[traj_id])] for row, traj_id in rows}
     lp_diff, ent_diff = row_differences(tree, ref)
     grad_diff, worst = worst_gradient_difference(tree.gradients, ref.gradients)
     reference = None
@@ -215,12 +212,12 @@ def verify_plan(model, batch, plan, *, seed: int = 0, activation_checkpointing: 
     return VerifyReport(
         trajectories=len(ids), trajectory_tokens=int(stats["trajectory_tokens"]),
         compact_tokens=int(stats["compact_tokens"]), microbatches=len(microbatches),
-        rounds=max((mb.summary()["rounds"] for mb in microbatches), default=0), dtype=model.lm_head.weight.dtype,
+        rounds=max((mb.summary()["rounds"] for mb in microbatches), default=0), dtype=weight.dtype,
         logprob_diff=lp_diff, entropy_diff=ent_diff,
         aux_diff=float((tree.aux_loss - ref.aux_loss).abs()) if comparable_aux else None,
         expert_load_diff=None if tree.expert_load is None else float((tree.expert_load - ref.expert_load).abs().max()),
         grad_rel_diff=grad_diff, worst_param=worst, tree_seconds=tree.seconds, trajectory_seconds=ref.seconds,
-        on_cpu=model.lm_head.weight.device.type == "cpu", trajectory_packs=len(packs),
+        on_cpu=weight.device.type == "cpu", trajectory_packs=len(packs),
         estimated_bytes=estimate.total, gradients=(tree.gradients, ref.gradients), reference=reference,
         against_reference=against_reference)
 

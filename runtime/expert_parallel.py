@@ -38,7 +38,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from .moe import Experts, combine_slots, expert_ffn, sort_by_expert
+from ..codegen.kernels.moe_combine import moe_combine
+from .moe import Experts, expert_ffn, sort_by_expert
 
 MESH_DIMS = ("dp", "ep")
 
@@ -85,7 +86,7 @@ class ExpertParallelExperts(nn.Module):
         hidden = expert_ffn(rows[regroup], _local(self.gate_up_proj), _local(self.down_proj), received.sum(0))
         hidden = torch.index_copy(torch.empty_like(hidden), 0, regroup, hidden)
         hidden = _exchange(hidden, send_splits, recv_splits, group)
-        return combine_slots(hidden, routing, top_weight, shared, shared_logit)
+        return moe_combine(hidden, routing.position, top_weight, shared, shared_logit)
 
 
 def _exchange(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:

@@ -65,7 +65,8 @@ class Experts(nn.Module):
         sigmoid(shared_logit) where given) in the same pass."""
         routing = sort_by_expert(top_index, self.num_experts)
         hidden = expert_ffn(x[routing.token_of], self.gate_up_proj, self.down_proj, routing.counts)
-        return combine_slots(hidden, routing, top_weight, shared, shared_logit)
+        # each token's k slots summed in slot order plus the shared term, no atomics (codegen/kernels/moe_combine)
+        return moe_combine(hidden, routing.position, top_weight, shared, shared_logit)
 
 
 @dataclasses.dataclass
@@ -110,14 +111,6 @@ def expert_ffn(xs: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
     # no rows: an empty result that still depends on the weights, so that their gradient exists (exact
     # zeros) on every rank: FSDP2 reduce-scatters only the gradients a rank has, and all ranks must agree
     return xs + 0.0 * (gate_up_proj.sum() + down_proj.sum())
-
-
-def combine_slots(hidden: torch.Tensor, routing: ExpertRouting, top_weight: torch.Tensor,
-                  shared: torch.Tensor | None = None, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
-    """Expert outputs in sorted order [T*k, H] -> each token's routing-weighted sum over its k slots [T, H] (in a
-    fixed slot order, no atomics: the backward writes each sorted row once), plus the shared term
-    (codegen/kernels/moe_combine)."""
-    return moe_combine(hidden, routing.position, top_weight, shared, shared_logit)
 
 
 class SparseMoeBlock(nn.Module):
