@@ -87,7 +87,7 @@ def scan_steps(indices) -> int:
     total = 0
     for index in indices:
         plan = gdn_plan(index)
-        chunks = -(-np.diff(np.asarray(plan.index.cu_seqlens)) // index.chunk_size)
+        chunks = np.diff(np.asarray(plan.index.seq_chunk_start))  # per sequence, as the plan laid them out
         lanes = np.zeros(plan.num_lanes, np.int64)
         for launch in plan.launches:
             lanes[launch.lane] += int(chunks[launch.first_seq:launch.first_seq + launch.num_seqs].max(initial=0))

@@ -66,22 +66,31 @@ def _gradients(model) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def worst_gradient_difference(got: dict[str, torch.Tensor | None],
-                              want: dict[str, torch.Tensor | None]) -> tuple[float, str]:
-    """(largest relative L2 difference |got - want| / |want| over parameters, its name); a gradient
-    present on one side only is infinitely different. Keys: parameter names; None = no gradient."""
-    worst, diff = "-", 0.0
+def gradient_distances(got: dict[str, torch.Tensor | None],
+                       want: dict[str, torch.Tensor | None]) -> tuple[float, str, float]:
+    """One pass over the parameters (float64 arithmetic): (largest relative L2 difference |got - want| / |want|,
+    its parameter's name, the relative L2 difference of all parameters together). A gradient present on one
+    side only is infinitely different. Keys: parameter names; None = no gradient."""
+    worst, diff, diff_sq, norm_sq = "-", 0.0, 0.0, 0.0
     for name in sorted(set(got) | set(want)):
         mine, ref = got.get(name), want.get(name)
         if mine is None or ref is None:
             if (mine is None) != (ref is None):
-                return float("inf"), f"gradient present in one mode only: {name}"
+                return float("inf"), f"gradient present in one mode only: {name}", float("inf")
             continue
         mine, ref = mine.double(), ref.double()
-        rel = float((mine - ref).norm() / ref.norm().clamp_min(1e-30))
+        d_sq, r_sq = float((mine - ref).pow(2).sum()), float(ref.pow(2).sum())
+        diff_sq, norm_sq = diff_sq + d_sq, norm_sq + r_sq
+        rel = d_sq ** 0.5 / max(r_sq ** 0.5, 1e-30)
         if rel > diff:
             worst, diff = name, rel
-    return diff, worst
+    return diff, worst, (diff_sq / norm_sq) ** 0.5 if norm_sq else 0.0
+
+
+def worst_gradient_difference(got: dict[str, torch.Tensor | None],
+                              want: dict[str, torch.Tensor | None]) -> tuple[float, str]:
+    """(largest relative L2 difference over parameters, its name): `gradient_distances`' first two."""
+    return gradient_distances(got, want)[:2]
 
 
 @dataclasses.dataclass
@@ -238,13 +247,8 @@ def mode_errors(mode: ModeResult, reference: ModeResult) -> ModeErrors:
     with a tiny gradient has a large relative error in any 16-bit run, so per-parameter ratios are noise), with
     the parameter of the largest relative difference named."""
     lp, ent = row_differences(mode, reference)
-    one_sided, worst = worst_gradient_difference(mode.gradients, reference.gradients)
-    if one_sided == float("inf"):  # a parameter with a gradient in one run only
-        return ModeErrors(logprob=lp, entropy=ent, gradient=one_sided, worst_param=worst)
-    pairs = [(mode.gradients[n].double(), g.double()) for n, g in reference.gradients.items() if g is not None]
-    diff = sum(float((mine - ref).pow(2).sum()) for mine, ref in pairs)
-    norm = sum(float(ref.pow(2).sum()) for _, ref in pairs)
-    return ModeErrors(logprob=lp, entropy=ent, gradient=(diff / norm) ** 0.5 if norm else 0.0, worst_param=worst)
+    _, worst, gradient = gradient_distances(mode.gradients, reference.gradients)
+    return ModeErrors(logprob=lp, entropy=ent, gradient=gradient, worst_param=worst)
 
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
