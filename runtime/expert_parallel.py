@@ -38,7 +38,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from ..codegen.kernels.moe_combine import moe_combine
+from ..codegen.kernels.moe_combine import moe_combine, moe_dispatch
 from .moe import Experts, expert_ffn, sort_by_expert
 
 MESH_DIMS = ("dp", "ep")
@@ -79,7 +79,7 @@ class ExpertParallelExperts(nn.Module):
         send_splits = routing.counts.view(ep, local).sum(1).tolist()
         recv_splits = received.sum(1).tolist()
 
-        rows = _exchange(x[routing.token_of], recv_splits, send_splits, group)
+        rows = _exchange(moe_dispatch(x, routing.token_of, routing.position), recv_splits, send_splits, group)
         # received rows: by source, then by local expert within a source; regroup by local expert
         local_expert = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(received.reshape(-1))
         regroup = torch.argsort(local_expert, stable=True)

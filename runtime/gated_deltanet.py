@@ -47,32 +47,37 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
     def _project(self, x: torch.Tensor):
-        """x [T, hidden] -> mixed_qkv [T, conv_dim] (q|k|v flat), z [T, HV, dv], b, a [T, HV]."""
+        """x [T, hidden] -> the conv's parts q, k [T, key_dim], v [T, value_dim] (column slices of one projection),
+        z [T, HV, dv], b, a [T, HV]."""
         T = x.shape[0]
         if self.flat:
             z = self.in_proj_z(x).reshape(T, self.num_v_heads, self.head_v_dim)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            q, k, v = torch.split(self.in_proj_qkv(x), [self.key_dim, self.key_dim, self.value_dim], dim=1)
+            return q, k, v, z, self.in_proj_b(x), self.in_proj_a(x)
+        # transformers' rows are grouped per key head (q, k, v, z of head 0, then head 1, ...): regrouping the
+        # weight's rows into q | k | v | z order (a copy of the weight, not of the activations) makes q, k, v and z
+        # column slices of one product, which the conv reads in place
         group = self.num_v_heads // self.num_k_heads
-        qkvz = self.in_proj_qkvz(x).view(T, self.num_k_heads, 2 * self.head_k_dim + 2 * group * self.head_v_dim)
-        ba = self.in_proj_ba(x).view(T, self.num_k_heads, 2 * group)
-        q, k, v, z = torch.split(qkvz, [self.head_k_dim, self.head_k_dim, group * self.head_v_dim,
-                                        group * self.head_v_dim], dim=2)
-        b, a = torch.split(ba, [group, group], dim=2)
-        mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
-        return (mixed, z.reshape(T, self.num_v_heads, self.head_v_dim),
-                b.reshape(T, self.num_v_heads), a.reshape(T, self.num_v_heads))
+        widths = [self.head_k_dim, self.head_k_dim, group * self.head_v_dim, group * self.head_v_dim]
+        weight = self.in_proj_qkvz.weight.view(self.num_k_heads, sum(widths), -1)
+        weight = torch.cat([rows.reshape(-1, weight.shape[-1]) for rows in weight.split(widths, dim=1)])
+        q, k, v, z = torch.split(F.linear(x, weight), [self.key_dim, self.key_dim, self.value_dim, self.value_dim],
+                                 dim=1)
+        b, a = torch.split(self.in_proj_ba(x).view(T, self.num_k_heads, 2 * group), [group, group], dim=2)
+        return (q, k, v, z.reshape(T, self.num_v_heads, self.head_v_dim), b.reshape(T, self.num_v_heads),
+                a.reshape(T, self.num_v_heads))
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x [T, hidden] (normed) -> [T, hidden]. ctx: the per-forward `ExecutionContext`."""
         T = x.shape[0]
-        mixed, z, b, a = self._project(x)
+        q, k, v, z, b, a = self._project(x)
         carry = ctx.layer_carry(self.layer_idx)
-        mixed = tree_causal_conv(mixed, self.conv1d.weight.squeeze(1), ctx.plan, activation="silu", carry=carry)
-        mixed = mixed.to(x.dtype)
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        # in a piece the outputs have the carried replay rows after the own T rows
+        q, k, v = (t.to(x.dtype) for t in tree_causal_conv((q, k, v), self.conv1d.weight.squeeze(1), ctx.plan,
+                                                           activation="silu", carry=carry))
+        q = q.reshape(-1, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(-1, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(-1, self.num_v_heads, self.head_v_dim)
         beta = b.sigmoid()
         wide = compute_dtype(x.dtype)
         # as transformers: g in fp32 (wider for fp64 runs), A_log never in low precision
@@ -82,3 +87,4 @@ class GatedDeltaNet(nn.Module):
                                     use_qk_l2norm=True, kernel=ctx.gdn_kernel, carry=carry)
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(T, self.value_dim))
+

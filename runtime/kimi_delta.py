@@ -77,11 +77,11 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x [T, hidden] (normed) -> [T, hidden]. ctx: the per-forward `ExecutionContext`."""
         T, heads = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         carry = ctx.layer_carry(self.layer_idx)
-        mixed = tree_causal_conv(mixed, self.conv1d.weight.squeeze(1), ctx.plan, activation="silu",
-                                 carry=carry).to(x.dtype)
-        q, k, v = (t.reshape(heads) for t in torch.split(mixed, [self.qkv_dim] * 3, dim=-1))
+        # in a piece the outputs have the carried replay rows after the own T rows
+        q, k, v = (t.to(x.dtype).reshape(-1, self.num_heads, self.head_dim) for t in tree_causal_conv(
+            (self.q_proj(x), self.k_proj(x), self.v_proj(x)), self.conv1d.weight.squeeze(1), ctx.plan,
+            activation="silu", carry=carry))
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
         o = linear_attention_rounds(q, k, v, g, beta, ctx.plan, rule="kda", scale=self.head_dim ** -0.5,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..codegen.kernels.moe_combine import moe_combine
+from ..codegen.kernels.moe_combine import moe_combine, moe_dispatch
 from .config import ModelConfig
 from .layers import DenseMLP, compute_dtype
 
@@ -64,7 +64,7 @@ class Experts(nn.Module):
         """[T, H]: the routed experts' weighted sum, plus the shared expert's output (gated by
         sigmoid(shared_logit) where given) in the same pass."""
         routing = sort_by_expert(top_index, self.num_experts)
-        hidden = expert_ffn(x[routing.token_of], self.gate_up_proj, self.down_proj, routing.counts)
+        hidden = expert_ffn(moe_dispatch(x, routing.token_of, routing.position), self.gate_up_proj, self.down_proj, routing.counts)
         # each token's k slots summed in slot order plus the shared term, no atomics (codegen/kernels/moe_combine)
         return moe_combine(hidden, routing.position, top_weight, shared, shared_logit)
 

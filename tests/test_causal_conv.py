@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from harts_compiler.codegen.kernels.causal_conv import (
     prepare_conv_index,
     tree_causal_conv,
+    tree_causal_conv_parts_reference,
     tree_causal_conv_reference,
 )
 from harts_compiler.codegen.kernels.causal_conv.function import BLOCK_T
@@ -129,3 +130,44 @@ def test_cuda_kernel_bf16_vs_fp32_reference_and_tree_bitwise():
     path = torch.tensor(paths[3], device="cuda")
     y_traj = tree_causal_conv(x[path], w, linear_pred(len(paths[3])).cuda())
     assert torch.equal(y_traj, y[path])
+
+
+@pytest.mark.parametrize("widths, carried, appended", [((16, 16, 32), 3, 2), ((24,), 0, 0), ((8, 40), 5, 0)])
+def test_column_parts_tail_and_appended_rows(widths, carried, appended):
+    """A layer's parts as strided column views of one projection, carried input rows after the own rows (read as
+    taps only) and rows appended to each output: outputs and every gradient as the reference over the whole."""
+    parents, lengths = [-1, 0, 0, 1], [6, 5, 3, 4]
+    pred, _ = tree_tables(parents, lengths)
+    own = pred.shape[0]
+    gen = torch.Generator().manual_seed(sum(widths) + carried)
+    if carried:  # the carried rows feed the first tokens of every node but the root, as a piece's context does
+        pred = torch.cat([pred, torch.full((carried, W - 1), -1, dtype=torch.long)])
+        pred[6, :] = torch.tensor([own, own + 1, own + 2])[-(W - 1):]
+        pred[11, -1] = own + carried - 1
+    channels = sum(widths)
+    wide = torch.randn(own, channels + 8, generator=gen, dtype=torch.float64)  # parts read in place
+    w = torch.randn(channels, W, generator=gen, dtype=torch.float64)
+    tail = torch.randn(carried, channels, generator=gen, dtype=torch.float64) if carried else None
+    extra = [torch.randn(appended, c, generator=gen, dtype=torch.float64) if appended else None for c in widths]
+    dys = [torch.randn(own + appended, c, generator=gen, dtype=torch.float64) for c in widths]
+
+    def run(dtype, kernel):
+        leaves = [t.to(dtype).requires_grad_(True) for t in [wide, w] + ([tail] if carried else [])
+                  + [e for e in extra if e is not None]]
+        base, weight = leaves[0], leaves[1]
+        parts = list(torch.split(base, list(widths) + [8], dim=1))[:-1]
+        t = leaves[2] if carried else None
+        ex = leaves[3:] if carried else leaves[2:]
+        ex = ex if appended else [None] * len(widths)
+        if kernel:
+            index = to_device(prepare_conv_index(pred), base.device)
+            outs = tree_causal_conv(parts, weight, pred, "silu", index=index, tail=t, appended=ex)
+        else:
+            outs = tree_causal_conv_parts_reference(parts, weight, pred, "silu", t, ex)
+        loss = sum((o * d.to(dtype)).sum() for o, d in zip(outs, dys))
+        return [o.detach() for o in outs] + list(torch.autograd.grad(loss, leaves))
+
+    got, ref = run(torch.float32, True), run(torch.float64, False)
+    assert all(o.is_contiguous() for o in got[:len(widths)])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)

@@ -1,12 +1,14 @@
 """The MoE combine kernels (codegen/kernels/moe_combine) against their plain-torch reference in float64, every
 shared mode, output and gradient: under Triton's interpreter on the CPU (fp32 inputs: the interpreter truncates
 16-bit stores) and in bf16 on a GPU. A token is combined alike wherever it sits, and the dispatch keeps the
-reference for everything but 16-bit CUDA tensors."""
+reference for everything but 16-bit CUDA tensors. The dispatch to the experts' rows (`moe_dispatch`) sums its
+gradient per token in slot order with the same pass."""
 import pytest
 import torch
 
-from harts_compiler.codegen.kernels.moe_combine import (SHARED_MODES, MoECombineFunction, moe_combine,
-                                                        moe_combine_reference)
+from harts_compiler.codegen.kernels.moe_combine import (SHARED_MODES, MoECombineFunction, MoEDispatchFunction,
+                                                        moe_combine, moe_combine_reference, moe_dispatch)
+from harts_compiler.runtime.moe import sort_by_expert
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -97,3 +99,34 @@ def test_wider_routing_weights():
     assert got[2].dtype == wide
     for a, b in zip(got, ref):
         assert relative(a, b) < (1e-6 if DEVICE == "cpu" else 1e-2)
+
+
+def dispatch_grad(fn, x, routing, g):
+    leaf = x.detach().clone().requires_grad_(True)
+    rows = fn(leaf, routing.token_of, routing.position)
+    return rows.detach(), torch.autograd.grad(rows, leaf, g)[0]
+
+
+@pytest.mark.parametrize("tokens, top_k, dim, experts", [(33, 4, 64, 8), (7, 8, 2304, 32), (0, 4, 64, 8)])
+def test_dispatch_gradient_is_the_slot_sum(tokens, top_k, dim, experts):
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, dim, generator=gen, dtype=torch.float64)
+    top = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]) if tokens else \
+        torch.zeros(0, top_k, dtype=torch.long)
+    g = torch.randn(tokens * top_k, dim, generator=gen, dtype=torch.float64)
+    routing = sort_by_expert(top, experts)
+    rows_ref, dx_ref = dispatch_grad(lambda x, t, p: x[t], x, routing, g)
+    low = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    on = sort_by_expert(top.to(DEVICE), experts)
+    rows, dx = dispatch_grad(MoEDispatchFunction.apply, x.to(DEVICE, low), on, g.to(DEVICE, low))
+    assert torch.equal(rows.double().cpu(), x.to(low).double()[routing.token_of])
+    _, dx_torch = dispatch_grad(lambda x, t, p: x[t], x.to(DEVICE, low), on, g.to(DEVICE, low))
+    if tokens:  # one rounding of the fp32 slot sum: at least as close as torch's own low-precision scatter-add
+        assert relative(dx, dx_ref) <= max(relative(dx_torch, dx_ref), 1e-6)
+
+
+def test_dispatch_keeps_torch_indexing_off_16_bit_cuda():
+    x = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    routing = sort_by_expert(torch.tensor([[0, 1], [1, 2], [2, 0], [0, 1], [2, 1]]), 3)
+    rows = moe_dispatch(x, routing.token_of, routing.position)
+    assert rows.grad_fn.name() == "IndexBackward0" and torch.equal(rows, x[routing.token_of])

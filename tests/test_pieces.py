@@ -202,10 +202,11 @@ def test_carried_gradients_own_their_storage(kind):
     carried = torch.randn(3, 8, requires_grad=True)
     own = torch.randn(50, 8, requires_grad=True)
     piece = SimpleNamespace(conv_out=rows, replay_out=rows, kv_out=rows)
-    if kind == "conv":
-        out = LayerCarry(piece, {"conv": carried}).conv_inputs(own)
-    elif kind == "replay":
-        out = LayerCarry(piece, {"replay": (carried,) * 5}).linear_inputs(*(own,) * 5)[0][0]
+    if kind == "conv":  # the conv kernel reads the tail after the own rows (here: a concatenation that does so)
+        out = torch.cat([own, LayerCarry(piece, {"conv": carried}).conv_rows([own])[0]])
+    elif kind == "replay":  # q's rows appended by the conv, g's by the rounds' inputs
+        carry = LayerCarry(piece, {"replay": (carried,) * 5})
+        out = torch.cat([own, carry.conv_rows([own])[1][0]]) + carry.linear_inputs(*(own,) * 5)[0][3].sum()
     else:
         out = LayerCarry(piece, {"kv": (carried, carried)}).attention_keys(own, own)[0]
     (out * torch.randn_like(out)).sum().backward()

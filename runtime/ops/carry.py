@@ -2,8 +2,10 @@
 
 A mixer of a piece asks its `LayerCarry` to extend its own rows with the carried ones:
 - attention: context K/V in front of its own K/V (the piece's queries are the last T keys);
-- short conv: carried conv inputs after its own rows (the conv table points there);
-- linear attention: carried replay rows after its own rows, and the carried states its fragments start from.
+- short conv: carried conv inputs after its own rows (the conv table points there), and the carried replay rows
+  of q, k, v appended to its outputs (the conv kernel writes both without concatenating the layer's rows);
+- linear attention: carried replay rows of g and beta after its own rows, and the carried states its fragments
+  start from.
 At the same time it keeps the rows (and states) that later pieces read. Both directions are ordinary tensors:
 gradients of what later pieces read flow back into this piece's graph.
 """
@@ -14,7 +16,7 @@ import torch
 
 class _OwnGradient(torch.autograd.Function):
     """Identity whose backward copies the gradient. A carried input is concatenated with the piece's own rows, so
-    its gradient arrives as a slice of the whole tensor's gradient (conv dx, the rounds' dq/dk/dv, dK/dV), and the
+    its gradient may arrive as a slice of the whole tensor's gradient (the rounds' dg/dbeta, dK/dV), and the
     producing piece only consumes it after every later piece's backward: a slice would keep the whole [rows, width]
     buffer of every layer alive until then (measured: +15 GiB of a 65k-token piece's step), the copy only the
     carried rows."""
@@ -53,20 +55,26 @@ class LayerCarry:
         context_k, context_v = self.inputs["kv"]
         return torch.cat([_carried(context_k, k.dtype), k]), torch.cat([_carried(context_v, v.dtype), v])
 
-    def conv_inputs(self, mixed: torch.Tensor) -> torch.Tensor:
-        self._keep("conv", mixed[self.piece.conv_out])
-        if "conv" not in self.inputs:
-            return mixed
-        return torch.cat([mixed, _carried(self.inputs["conv"], mixed.dtype)])
+    def conv_rows(self, parts) -> tuple:
+        """Keeps the conv input rows later pieces read; returns (the carried conv input rows [C, Ch] or None, per
+        part the carried replay rows of its output [R, Ch_i] or None) for the conv (q, k, v parts)."""
+        rows = self.piece.conv_out
+        self._keep("conv", torch.cat([p[rows] for p in parts], dim=1))
+        dtype = parts[0].dtype
+        tail = _carried(self.inputs["conv"], dtype) if "conv" in self.inputs else None
+        appended = [None] * len(parts)
+        if "replay" in self.inputs:
+            appended = [_carried(c.reshape(c.shape[0], -1), dtype) for c in self.inputs["replay"][:len(parts)]]
+        return tail, appended
 
     def linear_inputs(self, q, k, v, g, beta):
-        """(q, k, v, g, beta) with the carried replay rows after the own rows, and the carried states."""
-        own = (q, k, v, g, beta)
+        """(q, k, v, g, beta) with the carried replay rows after the own rows (q, k, v have them from the conv),
+        and the carried states."""
         rows = self.piece.replay_out
-        self._keep("replay", tuple(t[rows] for t in own))
+        self._keep("replay", tuple(t[rows] for t in (q, k, v, g, beta)))
         if "replay" in self.inputs:
-            own = tuple(torch.cat([t, _carried(c, t.dtype)]) for t, c in zip(own, self.inputs["replay"]))
-        return own, self.inputs.get("states")
+            g, beta = (torch.cat([t, _carried(c, t.dtype)]) for t, c in zip((g, beta), self.inputs["replay"][3:]))
+        return (q, k, v, g, beta), self.inputs.get("states")
 
     def keep_states(self, states: torch.Tensor) -> None:
         self._keep("states", states)

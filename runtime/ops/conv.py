@@ -11,18 +11,17 @@ import torch
 
 from harts_compiler.codegen import LaunchPlan
 from harts_compiler.codegen.kernels.causal_conv import tree_causal_conv as conv_kernel
-from harts_compiler.codegen.kernels.causal_conv import tree_causal_conv_reference
+from harts_compiler.codegen.kernels.causal_conv import tree_causal_conv_parts_reference
 
 
-def tree_causal_conv(x: torch.Tensor, weight: torch.Tensor, plan: LaunchPlan,
-                     activation: str | None = "silu", carry=None) -> torch.Tensor:
-    """x [T, Ch], weight [Ch, W] -> y [T, Ch] (dtype of weight, like F.conv1d). `carry`: the layer's
-    `ops.carry.LayerCarry` in a piece (carried conv inputs after the own rows; their outputs are dropped)."""
-    T = x.shape[0]
-    if carry is not None:
-        x = carry.conv_inputs(x)
+def tree_causal_conv(parts, weight: torch.Tensor, plan: LaunchPlan, activation: str | None = "silu",
+                     carry=None) -> tuple[torch.Tensor, ...]:
+    """Column parts [T, Ch_i] of the conv input (e.g. q, k, v; strided rows read in place), weight [sum Ch_i, W] ->
+    the parts' outputs, each contiguous (dtype of weight, like F.conv1d). `carry`: the layer's
+    `ops.carry.LayerCarry` in a piece: the carried conv inputs are read after the own rows and the carried
+    replay rows are appended to the outputs, [T + R, Ch_i] (what the rounds read after the own rows)."""
+    tail, appended = carry.conv_rows(parts) if carry is not None else (None, None)
     if plan.target.conv_triton:
-        y = conv_kernel(x, weight, plan.conv_pred, activation, index=plan.conv)
-    else:
-        y = tree_causal_conv_reference(x, weight, plan.conv_pred, activation)
-    return y if carry is None else y[:T]
+        return conv_kernel(list(parts), weight, plan.conv_pred, activation, index=plan.conv, tail=tail,
+                           appended=appended)
+    return tuple(tree_causal_conv_parts_reference(list(parts), weight, plan.conv_pred, activation, tail, appended))

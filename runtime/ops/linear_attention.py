@@ -27,7 +27,7 @@ def linear_attention_rounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     states later pieces start from out)."""
     if rule not in RULES:
         raise ValueError(f"linear_attention_rounds: rule={rule!r} is not one of {RULES}")
-    T = q.shape[0]
+    T = beta.shape[0]  # own rows (in a piece q, k, v have the carried replay rows after them)
     initial = None
     if carry is not None:
         (q, k, v, g, beta), initial = carry.linear_inputs(q, k, v, g, beta)

@@ -9,15 +9,29 @@ import torch
 import torch.nn.functional as F
 
 
-def check_conv_inputs(x: torch.Tensor, weight: torch.Tensor, conv_pred: torch.Tensor, activation) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"tree_causal_conv: `x` has shape {tuple(x.shape)}, expected [T, Ch]")
-    if weight.dim() != 2 or weight.shape[0] != x.shape[1]:
-        raise ValueError(f"tree_causal_conv: `weight` has shape {tuple(weight.shape)}, expected [{x.shape[1]}, W]")
+def check_conv_inputs(parts, weight: torch.Tensor, conv_pred: torch.Tensor, activation, tail=None,
+                      appended=None) -> None:
+    """`parts`: the input's column parts [T, Ch_i]; `tail` [C, Ch] carried rows; `appended`: per part [R, Ch_i] or
+    None."""
+    if isinstance(parts, torch.Tensor):
+        parts = [parts]
+    if not parts or any(x.dim() != 2 or x.shape[0] != parts[0].shape[0] for x in parts):
+        raise ValueError(f"tree_causal_conv: `x` has shapes {[tuple(x.shape) for x in parts]}, expected [T, Ch] "
+                         "parts of one T")
+    channels = sum(x.shape[1] for x in parts)
+    if weight.dim() != 2 or weight.shape[0] != channels:
+        raise ValueError(f"tree_causal_conv: `weight` has shape {tuple(weight.shape)}, expected [{channels}, W]")
     width = weight.shape[1]
-    if conv_pred.shape != (x.shape[0], width - 1):
+    carried = 0 if tail is None else tail.shape[0]
+    if tail is not None and (tail.dim() != 2 or tail.shape[1] != channels):
+        raise ValueError(f"tree_causal_conv: `tail` has shape {tuple(tail.shape)}, expected [C, {channels}]")
+    if conv_pred.shape != (parts[0].shape[0] + carried, width - 1):
         raise ValueError(f"tree_causal_conv: `conv_pred` has shape {tuple(conv_pred.shape)}, expected "
-                         f"{(x.shape[0], width - 1)} for conv width {width}")
+                         f"{(parts[0].shape[0] + carried, width - 1)} for conv width {width}")
+    for x, extra in zip(parts, appended or [None] * len(parts)):
+        if extra is not None and (extra.dim() != 2 or extra.shape[1] != x.shape[1]):
+            raise ValueError(f"tree_causal_conv: appended rows of shape {tuple(extra.shape)} for a part of "
+                             f"{x.shape[1]} columns")
     if activation not in (None, "silu"):
         raise ValueError(f"tree_causal_conv: unsupported `activation` {activation!r} (None or 'silu')")
 
@@ -40,3 +54,15 @@ def tree_causal_conv_reference(x: torch.Tensor, weight: torch.Tensor, conv_pred:
         y = y + taps[:, j] * weight[:, j]
     y = y + x * weight[:, width - 1]
     return F.silu(y) if activation == "silu" else y
+
+
+def tree_causal_conv_parts_reference(parts, weight: torch.Tensor, conv_pred: torch.Tensor, activation, tail=None,
+                                     appended=None) -> list[torch.Tensor]:
+    """The kernel's contract with column parts (function.tree_causal_conv): the reference over the parts side by
+    side with the carried rows after them, the carried rows' outputs dropped, the appended rows added."""
+    rows = parts[0].shape[0]
+    x = torch.cat([torch.cat(list(parts), dim=1)] + ([tail.to(parts[0].dtype)] if tail is not None else []))
+    y = tree_causal_conv_reference(x, weight, conv_pred, activation)[:rows]
+    outs = list(torch.split(y, [p.shape[1] for p in parts], dim=1))
+    appended = appended or [None] * len(parts)
+    return [out if extra is None else torch.cat([out, extra.to(out.dtype)]) for out, extra in zip(outs, appended)]

@@ -60,6 +60,37 @@ class MoECombineFunction(torch.autograd.Function):
         return d_hidden, None, d_weight, d_shared, d_logit
 
 
+class MoEDispatchFunction(torch.autograd.Function):
+    """x [T, H] -> its rows in expert order, x[token_of] [T*k, H]; backward dx_t = sum_j g[position_tj] in slot
+    order (the unweighted combine pass): every token reads its k rows, nothing is sorted or scattered."""
+
+    @staticmethod
+    def forward(ctx, x, token_of, position):
+        ctx.save_for_backward(position)
+        return x.index_select(0, token_of)
+
+    @staticmethod
+    def backward(ctx, g):
+        (position,) = ctx.saved_tensors
+        tokens, top_k = position.shape
+        hidden_dim = g.shape[-1]
+        g = g.contiguous()
+        dx = torch.empty(tokens, hidden_dim, device=g.device, dtype=g.dtype)
+        block_h, warps = launch(hidden_dim)
+        if tokens:
+            _combine_fwd_kernel[(tokens,)](g, position, g, g, g, dx, hidden_dim, TOP_K=top_k, MODE=0,
+                                           BLOCK_H=block_h, WEIGHTED=False, num_warps=warps)
+        return dx, None, None
+
+
+def moe_dispatch(x: torch.Tensor, token_of: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """x[token_of]: each token's row once per routed slot, sorted by expert (`runtime.moe.ExpertRouting`). On
+    16-bit CUDA tensors its backward is the gather-sum above; elsewhere torch's indexing (the reference)."""
+    if not triton_supports(x):
+        return x[token_of]
+    return MoEDispatchFunction.apply(x, token_of, position.contiguous())
+
+
 def moe_combine(hidden: torch.Tensor, position: torch.Tensor, weight: torch.Tensor,
                 shared: torch.Tensor | None = None, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H] = sum_j weight[t, j] hidden[position[t, j]] + the shared term (`reference` module docstring): the

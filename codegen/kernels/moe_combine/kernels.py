@@ -3,6 +3,8 @@
 a [T*k, H] or [T, H] bf16 tensor, and about twice as many backward).
 
 Forward: y_t = sum_j w_tj hidden[pos_tj] (+ shared term) accumulated in fp32 in slot order, rounded once.
+Unweighted, the same pass is the backward of the dispatch (x_t copied to its k sorted rows): dx_t = sum_j
+g[pos_tj], a gather in slot order instead of torch's sort-based scatter-add.
 Backward: d hidden[pos_tj] = w_tj dy_t (each sorted row has exactly one (token, slot), so every row is written
 once: no atomics), d w_tj = dy_t . hidden[pos_tj], d shared_t = g_t dy_t and d logit_t = g_t (1 - g_t)
 dy_t . shared_t with g_t = sigmoid(logit_t) (g = 1 for "add"). Every token runs the same arithmetic wherever
@@ -28,7 +30,7 @@ def launch(hidden_dim: int) -> tuple[int, int]:
 
 @triton.jit
 def _combine_fwd_kernel(HIDDEN, POS, W, SHARED, LOGIT, Y, hidden_dim, TOP_K: tl.constexpr, MODE: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
+                        BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr = True):
     t = tl.program_id(0).to(tl.int64)
     if MODE == SIGMOID_GATE:
         gate = tl.sigmoid(tl.load(LOGIT + t).to(tl.float32))
@@ -38,8 +40,11 @@ def _combine_fwd_kernel(HIDDEN, POS, W, SHARED, LOGIT, Y, hidden_dim, TOP_K: tl.
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             row = tl.load(POS + t * TOP_K + j).to(tl.int64)
-            w = tl.load(W + t * TOP_K + j).to(tl.float32)
-            acc += w * tl.load(HIDDEN + row * hidden_dim + offs, mask=mask, other=0.0).to(tl.float32)
+            h = tl.load(HIDDEN + row * hidden_dim + offs, mask=mask, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                acc += tl.load(W + t * TOP_K + j).to(tl.float32) * h
+            else:  # the dispatch's backward: a plain sum of the token's slot rows
+                acc += h
         if MODE == ADD:
             acc += tl.load(SHARED + t * hidden_dim + offs, mask=mask, other=0.0).to(tl.float32)
         elif MODE == SIGMOID_GATE:
