@@ -64,7 +64,8 @@ class Experts(nn.Module):
         """[T, H]: the routed experts' weighted sum, plus the shared expert's output (gated by
         sigmoid(shared_logit) where given) in the same pass."""
         routing = sort_by_expert(top_index, self.num_experts)
-        hidden = expert_ffn(moe_dispatch(x, routing.token_of, routing.position), self.gate_up_proj, self.down_proj, routing.counts)
+        rows = moe_dispatch(x, routing.token_of, routing.position)  # each token's row once per slot, by expert
+        hidden = expert_ffn(rows, self.gate_up_proj, self.down_proj, routing.counts)
         # each token's k slots summed in slot order plus the shared term, no atomics (codegen/kernels/moe_combine)
         return moe_combine(hidden, routing.position, top_weight, shared, shared_logit)
 
