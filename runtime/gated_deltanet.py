@@ -85,6 +85,6 @@ class GatedDeltaNet(nn.Module):
         # gated_delta_rule_rounds = linear_attention_rounds(rule="gdn"), under the name bench/breakdown.py times
         o = gated_delta_rule_rounds(q, k, v, g, beta, ctx.plan, scale=self.head_k_dim ** -0.5, state_dtype=wide,
                                     use_qk_l2norm=True, kernel=ctx.gdn_kernel, carry=carry)
-        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        o = self.norm(o, z)  # z: a column slice of the projection, which the norm kernel reads in place
         return self.out_proj(o.reshape(T, self.value_dim))
 

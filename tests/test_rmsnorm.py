@@ -60,6 +60,22 @@ def test_a_row_is_normed_alike_wherever_it_sits():
         assert torch.equal(a[i][perm], b[i])
 
 
+@pytest.mark.parametrize("mode", ["gated_silu", "gated_sigmoid"])
+def test_a_strided_gate_is_read_in_place(mode):
+    """GDN's gate z is a column slice of a wider projection, [T, heads, dim] with a row stride of the whole
+    projection: the kernels read it without a copy and give what a contiguous gate gives, bitwise."""
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    _, (x, w, _, dy) = inputs(mode, 7 * 4, 32, dtype=dtype)
+    wide = torch.randn(7, 3 * 4 * 32, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    gate = wide[:, 4 * 32:2 * 4 * 32].view(7, 4, 32)  # the middle slice, rows 384 apart
+    assert not gate.is_contiguous()
+    x, dy = x.view(7, 4, 32), dy.view(7, 4, 32)
+    a = grads(lambda x, w, g: RMSNormFunction.apply(x, w, g, 1e-6, mode), x, w, gate, dy)
+    b = grads(lambda x, w, g: RMSNormFunction.apply(x, w, g, 1e-6, mode), x, w, gate.contiguous(), dy)
+    for u, v in zip(a, b):
+        assert u.shape == v.shape and torch.equal(u, v)
+
+
 def test_weight_gradient_partials_over_many_programs(monkeypatch):
     # each program walks several row blocks when there are more blocks than programs
     monkeypatch.setattr(rmsnorm_function, "MAX_PROGRAMS", 3)

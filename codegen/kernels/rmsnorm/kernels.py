@@ -34,8 +34,17 @@ def _load_rows(X, offs_r, offs_d, n_rows, dim):
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(X, W, G, Y, RSTD, n_rows, dim, eps, MODE: tl.constexpr, BLOCK_D: tl.constexpr,
-                         ROWS: tl.constexpr):
+def _load_gate(G, offs_r, offs_d, n_rows, dim, g_per, g_stride):
+    """Gate rows in place: row r at (r // g_per) * g_stride + (r % g_per) * dim (a column slice of a wider
+    projection, g_per rows of dim per projection row)."""
+    mask = (offs_r[:, None] < n_rows) & (offs_d[None, :] < dim)
+    outer = (offs_r // g_per).to(tl.int64) * g_stride + (offs_r % g_per).to(tl.int64) * dim
+    return tl.load(G + outer[:, None] + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(X, W, G, Y, RSTD, n_rows, dim, eps, g_per, g_stride, MODE: tl.constexpr,
+                         BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
     x, mask = _load_rows(X, offs_r, offs_d, n_rows, dim)
@@ -49,7 +58,7 @@ def _rms_norm_fwd_kernel(X, W, G, Y, RSTD, n_rows, dim, eps, MODE: tl.constexpr,
     elif MODE == SCALE:
         y = w * x_hat.to(dt).to(tl.float32)
     else:
-        g = _load_rows(G, offs_r, offs_d, n_rows, dim)[0].to(tl.float32)
+        g = _load_gate(G, offs_r, offs_d, n_rows, dim, g_per, g_stride).to(tl.float32)
         sig = tl.sigmoid(g)
         if MODE == GATED_SILU:
             y = (w * x_hat.to(dt).to(tl.float32)).to(dt).to(tl.float32) * (g * sig)
@@ -60,8 +69,8 @@ def _rms_norm_fwd_kernel(X, W, G, Y, RSTD, n_rows, dim, eps, MODE: tl.constexpr,
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(X, W, G, DY, RSTD, DX, DG, DW_PART, n_rows, dim, MODE: tl.constexpr, BLOCK_D: tl.constexpr,
-                         ROWS: tl.constexpr):
+def _rms_norm_bwd_kernel(X, W, G, DY, RSTD, DX, DG, DW_PART, n_rows, dim, g_per, g_stride, MODE: tl.constexpr,
+                         BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
     w = tl.load(W + offs_d, mask=offs_d < dim, other=0.0).to(tl.float32)[None, :]
@@ -80,7 +89,7 @@ def _rms_norm_bwd_kernel(X, W, G, DY, RSTD, DX, DG, DW_PART, n_rows, dim, MODE: 
             d_hat = dy * w
             dw += tl.sum(dy * x_hat.to(dt).to(tl.float32), 0)
         else:
-            g = _load_rows(G, offs_r, offs_d, n_rows, dim)[0].to(tl.float32)
+            g = _load_gate(G, offs_r, offs_d, n_rows, dim, g_per, g_stride).to(tl.float32)
             sig = tl.sigmoid(g)
             if MODE == GATED_SILU:
                 r = x_hat.to(dt).to(tl.float32)
