@@ -145,6 +145,7 @@ def test_column_parts_tail_and_appended_rows(widths, carried, appended):
         pred[6, :] = torch.tensor([own, own + 1, own + 2])[-(W - 1):]
         pred[11, -1] = own + carried - 1
     channels = sum(widths)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels: on the GPU, else the interpreter
     wide = torch.randn(own, channels + 8, generator=gen, dtype=torch.float64)  # parts read in place
     w = torch.randn(channels, W, generator=gen, dtype=torch.float64)
     tail = torch.randn(carried, channels, generator=gen, dtype=torch.float64) if carried else None
@@ -152,7 +153,8 @@ def test_column_parts_tail_and_appended_rows(widths, carried, appended):
     dys = [torch.randn(own + appended, c, generator=gen, dtype=torch.float64) for c in widths]
 
     def run(dtype, kernel):
-        leaves = [t.to(dtype).requires_grad_(True) for t in [wide, w] + ([tail] if carried else [])
+        on = device if kernel else "cpu"
+        leaves = [t.to(on, dtype).requires_grad_(True) for t in [wide, w] + ([tail] if carried else [])
                   + [e for e in extra if e is not None]]
         base, weight = leaves[0], leaves[1]
         parts = list(torch.split(base, list(widths) + [8], dim=1))[:-1]
@@ -161,13 +163,13 @@ def test_column_parts_tail_and_appended_rows(widths, carried, appended):
         ex = ex if appended else [None] * len(widths)
         if kernel:
             index = to_device(prepare_conv_index(pred), base.device)
-            outs = tree_causal_conv(parts, weight, pred, "silu", index=index, tail=t, appended=ex)
+            outs = tree_causal_conv(parts, weight, pred.to(on), "silu", index=index, tail=t, appended=ex)
         else:
             outs = tree_causal_conv_parts_reference(parts, weight, pred, "silu", t, ex)
-        loss = sum((o * d.to(dtype)).sum() for o, d in zip(outs, dys))
-        return [o.detach() for o in outs] + list(torch.autograd.grad(loss, leaves))
+        loss = sum((o * d.to(on, dtype)).sum() for o, d in zip(outs, dys))
+        return [o.detach() for o in outs] + [g.cpu() for g in torch.autograd.grad(loss, leaves)]
 
     got, ref = run(torch.float32, True), run(torch.float64, False)
     assert all(o.is_contiguous() for o in got[:len(widths)])
     for a, b in zip(got, ref):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.double().cpu(), b, rtol=1e-5, atol=1e-5)

@@ -70,26 +70,28 @@ def prepare_conv_index(conv_pred) -> ConvIndex:
 
 
 @triton.jit
-def _load_rows(x, sx, tail, st, p, cols, T, m_c):
-    """Rows p of the conceptual input [own rows; tail rows] (-1: zeros): own rows from x (row stride sx), rows
-    p >= T from the carried tail (row stride st)."""
+def _load_rows(x, sx, tail, st, p, cols, T, m_c, HAS_TAIL: tl.constexpr):
+    """Rows p [BT, 1] of the conceptual input [own rows; tail rows] (-1: zeros): own rows from x (row stride sx),
+    rows p >= T from the carried tail (row stride st)."""
+    # [BT, 1] row vectors: a 1-D select here failed Triton 3.6's layout pass for sm_90
     own = (p >= 0) & (p < T)
-    b = tl.load(x + p[:, None] * sx + cols[None, :], mask=own[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-    carried = p >= T
-    q = tl.where(carried, p - T, 0)
-    return b + tl.load(tail + q[:, None] * st + cols[None, :], mask=carried[:, None] & m_c[None, :],
-                       other=0.0).to(tl.float32)
+    b = tl.load(x + p * sx + cols[None, :], mask=own & m_c[None, :], other=0.0).to(tl.float32)
+    if HAS_TAIL:  # a constexpr: microbatches without carried rows keep the one load (105 registers, not 162)
+        carried = p >= T
+        q = tl.where(carried, p - T, 0)
+        b += tl.load(tail + q * st + cols[None, :], mask=carried & m_c[None, :], other=0.0).to(tl.float32)
+    return b
 
 
 @triton.jit
 def _conv_pre(x, sx, tail, st, w, pred, rows, cols, m_r, m_c, T, W: tl.constexpr, BT: tl.constexpr,
-              BC: tl.constexpr):
+              BC: tl.constexpr, HAS_TAIL: tl.constexpr):
     """fp32 pre-activation of a [BT, BC] tile of own rows."""
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(W - 1):
-        p = tl.load(pred + rows * (W - 1) + j, mask=m_r, other=-1).to(tl.int64)
+        p = tl.load(pred + rows[:, None] * (W - 1) + j, mask=m_r[:, None], other=-1).to(tl.int64)
         b_w = tl.load(w + cols * W + j, mask=m_c, other=0.0).to(tl.float32)
-        acc += _load_rows(x, sx, tail, st, p, cols, T, m_c) * b_w[None, :]
+        acc += _load_rows(x, sx, tail, st, p, cols, T, m_c, HAS_TAIL) * b_w[None, :]
     b_x = tl.load(x + rows[:, None] * sx + cols[None, :], mask=m_r[:, None] & m_c[None, :], other=0.0)
     b_w = tl.load(w + cols * W + (W - 1), mask=m_c, other=0.0).to(tl.float32)
     return acc + b_x.to(tl.float32) * b_w[None, :]
@@ -97,11 +99,11 @@ def _conv_pre(x, sx, tail, st, w, pred, rows, cols, m_r, m_c, T, W: tl.constexpr
 
 @triton.jit
 def _conv_fwd_kernel(x, sx, tail, st, w, pred, y, T, Ch, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                     SILU: tl.constexpr):
+                     SILU: tl.constexpr, HAS_TAIL: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     m_r, m_c = rows < T, cols < Ch
-    acc = _conv_pre(x, sx, tail, st, w, pred, rows, cols, m_r, m_c, T, W, BT, BC)
+    acc = _conv_pre(x, sx, tail, st, w, pred, rows, cols, m_r, m_c, T, W, BT, BC, HAS_TAIL)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y + rows[:, None] * Ch + cols[None, :], acc.to(y.dtype.element_ty), mask=m_r[:, None] & m_c[None, :])
@@ -109,7 +111,7 @@ def _conv_fwd_kernel(x, sx, tail, st, w, pred, y, T, Ch, W: tl.constexpr, BT: tl
 
 @triton.jit
 def _conv_bwd_pre_kernel(x, sx, tail, st, w, pred, dy, gpre, dw_part, T, Ch, W: tl.constexpr, BT: tl.constexpr,
-                         BC: tl.constexpr, SILU: tl.constexpr):
+                         BC: tl.constexpr, SILU: tl.constexpr, HAS_TAIL: tl.constexpr):
     """gpre = dy * act'(pre) [T, Ch] fp32 over the own rows, and this tile's dweight partial [Ch, W]."""
     i_t = tl.program_id(0)
     rows = i_t.to(tl.int64) * BT + tl.arange(0, BT)
@@ -118,14 +120,14 @@ def _conv_bwd_pre_kernel(x, sx, tail, st, w, pred, dy, gpre, dw_part, T, Ch, W: 
     m = m_r[:, None] & m_c[None, :]
     b_g = tl.load(dy + rows[:, None] * Ch + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if SILU:
-        pre = _conv_pre(x, sx, tail, st, w, pred, rows, cols, m_r, m_c, T, W, BT, BC)
+        pre = _conv_pre(x, sx, tail, st, w, pred, rows, cols, m_r, m_c, T, W, BT, BC, HAS_TAIL)
         sig = tl.sigmoid(pre)
         b_g = b_g * sig * (1.0 + pre * (1.0 - sig))
     tl.store(gpre + rows[:, None] * Ch + cols[None, :], b_g, mask=m)
     p_dw = dw_part + i_t.to(tl.int64) * Ch * W + cols * W
     for j in tl.static_range(W - 1):
-        p = tl.load(pred + rows * (W - 1) + j, mask=m_r, other=-1).to(tl.int64)
-        tl.store(p_dw + j, tl.sum(b_g * _load_rows(x, sx, tail, st, p, cols, T, m_c), 0), mask=m_c)
+        p = tl.load(pred + rows[:, None] * (W - 1) + j, mask=m_r[:, None], other=-1).to(tl.int64)
+        tl.store(p_dw + j, tl.sum(b_g * _load_rows(x, sx, tail, st, p, cols, T, m_c, HAS_TAIL), 0), mask=m_c)
     b_x = tl.load(x + rows[:, None] * sx + cols[None, :], mask=m, other=0.0)
     tl.store(p_dw + (W - 1), tl.sum(b_g * b_x.to(tl.float32), 0), mask=m_c)
 
@@ -146,15 +148,16 @@ def _conv_dx_successor(w, gpre, succ_flat, acc, start, end, s, cols, m_c, Ch, W:
 
 @triton.jit
 def _conv_bwd_dx_kernel(w, gpre, succ_ptr, succ_flat, block_degree, dx, d_tail, st, T, rows_total, Ch,
-                        W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, INTERPRET: tl.constexpr):
+                        W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, INTERPRET: tl.constexpr,
+                        HAS_TAIL: tl.constexpr):
     """dx of the own rows [T, Ch] and d_tail of the carried rows (rows T.. of the successor lists), which have
     no output of their own: only their readers' taps."""
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     m_r, m_c = rows < rows_total, cols < Ch
-    own = rows < T
+    own = rows[:, None] < T  # [BT, 1] row vectors, as in _load_rows
     b_w = tl.load(w + cols * W + (W - 1), mask=m_c, other=0.0).to(tl.float32)
-    acc = tl.load(gpre + rows[:, None] * Ch + cols[None, :], mask=own[:, None] & m_c[None, :], other=0.0)
+    acc = tl.load(gpre + rows[:, None] * Ch + cols[None, :], mask=own & m_c[None, :], other=0.0)
     acc = acc * b_w[None, :]
     start = tl.load(succ_ptr + rows[:, None], mask=m_r[:, None], other=0)
     end = tl.load(succ_ptr + rows[:, None] + 1, mask=m_r[:, None], other=0)
@@ -167,11 +170,11 @@ def _conv_bwd_dx_kernel(w, gpre, succ_ptr, succ_flat, block_degree, dx, d_tail, 
     else:  # and Triton 3.6 fails to compile this while loop for sm_90 (layout conversion pass)
         for s in range(0, max_deg):
             acc = _conv_dx_successor(w, gpre, succ_flat, acc, start, end, s, cols, m_c, Ch, W)
-    tl.store(dx + rows[:, None] * Ch + cols[None, :], acc.to(dx.dtype.element_ty), mask=own[:, None] & m_c[None, :])
-    carried = rows >= T
-    q = tl.where(carried, rows - T, 0)
-    tl.store(d_tail + q[:, None] * st + cols[None, :], acc.to(d_tail.dtype.element_ty),
-             mask=(carried & m_r)[:, None] & m_c[None, :])
+    tl.store(dx + rows[:, None] * Ch + cols[None, :], acc.to(dx.dtype.element_ty), mask=own & m_c[None, :])
+    if HAS_TAIL:
+        carried = (rows[:, None] >= T) & m_r[:, None]
+        q = tl.where(carried, rows[:, None] - T, 0)
+        tl.store(d_tail + q * st + cols[None, :], acc.to(d_tail.dtype.element_ty), mask=carried & m_c[None, :])
 
 
 def _row_stride(x: torch.Tensor) -> torch.Tensor:
@@ -198,7 +201,7 @@ class TreeCausalConvFunction(torch.autograd.Function):
                 grid = (triton.cdiv(rows, BLOCK_T), triton.cdiv(ch, BLOCK_C))
                 _conv_fwd_kernel[grid](x, x.stride(0), tail_rows[:, lo:lo + ch], tail_rows.stride(0),
                                        weight[lo:lo + ch], conv_pred, y, rows, ch, W=width, BT=BLOCK_T, BC=BLOCK_C,
-                                       SILU=silu)
+                                       SILU=silu, HAS_TAIL=tail is not None)
             if extra is not None:
                 y[rows:] = extra
             outs.append(y)
@@ -230,12 +233,12 @@ class TreeCausalConvFunction(torch.autograd.Function):
             if rows and ch:
                 _conv_bwd_pre_kernel[(blocks, triton.cdiv(ch, BLOCK_C))](
                     x, x.stride(0), tail_rows[:, lo:lo + ch], tail_rows.stride(0), w_part, conv_pred, dy, gpre,
-                    dw_part, rows, ch, W=width, BT=BLOCK_T, BC=BLOCK_C, SILU=ctx.silu)
+                    dw_part, rows, ch, W=width, BT=BLOCK_T, BC=BLOCK_C, SILU=ctx.silu, HAS_TAIL=ctx.has_tail)
             if total and ch:
                 _conv_bwd_dx_kernel[(triton.cdiv(total, BLOCK_T), triton.cdiv(ch, BLOCK_C))](
                     w_part, gpre, index.succ_ptr, index.succ_flat, index.block_degree, dx, d_tail_part,
                     d_tail_part.stride(0), rows, total,
-                    ch, W=width, BT=BLOCK_T, BC=BLOCK_C, INTERPRET=interpreting())
+                    ch, W=width, BT=BLOCK_T, BC=BLOCK_C, INTERPRET=interpreting(), HAS_TAIL=ctx.has_tail)
             dparts.append(dx)
             dweights.append(dw_part.sum(0) if rows else torch.zeros(ch, width, device=x.device))
             lo += ch
