@@ -8,7 +8,9 @@ RMS norms (codegen/kernels/rmsnorm): the decoder layers' two norms ([T, 2048], o
 ([T x 32 heads, 128], gated_silu), attention's q / k norms ([T x 16, 256] and [T x 2, 256], offset), against
 transformers' fp32 chain. MoE combine (codegen/kernels/moe_combine): 4 routed slots + the sigmoid-gated shared
 expert at [T, 2048] (Qwen3-Next), against the chain it replaced (weight multiply, index_copy back to token order,
-slot sum, gate multiply, add). Prints ms and GB/s of each and the Triton / torch speed ratio, plus the largest
+slot sum, gate multiply, add). MoE dispatch (the same folder): each token's row copied to its 4 sorted rows (32
+experts), whose backward sums them per token in slot order, against torch's indexing (a sort-based scatter-add
+backward). Prints ms and GB/s of each and the Triton / torch speed ratio, plus the largest
 relative difference of the output and the first input's gradient between the two.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, kernel_ms  # noqa: E402
-from harts_compiler.codegen.kernels.moe_combine import MoECombineFunction  # noqa: E402
+from harts_compiler.codegen.kernels.moe_combine import MoECombineFunction, MoEDispatchFunction  # noqa: E402
 from harts_compiler.codegen.kernels.rmsnorm import RMSNormFunction, rms_norm_reference  # noqa: E402
 
 
@@ -59,6 +61,19 @@ def combine_case(name, tokens, top_k, dim, device, dtype):
     return name, leaves, fused, plain, (4 * top_k + 4) * tokens * dim * hidden.element_size()
 
 
+def dispatch_case(name, tokens, top_k, experts, dim, device, dtype):
+    """Each token's row to its top_k rows sorted by expert, and torch's indexing."""
+    from harts_compiler.runtime.moe import sort_by_expert
+
+    top = torch.rand(tokens, experts, device=device).topk(top_k, dim=1).indices
+    routing = sort_by_expert(top, experts)
+    x = torch.randn(tokens, dim, device=device, dtype=dtype).requires_grad_(True)
+    fused = lambda x: MoEDispatchFunction.apply(x, routing.token_of, routing.position)  # noqa: E731
+    plain = lambda x: x[routing.token_of]  # noqa: E731
+    # x read, k rows written forward; k rows read, dx written backward
+    return name, [x], fused, plain, (2 * top_k + 2) * tokens * dim * x.element_size()
+
+
 def step(fn, leaves, dy):
     y = fn(*leaves)
     return torch.autograd.grad(y, leaves, dy)
@@ -77,7 +92,8 @@ def main(argv=None) -> int:
              norm_case("GDN gated norm [32T, 128]", 32 * t, 128, "gated_silu", device, dtype),
              norm_case("attention q norm [16T, 256]", 16 * t, 256, "offset", device, dtype),
              norm_case("attention k norm [2T, 256]", 2 * t, 256, "offset", device, dtype),
-             combine_case("MoE combine 4 slots + gated shared [T, 2048]", t, 4, 2048, device, dtype)]
+             combine_case("MoE combine 4 slots + gated shared [T, 2048]", t, 4, 2048, device, dtype),
+             dispatch_case("MoE dispatch 4 of 32 experts [T, 2048]", t, 4, 32, 2048, device, dtype)]
     rows = []
     for name, leaves, fused, plain, nbytes in cases:
         y = fused(*leaves).detach()
