@@ -87,4 +87,3 @@ class GatedDeltaNet(nn.Module):
                                     use_qk_l2norm=True, kernel=ctx.gdn_kernel, carry=carry)
         o = self.norm(o, z)  # z: a column slice of the projection, which the norm kernel reads in place
         return self.out_proj(o.reshape(T, self.value_dim))
-
