@@ -31,9 +31,10 @@ POINTERS = {
             "h0_row", "block_degree"},
     "i32": set(),
 }
-SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32"}
+SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32", "sx": "i64", "st": "i64",
+           "g_per": "i32", "g_stride": "i64", "rows_total": "i32"}
 BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64, G=1,
-            SILU=True, GATHER=False, TMA=False, QDO=0)
+            SILU=True, GATHER=False, TMA=False, QDO=0, HAS_TAIL=False, WEIGHTED=True)
 
 
 # the scans' tensor descriptors (chunk_gdn/tma.py) with TMA=1: tile rows and columns by constexpr name
@@ -89,6 +90,10 @@ KERNELS = [
     ("conv fwd", conv._conv_fwd_kernel, {"BT": 32}, {"T": "i32"}),
     ("conv bwd pre", conv._conv_bwd_pre_kernel, {"BT": 32}, {"T": "i32"}),
     ("conv bwd dx", conv._conv_bwd_dx_kernel, {"BT": 32}, {"T": "i32"}),
+    # a piece's conv, with carried input rows after its own
+    ("conv fwd tail", conv._conv_fwd_kernel, {"BT": 32, "HAS_TAIL": True}, {"T": "i32"}),
+    ("conv bwd pre tail", conv._conv_bwd_pre_kernel, {"BT": 32, "HAS_TAIL": True}, {"T": "i32"}),
+    ("conv bwd dx tail", conv._conv_bwd_dx_kernel, {"BT": 32, "HAS_TAIL": True}, {"T": "i32"}),
     # KDA at Kimi Linear's shapes (32 heads of 128; KDAKernelConfig's tiles)
     ("kda diag_fwd", intra_fwd._diag_fwd_kernel, {"HK": 32, "HV": 32, "BH": 4}, None),
     ("kda intra_fwd", intra_fwd._intra_fwd_kernel, {"HK": 32, "HV": 32, "BK": 32}, None),
@@ -103,6 +108,8 @@ KERNELS = [
     # MoE combine at its launch (moe_combine.launch) for Qwen3-Next's 2048-wide rows, 4 slots + gated shared
     ("combine fwd", moe_combine._combine_fwd_kernel, {"TOP_K": 4, "MODE": 2, "BLOCK_H": 2048}, COMBINE_PTRS),
     ("combine bwd", moe_combine._combine_bwd_kernel, {"TOP_K": 4, "K_PAD": 4, "MODE": 2, "BLOCK_H": 2048},
+     COMBINE_PTRS),
+    ("dispatch bwd", moe_combine._combine_fwd_kernel, {"TOP_K": 4, "MODE": 0, "BLOCK_H": 2048, "WEIGHTED": False},
      COMBINE_PTRS),
     ("kda bwd_inter", kda_chunk_bwd._bwd_inter_kernel, {"HK": 32, "HV": 32}, None),
     ("kda wy_bwd", kda_chunk_bwd._wy_bwd_kernel, {"HK": 32, "HV": 32}, {"dv": "*fp32", "side_dv": "*fp32"}),
