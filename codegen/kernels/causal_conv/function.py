@@ -208,7 +208,7 @@ class TreeCausalConvFunction(torch.autograd.Function):
             lo += ch
         ctx.save_for_backward(weight, conv_pred, tail_rows, *parts)
         ctx.silu, ctx.index, ctx.has_tail = silu, index, tail is not None
-        ctx.appended = [extra is not None for extra in appended]
+        ctx.appended = [extra.shape[0] if extra is not None else None for extra in appended]  # rows per part
         return tuple(outs)
 
     @staticmethod
@@ -219,10 +219,11 @@ class TreeCausalConvFunction(torch.autograd.Function):
         total = index.rows  # own + carried rows
         d_tail = torch.empty_like(tail_rows) if ctx.has_tail else None
         dparts, dweights, dappended, lo = [], [], [], 0
-        for x, dy, has_extra in zip(parts, douts, ctx.appended):
+        for x, dy, extra_rows in zip(parts, douts, ctx.appended):
             ch = x.shape[1]
-            dy = torch.zeros(rows, ch, device=x.device, dtype=weight.dtype) if dy is None else dy
-            dappended.append(dy[rows:].clone() if has_extra else None)  # a copy: the carried rows only
+            if dy is None:  # an output nothing read
+                dy = torch.zeros(rows + (extra_rows or 0), ch, device=x.device, dtype=weight.dtype)
+            dappended.append(dy[rows:].clone() if extra_rows is not None else None)  # a copy: the carried rows only
             dy = dy[:rows].contiguous()
             blocks = triton.cdiv(rows, BLOCK_T)
             gpre = torch.empty(rows, ch, device=x.device, dtype=torch.float32)

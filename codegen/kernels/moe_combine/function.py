@@ -78,8 +78,9 @@ class MoEDispatchFunction(torch.autograd.Function):
         dx = torch.empty(tokens, hidden_dim, device=g.device, dtype=g.dtype)
         block_h, warps = launch(hidden_dim)
         if tokens:
-            _combine_fwd_kernel[(tokens,)](g, position, g, g, g, dx, hidden_dim, TOP_K=top_k, MODE=0,
-                                           BLOCK_H=block_h, WEIGHTED=False, num_warps=warps)
+            _combine_fwd_kernel[(tokens,)](g, position, g, g, g, dx, hidden_dim, TOP_K=top_k,
+                                           MODE=SHARED_MODES.index("none"), BLOCK_H=block_h, WEIGHTED=False,
+                                           num_warps=warps)
         return dx, None, None
 
 
