@@ -176,13 +176,15 @@ def test_column_parts_tail_and_appended_rows(widths, carried, appended):
 
 
 def test_an_unread_output_with_appended_rows_gets_zero_gradients():
-    pred = torch.cat([linear_pred(10), torch.full((2, W - 1), -1, dtype=torch.long)])
-    parts = [torch.randn(10, 16, requires_grad=True) for _ in range(2)]
-    weight = torch.randn(32, W, requires_grad=True)
-    tail = torch.randn(2, 32, requires_grad=True)
-    extra = [torch.randn(3, 16, requires_grad=True) for _ in range(2)]
+    # the kernel's autograd Function (on the GPU, or the interpreter without one): the reference leaves None
+    on = "cuda" if torch.cuda.is_available() else "cpu"
+    pred = torch.cat([linear_pred(10), torch.full((2, W - 1), -1, dtype=torch.long)]).to(on)
+    parts = [torch.randn(10, 16, device=on, requires_grad=True) for _ in range(2)]
+    weight = torch.randn(32, W, device=on, requires_grad=True)
+    tail = torch.randn(2, 32, device=on, requires_grad=True)
+    extra = [torch.randn(3, 16, device=on, requires_grad=True) for _ in range(2)]
     outs = tree_causal_conv(parts, weight, pred, "silu", index=to_device(prepare_conv_index(pred), parts[0].device),
                             tail=tail, appended=extra)
     outs[0].sum().backward()  # the second part's output is never read
-    assert torch.equal(extra[1].grad, torch.zeros(3, 16)) and torch.equal(extra[0].grad, torch.ones(3, 16))
-    assert torch.equal(parts[1].grad, torch.zeros(10, 16))
+    assert torch.equal(extra[1].grad.cpu(), torch.zeros(3, 16)) and torch.equal(extra[0].grad.cpu(), torch.ones(3, 16))
+    assert torch.equal(parts[1].grad.cpu(), torch.zeros(10, 16))
