@@ -75,6 +75,10 @@ COMBINE_PTRS = {"POS": "*i64", "W": "*bf16", "DW": "*bf16", "hidden_dim": "i32"}
 RMSNORM_PTRS = {"W": "*bf16", "G": "*bf16", "RSTD": "*fp32", "DW_PART": "*fp32", "n_rows": "i32", "dim": "i32",
                 "eps": "fp32"}
 
+# the conv at its launch tiles (causal_conv.function)
+CONV_FWD = {"BT": conv.FWD_BLOCK_T, "BC": conv.FWD_BLOCK_C}
+CONV_BWD = {"BT": conv.BLOCK_T, "BC": conv.BLOCK_C}
+
 KERNELS = [
     ("wy_kkt_solve", wy_fwd._wy_kkt_solve_kernel, {}, {"T": "*bf16"}),
     ("wy_wu", wy_fwd._wy_wu_kernel, {}, {"T": "*bf16"}),
@@ -87,13 +91,13 @@ KERNELS = [
     ("wy_bwd", chunk_bwd._wy_bwd_kernel, {}, {"dk_out": "*bf16", "T": "*bf16", "dw": "*bf16", "scratch": "*bf16"}),
     ("l2norm fwd", l2norm._l2norm_fwd_kernel, {}, None),
     ("l2norm bwd", l2norm._l2norm_bwd_kernel, {}, None),
-    ("conv fwd", conv._conv_fwd_kernel, {"BT": 32}, {"T": "i32"}),
-    ("conv bwd pre", conv._conv_bwd_pre_kernel, {"BT": 32}, {"T": "i32"}),
-    ("conv bwd dx", conv._conv_bwd_dx_kernel, {"BT": 32}, {"T": "i32"}),
+    ("conv fwd", conv._conv_fwd_kernel, CONV_FWD, {"T": "i32"}),
+    ("conv bwd pre", conv._conv_bwd_pre_kernel, CONV_BWD, {"T": "i32"}),
+    ("conv bwd dx", conv._conv_bwd_dx_kernel, CONV_BWD, {"T": "i32"}),
     # a piece's conv, with carried input rows after its own
-    ("conv fwd tail", conv._conv_fwd_kernel, {"BT": 32, "HAS_TAIL": True}, {"T": "i32"}),
-    ("conv bwd pre tail", conv._conv_bwd_pre_kernel, {"BT": 32, "HAS_TAIL": True}, {"T": "i32"}),
-    ("conv bwd dx tail", conv._conv_bwd_dx_kernel, {"BT": 32, "HAS_TAIL": True}, {"T": "i32"}),
+    ("conv fwd tail", conv._conv_fwd_kernel, {**CONV_FWD, "HAS_TAIL": True}, {"T": "i32"}),
+    ("conv bwd pre tail", conv._conv_bwd_pre_kernel, {**CONV_BWD, "HAS_TAIL": True}, {"T": "i32"}),
+    ("conv bwd dx tail", conv._conv_bwd_dx_kernel, {**CONV_BWD, "HAS_TAIL": True}, {"T": "i32"}),
     # KDA at Kimi Linear's shapes (32 heads of 128; KDAKernelConfig's tiles)
     ("kda diag_fwd", intra_fwd._diag_fwd_kernel, {"HK": 32, "HV": 32, "BH": 4}, None),
     ("kda intra_fwd", intra_fwd._intra_fwd_kernel, {"HK": 32, "HV": 32, "BK": 32}, None),

@@ -98,11 +98,11 @@ def test_successor_lists_invert_conv_pred():
 
 def test_dx_loop_bound_is_per_row_block():
     """A root token read by 20 children raises the dx kernel's loop bound of its own row block only."""
-    pred, _ = tree_tables([-1] + [0] * 20, [40] + [3] * 20)
+    pred, _ = tree_tables([-1] + [0] * 20, [BLOCK_T + 8] + [3] * 20)  # the root ends in the second row block
     index = prepare_conv_index(pred)
     degrees = [int((pred == m).sum()) for m in range(pred.shape[0])]
     blocks = [max(degrees[b:b + BLOCK_T]) for b in range(0, len(degrees), BLOCK_T)]
-    assert index.block_degree.tolist() == blocks and len(blocks) == 4
+    assert index.block_degree.tolist() == blocks and len(blocks) >= 3
     assert blocks[1] == index.max_degree > 20 and max(blocks[2:]) <= W - 1
 
 
