@@ -26,10 +26,9 @@ from ..interpreter_safe import interpreting
 from ..upload import to_device
 from .reference import check_conv_inputs, tree_causal_conv_parts_reference
 
-# Launch tiles, 4 warps, from a sweep at the bench model's GDN shape (q, k, v parts of 2048 / 2048 / 4096 columns,
-# 65,536 rows, bf16, H200): the forward streams wider rows best (32 x 128: 0.93 ms against 1.16 at 32 x 64); the
-# backward's two kernels prefer taller tiles (64 x 32: 5.2 ms against 5.9), which also halves dweight's partials.
-# 8 warps were slower for every tile. BLOCK_T is also the successor index's row block (the dx kernel's tile).
+# Launch tiles (4 warps; 8 were slower for every tile at the bench GDN shape on the H200):
+# the forward streams rows best 128 columns wide; the backward's two kernels prefer taller tiles, which also halve
+# dweight's partials. BLOCK_T is also the successor index's row block (the dx kernel's tile).
 FWD_BLOCK_T, FWD_BLOCK_C = 32, 128
 BLOCK_T, BLOCK_C = 64, 32
 
