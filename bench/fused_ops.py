@@ -10,11 +10,8 @@ transformers' fp32 chain. MoE combine (codegen/kernels/moe_combine): 4 routed sl
 expert at [T, 2048] (Qwen3-Next), against the chain it replaced (weight multiply, index_copy back to token order,
 slot sum, gate multiply, add). MoE dispatch (the same folder): each token's row copied to its 4 sorted rows (32
 experts), whose backward sums them per token in slot order, against torch's indexing (a sort-based scatter-add
-backward). Tree conv (codegen/kernels/causal_conv): GDN's short conv (width 4, SiLU) over q, k, v as column parts
-of one [T, 8192] projection (2048 / 2048 / 4096 columns, sequences of 4,096 tokens), each output written
-contiguous, against the plain-torch reference (the parts side by side, the taps gathered). Prints ms and GB/s of
-each and the Triton / torch speed ratio, plus the largest relative difference of the output and the first input's
-gradient between the two.
+backward). Prints ms and GB/s of each and the Triton / torch speed ratio, plus the largest
+relative difference of the output and the first input's gradient between the two.
 """
 from __future__ import annotations
 
@@ -26,14 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, kernel_ms  # noqa: E402
-from harts_compiler.codegen.kernels.causal_conv import (  # noqa: E402
-    prepare_conv_index,
-    tree_causal_conv,
-    tree_causal_conv_parts_reference,
-)
 from harts_compiler.codegen.kernels.moe_combine import MoECombineFunction, MoEDispatchFunction  # noqa: E402
 from harts_compiler.codegen.kernels.rmsnorm import RMSNormFunction, rms_norm_reference  # noqa: E402
-from harts_compiler.codegen.kernels.upload import to_device  # noqa: E402
 
 
 def norm_case(name, rows, dim, mode, device, dtype):
@@ -83,28 +74,9 @@ def dispatch_case(name, tokens, top_k, experts, dim, device, dtype):
     return name, [x], fused, plain, (2 * top_k + 2) * tokens * dim * x.element_size()
 
 
-def conv_case(name, tokens, widths, sequence, device, dtype):
-    """The tree conv over column parts of one projection, and its plain-torch reference."""
-    width = 4
-    pred = torch.arange(tokens)[:, None] - (width - 1) + torch.arange(width - 1)[None, :]
-    starts = torch.arange(tokens) % sequence
-    pred = pred.masked_fill(pred < (torch.arange(tokens) - starts)[:, None], -1).to(device)
-    index = to_device(prepare_conv_index(pred), device)
-    base = torch.randn(tokens, sum(widths), device=device, dtype=dtype).requires_grad_(True)
-    weight = (torch.randn(sum(widths), width, device=device, dtype=dtype) * 0.5).requires_grad_(True)
-    fused = lambda x, w: tree_causal_conv(list(x.split(widths, 1)), w, pred, "silu", index=index)  # noqa: E731
-    plain = lambda x, w: tuple(tree_causal_conv_parts_reference(list(x.split(widths, 1)), w, pred, "silu"))  # noqa: E731
-    # x, y forward; x, dy, dx backward
-    return name, [base, weight], fused, plain, 5 * tokens * sum(widths) * base.element_size()
-
-
-def outputs(fn, leaves):
+def step(fn, leaves, dy):
     y = fn(*leaves)
-    return y if isinstance(y, tuple) else (y,)
-
-
-def step(fn, leaves, dys):
-    return torch.autograd.grad(outputs(fn, leaves), leaves, dys)
+    return torch.autograd.grad(y, leaves, dy)
 
 
 def main(argv=None) -> int:
@@ -121,18 +93,15 @@ def main(argv=None) -> int:
              norm_case("attention q norm [16T, 256]", 16 * t, 256, "offset", device, dtype),
              norm_case("attention k norm [2T, 256]", 2 * t, 256, "offset", device, dtype),
              combine_case("MoE combine 4 slots + gated shared [T, 2048]", t, 4, 2048, device, dtype),
-             dispatch_case("MoE dispatch 4 of 32 experts [T, 2048]", t, 4, 32, 2048, device, dtype),
-             conv_case("GDN tree conv q, k, v parts [T, 8192]", t,
-                       (16, 16, 32) if args.tiny else (2048, 2048, 4096), 16 if args.tiny else 4096, device, dtype)]
+             dispatch_case("MoE dispatch 4 of 32 experts [T, 2048]", t, 4, 32, 2048, device, dtype)]
     rows = []
     for name, leaves, fused, plain, nbytes in cases:
-        ys = [y.detach() for y in outputs(fused, leaves)]
-        dys = [torch.randn_like(y) for y in ys]
-        ms = {label: kernel_ms(lambda fn=fn: step(fn, leaves, dys), device) for label, fn in
+        y = fused(*leaves).detach()
+        dy = torch.randn_like(y)
+        ms = {label: kernel_ms(lambda fn=fn: step(fn, leaves, dy), device) for label, fn in
               (("triton", fused), ("torch", plain))}
         diff = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-                for a, b in ((torch.cat(ys, 1), torch.cat(outputs(plain, leaves), 1)),
-                             (step(fused, leaves, dys)[0], step(plain, leaves, dys)[0]))]
+                for a, b in ((y, plain(*leaves)), (step(fused, leaves, dy)[0], step(plain, leaves, dy)[0]))]
         rows.append(dict(case=name, triton=ms["triton"], torch=ms["torch"], speed=ms["torch"] / ms["triton"],
                          gbs=nbytes / 1e9 / ms["triton"] * 1e3, y=diff[0], dx=diff[1]))
     print(f"{device}, {dtype}, {t} tokens: fwd + bwd ms")
