@@ -66,9 +66,10 @@ def test_errors_not_above_fla():
         assert rel(a, r) <= 1.5 * rel(b, r) + 1e-4, (name, rel(a, r), rel(b, r))
 
 
-def test_tree_equals_trajectories_bitwise():
+@pytest.mark.parametrize("hk,hv", [(16, 16), (8, 16)])
+def test_tree_equals_trajectories_bitwise(hk, hv):
     plan = two_level_plan([(1000, 4, 777), (64, 3, 100), (37, 2, 50), (4096, 2, 130)], device="cuda")
-    tensors, _ = make_inputs([plan.compact_rows], hk=16, hv=16, seed=5)
+    tensors, _ = make_inputs([plan.compact_rows], hk=hk, hv=hv, seed=5)
     leaves = [t.detach().requires_grad_(True) for t in tensors[:5]]
     o_traj = run_trajectories(chunk_gated_delta_rule, plan, *leaves, scale=0.088, use_qk_l2norm=True)
     o_tree = run_tree(chunk_gated_delta_rule, plan, *leaves, scale=0.088, use_qk_l2norm=True)
