@@ -28,7 +28,7 @@ POINTERS = {
              "dk_p", "dgc_p", "dbeta_p", "side_dk"},
     "i64": {"chunk_row_start", "chunk_row_end", "cu_seqlens", "seq_chunk_start", "pred", "succ_ptr", "succ_flat",
             "row_src", "row_own", "seq_export_start", "export_end_chunk", "export_end_slot", "seq_shift", "chunk_shift",
-            "h0_row", "block_degree"},
+            "h0_row", "block_degree", "seq_order"},
     "i32": set(),
 }
 SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32", "sx": "i64", "st": "i64",

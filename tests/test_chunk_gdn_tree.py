@@ -189,6 +189,10 @@ def test_independent_trees_scan_on_lanes():
         by_lane.setdefault(launch.lane, []).append(launch.num_seqs)
     assert sorted(by_lane.values()) == [[1, 2], [1, 3], [1, 4]]
     assert all(launch.round_seqs == (3 if launch.num_seqs == 1 else 9) for launch in plans[8].launches)
+    chunks = np.diff(plans[1].index.seq_chunk_start.cpu().numpy())
+    for launch in plans[1].launches:  # each launch starts its longest sequences first
+        own = chunks[launch.first_seq:launch.first_seq + launch.num_seqs][launch.scan_order.cpu().numpy()]
+        assert sorted(launch.scan_order.tolist()) == list(range(launch.num_seqs)) and np.all(np.diff(own) <= 0)
     tensors = inputs(plan2.compact_rows, seed=6)
     weights = torch.randn(plan2.compact_rows, 2, DIM, generator=torch.Generator().manual_seed(7),
                           dtype=torch.float64).to(DEVICE)

@@ -13,7 +13,7 @@ from harts_compiler.codegen.kernels.chunk_gdn import (
     prepare_gdn_index,
 )
 from harts_compiler.codegen.kernels.chunk_gdn.chunk_bwd import chunk_bwd
-from harts_compiler.codegen.kernels.chunk_gdn.state_bwd import state_bwd
+from harts_compiler.codegen.kernels.chunk_gdn.state_bwd import dv_local_bwd, state_bwd, state_bwd_scan
 from harts_compiler.codegen.kernels.chunk_gdn.state_fwd import output_fwd, state_fwd
 from harts_compiler.codegen.kernels.chunk_gdn.wy_fwd import wy_fwd
 from harts_compiler.codegen.kernels.upload import to_device
@@ -118,6 +118,33 @@ def test_value_blocks_do_not_change_results():
         results.append([o, bank, dh0, *grads])
     for a, b in zip(*results):  # fp32; gradients summed over value blocks in a different order
         torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
+
+
+def test_scan_launch_order_does_not_change_results():
+    """The scans start the longest sequence first (index.seq_order); any order of the programs gives the same
+    bits, and a scan over part of the sequences must be given its launch's order."""
+    (q, k, v, g, beta, h0), cu = make_inputs([40, 150, 70], kd=16, vd=32, seed=8)
+    q, k, v, g, beta, h0 = (x.detach() for x in (q, k, v, g, beta, h0))
+    do = torch.randn(v.shape, generator=torch.Generator().manual_seed(9))
+    index = to_device(prepare_gdn_index(cu, [1], [64]), "cpu")
+    assert index.seq_order.tolist() == [1, 2, 0]
+    gc, T, w, u = wy_fwd(k, v, g, beta, index)
+    bank_grad = torch.ones(index.num_slots, *h0.shape[1:])
+    results = []
+    for order in (None, torch.tensor([0, 1, 2]), torch.tensor([2, 0, 1])):
+        h, v_new, bank = state_fwd(k, w, u, gc, h0, index, order=order)
+        results.append([h, v_new, bank, *state_bwd_outputs(q, k, w, gc, do, bank_grad, index, order)])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    with pytest.raises(ValueError, match="scan_order"):
+        state_fwd(k, w, u, gc, h0, index, seqs=(1, 2))
+
+
+def state_bwd_outputs(q, k, w, gc, do, bank_grad, index, order):
+    dv_local = dv_local_bwd(q, k, gc, do, 0.4, index)
+    dh, dvn = torch.empty(index.num_chunks, *bank_grad.shape[1:]), torch.empty_like(do)
+    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, 0.4, index, dh, dvn, order=order)
+    return dh, dvn, dh0
 
 
 def test_strong_decays_as_transformers_init_gives():

@@ -62,17 +62,38 @@ def _chunk_shift(chunk_shift, i_c, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _scan_program(cu_seqlens, seq_chunk_start, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def _scan_program(cu_seqlens, seq_chunk_start, seq_order, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
     """The (sequence, value head, BV state columns) of a scan program: (i_n, i_h, i_hk, bos, eos, first chunk
-    c0, chunk count, offsets [K, BV] of its columns in a [K, V] state). Grid axis 0 runs over
-    sequences x heads (which can pass 65535), axis 1 over column blocks."""
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // HV, i_nh % HV
+    c0, chunk count, i_v, offsets [K, BV] of its columns in a [K, V] state). A 1-D grid of `scan_grid`
+    programs: the k-th group of HV x (V / BV) programs runs sequence seq_order[k]. The scans' time is the
+    longest sequence's chunk walk, so the host orders the sequences longest first (`index.longest_first`):
+    the GPU starts programs in grid order, and a long sequence launched last would run alone at the end."""
+    pid = tl.program_id(0)
+    i_v = pid % (V // BV)
+    i_nh = pid // (V // BV)
+    i_n = tl.load(seq_order + i_nh // HV)
+    i_h = i_nh % HV
     i_hk = i_h // (HV // HK)
     bos = tl.load(cu_seqlens + i_n)
     eos = tl.load(cu_seqlens + i_n + 1)
     c0 = tl.load(seq_chunk_start + i_n)
     o_v = i_v * BV + tl.arange(0, BV)
     state_offs = tl.arange(0, K)[:, None] * V + o_v[None, :]
-    return i_n, i_h, i_hk, bos, eos, c0, tl.cdiv(eos - bos, BT), o_v, state_offs
+    return i_n, i_h, i_hk, bos, eos, c0, tl.cdiv(eos - bos, BT), i_v, o_v, state_offs
+
+
+def scan_grid(count: int, value_heads: int, value_dim: int, block_v: int) -> tuple[int]:
+    """The 1-D grid of a scan launch over `count` sequences (`_scan_program`)."""
+    return (count * value_heads * (value_dim // block_v),)
+
+
+def scan_order(index, seqs: tuple[int, int] | None, order):
+    """The launch order a scan over `seqs` = (first, count) of `index` reads: `order` (a plan's
+    RoundLaunch.scan_order, relative to `first`), or the whole index's `seq_order` when the scan runs every
+    sequence."""
+    if order is not None:
+        return order
+    if seqs is not None and tuple(seqs) != (0, index.num_seqs):
+        raise ValueError("a scan over part of the index's sequences needs its launch's order (RoundLaunch.scan_order)")
+    return index.seq_order

@@ -54,6 +54,12 @@ def chunk_shift_table(index: "GDNIndex", rows: PackedRows | None):
     return index.chunk_row_start if rows is None else rows.chunk_shift
 
 
+def longest_first(chunks_per_seq: np.ndarray) -> np.ndarray:
+    """Sequence numbers by decreasing chunk count, ties in order: the launch order of a scan
+    (gates._scan_program). O(N log N)."""
+    return np.argsort(-np.asarray(chunks_per_seq, dtype=np.int64), kind="stable").astype(np.int64)
+
+
 def chunk_layout(cu_seqlens: np.ndarray, chunk_size: int):
     """The chunks of packed sequences `cu_seqlens`, chunk_size rows from each sequence's start: (first chunk of
     each sequence [N + 1], sequence of each chunk [NC], first row [NC], end row [NC])."""
@@ -117,6 +123,7 @@ class GDNIndex:
     export_slot_host: tuple[int, ...]  # the same slots as ints: backward sums duplicates without a device read
     export_seq: tuple[int, ...]
     export_offset: tuple[int, ...]
+    seq_order: np.ndarray         # [N] int64, the sequences longest first: a whole-index scan's launch order
     config: GDNKernelConfig = GDNKernelConfig()
 
 
@@ -148,4 +155,4 @@ def prepare_gdn_index(cu_seqlens, export_seq=(), export_offset=(), chunk_size: i
         export_end_chunk=seg_end[order], export_end_slot=seg_slot[order],
         num_slots=len(slot_of), export_slot=np.asarray(export_slot, dtype=np.int64),
         export_slot_host=tuple(export_slot), export_seq=e_seq, export_offset=e_off,
-        config=config or GDNKernelConfig())
+        seq_order=longest_first(chunks_per_seq), config=config or GDNKernelConfig())

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
-from .gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
+from .gates import (_chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows, _scan_program, scan_grid,
+                    scan_order)
 from .index import chunk_shift_table, row_tables, scan_row_shift
 from .tma import scan_descriptors
 
@@ -150,13 +151,12 @@ def _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own
 
 @triton.jit
 def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc, k_desc, w_desc, do_desc, dvl_desc,
-                      cu_seqlens, seq_chunk_start, seq_export_start, export_end_chunk,
+                      cu_seqlens, seq_chunk_start, seq_order, seq_export_start, export_end_chunk,
                       export_end_slot, row_src, row_own, seq_shift, scale, HK: tl.constexpr, HV: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr,
                       GATHER: tl.constexpr, TMA: tl.constexpr, QDO: tl.constexpr):
-    i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
-                                                                            K, V, BT, BV)
-    i_v = tl.program_id(1)
+    i_n, i_h, i_hk, bos, eos, c0, n_chunks, i_v, o_v, state_offs = _scan_program(
+        cu_seqlens, seq_chunk_start, seq_order, HK, HV, K, V, BT, BV)
     descs = (q_desc, k_desc, w_desc, do_desc, dvl_desc)
     # export segments in reverse (see state_fwd): a segment's exported end state takes its gradient before
     # the segment's last chunk, as the per-chunk injection did; the inner loops carry no bank logic
@@ -220,7 +220,7 @@ def dv_local_bwd(q, k, gc, do, scale, index, rows=None):
 
 def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, *,
                    seqs: tuple[int, int] | None = None, rows=None, launch_seqs: int | None = None,
-                   initial_state_grad: bool = False):
+                   initial_state_grad: bool = False, order=None):
     """The reverse scan of sequences `seqs` = (first, count) of `index` (default: all) into the shared dh
     [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32.
     `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and `rows.own`.
@@ -235,10 +235,10 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     shifts = scan_row_shift(index, rows, first)
     tma, descs = scan_descriptors(cfg, bv, index.chunk_size, ((q, kd), (k, kd), (w, kd), (do, bv), (dv_local, bv)))
     if count:
-        _state_bwd_kernel[(count * hv, vd // bv)](
+        _state_bwd_kernel[scan_grid(count, hv, vd, bv)](
             q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, *descs, index.cu_seqlens[first:],
-            index.seq_chunk_start[first:], index.seq_export_start[first:], index.export_end_chunk,
-            index.export_end_slot, *row_tables(index, rows), shifts, scale, HK=hk, HV=hv,
+            index.seq_chunk_start[first:], scan_order(index, seqs, order), index.seq_export_start[first:],
+            index.export_end_chunk, index.export_end_slot, *row_tables(index, rows), shifts, scale, HK=hk, HV=hv,
             K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
             TMA=tma, QDO=cfg.scan_q_do_code(initial_state_grad), num_warps=warps, num_stages=stages)
     return dh0

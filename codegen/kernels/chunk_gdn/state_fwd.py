@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
-from .gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows, _scan_program
+from .gates import (_chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows, _scan_program, scan_grid,
+                    scan_order)
 from .index import chunk_shift_table, row_tables, scan_row_shift
 from .tma import scan_descriptors
 
@@ -86,12 +87,12 @@ def _state_fwd_chunk(k, w, u, gc, h, v_new, descs, row_src, b_s, i_c, c0, bos, e
 
 @triton.jit
 def _state_fwd_kernel(k, w, u, gc, h0, h0_row, h, v_new, bank, k_desc, w_desc, u_desc, cu_seqlens,
-                      seq_chunk_start, seq_export_start, export_end_chunk, export_end_slot, row_src, seq_shift,
+                      seq_chunk_start, seq_order, seq_export_start, export_end_chunk, export_end_slot, row_src,
+                      seq_shift,
                       HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BV: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr, TMA: tl.constexpr):
-    i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
-                                                                            K, V, BT, BV)
-    i_v = tl.program_id(1)
+    i_n, i_h, i_hk, bos, eos, c0, n_chunks, i_v, o_v, state_offs = _scan_program(
+        cu_seqlens, seq_chunk_start, seq_order, HK, HV, K, V, BT, BV)
     descs = (k_desc, w_desc, u_desc)
     # the chunks in export segments (index.GDNIndex): the inner loop has no per-chunk bank logic, so Triton
     # can prefetch its loads `num_stages - 1` chunks ahead
@@ -179,7 +180,7 @@ def _output_kernel(q, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_sr
 
 
 def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None = None, out=None, rows=None,
-              launch_seqs: int | None = None, initial_rows: torch.Tensor | None = None):
+              launch_seqs: int | None = None, initial_rows: torch.Tensor | None = None, order=None):
     """Returns h [NC, HV, K, V] (k's dtype), v_new [R, HV, V] (u's dtype), bank [slots, HV, K, V] fp32.
 
     `initial_rows` ([count] int64): sequence i starts from `initial_state[initial_rows[i]]` (tree.py passes its
@@ -206,9 +207,9 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
     shifts = scan_row_shift(index, rows, first)
     tma, descs = scan_descriptors(cfg, bv, index.chunk_size, ((k, kd), (w, kd), (u, bv)))
     if count:
-        _state_fwd_kernel[(count * hv, vd // bv)](
+        _state_fwd_kernel[scan_grid(count, hv, vd, bv)](
             k, w, u, gc, initial_state, initial_rows, h, v_new, bank,
-            *descs, index.cu_seqlens[first:], index.seq_chunk_start[first:],
+            *descs, index.cu_seqlens[first:], index.seq_chunk_start[first:], scan_order(index, seqs, order),
             index.seq_export_start[first:], index.export_end_chunk, index.export_end_slot, row_tables(index, rows)[0],
             shifts, HK=hk, HV=hv, K=kd, V=vd,
             BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,

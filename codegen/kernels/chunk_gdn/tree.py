@@ -153,7 +153,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         bank = state_bank(plan, initial_states, (hv, kd, vd), k.device)
         scan_rounds(plan, k.device, lambda launch: state_fwd(
             k, w, u, gc, bank, index, seqs=(launch.first_seq, launch.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
-            launch_seqs=launch.round_seqs, initial_rows=launch.init_row))
+            launch_seqs=launch.round_seqs, initial_rows=launch.init_row, order=launch.scan_order))
         o = output_fwd(q, k, v_new, gc, h, scale, index, rows)
         exported = bank[1:][plan.output_slots]
         ctx.save_for_backward(q, k, v, beta, gc, T, w, v_new, h, *l2norm_saved)
@@ -174,7 +174,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         initial_grad = ctx.needs_input_grad[5]
         scan_rounds_backward(plan, q.device, bank_grad, lambda launch: state_bwd_scan(
             q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
-            rows=rows, launch_seqs=launch.round_seqs, initial_state_grad=initial_grad))
+            rows=rows, launch_seqs=launch.round_seqs, initial_state_grad=initial_grad, order=launch.scan_order))
         chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
         grads = input_gradients(plan, ctx.dtypes, q.shape[1], chunk_grads, l2norm_saved)
         d_initial = bank_grad[index.num_slots:].to(ctx.dtypes[5]) if initial_grad else None

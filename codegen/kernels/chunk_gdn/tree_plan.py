@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from .config import GDNKernelConfig
-from .index import GDNIndex, PackedRows, affine_chunk_shifts, affine_row_shifts, prepare_gdn_index
+from .index import GDNIndex, PackedRows, affine_chunk_shifts, affine_row_shifts, longest_first, prepare_gdn_index
 from .inputs import check_exports
 from .lanes import assign_lanes, lane_runs
 
@@ -41,6 +41,7 @@ class RoundLaunch:
                                    # bank state, grouped by slot ...
     start_bounds: np.ndarray       # [U+1] ... slot u's are start_seqs[start_bounds[u]:start_bounds[u + 1]]
     init_host: tuple[int, ...]     # init_row as ints (the reference path's control flow)
+    scan_order: np.ndarray         # [num_seqs] the launch's sequences (0 = first_seq) longest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +173,7 @@ def _assemble(num_tokens, index: GDNIndex, own_pick, src_all, round_slots, paren
     lane, num_lanes = assign_lanes([slots.size for slots in round_slots], np.diff(index.cu_seqlens), parent,
                                    index.config.tree_scan_lanes)
     launches, seq_base = [], 0
+    chunks_per_seq = np.diff(index.seq_chunk_start)
     for slots in round_slots:
         n = slots.size
         for start, stop in lane_runs(lane[seq_base:seq_base + n]):
@@ -181,7 +183,8 @@ def _assemble(num_tokens, index: GDNIndex, own_pick, src_all, round_slots, paren
             launches.append(RoundLaunch(
                 first_seq=seq_base + start, num_seqs=stop - start, lane=int(lane[seq_base + start]), round_seqs=n,
                 init_row=run_slots + 1, start_slots=distinct.astype(np.int64), start_seqs=children.astype(np.int64),
-                start_bounds=np.r_[0, counts.cumsum()].astype(np.int64), init_host=tuple((run_slots + 1).tolist())))
+                start_bounds=np.r_[0, counts.cumsum()].astype(np.int64), init_host=tuple((run_slots + 1).tolist()),
+                scan_order=longest_first(chunks_per_seq[seq_base + start:seq_base + stop])))
         seq_base += n
     replay = np.setdiff1d(np.arange(src_all.size), own_pick, assume_unique=True)
     replay_dst, replay_rows, replay_counts = _groups(src_all[replay], replay)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import _chunk_shift, _kept_rows, _scan_program
+from ..chunk_gdn.gates import _chunk_shift, _kept_rows, _scan_program, scan_grid
 from ..chunk_gdn.index import chunk_shift_table, row_tables, scan_row_shift
 from ..interpreter_safe import interpreting
 from .programs import _chunk_program
@@ -84,12 +84,12 @@ def _scan_bwd_step(qg, kg, w, gc, do, dv_local, dvn, dh, row_own, b_ds, i_c, c0,
 
 
 @triton.jit
-def _scan_bwd_kernel(qg, kg, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seqlens, seq_chunk_start,
+def _scan_bwd_kernel(qg, kg, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, cu_seqlens, seq_chunk_start, seq_order,
                      seq_export_start, export_end_chunk, export_end_slot, row_own, seq_shift, HV: tl.constexpr,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr,
                      GATHER: tl.constexpr):
-    i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, 1, HV,
-                                                                            K, V, BT, BV)
+    i_n, i_h, i_hk, bos, eos, c0, n_chunks, _, o_v, state_offs = _scan_program(
+        cu_seqlens, seq_chunk_start, seq_order, 1, HV, K, V, BT, BV)
     # export segments in reverse (GDN's scan): a segment's exported end state takes its gradient before the
     # segment's last chunk; the inner loops carry no bank logic
     e0 = tl.load(seq_export_start + i_n)
@@ -140,7 +140,8 @@ def bwd_prep(q, gc, Aqk, do, scale, index, config, rows=None):
     return qg, dv_local
 
 
-def scan_bwd(qg, kg, w, gc, do, dv_local, bank_grad, index, dh, dvn, *, seqs: tuple[int, int], rows, launch_seqs):
+def scan_bwd(qg, kg, w, gc, do, dv_local, bank_grad, index, dh, dvn, *, seqs: tuple[int, int], rows, launch_seqs,
+             order):
     """The reverse scan of sequences `seqs` = (first, count) into the shared dh [NC, HV, K, V] and dvn [R, HV, V];
     returns their initial-state gradients [count, HV, K, V] fp32."""
     hv, kd, vd = kg.shape[1], kg.shape[2], dvn.shape[2]
@@ -148,9 +149,9 @@ def scan_bwd(qg, kg, w, gc, do, dv_local, bank_grad, index, dh, dvn, *, seqs: tu
     bv, warps, stages = index.config.scan_launch_for(launch_seqs, hv, vd, kg.element_size())
     dh0 = torch.empty(count, hv, kd, vd, device=kg.device, dtype=torch.float32)
     if count:
-        _scan_bwd_kernel[(count * hv, vd // bv)](
+        _scan_bwd_kernel[scan_grid(count, hv, vd, bv)](
             qg, kg, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, index.cu_seqlens[first:],
-            index.seq_chunk_start[first:], index.seq_export_start[first:], index.export_end_chunk,
+            index.seq_chunk_start[first:], order, index.seq_export_start[first:], index.export_end_chunk,
             index.export_end_slot, row_tables(index, rows)[1], scan_row_shift(index, rows, first), HV=hv, K=kd,
             V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None, num_warps=warps,
             num_stages=stages)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import _chunk_shift, _scan_program
+from ..chunk_gdn.gates import _chunk_shift, _scan_program, scan_grid
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from ..interpreter_safe import interpreting
 from .programs import _chunk_program
@@ -44,11 +44,11 @@ def _scan_fwd_step(kg, w, u, gc, h, v_new, b_s, i_c, c0, bos, eos, i_h, state_of
 
 
 @triton.jit
-def _scan_fwd_kernel(kg, w, u, gc, h0, h0_row, h, v_new, bank, cu_seqlens, seq_chunk_start, seq_export_start,
+def _scan_fwd_kernel(kg, w, u, gc, h0, h0_row, h, v_new, bank, cu_seqlens, seq_chunk_start, seq_order, seq_export_start,
                      export_end_chunk, export_end_slot, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                      V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr):
-    i_n, i_h, i_hk, bos, eos, c0, n_chunks, o_v, state_offs = _scan_program(cu_seqlens, seq_chunk_start, HK, HV,
-                                                                            K, V, BT, BV)
+    i_n, i_h, i_hk, bos, eos, c0, n_chunks, _, o_v, state_offs = _scan_program(
+        cu_seqlens, seq_chunk_start, seq_order, HK, HV, K, V, BT, BV)
     e0 = tl.load(seq_export_start + i_n)
     e1 = tl.load(seq_export_start + i_n + 1)
     i_h0 = tl.load(h0_row + i_n)  # the initial state is a row of the bank (tree.py), read in place
@@ -109,7 +109,7 @@ def _output_kernel(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_
                       K, V, BT, BV, GATHER)
 
 
-def scan_fwd(kg, w, u, gc, bank, index, *, seqs: tuple[int, int], out, launch_seqs: int, initial_rows):
+def scan_fwd(kg, w, u, gc, bank, index, *, seqs: tuple[int, int], out, launch_seqs: int, initial_rows, order):
     """The scan of sequences `seqs` = (first, count) of `index`, starting from bank rows `initial_rows`, into
     `out` = (h [NC, HV, K, V], v_new [R, HV, V], export slots [num_slots, HV, K, V] fp32) shared by every round
     (tree.py). The launch follows the plan's GDNKernelConfig.scan_launch_for over `launch_seqs` sequences."""
@@ -119,9 +119,9 @@ def scan_fwd(kg, w, u, gc, bank, index, *, seqs: tuple[int, int], out, launch_se
     bv, warps, stages = index.config.scan_launch_for(launch_seqs, hv, vd, kg.element_size())
     h, v_new, slots = out
     if count:
-        _scan_fwd_kernel[(count * hv, vd // bv)](
+        _scan_fwd_kernel[scan_grid(count, hv, vd, bv)](
             kg, w, u, gc, bank, initial_rows, h, v_new, slots, index.cu_seqlens[first:],
-            index.seq_chunk_start[first:], index.seq_export_start[first:], index.export_end_chunk,
+            index.seq_chunk_start[first:], order, index.seq_export_start[first:], index.export_end_chunk,
             index.export_end_slot, HK=hk_placeholder, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv,
             INTERPRET=interpreting(), num_warps=warps, num_stages=stages)
 

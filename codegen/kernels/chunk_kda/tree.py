@@ -49,7 +49,7 @@ class TreeKimiDeltaAttentionFunction(torch.autograd.Function):
         bank = state_bank(plan, initial_states, (hv, kd, vd), k.device)
         scan_rounds(plan, k.device, lambda launch: scan_fwd(
             kg, w, u, gc, bank, index, seqs=(launch.first_seq, launch.num_seqs), out=(h, v_new, bank[1:]),
-            launch_seqs=launch.round_seqs, initial_rows=launch.init_row))
+            launch_seqs=launch.round_seqs, initial_rows=launch.init_row, order=launch.scan_order))
         o = output_fwd(q, gc, Aqk, v_new, h, scale, index, config, rows)
         exported = bank[1:][plan.output_slots]
         ctx.save_for_backward(q, k, v, beta, gc, T, Aqk, w, kg, v_new, h, *l2norm_saved)
@@ -69,7 +69,7 @@ class TreeKimiDeltaAttentionFunction(torch.autograd.Function):
         bank_grad = state_bank_grad(plan, d_exported, (hv, kd, vd), q.device)
         scan_rounds_backward(plan, q.device, bank_grad, lambda launch: scan_bwd(
             qg, kg, w, gc, do, dv_local, bank_grad, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
-            rows=rows, launch_seqs=launch.round_seqs))
+            rows=rows, launch_seqs=launch.round_seqs, order=launch.scan_order))
         chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, config, rows)
         grads = input_gradients(plan, ctx.dtypes, q.shape[1], chunk_grads, l2norm_saved)
         d_initial = bank_grad[index.num_slots:].to(ctx.dtypes[5]) if ctx.needs_input_grad[5] else None
