@@ -13,7 +13,7 @@ from harts_compiler.codegen.kernels.chunk_gdn import (
     prepare_gdn_index,
 )
 from harts_compiler.codegen.kernels.chunk_gdn.chunk_bwd import chunk_bwd
-from harts_compiler.codegen.kernels.chunk_gdn.state_bwd import dv_local_bwd, state_bwd, state_bwd_scan
+from harts_compiler.codegen.kernels.chunk_gdn.state_bwd import state_bwd
 from harts_compiler.codegen.kernels.chunk_gdn.state_fwd import output_fwd, state_fwd
 from harts_compiler.codegen.kernels.chunk_gdn.wy_fwd import wy_fwd
 from harts_compiler.codegen.kernels.upload import to_device
@@ -133,18 +133,11 @@ def test_scan_launch_order_does_not_change_results():
     results = []
     for order in (None, torch.tensor([0, 1, 2]), torch.tensor([2, 0, 1])):
         h, v_new, bank = state_fwd(k, w, u, gc, h0, index, order=order)
-        results.append([h, v_new, bank, *state_bwd_outputs(q, k, w, gc, do, bank_grad, index, order)])
+        results.append([h, v_new, bank, *state_bwd(q, k, w, gc, do, bank_grad, 0.4, index, order=order)])
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
     with pytest.raises(ValueError, match="scan_order"):
         state_fwd(k, w, u, gc, h0, index, seqs=(1, 2))
-
-
-def state_bwd_outputs(q, k, w, gc, do, bank_grad, index, order):
-    dv_local = dv_local_bwd(q, k, gc, do, 0.4, index)
-    dh, dvn = torch.empty(index.num_chunks, *bank_grad.shape[1:]), torch.empty_like(do)
-    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, 0.4, index, dh, dvn, order=order)
-    return dh, dvn, dh0
 
 
 def test_strong_decays_as_transformers_init_gives():

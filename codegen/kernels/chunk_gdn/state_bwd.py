@@ -224,7 +224,7 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     """The reverse scan of sequences `seqs` = (first, count) of `index` (default: all) into the shared dh
     [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32.
     `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and `rows.own`.
-    `launch_seqs`: as in state_fwd. `initial_state_grad`: the caller returns the initial-state gradients
+    `launch_seqs`, `order`: as in state_fwd. `initial_state_grad`: the caller returns the initial-state gradients
     (GDNKernelConfig.scan_q_do_precision "auto" then takes the precise q^T do)."""
     _, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
@@ -244,13 +244,13 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     return dh0
 
 
-def state_bwd(q, k, w, gc, do, bank_grad, scale, index, initial_state_grad: bool = False):
+def state_bwd(q, k, w, gc, do, bank_grad, scale, index, initial_state_grad: bool = False, order=None):
     """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32
-    (`initial_state_grad`: see state_bwd_scan)."""
+    (`initial_state_grad`, `order`: see state_bwd_scan)."""
     hv, kd, vd = do.shape[1], q.shape[2], do.shape[2]
     dv_local = dv_local_bwd(q, k, gc, do, scale, index)
     dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
     dvn = torch.empty_like(do)
     dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn,
-                         initial_state_grad=initial_state_grad)
+                         initial_state_grad=initial_state_grad, order=order)
     return dh, dvn, dh0

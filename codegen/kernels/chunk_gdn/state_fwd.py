@@ -191,7 +191,8 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
     programs read the sequence tables from `first` on, so each chunk runs exactly as in a whole call.
     `rows` (index.PackedRows): k is compact and read through `rows.src`. `launch_seqs`: the sequence count
     the launch configuration is chosen for (default: count; tree.py passes its round's, whose lanes run
-    side by side).
+    side by side). `order`: the launch's sequences longest first, relative to `first` (RoundLaunch.scan_order;
+    default, for a scan of every sequence: index.seq_order).
     """
     _, hk, kd = k.shape
     hv, vd = u.shape[1], u.shape[2]
