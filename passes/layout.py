@@ -17,7 +17,7 @@ class Layout(Pass):
 
     Nodes are renumbered in DFS preorder, trees in tree order, a node's continuation child first,
     then its other children by their first trajectory in input order. The continuation child is
-    kept when the forest already has one, otherwise it is the child with the largest subtree
+    kept when the forest already has one, otherwise it is the child with the smallest subtree
     (ties: first in input order); `replay-min` later re-lays out with the continuation children
     that minimise rounds (same function, `lay_out`).
 
@@ -54,12 +54,13 @@ def first_trajectory(forest: Forest) -> np.ndarray:
 
 def default_continuation(forest: Forest, children: list[list[int]],
                          first: list[int]) -> np.ndarray:
-    """Largest subtree first; ties to the child with the earlier first trajectory (`first`)."""
+    """The smallest subtree (the min-rounds DP's tie-break, so `replay-min` keeps this layout wherever rounds
+    allow); ties to the child with the earlier first trajectory (`first`)."""
     size = subtree_tokens(forest).tolist()
     cont = np.full(forest.num_nodes, -1, np.int64)
     for v, kids in enumerate(children):
         if kids:
-            cont[v] = min(kids, key=lambda c: (-size[c], first[c]))
+            cont[v] = min(kids, key=lambda c: (size[c], first[c]))
     return cont
 
 

@@ -77,9 +77,9 @@ def test_heavy_paths_contiguous_and_continuation_first():
         c = forest.node_cont_child[v]
         if c >= 0:
             assert forest.node_start[c] == forest.node_start[v] + forest.node_length[v]
-    # default continuation = largest subtree: [3 4 5 6] (5 tokens incl. 8) beats [7]
+    # default continuation = smallest subtree: [7] (1 token) before [3 4 5 6] (5 tokens incl. 8)
     root_cont = forest.node_cont_child[0]
-    assert forest.token_ids[forest.node_start[root_cont]] == 3
+    assert forest.token_ids[forest.node_start[root_cont]] == 7
 
 
 def test_relayout_with_given_continuations_keeps_trajectories():
