@@ -9,6 +9,7 @@ from harts_compiler.ir import Forest, Program
 from harts_compiler.ir import derive
 
 from .base import Pass
+from .rounds import optimal_continuations
 
 
 @dataclass(frozen=True)
@@ -17,9 +18,9 @@ class Layout(Pass):
 
     Nodes are renumbered in DFS preorder, trees in tree order, a node's continuation child first,
     then its other children by their first trajectory in input order. The continuation child is
-    kept when the forest already has one, otherwise it is the child with the smallest subtree
-    (ties: first in input order); `replay-min` later re-lays out with the continuation children
-    that minimise rounds (same function, `lay_out`).
+    kept when the forest already has one, otherwise it is the one the min-rounds DP picks at
+    `chunk_size` (passes/rounds.py), so `replay-min` at the same chunk size finds this layout optimal
+    and keeps it (at another chunk size it lays out again with the same function, `lay_out`).
 
     Output invariants (`Forest.verify()`, laid-out stage): node order = compact order = preorder;
     every subtree is the compact range [node_start, node_subtree_end); every heavy path (a node
@@ -27,16 +28,23 @@ class Layout(Pass):
     fixes the conv predecessor table `Forest.conv_pred()` and the distinct (source, next token)
     log-prob targets `Forest.targets()`, P = T - trees), multiplicities and the run-length
     trajectory gather map agree with their derivation.
-    Complexity: O(T) vectorised numpy, O(N log N + runs) Python over nodes.
+    Complexity: O(T) vectorised numpy, O(N log N + runs) Python over nodes (the DP: O(N)).
     """
 
     name = "layout"
     conv_width: int = 4
+    chunk_size: int = 64
 
     def run(self, program: Program) -> Program:
-        self.require(program.forest is not None, "a forest (run prefix-compress first)")
+        forest = program.forest
+        self.require(forest is not None, "a forest (run prefix-compress first)")
         self.require(program.sequences is None, "no sequences yet (layout renumbers nodes)")
-        return program.replace(forest=lay_out(program.forest, self.conv_width))
+        self.require(self.chunk_size >= 1, "chunk_size >= 1")
+        cont = forest.node_cont_child
+        if cont is None:
+            cont = optimal_continuations(forest.node_parent, forest.node_position, forest.node_length,
+                                         subtree_tokens(forest), self.chunk_size, forest.children())[0]
+        return program.replace(forest=lay_out(forest, self.conv_width, cont))
 
 
 def subtree_tokens(forest: Forest) -> np.ndarray:
@@ -52,26 +60,11 @@ def first_trajectory(forest: Forest) -> np.ndarray:
                                 derive.bottom_up_order(forest.node_position), combine=min)
 
 
-def default_continuation(forest: Forest, children: list[list[int]],
-                         first: list[int]) -> np.ndarray:
-    """The smallest subtree (the min-rounds DP's tie-break, so `replay-min` keeps this layout wherever rounds
-    allow); ties to the child with the earlier first trajectory (`first`)."""
-    size = subtree_tokens(forest).tolist()
-    cont = np.full(forest.num_nodes, -1, np.int64)
-    for v, kids in enumerate(children):
-        if kids:
-            cont[v] = min(kids, key=lambda c: (size[c], first[c]))
-    return cont
-
-
-def lay_out(forest: Forest, conv_width: int, cont_child: np.ndarray | None = None) -> Forest:
-    """Lay the forest out; `cont_child` (over the forest's current node ids) overrides the
-    continuation children. Returns a new, laid-out Forest."""
+def lay_out(forest: Forest, conv_width: int, cont_child: np.ndarray) -> Forest:
+    """Lay the forest out with continuation children `cont_child` (over the forest's current node ids,
+    -1 for a leaf). Returns a new, laid-out Forest."""
     children = forest.children()
     first = first_trajectory(forest).tolist()
-    if cont_child is None:
-        cont_child = (forest.node_cont_child if forest.node_cont_child is not None
-                      else default_continuation(forest, children, first))
     cont = cont_child.tolist()
     roots = sorted(np.flatnonzero(forest.node_parent < 0).tolist(),
                    key=lambda r: int(forest.node_tree[r]))

@@ -11,7 +11,7 @@ from .cut_pieces import CutPieces
 # name -> (pass class, {pass field: CompileOptions attribute})
 PASSES: dict[str, tuple[type[Pass], dict[str, str]]] = {
     "prefix-compress": (PrefixCompress, {}),
-    "layout": (Layout, {"conv_width": "conv_width"}),
+    "layout": (Layout, {"conv_width": "conv_width", "chunk_size": "chunk_size"}),
     "replay-min": (ReplayMin, {"chunk_size": "chunk_size"}),
     "cut-pieces": (CutPieces, {"microbatch_tokens": "microbatch_tokens"}),
     "schedule": (Schedule, {"microbatch_tokens": "microbatch_tokens", "dp_size": "dp_size",

@@ -27,7 +27,8 @@ NONE = -(1 << 60)  # max over no children
 def optimal_continuations(node_parent: np.ndarray, node_position: np.ndarray,
                           node_length: np.ndarray, subtree_size: np.ndarray, chunk_size: int,
                           children: list[list[int]]):
-    """Return (cont_child, f_A, f_O) for nodes in preorder (parents before children).
+    """Return (cont_child, f_A, f_O) per node, for any node numbering (nodes are visited by position, which
+    puts every parent before its children: laid out or straight from prefix-compress).
 
     cont_child[v] is the optimal continuation child for the state v actually has when every
     node above chose optimally (the root starts in state A)."""
@@ -38,7 +39,8 @@ def optimal_continuations(node_parent: np.ndarray, node_position: np.ndarray,
     size = subtree_size.tolist()
     f_a, f_o = [0] * n, [0] * n
     best_a, best_o = [-1] * n, [-1] * n
-    for v in range(n - 1, -1, -1):  # preorder reversed: children first
+    order = np.argsort(node_position, kind="stable").tolist()  # a child starts where its parent ends
+    for v in reversed(order):  # children first
         kids = children[v]
         if not kids:
             continue
@@ -64,7 +66,7 @@ def optimal_continuations(node_parent: np.ndarray, node_position: np.ndarray,
     cont = np.full(n, -1, np.int64)
     aligned = [True] * n
     parents = node_parent.tolist()
-    for v in range(n):
+    for v in order:
         p = parents[v]
         if p >= 0:
             if cont[p] == v:
