@@ -203,10 +203,10 @@ def test_carried_gradients_own_their_storage(kind):
     own = torch.randn(50, 8, requires_grad=True)
     piece = SimpleNamespace(conv_out=rows, replay_out=rows, kv_out=rows)
     if kind == "conv":  # the conv kernel reads the tail after the own rows (here: a concatenation that does so)
-        out = torch.cat([own, LayerCarry(piece, {"conv": carried}).conv_rows([own])[0]])
+        out = torch.cat([own, LayerCarry(piece, {"conv": carried}).conv_rows([own])[1]])
     elif kind == "replay":  # q's rows appended by the conv, g's by the rounds' inputs
         carry = LayerCarry(piece, {"replay": (carried,) * 5})
-        out = torch.cat([own, carry.conv_rows([own])[1][0]]) + carry.linear_inputs(*(own,) * 5)[0][3].sum()
+        out = torch.cat([own, carry.conv_rows([own])[2][0]]) + carry.linear_inputs(*(own,) * 5)[0][3].sum()
     else:
         out = LayerCarry(piece, {"kv": (carried, carried)}).attention_keys(own, own)[0]
     (out * torch.randn_like(out)).sum().backward()
@@ -329,3 +329,25 @@ def test_piece_memory_model_and_its_offloaded_peak():
     assert predicted_peak(pieces, offloaded=True) == full - offloaded_bytes(pieces)
     (report,) = pieces_memory(plan, config)
     assert report["predicted_peak_bytes"] == full and report["offloaded_host_bytes"] == offloaded_bytes(pieces)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_kept_rows_gradient_is_added_into_the_producers_own(strided):
+    """The rows a later piece reads leave with their gradient added into the producing tensor's own gradient,
+    equal to autograd's gather backward (which would build a zero tensor of the producer's size and add it)."""
+    from harts_compiler.runtime.ops.carry import _keep_rows
+    torch.manual_seed(0)
+    base = torch.randn(40, 12, dtype=torch.float64, requires_grad=True)
+    rows = torch.tensor([3, 7, 39])
+    a, b = torch.randn(40, 9, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    other = torch.randn(40, 3, dtype=torch.float64)
+
+    def loss(keep):
+        x, kept = keep(base[:, 3:9] * 1.0)
+        # concatenated by columns, x's own gradient arrives as a strided slice of the whole one's
+        y = torch.cat([x, other], dim=1) if strided else torch.cat([x, other.sin()], dim=1).sin()
+        return (y * a).sum() + (kept.cos() * b).sum()
+
+    want = torch.autograd.grad(loss(lambda x: (x, x[rows])), base)[0]
+    got = torch.autograd.grad(loss(lambda x: _keep_rows(x, rows)), base)[0]
+    assert torch.equal(got, want)

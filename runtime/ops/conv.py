@@ -20,7 +20,7 @@ def tree_causal_conv(parts, weight: torch.Tensor, plan: LaunchPlan, activation: 
     the parts' outputs, each contiguous (dtype of weight, like F.conv1d). `carry`: the layer's
     `ops.carry.LayerCarry` in a piece: the carried conv inputs are read after the own rows and the carried
     replay rows are appended to the outputs, [T + R, Ch_i] (what the rounds read after the own rows)."""
-    tail, appended = carry.conv_rows(parts) if carry is not None else (None, None)
+    parts, tail, appended = carry.conv_rows(parts) if carry is not None else (parts, None, None)
     if plan.target.conv_triton:
         return conv_kernel(list(parts), weight, plan.conv_pred, activation, index=plan.conv, tail=tail,
                            appended=appended)
