@@ -16,12 +16,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def case(seed: int, dtype, heads: int, groups: int, width: int, segments: list[int], indexed: bool):
-    """dst [T, heads, width], src [R, heads * groups, width]; segment d of `segments[d]` source rows."""
+def case(seed: int, dtype, heads: int, width: int, segments: list[int], indexed: bool):
+    """dst [T, heads, width], src [R, heads, width]; segment d of `segments[d]` source rows."""
     gen = torch.Generator().manual_seed(seed)
     tokens, rows = len(segments) + 3, sum(segments) + 2
     dst = torch.randn(tokens, heads, width, generator=gen).to(dtype)
-    src = torch.randn(rows, heads * groups, width, generator=gen).to(dtype)
+    src = torch.randn(rows, heads, width, generator=gen).to(dtype)
     dst_rows = torch.randperm(tokens, generator=gen)[:len(segments)]
     seg_start = torch.tensor([0] + segments).cumsum(0)
     src_rows = torch.randint(0, rows, (sum(segments),), generator=gen) if indexed else None
@@ -30,12 +30,12 @@ def case(seed: int, dtype, heads: int, groups: int, width: int, segments: list[i
 
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 10_000), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       heads=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), width=st.sampled_from([1, 3, 16]),
+       heads=st.sampled_from([1, 2]), width=st.sampled_from([1, 3, 16]),
        segments=st.lists(st.integers(0, 4), min_size=1, max_size=5), indexed=st.booleans())
-def test_segment_add_equals_reference(seed, dtype, heads, groups, width, segments, indexed):
-    dst, dst_rows, src, seg_start, src_rows = case(seed, dtype, heads, groups, width, segments, indexed)
-    expect = segment_add_reference(dst.clone(), dst_rows, src, seg_start, src_rows, groups=groups)
-    got = segment_add(dst.clone(), dst_rows, src, seg_start, src_rows, groups=groups)
+def test_segment_add_equals_reference(seed, dtype, heads, width, segments, indexed):
+    dst, dst_rows, src, seg_start, src_rows = case(seed, dtype, heads, width, segments, indexed)
+    expect = segment_add_reference(dst.clone(), dst_rows, src, seg_start, src_rows)
+    got = segment_add(dst.clone(), dst_rows, src, seg_start, src_rows)
     assert torch.equal(got, expect)
     untouched = torch.ones(dst.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[dst_rows] = False
@@ -44,21 +44,19 @@ def test_segment_add_equals_reference(seed, dtype, heads, groups, width, segment
 
 def test_wide_rows_take_several_column_blocks():
     """A bank state row (HV x K x V elements) spans several programs' columns."""
-    dst, dst_rows, src, seg_start, src_rows = case(1, torch.float32, 4, 1, 640, [3, 1], True)
+    dst, dst_rows, src, seg_start, src_rows = case(1, torch.float32, 4, 640, [3, 1], True)
     expect = segment_add_reference(dst.clone(), dst_rows, src, seg_start, src_rows)
     assert torch.equal(segment_add(dst.clone(), dst_rows, src, seg_start, src_rows), expect)
 
 
 def test_bad_shapes_are_named():
-    dst, dst_rows, src, seg_start, _ = case(2, torch.float32, 2, 2, 4, [1], False)
-    with pytest.raises(ValueError, match="source row has 16 elements, expected 8 x 1"):
-        segment_add(dst, dst_rows, src, seg_start, groups=1)
+    dst, dst_rows, src, seg_start, _ = case(2, torch.float32, 2, 4, [1], False)
+    with pytest.raises(ValueError, match="source row has 16 elements, a destination row 8"):
+        segment_add(dst, dst_rows, torch.cat([src, src], dim=1), seg_start)
     with pytest.raises(ValueError, match="contiguous"):
-        segment_add(dst.transpose(1, 2), dst_rows, src, seg_start, groups=2)
+        segment_add(dst.transpose(1, 2), dst_rows, src, seg_start)
     with pytest.raises(ValueError, match="seg_start has 3 bounds for 1 rows"):
-        segment_add(dst, dst_rows, src, torch.tensor([0, 1, 1], device=DEVICE), groups=2)
-    with pytest.raises(ValueError, match=r"groups=2 needs dst \[T, heads, C\]"):
-        segment_add(dst.reshape(dst.shape[0], 2, 2, 2), dst_rows, src, seg_start, groups=2)
+        segment_add(dst, dst_rows, src, torch.tensor([0, 1, 1], device=DEVICE))
 
 
 def test_planned_embedding_gradient_equals_torch():

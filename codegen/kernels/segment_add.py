@@ -11,9 +11,6 @@ dtype: deterministic, no atomics. Destination rows must be distinct (a segment p
 The embedding gradient of a microbatch is the same sum: the rows of the tokens that share an id, in a
 fixed order (`codegen.lower` groups them on the host; torch's own CUDA embedding backward reads a count
 back from the device).
-
-With `groups` G > 1 the source rows have G heads per destination head (value heads per key head, as
-l2norm.group_sum): dst[r, h, c] += sum_{g < G} sum_j src[j, h * G + g, c].
 """
 from __future__ import annotations
 
@@ -25,76 +22,61 @@ from .interpreter_safe import interpreter_needs_fp32
 
 
 def segment_add_reference(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, seg_start: torch.Tensor,
-                          src_rows: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
+                          src_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch oracle of `segment_add`, in place on `dst`: the same sums in the same order."""
-    width = dst[0].numel() if dst.shape[0] else 0
-    head = dst.shape[-1]
     bounds = seg_start.tolist()
     for d, row in enumerate(dst_rows.tolist()):
-        acc = torch.zeros(width // head, head, dtype=torch.float32, device=dst.device)
-        picks = range(bounds[d], bounds[d + 1])
-        parts = [src[src_rows[j] if src_rows is not None else j].reshape(-1, groups, head).float() for j in picks]
-        for g in range(groups):
-            part = torch.zeros_like(acc)
-            for x in parts:
-                part = part + x[:, g]
-            acc = acc + part
-        dst[row] = (dst[row].float() + acc.reshape(dst[row].shape)).to(dst.dtype)
+        acc = torch.zeros(dst[row].shape, dtype=torch.float32, device=dst.device)
+        for j in range(bounds[d], bounds[d + 1]):
+            acc = acc + src[src_rows[j] if src_rows is not None else j].float()
+        dst[row] = (dst[row].float() + acc).to(dst.dtype)
     return dst
 
 
 @triton.jit
-def _segment_add_kernel(dst, dst_rows, src, src_rows, seg_start, W, C: tl.constexpr, G: tl.constexpr,
-                        BW: tl.constexpr, INDEXED: tl.constexpr):
-    """Program (d, i_w): columns [i_w * BW, i_w * BW + BW) of destination row dst_rows[d] ([W] elements,
-    W / C heads of C); source row j ([W * G] elements) from src_rows[j] (INDEXED) or j itself."""
+def _segment_add_kernel(dst, dst_rows, src, src_rows, seg_start, W, BW: tl.constexpr, INDEXED: tl.constexpr):
+    """Program (d, i_w): columns [i_w * BW, i_w * BW + BW) of destination row dst_rows[d] ([W] elements); source
+    row j from src_rows[j] (INDEXED) or j itself."""
     i_d, i_w = tl.program_id(0), tl.program_id(1)
     o_w = i_w * BW + tl.arange(0, BW)
     m_w = o_w < W
-    o_src = (o_w // C) * (G * C) + o_w % C  # column of head group member 0 in a source row
     j0 = tl.load(seg_start + i_d)
     j1 = tl.load(seg_start + i_d + 1)
     b_acc = tl.zeros([BW], dtype=tl.float32)
-    for g in tl.static_range(G):
-        b_part = tl.zeros([BW], dtype=tl.float32)
-        j = j0
-        while j < j1:  # a while loop: its bounds are loaded values (the interpreter runs it too)
-            if INDEXED:
-                row = tl.load(src_rows + j).to(tl.int64)
-            else:
-                row = j.to(tl.int64)
-            b_part += tl.load(src + row * W * G + o_src + g * C, mask=m_w, other=0.0).to(tl.float32)
-            j += 1
-        b_acc += b_part
+    j = j0
+    while j < j1:  # a while loop: its bounds are loaded values (the interpreter runs it too)
+        if INDEXED:
+            row = tl.load(src_rows + j).to(tl.int64)
+        else:
+            row = j.to(tl.int64)
+        b_acc += tl.load(src + row * W + o_w, mask=m_w, other=0.0).to(tl.float32)
+        j += 1
     p_dst = dst + tl.load(dst_rows + i_d).to(tl.int64) * W + o_w
     b_dst = tl.load(p_dst, mask=m_w, other=0.0).to(tl.float32) + b_acc
     tl.store(p_dst, b_dst.to(dst.dtype.element_ty), mask=m_w)
 
 
 def segment_add(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, seg_start: torch.Tensor,
-                src_rows: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
+                src_rows: torch.Tensor | None = None) -> torch.Tensor:
     """In place: dst[dst_rows[d]] += sum over j in [seg_start[d], seg_start[d + 1]) of src[src_rows[j]] (or
-    src[j]), summed in that order in fp32 and rounded once; `groups` source heads per destination head.
+    src[j]), summed in that order in fp32 and rounded once.
 
-    dst [T, ..., C] and src [R, ..., C] contiguous, src's rows `groups` times wider than dst's; dst_rows [D]
-    distinct int64; seg_start [D + 1] int64 ascending; src_rows [J] int64 or None."""
+    dst [T, ...] and src [R, ...] contiguous with rows of the same size; dst_rows [D] distinct int64;
+    seg_start [D + 1] int64 ascending; src_rows [J] int64 or None."""
     if not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError("segment_add: dst and src must be contiguous")
-    if groups != 1 and dst.dim() != 3:
-        raise ValueError(f"segment_add: groups={groups} needs dst [T, heads, C], got {tuple(dst.shape)}")
     if seg_start.numel() != dst_rows.numel() + 1:
         raise ValueError(f"segment_add: seg_start has {seg_start.numel()} bounds for {dst_rows.numel()} rows")
-    width, head = (dst[0].numel() if dst.shape[0] else 0), dst.shape[-1]
-    if src.shape[0] and src[0].numel() != width * groups:
-        raise ValueError(f"segment_add: a source row has {src[0].numel()} elements, expected {width} x {groups}")
+    width = dst[0].numel() if dst.shape[0] else 0
+    if src.shape[0] and src[0].numel() != width:
+        raise ValueError(f"segment_add: a source row has {src[0].numel()} elements, a destination row {width}")
     count = dst_rows.numel()
     if not count or not width:
         return dst
     if interpreter_needs_fp32(dst):  # the interpreter truncates fp32 -> bf16: sum in fp32, round in torch
-        return dst.copy_(segment_add(dst.float(), dst_rows, src, seg_start, src_rows, groups))
+        return dst.copy_(segment_add(dst.float(), dst_rows, src, seg_start, src_rows))
     block = min(1024, triton.next_power_of_2(width))
     rows = src_rows if src_rows is not None else seg_start  # placeholder pointer when not INDEXED
     _segment_add_kernel[(count, triton.cdiv(width, block))](
-        dst, dst_rows, src, rows, seg_start, width, C=head, G=groups, BW=block, INDEXED=src_rows is not None,
-        num_warps=4)
+        dst, dst_rows, src, rows, seg_start, width, BW=block, INDEXED=src_rows is not None, num_warps=4)
     return dst

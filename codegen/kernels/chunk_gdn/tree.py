@@ -125,11 +125,10 @@ def input_gradients(plan: TreeGDNPlan, dtypes, key_heads: int, chunk_grads, l2no
     for name, dtype in zip(names, dtypes):
         grad = per_token[name]
         groups = grad.shape[1] // key_heads if name in ("q", "k") else 1  # value heads per key head
-        # own row + the replays' sum, in fp32, rounded once; a replayed row's dq is exactly 0 (its do is 0).
+        # own row + the replays' sum, per value head, in grad's dtype (fp32 wherever heads are summed next); a
+        # replayed row's dq is exactly 0 (its do is 0). Then the value heads' sum, in the order of every token's.
         if plan.replay_dst.numel() and name != "q":
-            grad = group_sum(grad, groups).contiguous()
-            segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds, groups=groups)
-            groups = 1  # grad is per key head now
+            segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds)
         if name in unnormalise:  # the l2 norm's backward sums the value heads' rows itself
             grads.append(l2norm_rows_backward(*unnormalise[name], grad, groups=groups))
         else:
