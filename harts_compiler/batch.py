@@ -158,6 +158,9 @@ class TreeBatch:
             except _NotJSON as exc:
                 problems.append(f"{where}: invalid JSON: {exc} is not a JSON value")
                 continue
+            except RecursionError:
+                problems.append(f"{where}: invalid JSON: arrays or objects nested too deeply")
+                continue
             is_tree = isinstance(head, dict) and "nodes" in head
             try:
                 if is_tree:
@@ -256,7 +259,8 @@ def _fast_trajectory(line: bytes):
     The token list is parsed by numpy; the rest of the line (with the list replaced by [0]) is
     validated by the same pydantic record, and must give exactly tokens == [0] — so the slice
     really was the `tokens` list. The list must be JSON integers (`_JSON_INTS`: what JSON rejects, such as
-    leading zeros or a trailing comma, goes to pydantic, which names it with its column)."""
+    leading zeros or a trailing comma, goes to pydantic, which names it with its column), and a line that may
+    hold NaN or Infinity (pydantic's JSON reader takes them) goes to the slow path, which rejects them."""
     key = line.find(b'"tokens"')
     left = line.find(b"[", key)
     right = line.find(b"]", left)
@@ -271,8 +275,11 @@ def _fast_trajectory(line: bytes):
         return None
     if tokens.size != body.count(b",") + 1 or tokens.max() >= _INT64_MAX:
         return None
+    rest = line[:left + 1] + b"0" + line[right:]
+    if b"NaN" in rest or b"Infinity" in rest:
+        return None
     try:
-        envelope = TrajectoryRecord.model_validate_json(line[:left + 1] + b"0" + line[right:])
+        envelope = TrajectoryRecord.model_validate_json(rest)
     except ValidationError:
         return None
     return (envelope.id, tokens, envelope.metadata()) if envelope.tokens == [0] else None

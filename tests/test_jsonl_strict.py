@@ -60,6 +60,12 @@ def test_fast_path_agrees_with_the_strict_path(line):
     (b'{"id": "a", "tokens": [1 2]}', 26),
     (b'{"id": "a", "tokens": [NaN]}', None),
     (b'{"id": "a", "nodes": [], "x": NaN}', None),
+    (b'{"id": "a", "tokens": [1, 2], "advantage": NaN}', None),  # a plain line: the fast path must not take it
+    (b'{"id": "a", "tokens": [1, 2], "reward": -Infinity}', None),
+    (b'{"id": "a", "tokens": [1, 2], "score": [1, Infinity]}', None),
+    pytest.param(b'{"id": "a", "tokens": [1], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None,
+                 id="deeply-nested-field"),
+    pytest.param(b"[" * 100_000 + b"]" * 100_000, None, id="deeply-nested-line"),
     (b'{"id": "a", "nodes": [{"id": 1, "parent": null, "tokens": [00]}]}', None),
 ])
 def test_what_json_rejects_is_named_with_line_and_column(line, column):
@@ -83,3 +89,5 @@ def test_leading_zero_byte_order_mark_and_encoding_are_named():
 def test_valid_lines_still_take_the_fast_path():
     line = b'{"id": "a", "tokens": [0, 10, 4611686018427387904]}'
     assert _fast_trajectory(line)[1].tolist() == [0, 10, 2**62]
+    batch = TreeBatch.from_jsonl_lines([b'{"id": "a", "tokens": [1], "note": "NaN and Infinity in text"}'])
+    assert batch.metadata[0] == {"note": "NaN and Infinity in text"}
