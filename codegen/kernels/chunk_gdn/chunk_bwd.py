@@ -228,7 +228,7 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
             side_dg, scratch, chunk_row_start, chunk_row_end, row_src, row_own, 0, HK, HV, K, V, BT, BK, BV, GATHER)
 
 
-def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None):
+def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None, dk_fp32: bool = False):
     """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head) on the R packed rows.
     Launch configuration from `index.config` (`bwd_qk_block_k`: K columns per dq/dk/dw program, 0 or >= K:
     all of K in one program).
@@ -237,8 +237,9 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     from the rows that keep them, and a sixth value holds the replayed rows' dk, dv, dbeta, dg
     [rows.num_replays, ...] by replay slot, for the caller to add to the tokens they replay (their dq is 0).
 
-    dk and dv come out in the input dtypes when every value head has its own key head (nothing left to
-    reduce), else dk in fp32 for the grouped-head sum; dq is always fp32.
+    dv comes out in the input dtype; dk too when every value head has its own key head and nothing but the
+    final rounding follows (not `dk_fp32`), else in fp32 for the grouped-head sum or the l2 norm's backward
+    (rounding it before that backward raised dk's error against fp32 by about 8%); dq is always fp32.
     """
     _, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
@@ -246,7 +247,7 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     cfg = index.config
     bv = min(cfg.bwd_block_v, vd)
     BT = index.chunk_size
-    dk_dtype = torch.float32 if hv != hk else k.dtype
+    dk_dtype = torch.float32 if hv != hk or dk_fp32 else k.dtype
 
     def dk_dv_dbeta_dg(n):
         per_head = [torch.empty(n, hv, device=dev, dtype=torch.float32) for _ in range(2)]

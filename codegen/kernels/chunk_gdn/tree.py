@@ -174,7 +174,8 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         scan_rounds_backward(plan, q.device, bank_grad, lambda launch: state_bwd_scan(
             q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
             rows=rows, launch_seqs=launch.round_seqs, initial_state_grad=initial_grad, order=launch.scan_order))
-        chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows)
+        chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows,
+                                dk_fp32=bool(l2norm_saved))
         grads = input_gradients(plan, ctx.dtypes, q.shape[1], chunk_grads, l2norm_saved)
         d_initial = bank_grad[index.num_slots:].to(ctx.dtypes[5]) if initial_grad else None
         return (*grads, d_initial, None, None, None)
