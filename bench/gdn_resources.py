@@ -25,7 +25,7 @@ from hopper_resources import hopper_resources  # noqa: E402
 POINTERS = {
     "fp32": {"g", "gc", "T", "h0", "bank", "dv_local", "dh0", "bank_grad", "dq", "dk", "dw", "dgc", "dbeta", "dg",
              "scratch", "rstd", "dv_f32", "gpre", "dw_part", "side_dbeta", "side_dg", "Aqk", "dAqk", "dAkk", "dq_p",
-             "dk_p", "dgc_p", "dbeta_p", "side_dk"},
+             "dk_p", "dgc_p", "dbeta_p", "side_dk", "q_rstd"},
     "i64": {"chunk_row_start", "chunk_row_end", "cu_seqlens", "seq_chunk_start", "pred", "succ_ptr", "succ_flat",
             "row_src", "row_own", "seq_export_start", "export_end_chunk", "export_end_slot", "seq_shift", "chunk_shift",
             "h0_row", "block_degree", "seq_order"},
@@ -34,7 +34,7 @@ POINTERS = {
 SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32", "sx": "i64", "st": "i64",
            "g_per": "i32", "g_stride": "i64", "rows_total": "i32"}
 BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64, G=1,
-            SILU=True, GATHER=False, TMA=False, QDO=0, HAS_TAIL=False, WEIGHTED=True)
+            SILU=True, GATHER=False, TMA=False, QDO=0, HAS_TAIL=False, WEIGHTED=True, RSTD=True)
 
 
 # the scans' tensor descriptors (chunk_gdn/tma.py) with TMA=1: tile rows and columns by constexpr name

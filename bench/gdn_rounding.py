@@ -3,13 +3,21 @@
 
 The kernels' bf16 error against the fp32 reference (`bench/gdn_flashqla.py`, section 1) is the sum of many
 roundings; this script says which of them matter, so that a precision fix costs a second dot only where it pays.
-Points (the kernels' names): qk = the l2 norm's bf16 output, T = the WY inverse stored in bf16, beta_k = the
-rounded (beta exp(gc) k) operand of w's dot, u_in = u's operand (`beta v` rounded, or `T diag(beta)` rounded when
---u-from-t-beta, the kernels' current form), wu = w and u stored in bf16, h = the state's bf16 copy for the
-dots, v_new = v_new stored in bf16, att = the gated q k^T rounded before its dot with v_new (as head + remainder
-when --att-split, the kernels' current form), v_dec = the decayed v_new rounded before the state update.
+Points, by the kernels' names:
+  q, k    the l2 norm's bf16 outputs (the output kernel reads the raw query and applies the norm to its dots'
+          results, so q rounds nothing in the current form)
+  T       the WY inverse, stored in bf16
+  beta_k  the (beta exp(gc) k) operand of w's dot
+  u_in    u's operand: T diag(beta) (current form), beta v (old form)
+  wu      w and u, stored in bf16
+  h       the state's bf16 copy that the dots read
+  v_new   v_new, stored in bf16
+  att     the gated q k^T before its dot with v_new (as a bf16 head and remainder in the current form)
+  v_dec   the decayed v_new before the state update
 
     python bench/gdn_rounding.py [--length 4096] [--seed 3] [--old]
+
+--old: the form before (u from T (beta v), one rounding of q k^T, the output on the normalised bf16 query).
 """
 from __future__ import annotations
 
@@ -20,18 +28,18 @@ import torch
 from gdn_cases import make_inputs
 
 CHUNK = 64
-POINTS = ("qk", "T", "beta_k", "u_in", "wu", "h", "v_new", "att", "v_dec")
+POINTS = ("q", "k", "T", "beta_k", "u_in", "wu", "h", "v_new", "att", "v_dec")
 
 
 def rounded(x, on: bool):
     return x.to(torch.bfloat16).to(torch.float64) if on else x
 
 
-def forward(q, k, v, g, beta, h0, on: dict, u_from_t_beta: bool, att_split: bool):
+def forward(q, k, v, g, beta, h0, on: dict, u_from_t_beta: bool, att_split: bool, raw_q: bool):
     """o [L, V] of one sequence and head in float64, rounding at the points `on` names."""
     scale = q.shape[1] ** -0.5
-    q = rounded(q / q.norm(dim=-1, keepdim=True), on["qk"])
-    k = rounded(k / k.norm(dim=-1, keepdim=True), on["qk"])
+    q = rounded(q / q.norm(dim=-1, keepdim=True), on["q"] and not raw_q)
+    k = rounded(k / k.norm(dim=-1, keepdim=True), on["k"])
     state, outputs = h0.clone(), []
     for c0 in range(0, q.shape[0], CHUNK):
         rows = slice(c0, min(q.shape[0], c0 + CHUNK))
@@ -61,12 +69,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=3)
-    parser.add_argument("--old", action="store_true", help="u from T (beta v) and one rounding of q k^T")
+    parser.add_argument("--old", action="store_true", help="the form before (see above)")
     args = parser.parse_args()
     (q, k, v, g, beta, h0), _ = make_inputs([args.length], hk=1, hv=1, device="cpu", seed=args.seed)
     q, k, v, g, beta = (x.double()[:, 0] for x in (q, k, v, g, beta))
     inputs = (q, k, v, g, beta, h0.double()[0, 0])
-    form = dict(u_from_t_beta=not args.old, att_split=not args.old)
+    form = dict(u_from_t_beta=not args.old, att_split=not args.old, raw_q=not args.old)
     exact = forward(*inputs, dict.fromkeys(POINTS, False), **form)
 
     def error(on):
