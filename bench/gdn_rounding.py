@@ -26,6 +26,7 @@ import argparse
 import torch
 
 from gdn_cases import make_inputs
+from harts_compiler.codegen.kernels.chunk_gdn.reference import l2norm
 
 CHUNK = 64
 POINTS = ("q", "k", "T", "beta_k", "u_in", "wu", "h", "v_new", "att", "v_dec")
@@ -38,8 +39,8 @@ def rounded(x, on: bool):
 def forward(q, k, v, g, beta, h0, on: dict, u_from_t_beta: bool, att_split: bool, raw_q: bool):
     """o [L, V] of one sequence and head in float64, rounding at the points `on` names."""
     scale = q.shape[1] ** -0.5
-    q = rounded(q / q.norm(dim=-1, keepdim=True), on["q"] and not raw_q)
-    k = rounded(k / k.norm(dim=-1, keepdim=True), on["k"])
+    q = rounded(l2norm(q), on["q"] and not raw_q)
+    k = rounded(l2norm(k), on["k"])
     state, outputs = h0.clone(), []
     for c0 in range(0, q.shape[0], CHUNK):
         rows = slice(c0, min(q.shape[0], c0 + CHUNK))

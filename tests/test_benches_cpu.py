@@ -387,3 +387,31 @@ def test_fused_ops_bench_runs_the_kernels_interpreted(tmp_path):
     rows = run_bench("fused_ops.py", tmp_path).stdout.splitlines()[2:]
     assert len(rows) == 6 and all(float(line.split()[-1]) < 1e-5 and float(line.split()[-2]) < 1e-5
                                   for line in rows), rows
+
+
+def test_gdn_rounding_emulation_is_the_reference_without_roundings():
+    """bench/gdn_rounding.py's float64 chunk algorithm with no rounding point on equals the plain-torch reference
+    (so what it attributes to a rounding point is that rounding), and the kernels' current form is the more
+    precise one."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gdn_rounding
+        from gdn_cases import make_inputs
+    finally:
+        sys.path.remove(str(BENCH))
+    from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference
+    (q, k, v, g, beta, h0), cu = make_inputs([200], hk=1, hv=1, kd=32, vd=16, device="cpu", seed=1)
+    q, k, v, g, beta, h0 = (x.double() for x in (q, k, v, g, beta, h0))
+    off = dict.fromkeys(gdn_rounding.POINTS, False)
+    form = dict(u_from_t_beta=True, att_split=True, raw_q=True)
+    ours = gdn_rounding.forward(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0[0, 0], off, **form)
+    ref, _ = chunk_gated_delta_rule_reference(q, k, v, g, beta, scale=32 ** -0.5, initial_state=h0, cu_seqlens=cu,
+                                              export_seq=None, export_offset=None, chunk_size=64, use_qk_l2norm=True)
+    assert torch.allclose(ours, ref[:, 0], rtol=1e-10, atol=1e-12), float((ours - ref[:, 0]).abs().max())
+    every = dict.fromkeys(gdn_rounding.POINTS, True)
+    inputs = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0[0, 0])
+
+    def error(**form):
+        o = gdn_rounding.forward(*inputs, every, **form)
+        return float((o - ref[:, 0]).norm() / ref[:, 0].norm())
+    assert error(**form) < 0.9 * error(u_from_t_beta=False, att_split=False, raw_q=False)
