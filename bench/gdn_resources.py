@@ -25,7 +25,7 @@ from hopper_resources import hopper_resources  # noqa: E402
 POINTERS = {
     "fp32": {"g", "gc", "T", "h0", "bank", "dv_local", "dh0", "bank_grad", "dq", "dk", "dw", "dgc", "dbeta", "dg",
              "scratch", "rstd", "dv_f32", "gpre", "dw_part", "side_dbeta", "side_dg", "Aqk", "dAqk", "dAkk", "dq_p",
-             "dk_p", "dgc_p", "dbeta_p", "side_dk", "q_rstd"},
+             "dk_p", "dgc_p", "dbeta_p", "side_dk", "q_rstd", "k_rstd"},
     "i64": {"chunk_row_start", "chunk_row_end", "cu_seqlens", "seq_chunk_start", "pred", "succ_ptr", "succ_flat",
             "row_src", "row_own", "seq_export_start", "export_end_chunk", "export_end_slot", "seq_shift", "chunk_shift",
             "h0_row", "block_degree", "seq_order"},

@@ -4,8 +4,8 @@
 The kernels' bf16 error against the fp32 reference (`bench/gdn_flashqla.py`, section 1) is the sum of many
 roundings; this script says which of them matter, so that a precision fix costs a second dot only where it pays.
 Points, by the kernels' names:
-  q, k    the l2 norm's bf16 outputs (the output kernel reads the raw query and applies the norm to its dots'
-          results, so q rounds nothing in the current form)
+  q, k    the l2 norm's bf16 outputs (the output kernel reads the raw query and key and applies the norms to its
+          dots' results, so in the current form q rounds nothing and k only what the other kernels read)
   T       the WY inverse, stored in bf16
   beta_k  the (beta exp(gc) k) operand of w's dot
   u_in    u's operand: T diag(beta) (current form), beta v (old form)
@@ -17,7 +17,7 @@ Points, by the kernels' names:
 
     python bench/gdn_rounding.py [--length 4096] [--seed 3] [--old]
 
---old: the form before (u from T (beta v), one rounding of q k^T, the output on the normalised bf16 query).
+--old: the form before (u from T (beta v), one rounding of q k^T, the output on the normalised bf16 rows).
 """
 from __future__ import annotations
 
@@ -36,10 +36,11 @@ def rounded(x, on: bool):
     return x.to(torch.bfloat16).to(torch.float64) if on else x
 
 
-def forward(q, k, v, g, beta, h0, on: dict, u_from_t_beta: bool, att_split: bool, raw_q: bool):
+def forward(q, k, v, g, beta, h0, on: dict, u_from_t_beta: bool, att_split: bool, raw_out: bool):
     """o [L, V] of one sequence and head in float64, rounding at the points `on` names."""
     scale = q.shape[1] ** -0.5
-    q = rounded(l2norm(q), on["q"] and not raw_q)
+    q = rounded(l2norm(q), on["q"] and not raw_out)
+    k_out = l2norm(k) if raw_out else rounded(l2norm(k), on["k"])  # the key as the output kernel reads it
     k = rounded(l2norm(k), on["k"])
     state, outputs = h0.clone(), []
     for c0 in range(0, q.shape[0], CHUNK):
@@ -57,7 +58,7 @@ def forward(q, k, v, g, beta, h0, on: dict, u_from_t_beta: bool, att_split: bool
             u = rounded(t @ rounded(bc[:, None] * vc, on["u_in"]), on["wu"])
         s16 = rounded(state, on["h"])
         v_new = u - w @ s16
-        att = torch.tril((qc @ kc.T) * decay)
+        att = torch.tril((qc @ k_out[rows].T) * decay)
         att_hi = rounded(att, on["att"])
         att_lo = rounded(att - att_hi, on["att"]) if att_split else torch.zeros_like(att)
         v16 = rounded(v_new, on["v_new"])
@@ -75,7 +76,7 @@ def main():
     (q, k, v, g, beta, h0), _ = make_inputs([args.length], hk=1, hv=1, device="cpu", seed=args.seed)
     q, k, v, g, beta = (x.double()[:, 0] for x in (q, k, v, g, beta))
     inputs = (q, k, v, g, beta, h0.double()[0, 0])
-    form = dict(u_from_t_beta=not args.old, att_split=not args.old, raw_q=not args.old)
+    form = dict(u_from_t_beta=not args.old, att_split=not args.old, raw_out=not args.old)
     exact = forward(*inputs, dict.fromkeys(POINTS, False), **form)
 
     def error(on):

@@ -138,11 +138,12 @@ def _state_fwd_kernel(k, w, u, gc, h0, h0_row, h, v_new, bank, k_desc, w_desc, u
 
 
 @triton.jit
-def _output_chunk(q, q_rstd, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale,
-                  HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def _output_chunk(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, shift,
+                  scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                   BV: tl.constexpr, GATHER: tl.constexpr, RSTD: tl.constexpr):
-    """o of one chunk and BV columns. RSTD: q is the raw query and q_rstd [rows, HK] its l2 norm's reciprocal,
-    applied to the dots' fp32 results, so the normalised query is never rounded to 16 bits here."""
+    """o of one chunk and BV columns. RSTD: q and k are the raw query and key and q_rstd, k_rstd [rows, HK] their
+    l2 norms' reciprocals, applied to the dots' fp32 results, so the normalised rows are never rounded to 16 bits
+    here (the output is where those roundings cost o most: bench/gdn_rounding.py)."""
     i_ch, i_v = tl.program_id(0), tl.program_id(1)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
@@ -161,8 +162,9 @@ def _output_chunk(q, q_rstd, k, v_new, gc, h, o, chunk_row_start, chunk_row_end,
     b_a = tl.dot(b_q, b_kt)
     if RSTD:
         b_rq = tl.load(q_rstd + src * HK + i_hk, mask=m_t, other=0.0)
+        b_rk = tl.load(k_rstd + src * HK + i_hk, mask=m_t, other=0.0)
         b_row = b_row * b_rq
-        b_a = b_a * b_rq[:, None]
+        b_a = b_a * b_rq[:, None] * b_rk[None, :]
     b_o = tl.dot(b_q, b_h) * b_row[:, None]
     b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a * _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
     b_vn = tl.load(v_new + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
@@ -176,18 +178,18 @@ def _output_chunk(q, q_rstd, k, v_new, gc, h, o, chunk_row_start, chunk_row_end,
 
 
 @triton.jit
-def _output_kernel(q, q_rstd, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift,
-                   scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                   BV: tl.constexpr, GATHER: tl.constexpr, RSTD: tl.constexpr):
+def _output_kernel(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own,
+                   chunk_shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr, RSTD: tl.constexpr):
     """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
     shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
     if affine:
-        _output_chunk(q, q_rstd, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, shift,
-            scale, HK, HV, K, V, BT, BV, False, RSTD)
+        _output_chunk(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own,
+            shift, scale, HK, HV, K, V, BT, BV, False, RSTD)
     else:
-        _output_chunk(q, q_rstd, k, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, 0, scale,
-            HK, HV, K, V, BT, BV, GATHER, RSTD)
+        _output_chunk(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, 0,
+            scale, HK, HV, K, V, BT, BV, GATHER, RSTD)
 
 
 def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None = None, out=None, rows=None,
@@ -229,11 +231,11 @@ def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None
     return h, v_new, bank
 
 
-def output_fwd(q, k, v_new, gc, h, scale, index, rows=None, q_rstd=None):
+def output_fwd(q, k, v_new, gc, h, scale, index, rows=None, rstd=None):
     """o [R, HV, V] on the packed rows, or with `rows` (index.PackedRows) o [T, HV, V] on the compact tokens:
     q and k read through `rows.src`, each kept row's output stored at `rows.own`, replayed rows' dropped.
-    `q_rstd` ([rows of q, HK] fp32): q is the raw query, normalised by these factors inside the kernel (the
-    output's error against fp32 falls by about an eighth against reading the bf16 normalised query)."""
+    `rstd` = (q_rstd, k_rstd) ([rows of q, HK] fp32 each): q and k are the raw query and key, normalised by these
+    factors inside the kernel (o's error against fp32 about a sixth lower than from the bf16 normalised rows)."""
     _, hk, kd = q.shape
     hv, vd = v_new.shape[1], v_new.shape[2]
     cfg = index.config
@@ -242,7 +244,8 @@ def output_fwd(q, k, v_new, gc, h, scale, index, rows=None, q_rstd=None):
     shifts = chunk_shift_table(index, rows)
     if index.num_chunks:
         _output_kernel[(index.num_chunks * hv, vd // bv)](
-            q, q if q_rstd is None else q_rstd, k, v_new, gc, h, o, index.chunk_row_start, index.chunk_row_end,
-            *row_tables(index, rows), shifts, scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv,
-            GATHER=rows is not None, RSTD=q_rstd is not None, num_warps=cfg.out_warps)
+            q, q if rstd is None else rstd[0], k, k if rstd is None else rstd[1], v_new, gc, h, o,
+            index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts, scale, HK=hk, HV=hv, K=kd,
+            V=vd, BT=index.chunk_size, BV=bv, GATHER=rows is not None, RSTD=rstd is not None,
+            num_warps=cfg.out_warps)
     return o
