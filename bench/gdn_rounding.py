@@ -12,12 +12,12 @@ Points, by the kernels' names:
   wu      w and u, stored in bf16
   h       the state's bf16 copy that the dots read
   v_new   v_new, stored in bf16
-  att     the gated q k^T before its dot with v_new (as a bf16 head and remainder in the current form)
+  att     the gated q k^T before its dot with v_new
   v_dec   the decayed v_new before the state update
 
     python bench/gdn_rounding.py [--length 4096] [--seed 3] [--old]
 
---old: the form before (u from T (beta v), one rounding of q k^T, the output on the normalised bf16 rows).
+--old: the form before (u from T (beta v), the output kernel on the l2 norm's bf16 rows).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def rounded(x, on: bool):
     return x.to(torch.bfloat16).to(torch.float64) if on else x
 
 
-def forward(q, k, v, g, beta, h0, on: dict, u_from_t_beta: bool, att_split: bool, raw_out: bool):
+def forward(q, k, v, g, beta, h0, on: dict, u_from_t_beta: bool, raw_out: bool):
     """o [L, V] of one sequence and head in float64, rounding at the points `on` names."""
     scale = q.shape[1] ** -0.5
     q = rounded(l2norm(q), on["q"] and not raw_out)
@@ -59,10 +59,8 @@ def forward(q, k, v, g, beta, h0, on: dict, u_from_t_beta: bool, att_split: bool
         s16 = rounded(state, on["h"])
         v_new = u - w @ s16
         att = torch.tril((qc @ k_out[rows].T) * decay)
-        att_hi = rounded(att, on["att"])
-        att_lo = rounded(att - att_hi, on["att"]) if att_split else torch.zeros_like(att)
         v16 = rounded(v_new, on["v_new"])
-        outputs.append((gc.exp()[:, None] * (qc @ s16) + att_hi @ v16 + att_lo @ v16) * scale)
+        outputs.append((gc.exp()[:, None] * (qc @ s16) + rounded(att, on["att"]) @ v16) * scale)
         state = state * gc[-1].exp() + kc.T @ rounded((gc[-1] - gc).exp()[:, None] * v_new, on["v_dec"])
     return torch.cat(outputs)
 
@@ -76,7 +74,7 @@ def main():
     (q, k, v, g, beta, h0), _ = make_inputs([args.length], hk=1, hv=1, device="cpu", seed=args.seed)
     q, k, v, g, beta = (x.double()[:, 0] for x in (q, k, v, g, beta))
     inputs = (q, k, v, g, beta, h0.double()[0, 0])
-    form = dict(u_from_t_beta=not args.old, att_split=not args.old, raw_out=not args.old)
+    form = dict(u_from_t_beta=not args.old, raw_out=not args.old)
     exact = forward(*inputs, dict.fromkeys(POINTS, False), **form)
 
     def error(on):

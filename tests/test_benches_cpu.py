@@ -403,7 +403,7 @@ def test_gdn_rounding_emulation_is_the_reference_without_roundings():
     (q, k, v, g, beta, h0), cu = make_inputs([200], hk=1, hv=1, kd=32, vd=16, device="cpu", seed=1)
     q, k, v, g, beta, h0 = (x.double() for x in (q, k, v, g, beta, h0))
     off = dict.fromkeys(gdn_rounding.POINTS, False)
-    form = dict(u_from_t_beta=True, att_split=True, raw_out=True)
+    form = dict(u_from_t_beta=True, raw_out=True)
     ours = gdn_rounding.forward(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0[0, 0], off, **form)
     ref, _ = chunk_gated_delta_rule_reference(q, k, v, g, beta, scale=32 ** -0.5, initial_state=h0, cu_seqlens=cu,
                                               export_seq=None, export_offset=None, chunk_size=64, use_qk_l2norm=True)
@@ -414,4 +414,4 @@ def test_gdn_rounding_emulation_is_the_reference_without_roundings():
     def error(**form):
         o = gdn_rounding.forward(*inputs, every, **form)
         return float((o - ref[:, 0]).norm() / ref[:, 0].norm())
-    assert error(**form) < 0.9 * error(u_from_t_beta=False, att_split=False, raw_out=False)
+    assert error(**form) < 0.9 * error(u_from_t_beta=False, raw_out=False)

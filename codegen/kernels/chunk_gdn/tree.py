@@ -154,7 +154,7 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
             k, w, u, gc, bank, index, seqs=(launch.first_seq, launch.num_seqs), out=(h, v_new, bank[1:]), rows=rows,
             launch_seqs=launch.round_seqs, initial_rows=launch.init_row, order=launch.scan_order))
         # the output reads the raw query and key and their norms' reciprocals (l2norm_saved: raw q, its rstd, raw k,
-        # its rstd), not the bf16 normalised rows: o's error a sixth lower
+        # its rstd), not the bf16 normalised rows: o's error a fifth lower
         if l2norm_saved:
             q_raw, q_rstd, k_raw, k_rstd = l2norm_saved
             o = output_fwd(q_raw, k_raw, v_new, gc, h, scale, index, rows, rstd=(q_rstd, k_rstd))
