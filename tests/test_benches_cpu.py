@@ -2,37 +2,24 @@
 they must finish, write their JSON to $OUT, and report what the GPU runs report."""
 import json
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from bench_scripts import BENCH, bench_on_path, run_bench
+
 from harts_compiler.passes import cost_model as cm
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def run_bench(script: str, out_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OUT=str(out_dir), OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, str(BENCH / script), "--device", "cpu", "--tiny", *args],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
 
 
 @pytest.mark.parametrize("model", ["qwen3-next", "kimi-linear"])
 def test_device_drawn_model_matches_from_config_distributions(model):
     """The GPU benches draw weights on the device; check that path (here on CPU) initialises
     every parameter like TreeModel.from_config does, and trains."""
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         import common
-    finally:
-        sys.path.remove(str(BENCH))
     config = common.model_config(tiny=True, model=model)
     cpu = torch.device("cpu")
     drawn = common.build_model(config, cpu, torch.float32, seed=1, draw_on_device=True)
@@ -92,82 +79,6 @@ def test_calibrate_tiny_cpu(tmp_path):
     assert "held_out" in result.stdout and "median relative error" in result.stdout
 
 
-def test_gdn_batch_tiny_cpu(tmp_path):
-    """bench/gdn_batch.py: tree vs trajectory-wise GDN rounds on generated batches."""
-    result = run_bench("gdn_batch.py", tmp_path)
-    table = result.stdout.splitlines()[-3:]
-    assert "tree ms" in table[0] and "of ideal" in table[0]
-    for line, preset in zip(table[1:], ["swe", "tau2"]):
-        cells = line.split()
-        assert cells[0] == preset
-        assert all(math.isfinite(float(c)) and float(c) > 0 for c in cells[1:]), line
-
-
-def test_gdn_batch_times_trees_in_pieces(tmp_path):
-    """bench/gdn_batch.py at a budget below the trees: each piece runs with its carried replay rows and states."""
-    import ast
-    result = run_bench("gdn_batch.py", tmp_path, "--presets", "tau2", "--microbatch-tokens", "64")
-    row = ast.literal_eval(next(line for line in result.stdout.splitlines() if line.startswith("[tau2]"))[7:])
-    assert row["tasks"] < len(row["sequences"])  # more forward units than trees: a tree ran in pieces
-    assert math.isfinite(row["scan_ratio"]) and row["scan_ratio"] > 0
-    assert math.isfinite(row["tree_ms"]) and row["tree_ms"] > 0
-
-
-def test_scan_steps_count_each_lanes_longest_sequences():
-    sys.path.insert(0, str(BENCH))
-    try:
-        from gdn_batch import scan_steps
-    finally:
-        sys.path.remove(str(BENCH))
-    import harts_compiler as hc
-    from harts_compiler.codegen.index import trajectory_index
-    from harts_compiler.predict import plan_indices
-    rng = np.random.default_rng(0)
-    lists = [rng.integers(0, 100, n).tolist() for n in (130, 10, 65)]
-    assert scan_steps([trajectory_index(lists, ["a", "b", "c"], chunk_size=64, conv_width=4)]) == 3  # one launch
-    # a tree: 150 root tokens, branches at 20, 64 and 150; its rounds wait for each other, so the path is at least
-    # its longest trajectory's chunks and at most every round's longest sequence in turn
-    root = lists[0] + lists[1] + lists[2][:10]
-    tree = [root + [7] * 70, root[:20] + [8] * 100, root[:64] + [9] * 30, root]
-    index, = plan_indices(hc.compile(hc.TreeBatch.from_trajectories(tree), hc.CompileOptions(chunk_size=64)))
-    longest = max(-(-len(t) // 64) for t in tree)
-    per_round = sum(int((-(-np.diff(r.cu_seqlens) // 64)).max()) for r in index.rounds)
-    assert len(index.rounds) >= 2 and longest <= scan_steps([index]) <= per_round
-
-
-def test_gdn_scans_interpreted(tmp_path):
-    """bench/gdn_scans.py: the scans alone under a launch, on the Triton interpreter at a toy size (one head)."""
-    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, str(BENCH / "gdn_scans.py"), "--device", "cpu", "--shrink", "512",
-                             "--cases", "root1", "roots6", "--launches", "16:4", "--stages", "3",
-                             "--value-heads", "1"],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    best = result.stdout.splitlines()[-2:]
-    assert best[0].startswith("root1") and best[1].startswith("roots6"), best
-    assert all("nan" not in line for line in best), best
-
-
-def test_gdn_batch_chunk_ratio_is_below_the_token_ratio(tmp_path):
-    """bench/gdn_batch.py --chunks-only: per-sequence partial chunks and replays cost tree mode chunks."""
-    result = run_bench("gdn_batch.py", tmp_path, "--chunks-only")
-    for line in result.stdout.splitlines()[-2:]:
-        cells = line.split()
-        ideal, chunk_ratio = float(cells[4]), float(cells[5])
-        assert 0 < chunk_ratio <= ideal + 1e-9, line
-
-
-def test_gdn_batch_plans_the_gdn_tree_cases_with_the_compiler(tmp_path):
-    """bench/gdn_batch.py --trees: bench/gdn.py's agentic batch as the compiler plans it, one microbatch of two
-    rounds in which each tree's first branch continues its root's sequence (docs/design.md section 6), so round 0
-    holds the 6 roots and round 1 the other 36 branches, and fewer chunks than gdn.py's hand-made plan (1,254)."""
-    result = run_bench("gdn_batch.py", tmp_path, "--presets", "--trees", "agentic", "--chunks-only")
-    row = next(line for line in result.stdout.splitlines() if line.startswith("[agentic 6 trees]"))
-    assert "'rounds': 2" in row and "'sequences': [[6, 36]]" in row, row
-    assert "'compact': 77518" in row and "'trajectory_tokens': 188513" in row, row
-    assert f"'chunk_ratio': {2963 / 1248}" in row, row
-
-
 def test_attention_tiny_cpu(tmp_path, monkeypatch):
     # the plain-torch path (the kernels have their own interpreter tests): the script must run and report
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -192,11 +103,8 @@ def test_external_kernel_wrappers_match_the_reference():
     0.6.0 and FlashQLA take HV a multiple of H), zero initial states, the packed rows in place. With our
     reference behind fla's signature, both must give the reference's output on grouped heads (HK = 2, HV = 4)
     and three sequences."""
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         import anchors
-    finally:
-        sys.path.remove(str(BENCH))
     from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference as reference
 
     def fla_like(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -230,13 +138,10 @@ def test_bound_pair_ratio_and_ceiling():
     """bench/bound.py: the attention pair ratio equals the one counted on the batch itself (each token attends
     to its position + 1 keys), and the ceiling is the harmonic mix of the token and pair ratios by the
     trajectory-wise step's pair share."""
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         import bound
         import common
         import e2e
-    finally:
-        sys.path.remove(str(BENCH))
     args = e2e.parse_args(["--tiny", "--device", "cpu", "--presets", "tau2"])
     config = common.model_config(True, model="qwen3-next")
     row = bound.bound_row("tau2", config, cm.load_cost_model(), args)
@@ -262,11 +167,8 @@ def test_bound_pair_ratio_and_ceiling():
 
 def test_memory_sites_groups_live_blocks_by_their_innermost_repository_frame():
     """bench/memory_sites.py on a snapshot in the CUDA allocator's format (frames innermost first)."""
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         import memory_sites
-    finally:
-        sys.path.remove(str(BENCH))
     root = "/repo"
 
     def frame(path, line, name):
@@ -286,11 +188,8 @@ def test_memory_sites_groups_live_blocks_by_their_innermost_repository_frame():
 
 def test_step_anatomy_finds_the_peak_and_whats_live_there():
     """bench/step_anatomy.py replays the allocator trace: the highest point and the blocks alive at it."""
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         import step_anatomy
-    finally:
-        sys.path.remove(str(BENCH))
 
     def event(action, addr, size, path=None):
         frames = [{"filename": f"/repo/{path}", "line": 3, "name": "f"}] if path else []
@@ -306,11 +205,8 @@ def test_step_anatomy_finds_the_peak_and_whats_live_there():
 def test_gpu_idle_charges_starved_gaps_to_the_late_launch_site():
     """bench/gpu_idle.py: a gap whose next kernel was launched after the GPU went idle is charged to the host
     op around that launch; a gap whose kernel was already queued is not."""
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         from gpu_idle import analyse
-    finally:
-        sys.path.remove(str(BENCH))
     kernel = lambda ts, c: {"cat": "kernel", "ts": ts, "dur": 10, "args": {"correlation": c}}  # noqa: E731
     launch = lambda ts, c: {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": 7,  # noqa: E731
                             "args": {"correlation": c}}
@@ -330,11 +226,8 @@ def test_step_anatomy_runs_at_toy_size(tmp_path):
 
 
 def test_exact_tree_ceiling_weights_each_part_by_its_own_ratio():
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         from step_anatomy import exact_tree_ceiling
-    finally:
-        sys.path.remove(str(BENCH))
     parts = {"attention": 30.0, "MoE/MLP": 70.0, "total": 100.0, "step wall": 120.0}
     # 100 ms becomes 70 / 7 + 30 / 3 = 20 ms: 5x, not the token ratio's 7x
     assert exact_tree_ceiling(parts, 7.0, 3.0) == pytest.approx(5.0)
@@ -345,11 +238,8 @@ def test_exact_tree_ceiling_weights_each_part_by_its_own_ratio():
 def test_trajectory_sdpa_baseline_equals_our_attention():
     """bench/anchors.TrajectorySDPA as the runtime's attention kernel in trajectory mode (fp64, CPU: SDPA's math
     backend) gives the model's own log-probs and gradients; a tree microbatch is refused."""
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         import anchors
-    finally:
-        sys.path.remove(str(BENCH))
     from harts_compiler.codegen.index import trajectory_index
     from harts_compiler.runtime import TreeModel
     model = TreeModel.from_config("tiny-qwen3-next", seed=2, dtype=torch.float64)
@@ -387,31 +277,3 @@ def test_fused_ops_bench_runs_the_kernels_interpreted(tmp_path):
     rows = run_bench("fused_ops.py", tmp_path).stdout.splitlines()[2:]
     assert len(rows) == 6 and all(float(line.split()[-1]) < 1e-5 and float(line.split()[-2]) < 1e-5
                                   for line in rows), rows
-
-
-def test_gdn_rounding_emulation_is_the_reference_without_roundings():
-    """bench/gdn_rounding.py's float64 chunk algorithm with no rounding point on equals the plain-torch reference
-    (so what it attributes to a rounding point is that rounding), and the kernels' current form is the more
-    precise one."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import gdn_rounding
-        from gdn_cases import make_inputs
-    finally:
-        sys.path.remove(str(BENCH))
-    from harts_compiler.codegen.kernels.chunk_gdn import chunk_gated_delta_rule_reference
-    (q, k, v, g, beta, h0), cu = make_inputs([200], hk=1, hv=1, kd=32, vd=16, device="cpu", seed=1)
-    q, k, v, g, beta, h0 = (x.double() for x in (q, k, v, g, beta, h0))
-    off = dict.fromkeys(gdn_rounding.POINTS, False)
-    form = dict(u_from_t_beta=True, raw_out=True)
-    ours = gdn_rounding.forward(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0[0, 0], off, **form)
-    ref, _ = chunk_gated_delta_rule_reference(q, k, v, g, beta, scale=32 ** -0.5, initial_state=h0, cu_seqlens=cu,
-                                              export_seq=None, export_offset=None, chunk_size=64, use_qk_l2norm=True)
-    assert torch.allclose(ours, ref[:, 0], rtol=1e-10, atol=1e-12), float((ours - ref[:, 0]).abs().max())
-    every = dict.fromkeys(gdn_rounding.POINTS, True)
-    inputs = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0[0, 0])
-
-    def error(**form):
-        o = gdn_rounding.forward(*inputs, every, **form)
-        return float((o - ref[:, 0]).norm() / ref[:, 0].norm())
-    assert error(**form) < 0.9 * error(u_from_t_beta=False, raw_out=False)

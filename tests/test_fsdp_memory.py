@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import torch
+from bench_scripts import BENCH
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 WORLD = 2
 
 
