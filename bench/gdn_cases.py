@@ -24,7 +24,6 @@ CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
     "scans_2st": ("scans 2 stages", GDNKernelConfig(scan_num_stages=2)),
     "scans_256": ("scans at least 256 programs", GDNKernelConfig(scan_min_programs=256)),
     "one_lane": ("one scan launch per round", GDNKernelConfig(tree_scan_lanes=1)),
-    "bwd_qk_bk64": ("bwd qk BK64", GDNKernelConfig(bwd_qk_block_k=64)),
     "pointers": ("scans load through pointers only (no TMA)", GDNKernelConfig(scan_tma_max_block_v=0)),
     "tma_wide": ("TMA scans at 64 columns too", GDNKernelConfig(scan_tma_max_block_v=64)),
     "qdo_bf16": ("backward scan q^T do in bf16 always", GDNKernelConfig(scan_q_do_precision="bf16")),

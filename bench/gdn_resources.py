@@ -86,8 +86,7 @@ KERNELS = [
     ("output_fwd", state_fwd._output_kernel, {}, None),
     ("dv_local", state_bwd._dv_local_kernel, {}, {"dv": "*fp32"}),  # chunk_bwd's dq/dv are bf16 (HK == HV)
     ("state_bwd scan", state_bwd._state_bwd_kernel, {}, None),
-    ("chunk_bwd_qk", chunk_bwd._chunk_bwd_qk_kernel, {"BK": 128}, {"dw": "*bf16"}),
-    ("chunk_bwd_qk BK64", chunk_bwd._chunk_bwd_qk_kernel, {"BK": 64}, {"dw": "*bf16"}),
+    ("chunk_bwd_qk", chunk_bwd._chunk_bwd_qk_kernel, {}, {"dw": "*bf16"}),
     ("wy_bwd", chunk_bwd._wy_bwd_kernel, {}, {"dk_out": "*bf16", "T": "*bf16", "dw": "*bf16", "scratch": "*bf16"}),
     ("l2norm fwd", l2norm._l2norm_fwd_kernel, {}, None),
     ("l2norm bwd", l2norm._l2norm_bwd_kernel, {}, None),

@@ -32,7 +32,7 @@ def test_scan_stages_fit_shared_memory():
     assert GDNKernelConfig(scan_num_stages=3).scan_stages_for(2) == 3
 
 
-@pytest.mark.parametrize("field, value", [("bwd_qk_block_k", 24), ("wy_kkt_block_k", 8), ("wy_kkt_block_k", 0),
+@pytest.mark.parametrize("field, value", [("wy_kkt_block_k", 8), ("wy_kkt_block_k", 0),
                                          ("scan_block_v", 8), ("scan_block_v", 48), ("scan_block_v", 0),
                                          ("scan_warps", 3), ("scan_min_programs", -1), ("scan_num_stages", 4),
                                          ("scan_num_stages", -1), ("scan_q_do_precision", "tf32"),

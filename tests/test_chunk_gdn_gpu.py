@@ -26,10 +26,10 @@ def make_inputs(lengths, hk, hv, kd=128, vd=128, seed=0):
 @pytest.mark.parametrize("config", [GDNKernelConfig(),
                                     GDNKernelConfig(scan_block_v=64, scan_min_programs=0, wy_bwd_warps=2),
                                     GDNKernelConfig(wy_bwd_warps=8, scan_warps=2, wy_kkt_warps=2, scan_num_stages=2),
-                                    GDNKernelConfig(bwd_qk_block_k=32, wy_kkt_block_k=32),
+                                    GDNKernelConfig(wy_kkt_block_k=32),
                                     GDNKernelConfig(scan_block_v=32, scan_min_programs=0),
                                     GDNKernelConfig(scan_block_v=16, scan_num_stages=1)],
-                         ids=["default", "scan-bv64-wybwd-2w", "wybwd-8w-scans-2w-2st-kkt-2w", "qk-bk32-kkt-bk32",
+                         ids=["default", "scan-bv64-wybwd-2w", "wybwd-8w-scans-2w-2st-kkt-2w", "kkt-bk32",
                               "scan-bv32", "scan-bv16-1st"])
 def test_bf16_matches_fp32_reference(config):
     lengths = [2000, 1, 64, 63, 1300, 2500]

@@ -17,12 +17,11 @@ from .index import chunk_shift_table, row_tables
 @triton.jit
 def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end, row_src,
                         row_own, shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
-    """BK < K: one program per BK columns of K (grid axis 1), a quarter to a half of the fp32 accumulators
-    each; every program recomputes the [BT, BT] do.v_new tiles and leaves its share of dgc in
-    dgc[row, head, i_k] (summed by the wrapper, no atomics). BK == K: one program per chunk and head.
-    GATHER: q, k, do are compact (index.PackedRows); dq of kept rows goes to compact rows. A replayed row's dq
-    is exactly 0 (dq_i is linear in do_i, and a replayed row's do is 0), so it is not stored."""
+                        BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
+    """One program per chunk and value head, all K columns (programs over K blocks, each recomputing the
+    [BT, BT] do.v_new tiles, were no faster). GATHER: q, k, do are compact (index.PackedRows); dq of kept rows
+    goes to compact rows. A replayed row's dq is exactly 0 (dq_i is linear in do_i, and a replayed row's do is
+    0), so it is not stored."""
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
@@ -30,19 +29,15 @@ def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_
     src = _input_rows(row_src, rows, m_t, shift, GATHER)
     kept, m_keep = _kept_rows(row_own, rows, m_t, shift, GATHER)
     o_t = tl.arange(0, BT)
-    if BK < K:
-        i_k = tl.program_id(1)
-        o_k = i_k * BK + tl.arange(0, BK)
-    else:
-        o_k = tl.arange(0, K)
+    o_k = tl.arange(0, K)
     state = (i_c.to(tl.int64) * HV + i_h) * (K * V)
 
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)      # do h^T
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)      # v_new dh^T
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)      # dvn h^T
+    b_dq = tl.zeros([BT, K], dtype=tl.float32)       # do h^T
+    b_dk = tl.zeros([BT, K], dtype=tl.float32)       # v_new dh^T
+    b_dw = tl.zeros([BT, K], dtype=tl.float32)       # dvn h^T
     b_da = tl.zeros([BT, BT], dtype=tl.float32)      # [i, j] do_i . v_new_j
     b_dat = tl.zeros([BT, BT], dtype=tl.float32)     # [j, i] the same, transposed by its own dot
-    b_dgl = tl.zeros([BK], dtype=tl.float32)         # sum(h * dh), reduced below
+    b_dgl = tl.zeros([K], dtype=tl.float32)          # sum(h * dh), reduced below
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_vn = tl.load(v_new + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
@@ -50,8 +45,8 @@ def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_
         b_do = tl.load(do + (kept[:, None] * HV + i_h) * V + o_v[None, :], mask=m_keep[:, None], other=0.0)
         b_dot = tl.load(do + (kept[None, :] * HV + i_h) * V + o_v[:, None], mask=m_keep[None, :], other=0.0)
         b_dvn = tl.load(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
-        b_ht = tl.load(h + state + o_v[:, None] + o_k[None, :] * V)        # [BV, BK]
-        b_dht = tl.load(dh + state + o_v[:, None] + o_k[None, :] * V)      # [BV, BK]
+        b_ht = tl.load(h + state + o_v[:, None] + o_k[None, :] * V)        # [BV, K]
+        b_dht = tl.load(dh + state + o_v[:, None] + o_k[None, :] * V)      # [BV, K]
         b_dgl += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), 0)
         b_da += tl.dot(b_do, b_vnt)
         b_dat += tl.dot(b_vn, b_dot)
@@ -86,25 +81,22 @@ def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_
     tl.store(dq + (kept[:, None] * HV + i_h) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_keep[:, None])
     tl.store(dk + p_rows, b_dk, mask=m_t[:, None])
     tl.store(dw + p_rows, (-b_dw).to(dw.dtype.element_ty), mask=m_t[:, None])
-    if BK < K:
-        tl.store(dgc + (rows * HV + i_h) * (K // BK) + i_k, b_dgc, mask=m_t)
-    else:
-        tl.store(dgc + rows * HV + i_h, b_dgc, mask=m_t)
+    tl.store(dgc + rows * HV + i_h, b_dgc, mask=m_t)
 
 
 @triton.jit
 def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end, row_src,
                          row_own, chunk_shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
+                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
     """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
     shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
     if affine:
         _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
-            row_src, row_own, shift, scale, HK, HV, K, V, BT, BV, BK, False)
+            row_src, row_own, shift, scale, HK, HV, K, V, BT, BV, False)
     else:
         _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
-            row_src, row_own, 0, scale, HK, HV, K, V, BT, BV, BK, GATHER)
+            row_src, row_own, 0, scale, HK, HV, K, V, BT, BV, GATHER)
 
 
 @triton.jit
@@ -230,8 +222,7 @@ def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, si
 
 def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None, dk_fp32: bool = False):
     """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head) on the R packed rows.
-    Launch configuration from `index.config` (`bwd_qk_block_k`: K columns per dq/dk/dw program, 0 or >= K:
-    all of K in one program).
+    Launch configuration from `index.config`.
 
     With `rows` (index.PackedRows: q, k, v, beta, do compact) the five gradients are on the T compact tokens,
     from the rows that keep them, and a sixth value holds the replayed rows' dk, dv, dbeta, dg
@@ -265,15 +256,9 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     if index.num_chunks:
         shifts = chunk_shift_table(index, rows)
         tables = (index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts)
-        bk = kd if cfg.bwd_qk_block_k <= 0 else min(cfg.bwd_qk_block_k, kd)
-        n_k = kd // bk
-        dgc_parts = dgc if n_k == 1 else torch.empty(n_rows, hv, n_k, device=dev, dtype=torch.float32)
-        _chunk_bwd_qk_kernel[(index.num_chunks * hv, n_k)](
-            q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc_parts, *tables, scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, BK=bk, GATHER=rows is not None,
-            num_warps=cfg.bwd_qk_warps)
-        if n_k > 1:
-            torch.sum(dgc_parts, dim=-1, out=dgc)
+        _chunk_bwd_qk_kernel[(index.num_chunks * hv,)](
+            q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc, *tables, scale,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, GATHER=rows is not None, num_warps=cfg.bwd_qk_warps)
         scratch = torch.empty(index.num_chunks * hv, BT, BT, device=dev, dtype=k.dtype)
         _wy_bwd_kernel[(index.num_chunks * hv,)](
             k, v, beta, gc, T, dw, dvn, dk_part, dgc, *out, *side, scratch, *tables,

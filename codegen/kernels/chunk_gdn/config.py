@@ -62,16 +62,12 @@ class GDNKernelConfig:
     wy_wu_warps: int = 4
     # chunk-parallel backward: V block of the dq/dk/dw and WY kernels
     bwd_block_v: int = 64
-    # dq/dk/dw kernel: 8 warps, all K columns in one program (0; a power of two >= 16 splits K)
+    # dq/dk/dw kernel: 8 warps (at 4 its fp32 accumulators spill about 4 KB a thread: bench/gdn_resources.py)
     bwd_qk_warps: int = 8
-    bwd_qk_block_k: int = 0
     # WY backward at 4 warps (8 and 2 were slower)
     wy_bwd_warps: int = 4
 
     def __post_init__(self):
-        if self.bwd_qk_block_k and not _power_of_two(self.bwd_qk_block_k, 16):
-            raise ValueError(f"GDNKernelConfig.bwd_qk_block_k must be 0 or a power of two >= 16 (tl.dot, "
-                             f"tl.arange), got {self.bwd_qk_block_k}")
         for field, least in (("scan_block_v", 16), ("scan_warps", 1), ("wy_kkt_block_k", 16)):
             if not _power_of_two(getattr(self, field), least):
                 raise ValueError(f"GDNKernelConfig.{field} must be a power of two >= {least}, "
