@@ -15,6 +15,7 @@ equal to ``wgmma`` means ptxas serialised every wgmma (its warning C7514).
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -126,17 +127,18 @@ def compile_dkdv_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: in
 
 
 def main(argv: list[str]) -> None:
-    sass_out = None
-    if "--sass" in argv:
-        at = argv.index("--sass")
-        sass_out = argv[at + 1]
-        argv = argv[:at] + argv[at + 2:]
-    dq_only = "--dq" in argv
-    dkdv_only = "--dkdv" in argv
-    argv = [a for a in argv if a not in ("--dq", "--dkdv")]
-    numbers = [int(a) for a in argv]
-    head_dim, n_q_heads, n_kv_heads = numbers[:3] if numbers else (256, 16, 2)
-    value_dim = numbers[3] if len(numbers) > 3 else head_dim
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("dims", type=int, nargs="*", metavar="N",
+                        help="head_dim q_heads kv_heads [value_dim] (default 256 16 2, value_dim = head_dim)")
+    parser.add_argument("--sass", metavar="PATH", help="write each kernel's SASS to PATH.<kernel>")
+    parser.add_argument("--dq", action="store_true", help="the dq kernel only")
+    parser.add_argument("--dkdv", action="store_true", help="the dk/dv kernel only")
+    args = parser.parse_args(argv)
+    if len(args.dims) not in (0, 3, 4):
+        parser.error("dims: give head_dim q_heads kv_heads and optionally value_dim")
+    head_dim, n_q_heads, n_kv_heads = args.dims[:3] if args.dims else (256, 16, 2)
+    value_dim = args.dims[3] if len(args.dims) > 3 else head_dim
+    sass_out, dq_only, dkdv_only = args.sass, args.dq, args.dkdv
     if not dq_only:
         for consumers in (1, 2):
             for suffix in (False, True):
