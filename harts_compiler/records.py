@@ -120,7 +120,7 @@ def check_tree(tree: TreeRecord, where: str) -> list[str]:
         if node.id in seen:
             first = tree.nodes[seen[node.id]]
             if first.parent != node.parent:
-                problems.append(f"{where}: node {node.id!r} has several parents "
+                problems.append(f"{where}: field nodes[{index}].parent: node {node.id!r} has several parents "
                                 f"({first.parent!r} and {node.parent!r})")
             else:
                 problems.append(f"{where}: field nodes[{index}].id: duplicate node id {node.id!r}")
