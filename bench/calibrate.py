@@ -1,7 +1,8 @@
 """Fit the planner's microbatch cost model (passes/cost_model.py) from measured fwd+bwd times.
 
     PYTHONUNBUFFERED=1 python bench/calibrate.py                  # H200, ~1-2 minutes
-    python bench/calibrate.py --write passes/cost_model_h200.json # also update the repo's copy
+    python bench/calibrate.py --write passes/cost_model_h200.json # also update the repo's fit for this GPU
+                                                                  # (passes/cost_model_h100.json on an H100)
     python bench/calibrate.py --device cpu --tiny                 # toy size (CI smoke test)
 
 Microbatches of varied shapes come from generated batches (presets swe/tau2/grpo at several
@@ -63,7 +64,7 @@ def parse_args(argv):
     p.add_argument("--repeat", type=int, help="timed runs per shape (default 3; tiny 1)")
     p.add_argument("--chunk-size", type=int, help="linear-attention chunk (default 64; tiny 16)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--write", help="also write the fitted model JSON here (e.g. passes/cost_model_h200.json)")
+    p.add_argument("--write", help="also write the fitted model JSON here (passes/cost_model_h200.json on an H200)")
     args = p.parse_args(argv)
     if not 0 < args.holdout < 1:
         p.error("--holdout: must lie in (0, 1)")

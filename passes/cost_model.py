@@ -31,8 +31,9 @@ layer's MLP/MoE is part of its kind's per-token term because every layer has one
     microbatch         1                          per-microbatch fixed cost (host, index)
 
 Fitted coefficients (ms per unit) live in a JSON data file with the device and date they were
-fitted on (`bench/calibrate.py` writes it; the repository copy is `cost_model_h200.json` beside
-this file). Without a fit, `default_cost_model()` gives rough guesses for the ~2B Qwen3-Next-like
+fitted on (`bench/calibrate.py` writes it; the repository holds one per GPU beside this file,
+`cost_model_h200.json` and `cost_model_h100.json`, and reads the one of the GPU the process sees, H200's
+without one). Without a fit, `default_cost_model()` gives rough guesses for the ~2B Qwen3-Next-like
 benchmark model on an H200, derived from FLOP counts at an assumed efficiency (`source` says
 "default"): good for relative planning, not for absolute times.
 
@@ -53,7 +54,10 @@ import numpy as np
 
 from harts_compiler.ir import derive
 
-DEFAULT_PATH = Path(__file__).with_name("cost_model_h200.json")
+# The repository's fits, by a marker of the GPU's name (torch.cuda.get_device_name()); DEFAULT_PATH serves a
+# GPU without its own fit and a process that sees none (a CPU compile host usually plans for H200-class nodes).
+COMMITTED_FITS = {"H100": "cost_model_h100.json", "H200": "cost_model_h200.json"}
+DEFAULT_PATH = Path(__file__).with_name(COMMITTED_FITS["H200"])
 
 FEATURE_NAMES = ("compact_tokens", "replay_tokens", "sequences", "rounds", "chunk_depth",
                  "attention_pairs", "trajectories", "trajectory_tokens", "microbatches")
@@ -307,13 +311,29 @@ def default_cost_model() -> CostModel:
                      source="default")
 
 
+def visible_gpu_name() -> str | None:
+    """The name of the GPU this process would run on, None without CUDA."""
+    import torch  # lazily: the planner itself needs numpy only
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def committed_fit_path(gpu_name: str | None = None) -> Path:
+    """The repository's fit for the GPU named `gpu_name` (None: the GPU this process sees), DEFAULT_PATH's for
+    any other GPU and without one."""
+    name = (gpu_name if gpu_name is not None else visible_gpu_name() or "").upper()
+    for marker, file in COMMITTED_FITS.items():
+        if marker in name:
+            return Path(__file__).with_name(file)
+    return DEFAULT_PATH
+
+
 def load_cost_model(path: str | Path | None = None) -> CostModel:
-    """The fitted model at `path`; without a path, the repository's `cost_model_h200.json` when
-    it exists, else `default_cost_model()`."""
+    """The fitted model at `path`; without a path, the repository's fit for the visible GPU
+    (`committed_fit_path()`) when it exists, else `default_cost_model()`."""
     if path is None:
-        if not DEFAULT_PATH.exists():
+        path = committed_fit_path()
+        if not path.exists():
             return default_cost_model()
-        path = DEFAULT_PATH
     path = Path(path)
     try:
         data = json.loads(path.read_text())

@@ -149,7 +149,7 @@ def test_save_load_round_trip_and_default(tmp_path):
     loaded = cm.load_cost_model(path)
     assert loaded.coefficients == model.coefficients
     assert (loaded.device, loaded.date, loaded.fit) == ("H200", "2026-11-29", model.fit)
-    default = cm.load_cost_model() if not cm.DEFAULT_PATH.exists() else cm.default_cost_model()
+    default = cm.load_cost_model() if not cm.committed_fit_path().exists() else cm.default_cost_model()
     assert default.source == "default" and set(default.coefficients) == set(cm.TERMS)
 
 
@@ -169,11 +169,20 @@ def test_bad_cost_model_files_name_the_field(tmp_path, content, field):
 
 
 def test_repository_fit_is_usable_when_present():
-    if not cm.DEFAULT_PATH.exists():
+    if not cm.committed_fit_path().exists():
         pytest.skip("no fitted cost model committed yet (bench/calibrate.py writes one)")
     model = cm.load_cost_model()
     assert model.device and model.date and model.fit.get("median_rel_err") is not None
     assert min(model.coefficients.values()) >= 0
+
+
+def test_committed_fits_follow_the_gpu_name():
+    assert cm.committed_fit_path("NVIDIA H100 80GB HBM3").name == "cost_model_h100.json"
+    assert cm.committed_fit_path("NVIDIA H200").name == "cost_model_h200.json"
+    assert cm.committed_fit_path("NVIDIA A100-SXM4-80GB") == cm.DEFAULT_PATH
+    for name in cm.COMMITTED_FITS.values():
+        model = cm.load_cost_model(cm.DEFAULT_PATH.with_name(name))
+        assert model.device and min(model.coefficients.values()) >= 0
 
 
 def test_features_errors():
@@ -195,8 +204,8 @@ def test_repository_fit_predicts_fresh_gpu_measurements():
     from pathlib import Path
 
     import torch
-    if not cm.DEFAULT_PATH.exists():
-        pytest.skip("no fitted cost model committed yet")
+    if not cm.committed_fit_path().exists():
+        pytest.skip("no fitted cost model committed for this GPU yet")
     bench = str(Path(__file__).resolve().parent.parent / "bench")
     sys.path.insert(0, bench)
     try:
