@@ -13,6 +13,7 @@ shared prefixes only, and long branches keep most of their pairs. Two numbers pe
     python bench/bound.py --presets swe tau2 --length-scale 1.0 --target-tokens 1000000 --microbatch-tokens 65536
     python bench/bound.py                                   # the default presets and sizes of bench/e2e.py
     python bench/bound.py --pair-cost-scale 0.78 ...        # what if attention's cost per pair were 0.78x
+    python bench/bound.py --gpu H100 ...                    # the committed fit of another GPU than this one's
 
 Takes bench/e2e.py's batch options (the others are ignored) and ``--pair-cost-scale F``: multiply the fitted
 attention cost per pair by F in both modes (attention kernels faster or slower than those the model was fitted
@@ -59,6 +60,8 @@ def positive_float(text: str) -> float:
 def bound_arguments(p) -> None:
     p.add_argument("--pair-cost-scale", type=positive_float, default=1.0, metavar="F",
                    help="multiply the fitted attention cost per pair by F in both modes (default 1)")
+    p.add_argument("--gpu", choices=sorted(cost_model.COMMITTED_FITS),
+                   help="read that GPU's committed fit (default: the fit of the GPU this process sees, else H200's)")
 
 
 def main(argv=None) -> None:
@@ -66,8 +69,8 @@ def main(argv=None) -> None:
     args = parse_args(argv + ["--device", "cpu"], __doc__.split("\n")[0], bound_arguments)
     pair_scale = args.pair_cost_scale
     config = model_config(args.tiny, model=args.model)
-    predictor = cost_model.load_cost_model()
-    predictor = with_pair_cost_scaled(predictor, pair_scale)
+    fit = cost_model.committed_fit_path(args.gpu) if args.gpu else None
+    predictor = with_pair_cost_scaled(cost_model.load_cost_model(fit), pair_scale)
     print(f"cost model {predictor.source} ({predictor.device}); model {args.model}; attention cost per pair "
           f"x {pair_scale:g}")
     rows = [bound_row(preset, config, predictor, args) for preset in args.presets]
