@@ -26,6 +26,8 @@ count 2 flop per MAC over visible pairs: forward q k^T and p v, backward 5 matmu
 recomputed); "bwd" = fwd+bwd time minus fwd time. MLA anchors that want one head dim (flash) get v
 padded with zeros to 192, counted in their time. The block lists are built on the host at every tile
 the timed kernels use and uploaded once per case (as a launch plan carries them), outside the timed calls.
+Errors (the first case and the first suffix case): ours, SDPA cuDNN and SDPA flash against one fp32 oracle of the
+tree, on the same compact rows (bench/attention_errors.py says how the trajectories map onto them).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
+from attention_errors import anchor_errors, rel  # noqa: E402
 from common import format_table, kernel_ms, write_json  # noqa: E402
 from harts_compiler.codegen.kernels.tree_attention import (  # noqa: E402
     build_block_index, config_for, tree_attention, tree_attention_fp32_oracle)
@@ -143,10 +146,6 @@ def device_block_index(subtree_end: torch.Tensor, tiles, num_queries: int):
     return to_device(index, subtree_end.device)
 
 
-def rel(a, b):
-    return ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def fwd_and_total(forward, leaves, grad_out, device, rep):
     """(fwd ms, fwd+bwd ms) of `forward()` -> output, gradients of `leaves` under `grad_out`."""
     def fwd():
@@ -158,18 +157,27 @@ def fwd_and_total(forward, leaves, grad_out, device, rep):
 
 
 # ---------------------------------------------------------------- trajectory-wise anchors
-def trajectory_groups(case: Case, q, k, v, do):
-    """Per distinct (length, context): q/do rows past the context, k/v of the whole paths, [B, H, L, D]."""
+def trajectory_groups(case: Case, q, k, v, do, owned_only: bool = False):
+    """Per distinct (length, context): (context, q / do rows past the context and k / v of the whole paths
+    [B, H, L, D], the paths' compact indices [B, L], which of their query rows hold a token first [B, L - context]).
+    owned_only: a query row's do only in the first path that holds its token, zero in the others (errors against
+    the tree's oracle: bench/attention_errors.py)."""
+    seen = np.zeros(case.layout.num_tokens, bool)
     groups = {}
     for path in case.layout.paths:
         context = int((np.asarray(path) < case.offset).sum())
-        groups.setdefault((len(path), context), []).append(path)
+        groups.setdefault((len(path), context), []).append((path, ~seen[path]))
+        seen[path] = True
     out = []
-    for (_, context), paths in groups.items():
-        index = torch.as_tensor(np.stack(paths), device=q.device)
+    for (_, context), members in groups.items():
+        index = torch.as_tensor(np.stack([path for path, _ in members]), device=q.device)
+        owned = torch.as_tensor(np.stack([first for _, first in members])[:, context:], device=q.device)
         take = lambda x, rows: x[rows].transpose(1, 2).contiguous()  # noqa: E731
+        g_do = take(do, index[:, context:])
+        if owned_only:
+            g_do = g_do * owned[:, None, :, None].to(g_do.dtype)
         out.append((context, take(q, index[:, context:]).requires_grad_(), take(k, index).requires_grad_(),
-                    take(v, index).requires_grad_(), take(do, index[:, context:])))
+                    take(v, index).requires_grad_(), g_do, index, owned))
     return out
 
 
@@ -314,7 +322,9 @@ def run_case(case: Case, shape: Shape, config, args, device, dtype) -> dict:
 
 
 def check_errors(case: Case, shape: Shape, config, device, dtype) -> dict:
-    """Ours vs the fp32 reference on `case` (the output gradient of context rows zero)."""
+    """Ours and the SDPA anchors (cuDNN, flash) vs the fp32 reference on `case`, over the same compact rows (the
+    output gradient of context rows zero; bench/attention_errors.py)."""
+    from torch.nn.attention import SDPBackend
     subtree_end = case.layout.subtree_end_tensor(device)
     q, k, v, do = random_qkv(case.layout.num_tokens, shape, 2, device, dtype)
     scale, offset = shape.d ** -0.5, case.offset
@@ -322,7 +332,14 @@ def check_errors(case: Case, shape: Shape, config, device, dtype) -> dict:
     out = tree_attention(*leaves, subtree_end, scale=scale, config=config)
     ours = [out, *torch.autograd.grad(out, leaves, do[offset:])]
     ref = tree_attention_fp32_oracle(q[offset:], k, v, do[offset:], subtree_end, scale=scale, query_chunk=512)
-    return dict(case=case.name, ours=[rel(a, b) for a, b in zip(ours, ref)])
+    row = dict(case=case.name, ours=[rel(a, b) for a, b in zip(ours, ref)])
+    groups = trajectory_groups(case, q, k, v, do, owned_only=True)
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            row[name] = anchor_errors(sdpa_anchor(groups, backend, scale), groups, ref, offset)
+        except RuntimeError as exc:  # a backend this device or shape lacks
+            log(f"{name} errors unavailable on {case.name}: {exc!r}"[:200])
+    return row
 
 
 def main():
