@@ -165,6 +165,10 @@ def test_bound_pair_ratio_and_ceiling():
     bad = subprocess.run([sys.executable, str(BENCH / "bound.py"), "--pair-cost-scale", "-1"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--pair-cost-scale: needs a positive number, got -1" in bad.stderr
+    # --gpu: another GPU's committed fit
+    h100 = subprocess.run([sys.executable, str(BENCH / "bound.py"), "--tiny", "--presets", "tau2", "--gpu", "H100"],
+                          capture_output=True, text=True, timeout=120)
+    assert h100.returncode == 0 and "cost_model_h100.json (NVIDIA H100" in h100.stdout, h100.stdout + h100.stderr
 
 
 def test_memory_sites_groups_live_blocks_by_their_innermost_repository_frame():
