@@ -312,9 +312,13 @@ def default_cost_model() -> CostModel:
 
 
 def visible_gpu_name() -> str | None:
-    """The name of the GPU this process would run on, None without CUDA."""
+    """The name of the GPU this process would run on, None without CUDA or where CUDA cannot start here (a
+    worker forked after its parent started CUDA)."""
     import torch  # lazily: the planner itself needs numpy only
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    try:
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except RuntimeError:
+        return None
 
 
 def committed_fit_path(gpu_name: str | None = None) -> Path:
