@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
-from attention_errors import anchor_errors, rel  # noqa: E402
+from attention_errors import anchor_errors, error_table, rel  # noqa: E402
 from common import format_table, kernel_ms, write_json  # noqa: E402
 from harts_compiler.codegen.kernels.tree_attention import (  # noqa: E402
     build_block_index, config_for, tree_attention, tree_attention_fp32_oracle)
@@ -372,7 +372,7 @@ def main():
             config = sweep(all_cases[0], shape, name, device, dtype, results["sweep"])
         results["errors"][name] = [check_errors(c, shape, config, device, dtype) for c in all_cases[:1] + [
             c for c in all_cases if c.num_queries < c.layout.num_tokens][:1]]
-        log(f"{name} errors vs fp32 (o dq dk dv): {results['errors'][name]}")
+        log(f"{name} errors vs fp32, same compact rows:\n{error_table(results['errors'][name])}")
         table = results["table"][name] = []
         for case in all_cases:
             table.append(run_case(case, shape, config, args, device, dtype))

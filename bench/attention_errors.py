@@ -10,6 +10,7 @@ oracle as ours, row for row, instead of over the trajectories' duplicated rows.
 from __future__ import annotations
 
 import torch
+from common import format_table
 
 
 def rel(a, b) -> float:
@@ -32,3 +33,17 @@ def anchor_errors(one, groups, ref, offset: int) -> list[float]:
         dk.index_add_(0, index.flatten(), g_k.transpose(1, 2).flatten(0, 1).float())
         dv.index_add_(0, index.flatten(), g_v.transpose(1, 2).flatten(0, 1).float())
     return [rel(a, b) for a, b in zip((o, dq, dk, dv), ref)]
+
+
+def error_table(rows: list[dict]) -> str:
+    """One line per case and tensor: ours, cuDNN's, flash's error and ours over the smaller of the two."""
+    lines = []
+    for row in rows:
+        for at, tensor in enumerate(("o", "dq", "dk", "dv")):
+            line = {"case": row["case"], "tensor": tensor,
+                    **{n: row[n][at] for n in ("ours", "cudnn", "flash") if n in row}}
+            others = [line[n] for n in ("cudnn", "flash") if n in line]
+            line["ratio"] = line["ours"] / min(others) if others and min(others) > 0 else None
+            lines.append(line)
+    return format_table(lines, [("case", "case"), ("tensor", "tensor"), ("ours", "ours"), ("cudnn", "cuDNN"),
+                                ("flash", "flash"), ("ratio", "ours / best SDPA")])
