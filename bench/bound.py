@@ -61,7 +61,7 @@ def bound_arguments(p) -> None:
     p.add_argument("--pair-cost-scale", type=positive_float, default=1.0, metavar="F",
                    help="multiply the fitted attention cost per pair by F in both modes (default 1)")
     p.add_argument("--gpu", choices=sorted(cost_model.COMMITTED_FITS),
-                   help="read that GPU's committed fit (default: the fit of the GPU this process sees, else H200's)")
+                   help="read that GPU's committed fit (default: H200's; bound.py runs on the CPU)")
 
 
 def main(argv=None) -> None:

@@ -75,7 +75,7 @@ def compile_main(argv: list[str]) -> int:
                         "token lists, PLAN.npz beside it")
     parser.add_argument("--model", metavar="PRESET|DIR", help="a model preset or checkpoint directory (its "
                         "config.json): report the step's predicted time against trajectory-wise training (the "
-                        "cost model of the GPU this process sees, the H200's without one), and the bytes trees in "
+                        "repository's H200 fit unless --cost-model names another), and the bytes trees in "
                         "pieces carry and their predicted peak memory")
     add_quiet_argument(parser)
     args = parser.parse_args(argv)

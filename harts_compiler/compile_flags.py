@@ -17,7 +17,7 @@ COMPILE_FLAGS = {
     "--schedule-time-limit": ("schedule_time_limit_s", float, "SECONDS",
                               "CP-SAT planner time limit (the greedy plan is the fallback)"),
     "--cost-model": ("cost_model", str, "JSON",
-                     "fitted cost model (default: the repository's fit for this GPU, H200's without one)"),
+                     "fitted cost model (default: the repository's H200 fit; a process on an H100 reads the H100 fit)"),
     "--linear-layers": ("linear_layers", int, "N", "the model's linear-attention layers (cost model)"),
     "--full-layers": ("full_layers", int, "N", "the model's full-attention layers (cost model)"),
 }

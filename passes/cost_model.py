@@ -32,9 +32,9 @@ layer's MLP/MoE is part of its kind's per-token term because every layer has one
 
 Fitted coefficients (ms per unit) live in a JSON data file with the device and date they were
 fitted on (`bench/calibrate.py` writes it; the repository holds one per GPU beside this file,
-`cost_model_h200.json` and `cost_model_h100.json`, and reads the one of the GPU the process sees, H200's
-without one). Without a fit, `default_cost_model()` gives rough guesses for the ~2B Qwen3-Next-like
-benchmark model on an H200, derived from FLOP counts at an assumed efficiency (`source` says
+`cost_model_h200.json` and `cost_model_h100.json`, and reads the one of the GPU the process runs on, H200's in a
+process that has not started CUDA). Without a fit, `default_cost_model()` gives rough guesses for the ~2B
+Qwen3-Next-like benchmark model on an H200, derived from FLOP counts at an assumed efficiency (`source` says
 "default"): good for relative planning, not for absolute times.
 
 Note for planners: a microbatch's rounds and chunk depth are maxima over its trees, not sums, so
@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ import numpy as np
 from harts_compiler.ir import derive
 
 # The repository's fits, by a marker of the GPU's name (torch.cuda.get_device_name()); DEFAULT_PATH serves a
-# GPU without its own fit and a process that sees none (a CPU compile host usually plans for H200-class nodes).
+# GPU without its own fit and a process that runs on none (`harts compile` plans for H200-class nodes by default).
 COMMITTED_FITS = {"H100": "cost_model_h100.json", "H200": "cost_model_h200.json"}
 DEFAULT_PATH = Path(__file__).with_name(COMMITTED_FITS["H200"])
 
@@ -311,20 +312,20 @@ def default_cost_model() -> CostModel:
                      source="default")
 
 
-def visible_gpu_name() -> str | None:
-    """The name of the GPU this process would run on, None without CUDA or where CUDA cannot start here (a
-    worker forked after its parent started CUDA)."""
-    import torch  # lazily: the planner itself needs numpy only
-    try:
-        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    except RuntimeError:
+def running_gpu_name() -> str | None:
+    """The name of the GPU this process runs on, None unless it has started CUDA already. Asking never imports
+    torch or starts CUDA: `harts compile` and other planning-only processes stay fast to start and plan with
+    DEFAULT_PATH's fit, and a worker forked from a CUDA process does not try to start it again."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
         return None
+    return torch.cuda.get_device_name()
 
 
 def committed_fit_path(gpu_name: str | None = None) -> Path:
-    """The repository's fit for the GPU named `gpu_name` (None: the GPU this process sees), DEFAULT_PATH's for
+    """The repository's fit for the GPU named `gpu_name` (None: the GPU this process runs on), DEFAULT_PATH's for
     any other GPU and without one."""
-    name = (gpu_name if gpu_name is not None else visible_gpu_name() or "").upper()
+    name = (gpu_name if gpu_name is not None else running_gpu_name() or "").upper()
     for marker, file in COMMITTED_FITS.items():
         if marker in name:
             return Path(__file__).with_name(file)
@@ -332,7 +333,7 @@ def committed_fit_path(gpu_name: str | None = None) -> Path:
 
 
 def load_cost_model(path: str | Path | None = None) -> CostModel:
-    """The fitted model at `path`; without a path, the repository's fit for the visible GPU
+    """The fitted model at `path`; without a path, the repository's fit for the GPU this process runs on
     (`committed_fit_path()`) when it exists, else `default_cost_model()`."""
     if path is None:
         path = committed_fit_path()
