@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
-from attention_errors import anchor_errors, error_table, rel  # noqa: E402
-from common import format_table, kernel_ms, write_json  # noqa: E402
+from attention_errors import anchor_errors, error_table  # noqa: E402
+from common import format_table, kernel_ms, rel_error, write_json  # noqa: E402
 from harts_compiler.codegen.kernels.tree_attention import (  # noqa: E402
     build_block_index, config_for, tree_attention, tree_attention_fp32_oracle)
 from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dkdv, bwd_dq  # noqa: E402
@@ -263,7 +263,7 @@ def sweep(case: Case, shape: Shape, name: str, device, dtype, rows: list):
                "dkdv": lambda: bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index, scale, launch)}[kind]
         refs = {"fwd": ref[:1], "dq": ref[1:2], "dkdv": ref[2:]}[kind]
         try:
-            errs = [rel(a, b) for a, b in zip(run(), refs)]
+            errs = [rel_error(a, b) for a, b in zip(run(), refs)]
             ms = kernel_ms(run, device, rep_ms=200)
         except Exception as exc:
             errs, ms = [float("nan")], float("nan")
@@ -332,7 +332,7 @@ def check_errors(case: Case, shape: Shape, config, device, dtype) -> dict:
     out = tree_attention(*leaves, subtree_end, scale=scale, config=config)
     ours = [out, *torch.autograd.grad(out, leaves, do[offset:])]
     ref = tree_attention_fp32_oracle(q[offset:], k, v, do[offset:], subtree_end, scale=scale, query_chunk=512)
-    row = dict(case=case.name, ours=[rel(a, b) for a, b in zip(ours, ref)])
+    row = dict(case=case.name, ours=[rel_error(a, b) for a, b in zip(ours, ref)])
     groups = trajectory_groups(case, q, k, v, do, owned_only=True)
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         try:

@@ -10,12 +10,7 @@ oracle as ours, row for row, instead of over the trajectories' duplicated rows.
 from __future__ import annotations
 
 import torch
-from common import format_table
-
-
-def rel(a, b) -> float:
-    """Relative Frobenius error of `a` against the reference `b`."""
-    return ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item()
+from common import format_table, rel_error
 
 
 def anchor_errors(one, groups, ref, offset: int) -> list[float]:
@@ -32,7 +27,7 @@ def anchor_errors(one, groups, ref, offset: int) -> list[float]:
         dq.index_add_(0, rows.flatten(), g_q.transpose(1, 2).flatten(0, 1).float())
         dk.index_add_(0, index.flatten(), g_k.transpose(1, 2).flatten(0, 1).float())
         dv.index_add_(0, index.flatten(), g_v.transpose(1, 2).flatten(0, 1).float())
-    return [rel(a, b) for a, b in zip((o, dq, dk, dv), ref)]
+    return [rel_error(a, b) for a, b in zip((o, dq, dk, dv), ref)]
 
 
 def error_table(rows: list[dict]) -> str:

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from attention import SHAPES, device_block_index, random_qkv, rel  # noqa: E402
-from common import format_table, kernel_ms  # noqa: E402
+from attention import SHAPES, device_block_index, random_qkv  # noqa: E402
+from common import format_table, kernel_ms, rel_error  # noqa: E402
 from harts_compiler.codegen.kernels.tree_attention import config_for, tree_attention_fp32_oracle  # noqa: E402
 from harts_compiler.codegen.kernels.tree_attention.backward import bwd_delta, bwd_dkdv, bwd_dq  # noqa: E402
 from harts_compiler.codegen.kernels.tree_attention.forward import tree_attention_forward  # noqa: E402
@@ -106,7 +106,7 @@ def main() -> int:
         triton_out.setdefault(kind, out)  # the Triton run of each kernel comes first
         ms = kernel_ms(run, device, rep_ms=args.rep_ms)
         rows.append(dict(kernel=kind, impl=kernels, launch=str(launch), ms=ms, tflops=flop[kind] / ms / 1e9,
-                         err=" ".join(f"{rel(a, b):.2e}" for a, b in zip(out, refs[kind])),
+                         err=" ".join(f"{rel_error(a, b):.2e}" for a, b in zip(out, refs[kind])),
                          diff=" ".join(f"{(a.float() - b.float()).abs().max().item():.1e}"
                                        for a, b in zip(out, triton_out[kind]))))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; anchor {args.anchor}: {layout.num_tokens} "

@@ -259,6 +259,12 @@ def median(values) -> float:
     return float(statistics.median(values)) if len(values) else float("nan")
 
 
+def rel_error(a, b) -> float:
+    """Relative Frobenius error of `a` against the reference `b`, in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def kernel_ms(fn: Callable[[], object], device: torch.device, *, rep_ms: int = 100,
               warmup_ms: int = 25) -> float:
     """Median ms of a short GPU call (triton's do_bench: L2 flushed, CUDA events); CPU: wall."""

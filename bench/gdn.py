@@ -23,7 +23,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # fixtures, offline tools
 from anchors import fla_single_call  # noqa: E402
-from common import kernel_ms  # noqa: E402
+from common import kernel_ms, rel_error  # noqa: E402
 from gdn_cases import CONFIG_VARIANTS, make_inputs, single_call_plan, tree_case, tree_cases  # noqa: E402
 from gdn_profile import profile_section, timeline_section  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import (  # noqa: E402
@@ -39,11 +39,6 @@ from two_level import run_trajectories, run_tree, two_level_plan, two_level_roun
 
 CUDA = torch.device("cuda")
 GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def fwd_bwd(fn, tensors, cu, seed=1, exports=None, d_exported=True, **kw):
@@ -84,8 +79,8 @@ def check_against_reference(fla, log, config=None, only_exports=False, label="de
         for key in ["o", "exported"] + GRAD_NAMES:
             if ref[key] is None:
                 continue
-            e_ours = rel_err(ours[key], ref[key])
-            e_fla = rel_err(theirs[key], ref[key]) if theirs is not None else float("nan")
+            e_ours = rel_error(ours[key], ref[key])
+            e_fla = rel_error(theirs[key], ref[key]) if theirs is not None else float("nan")
             ok = e_ours < 2e-2 and bool(torch.isfinite(ours[key]).all())
             all_ok &= ok
             if theirs is not None:
@@ -116,7 +111,7 @@ def check_tree_bitwise(log, config=None):
     g_traj = torch.autograd.grad((o_traj.float() * do.float()).sum(), leaves)
     d_tree = torch.zeros(o_tree.shape, device="cuda", dtype=torch.float32).index_add_(0, plan.traj_rows, do.float())
     g_tree = torch.autograd.grad((o_tree.float() * d_tree).sum(), leaves)
-    errs = {n: rel_err(a, b) for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], g_tree, g_traj)}
+    errs = {n: rel_error(a, b) for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], g_tree, g_traj)}
     print(f"outputs bitwise equal: {bitwise} (one call per round: {per_round_bitwise}); "
           "gradient rel diff tree vs traj: "
           + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
@@ -234,7 +229,7 @@ def conv_section(log, rows=32768, channels=8192, width=4):
                      ("torch gather", lambda: tree_causal_conv_reference(x, w, pred))):
         y = fn()
         got = [y, *torch.autograd.grad((y.float() * dy.float()).sum(), [x, w])]
-        errs = [rel_err(a, b) for a, b in zip(got, ref)]
+        errs = [rel_error(a, b) for a, b in zip(got, ref)]
         ms = kernel_ms(lambda: torch.autograd.grad(fn(), [x, w], dy), CUDA, rep_ms=100, warmup_ms=20)
         print(f"{name:13s} y {errs[0]:.1e} dx {errs[1]:.1e} dw {errs[2]:.1e}   {ms:.3f} ms")
         log.append(dict(section="conv", path=name, errors=errs, ms=ms))

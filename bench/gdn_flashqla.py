@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import fla_single_call, import_flashqla, single_call  # noqa: E402
-from common import kernel_ms  # noqa: E402
-from gdn import GRAD_NAMES, rel_err  # noqa: E402
+from common import kernel_ms, rel_error  # noqa: E402
+from gdn import GRAD_NAMES  # noqa: E402
 from gdn_cases import ANCHORS, agentic_trees, make_inputs, single_call_plan, tree_case  # noqa: E402
 from gdn_profile import device_ms_by_kernel, print_kernels  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import (  # noqa: E402
@@ -85,7 +85,7 @@ def error_section(kernels) -> dict:
         ref = fwd_bwd_all(chunk_gated_delta_rule_reference, [t.float() for t in tensors], cu)
         runs = {k: fwd_bwd_all(fn(cu), tensors, cu) for k, fn in kernels.items()}
         for key in ["o"] + GRAD_NAMES:
-            errors = {k: rel_err(run[key], ref[key]) for k, run in runs.items()}
+            errors = {k: rel_error(run[key], ref[key]) for k, run in runs.items()}
             print(f"{name:24s} {key:6s} " + " ".join(f"{errors[k]:9.2e}" for k in kernels))
             for k in kernels:
                 others = [e for other, e in errors.items() if other != k]

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from anchors import fla_single_call
-from common import kernel_ms
+from common import kernel_ms, rel_error
 from gdn_profile import device_ms_by_kernel, print_kernels
 from harts_compiler.codegen.kernels.chunk_gdn import plan_single_call
 from harts_compiler.codegen.kernels.chunk_kda import (KDAKernelConfig, chunk_kimi_delta_attention_reference,
@@ -57,11 +57,6 @@ def make_inputs(lengths, heads, device, dim=128, seed=0):
     h0 = randn(len(lengths), heads, dim, dim) * 0.05
     cu = torch.tensor([0] + list(lengths), device=device).cumsum(0).to(torch.int32)
     return [q, k, v, g, beta, h0], cu
-
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def grads_of(call, tensors, do, upcast=False):
@@ -103,7 +98,7 @@ def run_case(lengths, heads, dim, fla, heads_checked, device, profile=False, swe
     errors = {}
     for label, call in calls.items():
         got = grads_of(call, tensors, do)
-        errors[label] = [rel(a[:, :heads_checked], b) for a, b in zip(got, want)]
+        errors[label] = [rel_error(a[:, :heads_checked], b) for a, b in zip(got, want)]
         del got
     del want
     if device.type == "cuda":
