@@ -1,0 +1,112 @@
+"""How fast the GPU's L2 takes fp32 TMA reduce-adds from shared memory: the dq adds of a single-pass attention
+backward (each key block adds its [64, 192] fp32 dq tile into an fp32 workspace), against plain TMA stores.
+
+Every CTA keeps one [64, BN] fp32 tile in shared memory and sends it `--steps` times to a workspace of W MB
+(step t of CTA p goes to workspace tile (p * steps + t) * stride mod tiles), at most `pending` transfers in
+flight. A 25 MB workspace stays in the 50 MB L2; 400 MB (MLA's dq for all 16 heads of a 32k-token tree) does not.
+After the first call the workspace must hold, per tile, the number of adds it received (checked exactly).
+
+    python bench/tma_reduce.py                 # Hopper GPU (TMA); prints a table, writes $OUT/tma_reduce.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from common import describe_device, format_table, kernel_ms, write_json
+
+
+def build_kernel():
+    """The probe kernel (Gluon; imported here so that the module imports on machines without Gluon)."""
+    from triton._C.libtriton import ir
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+
+    @builtin
+    def async_reduce_add(tensor_desc, coord, src, _semantic=None):
+        # Gluon 3.6 has no public TMA reduce; its IR builder has the op (sm_90: UTMAREDG.2D.ADD)
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+    @gluon.jit
+    def probe(ws_desc, n_tiles, n_col_tiles, steps, stride, PEND: gl.constexpr, REDUCE: gl.constexpr,
+              BM: gl.constexpr, BN: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        smem = gl.allocate_shared_memory(gl.float32, [BM, BN], ws_desc.layout)
+        smem.store(gl.full([BM, BN], 1.0, gl.float32, layout))
+        fence_async_shared()
+        first = gl.program_id(0) * steps
+        for t in range(steps):
+            tile = ((first + t) * stride) % n_tiles
+            coord = [(tile // n_col_tiles) * BM, (tile % n_col_tiles) * BN]
+            tma.store_wait(PEND)
+            if REDUCE:
+                async_reduce_add(ws_desc, coord, smem)
+            else:
+                tma.async_copy_shared_to_global(ws_desc, coord, smem)
+        tma.store_wait(0)
+
+    return probe, gl
+
+
+def measure(probe, gl, *, workspace_mb: int, reduce: bool, bn: int, pending: int, steps: int, ctas: int,
+            stride: int = 1) -> dict:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    bm, cols = 64, 16 * 192  # a [rows, heads * 192] dq workspace
+    rows = int(workspace_mb * 2**20 / (cols * 4)) // bm * bm
+    ws = torch.zeros(rows, cols, device="cuda", dtype=torch.float32)
+    desc = TensorDescriptor.from_tensor(ws, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], gl.float32))
+    n_col_tiles = cols // bn
+    n_tiles = rows // bm * n_col_tiles
+
+    def call():
+        probe[(ctas,)](desc, n_tiles, n_col_tiles, steps, stride, PEND=pending, REDUCE=reduce, BM=bm, BN=bn,
+                       num_warps=4)
+
+    call()
+    torch.cuda.synchronize()
+    tiles = ws.view(rows // bm, bm, n_col_tiles, bn).transpose(1, 2).reshape(n_tiles, bm * bn)
+    expected = torch.bincount((torch.arange(ctas * steps, device="cuda") * stride) % n_tiles, minlength=n_tiles)
+    if not reduce:
+        expected = (expected > 0).to(expected.dtype)
+    exact = bool((tiles == expected[:, None].float()).all())
+    ms = kernel_ms(call, torch.device("cuda"))
+    return dict(op="reduce-add" if reduce else "store", workspace_mb=workspace_mb, tile=f"64x{bn}",
+                pending=pending, stride=stride, ms=ms, tb_s=ctas * steps * bm * bn * 4 / ms / 1e9, exact=exact)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=256, help="transfers per CTA")
+    parser.add_argument("--ctas-per-sm", type=int, default=2)
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        sys.exit("bench/tma_reduce.py needs a Hopper (sm_90) or newer GPU")
+    device = torch.device("cuda")
+    probe, gl = build_kernel()
+    ctas = args.ctas_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for reduce in (True, False):
+        for workspace_mb in (25, 400):
+            for bn, pending in ((64, 2), (64, 0), (128, 1)):
+                rows.append(measure(probe, gl, workspace_mb=workspace_mb, reduce=reduce, bn=bn, pending=pending,
+                                    steps=args.steps, ctas=ctas))
+    # many CTAs adding into nearby tiles at once, as the key blocks of one query block do
+    rows.append(measure(probe, gl, workspace_mb=25, reduce=True, bn=64, pending=2, steps=args.steps, ctas=ctas,
+                        stride=7))
+    info = describe_device(device)
+    print(info)
+    print(format_table(rows, [("op", "op"), ("workspace_mb", "workspace MB"), ("tile", "tile"),
+                              ("pending", "in flight"), ("stride", "stride"), ("ms", "ms"), ("tb_s", "TB/s"),
+                              ("exact", "values exact")]))
+    write_json("tma_reduce.json", dict(device=info, steps=args.steps, ctas=ctas, rows=rows), args.out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
