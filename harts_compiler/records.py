@@ -121,9 +121,10 @@ def check_tree(tree: TreeRecord, where: str) -> list[str]:
             first = tree.nodes[seen[node.id]]
             if first.parent != node.parent:
                 problems.append(f"{where}: field nodes[{index}].parent: node {node.id!r} has several parents "
-                                f"({first.parent!r} and {node.parent!r})")
+                                f"({first.parent!r} and {node.parent!r}; also listed as nodes[{seen[node.id]}])")
             else:
-                problems.append(f"{where}: field nodes[{index}].id: duplicate node id {node.id!r}")
+                problems.append(f"{where}: field nodes[{index}].id: duplicate node id {node.id!r} (first as "
+                                f"nodes[{seen[node.id]}])")
         else:
             seen[node.id] = index
     by_id = {node.id: node for node in tree.nodes}

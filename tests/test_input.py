@@ -75,8 +75,9 @@ def node(i, parent, tokens=(1,)):
 @pytest.mark.parametrize("nodes, trajectories, expected", [
     ([node(0, None), node(1, 9)], None, "field nodes[1].parent: node 1 names unknown parent 9"),
     ([node(0, None), node(1, 2), node(2, 1)], None, "lies on a parent cycle"),
-    ([node(0, None), node(1, 0), node(1, None)], None, "nodes[2].parent: node 1 has several parents (0 and None)"),
-    ([node(0, None), node(1, 0), node(1, 0)], None, "field nodes[2].id: duplicate node id 1"),
+    ([node(0, None), node(1, 0), node(1, None)], None,
+     "nodes[2].parent: node 1 has several parents (0 and None; also listed as nodes[1])"),
+    ([node(0, None), node(1, 0), node(1, 0)], None, "field nodes[2].id: duplicate node id 1 (first as nodes[1])"),
     ([node(0, None), node(1, 0, [])], None, "field nodes[1].tokens: empty token list"),
     ([node(0, None)], [{"id": "a", "node": 5}],
      "field trajectories[0].node: trajectory 'a' names unknown node 5"),
