@@ -5,6 +5,8 @@ Every CTA keeps one [64, BN] fp32 tile in shared memory and sends it `--steps` t
 (step t of CTA p goes to workspace tile (p * steps + t) * stride mod tiles), at most `pending` transfers in
 flight. A 25 MB workspace stays in the 50 MB L2; 400 MB (MLA's dq for all 16 heads of a 32k-token tree) does not.
 After the first call the workspace must hold, per tile, the number of adds it received (checked exactly).
+The last rows mix in the loads of a dk/dv step at MLA's shape: per step 40 KB of bf16 TMA loads (the q and do
+sub-tiles, from a 25 MB input) waited for before three [64, 64] fp32 adds (the step's 48 KB dq tile).
 
     python bench/tma_reduce.py                 # Hopper GPU (TMA); prints a table, writes $OUT/tma_reduce.json
 """
@@ -24,7 +26,7 @@ def build_kernel():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language._core import builtin
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     @builtin
     def async_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -32,6 +34,34 @@ def build_kernel():
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                   src.handle)
+
+    @gluon.jit
+    def probe_with_loads(ws_desc, in_desc, n_tiles, n_col_tiles, n_in_rows, steps, PEND: gl.constexpr,
+                         BM: gl.constexpr, BN: gl.constexpr):
+        # per step: 5 [64, 64] bf16 loads into one slot of a 2-slot ring, then 3 [64, 64] fp32 adds
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        smem = gl.allocate_shared_memory(gl.float32, [BM, BN], ws_desc.layout)
+        smem.store(gl.full([BM, BN], 1.0, gl.float32, layout))
+        ring = gl.allocate_shared_memory(in_desc.dtype, [10] + in_desc.block_type.shape, in_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(ready.index(0), count=1)
+        mbarrier.init(ready.index(1), count=1)
+        fence_async_shared()
+        first = gl.program_id(0) * steps
+        for t in range(steps):
+            slot = t % 2
+            row_in = ((first + t) % n_in_rows) * BM
+            mbarrier.expect(ready.index(slot), 5 * in_desc.block_type.nbytes)
+            for j in gl.static_range(5):
+                tma.async_copy_global_to_shared(in_desc, [row_in, j * BN], ready.index(slot), ring.index(slot * 5 + j))
+            # the adds of a step wait for the loads issued one step earlier (the dk/dv producer runs ahead)
+            mbarrier.wait(ready.index(1 - slot), ((t - 1) // 2) & 1, pred=t > 0)
+            for j in gl.static_range(3):
+                tile = ((first + t) * 3 + j) % n_tiles
+                tma.store_wait(PEND)
+                async_reduce_add(ws_desc, [(tile // n_col_tiles) * BM, (tile % n_col_tiles) * BN], smem)
+        mbarrier.wait(ready.index((steps - 1) % 2), ((steps - 1) // 2) & 1)
+        tma.store_wait(0)
 
     @gluon.jit
     def probe(ws_desc, n_tiles, n_col_tiles, steps, stride, PEND: gl.constexpr, REDUCE: gl.constexpr,
@@ -51,7 +81,7 @@ def build_kernel():
                 tma.async_copy_shared_to_global(ws_desc, coord, smem)
         tma.store_wait(0)
 
-    return probe, gl
+    return probe, probe_with_loads, gl
 
 
 def measure(probe, gl, *, workspace_mb: int, reduce: bool, bn: int, pending: int, steps: int, ctas: int,
@@ -80,6 +110,33 @@ def measure(probe, gl, *, workspace_mb: int, reduce: bool, bn: int, pending: int
                 pending=pending, stride=stride, ms=ms, tb_s=ctas * steps * bm * bn * 4 / ms / 1e9, exact=exact)
 
 
+def measure_with_loads(probe_with_loads, gl, *, steps: int, ctas: int, pending: int) -> dict:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    bm, bn, cols = 64, 64, 16 * 192
+    rows = int(25 * 2**20 / (cols * 4)) // bm * bm
+    ws = torch.zeros(rows, cols, device="cuda", dtype=torch.float32)
+    ws_desc = TensorDescriptor.from_tensor(ws, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], gl.float32))
+    inputs = torch.randn(int(25 * 2**20 / (320 * 2)) // bm * bm, 320, device="cuda", dtype=torch.bfloat16)
+    in_desc = TensorDescriptor.from_tensor(inputs, [bm, bn],
+                                           gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16))
+    n_col_tiles = cols // bn
+    n_tiles = rows // bm * n_col_tiles
+
+    def call():
+        probe_with_loads[(ctas,)](ws_desc, in_desc, n_tiles, n_col_tiles, inputs.shape[0] // bm, steps, PEND=pending,
+                                  BM=bm, BN=bn, num_warps=4)
+
+    call()
+    torch.cuda.synchronize()
+    tiles = ws.view(rows // bm, bm, n_col_tiles, bn).transpose(1, 2).reshape(n_tiles, bm * bn)
+    expected = torch.bincount(torch.arange(ctas * steps * 3, device="cuda") % n_tiles, minlength=n_tiles)
+    exact = bool((tiles == expected[:, None].float()).all())
+    ms = kernel_ms(call, torch.device("cuda"))
+    added = ctas * steps * 3 * bm * bn * 4
+    return dict(op="40 KB loads + 48 KB adds a step", workspace_mb=25, tile="64x64", pending=pending, stride=1, ms=ms,
+                tb_s=added / ms / 1e9, loads_tb_s=ctas * steps * 5 * bm * bn * 2 / ms / 1e9, exact=exact)
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=256, help="transfers per CTA")
@@ -89,7 +146,7 @@ def main(argv: list[str]) -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         sys.exit("bench/tma_reduce.py needs a Hopper (sm_90) or newer GPU")
     device = torch.device("cuda")
-    probe, gl = build_kernel()
+    probe, probe_with_loads, gl = build_kernel()
     ctas = args.ctas_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
     for reduce in (True, False):
@@ -100,11 +157,13 @@ def main(argv: list[str]) -> None:
     # many CTAs adding into nearby tiles at once, as the key blocks of one query block do
     rows.append(measure(probe, gl, workspace_mb=25, reduce=True, bn=64, pending=2, steps=args.steps, ctas=ctas,
                         stride=7))
+    for pending in (2, 5):
+        rows.append(measure_with_loads(probe_with_loads, gl, steps=args.steps, ctas=ctas, pending=pending))
     info = describe_device(device)
     print(info)
     print(format_table(rows, [("op", "op"), ("workspace_mb", "workspace MB"), ("tile", "tile"),
                               ("pending", "in flight"), ("stride", "stride"), ("ms", "ms"), ("tb_s", "TB/s"),
-                              ("exact", "values exact")]))
+                              ("loads_tb_s", "loads TB/s"), ("exact", "values exact")]))
     write_json("tma_reduce.json", dict(device=info, steps=args.steps, ctas=ctas, rows=rows), args.out)
 
 
