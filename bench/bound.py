@@ -8,7 +8,9 @@ shared prefixes only, and long branches keep most of their pairs. Two numbers pe
   share of the trajectory-wise step's predicted time. No exact tree mode beats it with kernels as fast per token
   and per pair as the baseline's;
 - predicted: the cost model's tree and trajectory-wise step times (per-microbatch, per-round and replay costs
-  included), whose held-out error is a few percent per step (more on the ratio of two steps).
+  included), whose held-out error is a few percent per step (more on the ratio of two steps);
+- pair speed for 90%: how many times faster per pair than the baseline's the tree's attention would have to run
+  for the ceiling to reach 90% of the token ratio (1.00x or less: the ceiling is there already).
 
     python bench/bound.py --presets swe tau2 --length-scale 1.0 --target-tokens 1000000 --microbatch-tokens 65536
     python bench/bound.py                                   # the default presets and sizes of bench/e2e.py
@@ -41,7 +43,8 @@ def bound_row(preset, config, predictor, args) -> dict:
     pair_ratio, share = row["pair_compression"], traj["full_pair"] / traj_ms
     ceiling = predict.ceiling(row["ideal"], pair_ratio, share)
     return dict(preset=preset, ideal=row["ideal"], pair_ratio=pair_ratio, traj_pair_share=share, ceiling=ceiling,
-                tree_ms=tree_ms, traj_ms=traj_ms, predicted=traj_ms / tree_ms)
+                tree_ms=tree_ms, traj_ms=traj_ms, predicted=traj_ms / tree_ms,
+                pair_speed_90=predict.pair_speed_needed(0.9, row["ideal"], pair_ratio, share))
 
 
 def with_pair_cost_scaled(predictor: cost_model.CostModel, scale: float) -> cost_model.CostModel:
@@ -75,11 +78,11 @@ def main(argv=None) -> None:
           f"x {pair_scale:g}")
     rows = [bound_row(preset, config, predictor, args) for preset in args.presets]
     print(f"\n{'preset':8s} {'tokens':>7s} {'pairs':>7s} {'pair share':>10s} {'ceiling':>17s} "
-          f"{'predicted ms tree / traj':>25s} {'predicted':>17s}")
+          f"{'predicted ms tree / traj':>25s} {'predicted':>17s} {'pair speed for 90%':>18s}")
     for r in rows:
         print(f"{r['preset']:8s} {r['ideal']:6.2f}x {r['pair_ratio']:6.2f}x {r['traj_pair_share']:10.0%} "
               f"{r['ceiling']:6.2f}x ({r['ceiling'] / r['ideal']:5.1%}) {r['tree_ms']:12.0f} / {r['traj_ms']:<10.0f} "
-              f"{r['predicted']:6.2f}x ({r['predicted'] / r['ideal']:5.1%})")
+              f"{r['predicted']:6.2f}x ({r['predicted'] / r['ideal']:5.1%}) {r['pair_speed_90']:17.2f}x")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,16 @@ def ceiling(token_ratio: float, pair_ratio: float, pair_share: float) -> float:
     return 1 / ((1 - pair_share) / token_ratio + pair_share / pair_ratio)
 
 
+def pair_speed_needed(fraction: float, token_ratio: float, pair_ratio: float, pair_share: float) -> float:
+    """How many times faster per pair than the baseline's tree mode's attention must run (everything else as fast
+    per token) for the exact-tree ceiling to reach `fraction` of the token ratio; inf when the token-proportional
+    part alone keeps it below. Solves 1 / ((1 - a) / T + a / (P s)) = fraction * T for s."""
+    room = 1 / fraction - (1 - pair_share)
+    if room <= 0:
+        return float("inf")
+    return pair_share * token_ratio / (pair_ratio * room)
+
+
 def predicted_step(plan, batch, config, predictor=None) -> dict:
     """{tree_ms, traj_ms, speedup, token_ratio, pair_ratio, pair_share, ceiling, cost_model, device} of one step
     of `plan` (compiled from `batch`) on a model of `config` (its layer types), by `predictor` (default: the

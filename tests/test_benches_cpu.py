@@ -11,6 +11,7 @@ import torch
 
 from bench_scripts import BENCH, bench_on_path, run_bench
 
+from harts_compiler import predict
 from harts_compiler.passes import cost_model as cm
 
 
@@ -157,6 +158,10 @@ def test_bound_pair_ratio_and_ceiling():
     assert row["ceiling"] == pytest.approx(1 / ((1 - share) / row["ideal"] + share / row["pair_ratio"]))
     assert min(row["ideal"], row["pair_ratio"]) <= row["ceiling"] <= max(row["ideal"], row["pair_ratio"])
     assert row["predicted"] == pytest.approx(row["traj_ms"] / row["tree_ms"]) and row["tree_ms"] > 0
+    # pair speed for 90%: tree attention that much faster per pair puts the ceiling at 90% of the token ratio
+    s90 = row["pair_speed_90"]
+    assert 1 / ((1 - share) / row["ideal"] + share / (row["pair_ratio"] * s90)) == pytest.approx(0.9 * row["ideal"])
+    assert (s90 <= 1) == (row["ceiling"] >= 0.9 * row["ideal"] - 1e-12)
     # --pair-cost-scale: the attention pairs' cost halved lowers their share and raises the ceiling
     half = bound.bound_row("tau2", config, bound.with_pair_cost_scaled(cm.load_cost_model(), 0.5), args)
     assert half["traj_ms"] == pytest.approx(row["traj_ms"] - 0.5 * share * row["traj_ms"])
@@ -229,6 +234,18 @@ def test_gpu_idle_charges_starved_gaps_to_the_late_launch_site():
 def test_step_anatomy_runs_at_toy_size(tmp_path):
     result = run_bench("step_anatomy.py", tmp_path, "--presets", "tau2")
     assert "linear attention" in result.stdout and "speedup" in result.stdout and "exact-tree ceiling" in result.stdout
+
+
+def test_pair_speed_needed_solves_the_ceiling_for_the_target_and_knows_when_it_cannot():
+    # full-length swe's shape: token ratio 6.29x, pair ratio 3.96x, attention 31% of the trajectory-wise step
+    s = predict.pair_speed_needed(0.9, 6.29, 3.96, 0.31)
+    assert s == pytest.approx(1.169, abs=1e-3)
+    assert predict.ceiling(6.29, 3.96 * s, 0.31) == pytest.approx(0.9 * 6.29)
+    assert predict.pair_speed_needed(0.9, 6.29, 3.96, 0.0) == 0  # no attention: nothing to speed up
+    # a small attention share reaches 90% without faster attention; a higher target needs more
+    assert predict.pair_speed_needed(0.9, 6.29, 3.96, 0.05) < 1 < predict.pair_speed_needed(0.99, 6.29, 3.96, 0.31)
+    # beyond 1 / (1 - share) of the token ratio no attention speed is enough
+    assert predict.pair_speed_needed(1.5, 6.29, 3.96, 0.31) == float("inf")  # 1 / 1.5 < 1 - 0.31
 
 
 def test_exact_tree_ceiling_weights_each_part_by_its_own_ratio():
