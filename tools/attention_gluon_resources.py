@@ -7,6 +7,7 @@ TMA / spill instruction counts. Gluon differs between Triton releases; for the G
 that wheel first on the path:
 
     PYTHONPATH=/tmp/t36site python tools/attention_gluon_resources.py 256 16 2 [256] [--sass out.sass] [--dq]
+    PYTHONPATH=/tmp/t36site python tools/attention_gluon_resources.py 192 16 16 128 --dkdv --block-n 128
 
 ``--dq``: the dq kernel only (K ring 2, V ring 1 at 128 x 64; smem q + do + 3 key tiles).
 ``--dkdv``: the dk/dv kernel only (backward_dkdv_gluon.py: 64-key blocks, 64-row q / do sub-tiles in 2-stage
@@ -133,6 +134,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--sass", metavar="PATH", help="write each kernel's SASS to PATH.<kernel>")
     parser.add_argument("--dq", action="store_true", help="the dq kernel only")
     parser.add_argument("--dkdv", action="store_true", help="the dk/dv kernel only")
+    parser.add_argument("--block-n", type=int, default=64, help="keys per block (default 64, the shipped launches)")
     args = parser.parse_args(argv)
     if len(args.dims) not in (0, 3, 4):
         parser.error("dims: give head_dim q_heads kv_heads and optionally value_dim")
@@ -143,7 +145,8 @@ def main(argv: list[str]) -> None:
         for consumers in (1, 2):
             for suffix in (False, True):
                 print(dict(suffix_queries=suffix, **compile_dkdv_report(
-                    head_dim, n_q_heads, n_kv_heads, value_dim, consumers=consumers, suffix_queries=suffix,
+                    head_dim, n_q_heads, n_kv_heads, value_dim, block_n=args.block_n, consumers=consumers,
+                    suffix_queries=suffix,
                     sass_out=f"{sass_out}.dkdv.c{consumers}" if sass_out and not suffix else None)))
     if dkdv_only:
         return
@@ -151,10 +154,12 @@ def main(argv: list[str]) -> None:
         for suffix in (False, True):
             if not dq_only:
                 print(dict(suffix_queries=suffix, **compile_report(
-                    head_dim, n_q_heads, n_kv_heads, value_dim, consumers=consumers, suffix_queries=suffix,
+                    head_dim, n_q_heads, n_kv_heads, value_dim, block_n=args.block_n, consumers=consumers,
+                    suffix_queries=suffix,
                     sass_out=f"{sass_out}.c{consumers}" if sass_out and not suffix else None)))
             print(dict(suffix_queries=suffix, **compile_dq_report(
-                head_dim, n_q_heads, n_kv_heads, value_dim, consumers=consumers, suffix_queries=suffix,
+                head_dim, n_q_heads, n_kv_heads, value_dim, block_n=args.block_n, consumers=consumers,
+                suffix_queries=suffix,
                 sass_out=f"{sass_out}.dq.c{consumers}" if sass_out and not suffix else None)))
 
 
