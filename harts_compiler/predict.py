@@ -51,9 +51,10 @@ def ceiling(token_ratio: float, pair_ratio: float, pair_share: float) -> float:
 
 
 def pair_speed_needed(fraction: float, token_ratio: float, pair_ratio: float, pair_share: float) -> float:
-    """How many times faster per pair than the baseline's tree mode's attention must run (everything else as fast
-    per token) for the exact-tree ceiling to reach `fraction` of the token ratio; inf when the token-proportional
-    part alone keeps it below. Solves 1 / ((1 - a) / T + a / (P s)) = fraction * T for s."""
+    """How many times faster per pair than the baseline's attention tree mode's attention must run (everything
+    else as fast per token as the baseline's) for the exact-tree ceiling to reach `fraction` of the token ratio;
+    inf when no attention speed can (fraction >= 1 / (1 - pair_share)). Solves 1 / ((1 - a) / T + a / (P s)) =
+    fraction * T for s."""
     room = 1 / fraction - (1 - pair_share)
     if room <= 0:
         return float("inf")
