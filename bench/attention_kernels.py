@@ -38,11 +38,15 @@ def variants(gluon: dict) -> dict:
     out = {}
     for kind, launch in gluon.items():
         ring = RING[kind]
-        alts = [launch, dict(launch, consumers=3 - launch["consumers"]), dict(launch, **{ring: launch[ring] + 1})]
+        other = dict(launch, consumers=3 - launch["consumers"], key_major=False) if kind == "dkdv" else \
+            dict(launch, consumers=3 - launch["consumers"])
+        alts = [launch, other, dict(launch, **{ring: launch[ring] + 1})]
         if launch[ring] > 2:
             alts.append(dict(launch, **{ring: launch[ring] - 1}))
         if kind == "dq":
             alts.append(dict(launch, v_stages=launch["v_stages"] + 1))
+        if kind == "dkdv":
+            alts.append(dict(launch, consumers=2, key_major=not launch.get("key_major", False)))
         out[kind] = alts
     return out
 

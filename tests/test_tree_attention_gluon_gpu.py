@@ -118,6 +118,8 @@ def check(layout, heads, head_dim, seed, num_queries=None, value_dim=None, consu
 
 
 CONSUMERS = [1, 2]  # one 8-warp consumer partition, or two 4-warp ones
+# the dk/dv kernel's partitionings: (consumers, key_major); two key-major partitions hold dK / dV as [keys, dims]
+DKDV_PARTITIONS = [(1, False), (2, False), (2, True)]
 
 
 @pytest.mark.parametrize("consumers", CONSUMERS)
@@ -212,7 +214,7 @@ def test_gluon_dq_rejects_head_packing():
 
 
 def check_dkdv(layout, heads, head_dim, seed, num_queries=None, value_dim=None, stages=2, consumers=1,
-               dtype=torch.bfloat16):
+               dtype=torch.bfloat16, key_major=False):
     """Gluon dk/dv vs Triton bwd_dkdv (the same 128 x 64 visit lists) vs the fp32 oracle: each within 1.1x the
     Triton kernel's error (+1e-4), finite, bitwise repeatable, dtypes of k and v. lse and delta from Triton."""
     dkdv_gluon_fn = gluon_dkdv()
@@ -221,7 +223,7 @@ def check_dkdv(layout, heads, head_dim, seed, num_queries=None, value_dim=None, 
     o, lse = tree_attention_forward(q, k, v, subtree_end, index, scale, TRITON_LAUNCH)
     delta = bwd_delta(o, do)
     dk_triton, dv_triton = bwd_dkdv(q, k, v, do, lse, delta, subtree_end, index, scale, TRITON_DKDV_LAUNCH)
-    launch = dict(block_m=128, block_n=64, block_ms=64, stages=stages, consumers=consumers)
+    launch = dict(block_m=128, block_n=64, block_ms=64, stages=stages, consumers=consumers, key_major=key_major)
     dk_gluon, dv_gluon = dkdv_gluon_fn(q, k, v, do, lse, delta, subtree_end, index, scale, launch)
     dk_again, dv_again = dkdv_gluon_fn(q, k, v, do, lse, delta, subtree_end, index, scale, launch)
     torch.cuda.synchronize()
@@ -233,44 +235,45 @@ def check_dkdv(layout, heads, head_dim, seed, num_queries=None, value_dim=None, 
     _, _, dk_ref, dv_ref = tree_attention_fp32_oracle(q, k, v, do, subtree_end, scale=scale)
     for name, gluon, triton_out, ref in (("dk", dk_gluon, dk_triton, dk_ref), ("dv", dv_gluon, dv_triton, dv_ref)):
         err_gluon, err_triton = relative_error(gluon, ref), relative_error(triton_out, ref)
-        print(f"{name} consumers={consumers} stages={stages} D={head_dim}/{v.shape[2]} Tk={n_keys} Tq={n_queries}"
+        print(f"{name} consumers={consumers} key_major={key_major} stages={stages} D={head_dim}/{v.shape[2]}"
+              f" Tk={n_keys} Tq={n_queries}"
               f" err gluon {err_gluon:.2e} triton {err_triton:.2e}"
               f" | max |gluon - triton| {(gluon.float() - triton_out.float()).abs().max().item():.2e}")
         assert err_gluon <= 1.1 * err_triton + 1e-4, f"{name}: {err_gluon:.2e} vs Triton {err_triton:.2e}"
 
 
 # consumers 1: one 8-warp partition, S / dP split by key columns; 2: an S / p / dV and a dP / ds / dK partition
-@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("consumers, key_major", DKDV_PARTITIONS)
 @pytest.mark.parametrize("head_dim, heads, stages", [(256, (16, 2), 2), (128, (8, 2), 2), (128, (8, 2), 3),
                                                      (64, (8, 8), 2)])
-def test_gluon_dkdv_random_forest(head_dim, heads, stages, consumers):
+def test_gluon_dkdv_random_forest(head_dim, heads, stages, consumers, key_major):
     layout = random_forest(np.random.default_rng(head_dim), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
-    check_dkdv(layout, heads, head_dim, seed=head_dim, stages=stages, consumers=consumers)
+    check_dkdv(layout, heads, head_dim, seed=head_dim, stages=stages, consumers=consumers, key_major=key_major)
 
 
-@pytest.mark.parametrize("consumers", CONSUMERS)
-def test_gluon_dkdv_odd_anchor_tree(consumers):
+@pytest.mark.parametrize("consumers, key_major", DKDV_PARTITIONS)
+def test_gluon_dkdv_odd_anchor_tree(consumers, key_major):
     layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
-    check_dkdv(layout, (16, 2), 256, seed=3, consumers=consumers)
+    check_dkdv(layout, (16, 2), 256, seed=3, consumers=consumers, key_major=key_major)
 
 
-@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("consumers, key_major", DKDV_PARTITIONS)
 @pytest.mark.parametrize("num_queries", [5 * 333, 5 * 333 + 100, 77])  # offset aligned, ragged, < one block
-def test_gluon_dkdv_suffix_queries(num_queries, consumers):
+def test_gluon_dkdv_suffix_queries(num_queries, consumers, key_major):
     # context key blocks that no suffix query sees get zero dk/dv
     layout = layout_from_parents([-1] + [0] * 5, [1023] + [333] * 5)
-    check_dkdv(layout, (16, 2), 256, seed=11, num_queries=num_queries, consumers=consumers)
+    check_dkdv(layout, (16, 2), 256, seed=11, num_queries=num_queries, consumers=consumers, key_major=key_major)
 
 
-@pytest.mark.parametrize("consumers", CONSUMERS)
-def test_gluon_dkdv_anchor_p4096_b8_l3584(consumers):
-    check_dkdv(anchor_tree(4096, 8, 3584), (16, 2), 256, seed=5, consumers=consumers)
+@pytest.mark.parametrize("consumers, key_major", DKDV_PARTITIONS)
+def test_gluon_dkdv_anchor_p4096_b8_l3584(consumers, key_major):
+    check_dkdv(anchor_tree(4096, 8, 3584), (16, 2), 256, seed=5, consumers=consumers, key_major=key_major)
 
 
-@pytest.mark.parametrize("consumers", CONSUMERS)
-def test_gluon_dkdv_single_block(consumers):
+@pytest.mark.parametrize("consumers, key_major", DKDV_PARTITIONS)
+def test_gluon_dkdv_single_block(consumers, key_major):
     # fewer tokens than one block: one key block, one masked visit, ragged query and key rows
-    check_dkdv(layout_from_parents([-1, 0], [20, 17]), (16, 2), 256, seed=23, consumers=consumers)
+    check_dkdv(layout_from_parents([-1, 0], [20, 17]), (16, 2), 256, seed=23, consumers=consumers, key_major=key_major)
 
 
 def test_gluon_dkdv_no_queries():
@@ -318,11 +321,11 @@ def test_gluon_mla_dq(consumers, k_stages, v_stages):
     check_dq(layout, (8, 8), seed=193, consumers=consumers, k_stages=k_stages, v_stages=v_stages, **MLA)
 
 
-@pytest.mark.parametrize("consumers", CONSUMERS)
+@pytest.mark.parametrize("consumers, key_major", [(1, False), (2, False), (2, True)])
 @pytest.mark.parametrize("stages", [2, 3])
-def test_gluon_mla_dkdv(consumers, stages):
+def test_gluon_mla_dkdv(consumers, key_major, stages):
     layout = random_forest(np.random.default_rng(194), n_trees=5, max_nodes=30, max_length=200, wide_prob=0.8)
-    check_dkdv(layout, (8, 8), seed=194, consumers=consumers, stages=stages, **MLA)
+    check_dkdv(layout, (8, 8), seed=194, consumers=consumers, stages=stages, key_major=key_major, **MLA)
 
 
 @pytest.mark.parametrize("num_queries", [5 * 333 + 100, 77])
@@ -331,6 +334,7 @@ def test_gluon_mla_suffix_queries(num_queries):
     check(layout, (16, 16), seed=31, num_queries=num_queries, consumers=2, **MLA)
     check_dq(layout, (16, 16), seed=31, num_queries=num_queries, **MLA)
     check_dkdv(layout, (16, 16), seed=31, num_queries=num_queries, consumers=2, **MLA)
+    check_dkdv(layout, (16, 16), seed=31, num_queries=num_queries, consumers=2, key_major=True, **MLA)
 
 
 def test_gluon_mla_anchor_p4096_b8_l3584():

@@ -108,7 +108,8 @@ def compile_dq_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int 
 
 def compile_dkdv_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: int = 2, value_dim: int | None = None,
                         block_m: int = 128, block_n: int = 64, block_ms: int = 64, stages: int = 2, consumers: int = 1,
-                        suffix_queries: bool = False, sass_out: str | None = None, maxnreg: int | None = None) -> dict:
+                        suffix_queries: bool = False, sass_out: str | None = None, maxnreg: int | None = None,
+                        key_major: bool = False) -> dict:
     """As compile_report, for the Gluon dk/dv kernel (backward_dkdv_gluon.py)."""
     value_dim = value_dim or head_dim
     fn = bkg.tree_attn_bwd_dkdv_gluon_kernel
@@ -118,13 +119,13 @@ def compile_dkdv_report(head_dim: int = 256, n_q_heads: int = 16, n_kv_heads: in
                        do_desc=descriptor(n_q_heads, block_ms, value_dim))
     constexprs = dict(HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, **tiles, DV=value_dim, BM=block_m, BN=block_n,
                       BMS=block_ms, STAGES=stages, HAS_OFFSET=suffix_queries, CONSUMERS=consumers,
-                      num_warps=8 // consumers)
+                      KEY_MAJOR=key_major, num_warps=8 // consumers)
     signature = signature_of(fn, constexprs, descriptors, ("lse", "delta"), ("dk", "dv"),
                              ("scale", "scale_log2"))
     report = hopper_resources(fn, signature, constexprs, num_warps=8 // consumers, num_stages=1,
                               aligned_pointers=True, source_cls=GluonASTSource,
                               options=dict(maxnreg=maxnreg or bkg.MAXNREG), sass_out=sass_out)
-    return dict(kind="dkdv_gluon", consumers=consumers, stages=stages, **report)
+    return dict(kind="dkdv_gluon", consumers=consumers, key_major=key_major, stages=stages, **report)
 
 
 def main(argv: list[str]) -> None:

@@ -27,7 +27,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from .block_index import BlockIndex
-from .backward_dkdv_gluon_parts import acc_layout, consumer_d, consumer_s, mask_probs, step_of, store_transposed
+from .backward_dkdv_gluon_parts import (acc_layout, consumer_d, consumer_d_keys, consumer_s, consumer_s_keys,
+                                        mask_probs, step_of, store_transposed)
 from .forward import LOG2E
 from .forward_gluon import (CONSUMER_REGS, HEAD_DIMS, MAXNREG, PRODUCER_REGS, column_tiles, gluon_descriptor,
                             issue_scores, qk_descriptors, supports)
@@ -154,7 +155,8 @@ def tree_attn_bwd_dkdv_gluon_kernel(q_desc, q2_desc, k_desc, k2_desc, v_desc, do
                                     HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, D1: gl.constexpr,
                                     D2: gl.constexpr, DV: gl.constexpr,
                                     BM: gl.constexpr, BN: gl.constexpr, BMS: gl.constexpr, STAGES: gl.constexpr,
-                                    HAS_OFFSET: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr):
+                                    HAS_OFFSET: gl.constexpr, CONSUMERS: gl.constexpr, KEY_MAJOR: gl.constexpr,
+                                    num_warps: gl.constexpr):
     gl.static_assert(num_warps * CONSUMERS == 8, "2 warpgroups: one 8-warp consumer or two 4-warp ones")
     gl.static_assert(BMS == 64, "query sub-tiles of 64 rows: one m64 score wgmma per warpgroup")
     gl.static_assert(STAGES >= 2, "a ring slot is released one step after its own step")
@@ -209,17 +211,31 @@ def tree_attn_bwd_dkdv_gluon_kernel(q_desc, q2_desc, k_desc, k2_desc, v_desc, do
         p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
-        gl.warp_specialize([
-            (consumer_s, (q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_bar, q_ready, do_ready,
-                           empty, p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start, n_full,
-                           n_visits, TQ, TK, q_offset, HKV, G, D2, DV, BM, BN, BMS, STAGES, HAS_OFFSET)),
-            (consumer_d, (q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
-                           p_ready, p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ, TK,
-                           HKV, G, D, D1, D2, BM, BN, BMS, STAGES)),
-            (_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, k_rows, q_bufs, q2_bufs, do_bufs, k_smem,
-                         k2_smem, v_smem, kv_bar, q_ready, do_ready, empty, i_n, i_kvh, start, n_full, n_visits, G,
-                         D, D1, D2, DV, BM, BN, BMS, STAGES)),
-        ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if KEY_MAJOR:
+            gl.warp_specialize([
+                (consumer_s_keys, (q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p32_smem, kv_bar, q_ready, do_ready,
+                                   empty, p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh,
+                                   start, n_full, n_visits, TQ, TK, q_offset, HKV, G, D1, D2, DV, BM, BN, BMS, STAGES,
+                                   HAS_OFFSET)),
+                (consumer_d_keys, (q_bufs, q2_bufs, do_bufs, v_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
+                                   p_ready, p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ,
+                                   TK, HKV, G, D, D1, D2, BM, BN, BMS, STAGES)),
+                (_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, k_rows, q_bufs, q2_bufs, do_bufs,
+                             k_smem, k2_smem, v_smem, kv_bar, q_ready, do_ready, empty, i_n, i_kvh, start, n_full,
+                             n_visits, G, D, D1, D2, DV, BM, BN, BMS, STAGES)),
+            ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (consumer_s, (q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_bar, q_ready, do_ready,
+                               empty, p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start, n_full,
+                               n_visits, TQ, TK, q_offset, HKV, G, D2, DV, BM, BN, BMS, STAGES, HAS_OFFSET)),
+                (consumer_d, (q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
+                               p_ready, p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ, TK,
+                               HKV, G, D, D1, D2, BM, BN, BMS, STAGES)),
+                (_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, k_rows, q_bufs, q2_bufs, do_bufs, k_smem,
+                             k2_smem, v_smem, kv_bar, q_ready, do_ready, empty, i_n, i_kvh, start, n_full, n_visits, G,
+                             D, D1, D2, DV, BM, BN, BMS, STAGES)),
+            ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def dkdv_launch(launch: dict | None = None) -> dict:
@@ -227,11 +243,14 @@ def dkdv_launch(launch: dict | None = None) -> dict:
     kernel has no use for (num_stages) are ignored; block_ms must be 64 and num_warps 8 if given."""
     launch = {"block_m": 128, "block_n": 64, "stages": 2, "consumers": 1, **(launch or {})}
     launch["block_ms"] = launch.get("block_ms", 64)
+    launch["key_major"] = bool(launch.get("key_major", False))
     if (launch["block_n"] != 64 or launch["block_ms"] != 64 or launch["block_m"] not in (64, 128)
             or launch["consumers"] not in (1, 2) or launch.get("num_warps", 8 // launch["consumers"])
             != 8 // launch["consumers"]):
         raise ValueError(f"Gluon dk/dv launch {launch}: needs block_n 64, block_ms 64, block_m 64 or 128, "
                          "consumers 1 or 2 (num_warps 8 or 4 per consumer partition)")
+    if launch["key_major"] and launch["consumers"] != 2:
+        raise ValueError(f"Gluon dk/dv launch {launch}: key_major needs consumers 2")
     if launch["stages"] < 2:  # a slot is released one step after its own: one buffer would deadlock
         raise ValueError(f"Gluon dk/dv launch {launch}: stages (the q / do ring depth) must be >= 2")
     if launch.get("heads", 1) != 1:
@@ -269,5 +288,6 @@ def bwd_dkdv_gluon(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scal
             index.k_rows, index.k_full, index.k_order, scale, scale * LOG2E, n_queries, n_keys, n_keys - n_queries,
             HQ=n_q_heads, HKV=n_kv_heads, D=head_dim, D1=d1, D2=d2, DV=value_dim, BM=index.block_m, BN=bn, BMS=bms,
             STAGES=launch["stages"], HAS_OFFSET=n_keys != n_queries, CONSUMERS=launch["consumers"],
+            KEY_MAJOR=launch["key_major"],
             num_warps=8 // launch["consumers"], maxnreg=MAXNREG)
     return dk, dv

@@ -165,3 +165,126 @@ def consumer_d(q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_re
     else:
         done = warpgroup_mma_wait(0, deps=(dkt, ds_smem, q_bufs))
     store_transposed(dk, done[0] * scale, i_n, i_kvh, TK, HKV, D, 0, D1, BN, dk_layout)
+
+
+@gluon.jit
+def mask_probs_keys(pt, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET: gl.constexpr):
+    """mask_probs on a key-major tile p^T [keys, query rows]."""
+    rows_g = offs_m
+    if HAS_OFFSET:
+        rows_g = offs_m + q_offset
+    visible = (offs_n[:, None] <= rows_g[None, :]) & (rows_g[None, :] < end[:, None]) & m_valid[None, :]
+    return gl.where(visible, pt, 0.0)
+
+
+@gluon.jit
+def store_rows(out, acc, i_n, i_kvh, TK, HKV: gl.constexpr, DIM: gl.constexpr, COL0: gl.constexpr,
+               COLS: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+    # acc [BN, COLS] is out[keys, i_kvh, COL0:COL0 + COLS] (out's head dim DIM); keys past TK dropped
+    offs_n = i_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+    offs_d = COL0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    ptrs = out + (offs_n.to(gl.int64) * (HKV * DIM) + i_kvh * DIM)[:, None] + offs_d[None, :]
+    gl.store(ptrs, acc.to(out.dtype.element_ty), mask=(offs_n < TK)[:, None])
+
+
+@gluon.constexpr_function
+def keys_layout(cols):
+    """wgmma accumulator layout of a key-major [64 keys, cols] tile on one warpgroup (one m64 n-cols wgmma)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.jit
+def consumer_s_keys(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
+                    p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start, n_full, n_visits,
+                    TQ, TK, q_offset, HKV: gl.constexpr, G: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
+                    DV: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BMS: gl.constexpr, STAGES: gl.constexpr,
+                    HAS_OFFSET: gl.constexpr):
+    """CONSUMERS = 2, key-major, 4 warps: S^T = K q^T (m64 n-BMS wgmma), p^T, dV += p^T do (p^T from registers);
+    hands p^T (fp32) to consumer_d_keys."""
+    s_layout: gl.constexpr = keys_layout(BMS)
+    dv_layout: gl.constexpr = keys_layout(DV)
+    p_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+    dtype: gl.constexpr = q_bufs.dtype
+    cols = gl.arange(0, BMS, layout=gl.SliceLayout(0, s_layout))
+    offs_n = i_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+    dvacc = gl.zeros([BN, DV], gl.float32, dv_layout)
+    mbarrier.wait(kv_bar, 0)
+    for it in range(G * n_visits * (BM // BMS)):
+        i_h, row0, masked = step_of(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        offs_m = row0 + cols
+        m_valid = offs_m < TQ
+        lse_i = gl.load(lse + i_h.to(gl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+        q_s = q_bufs.index(slot)
+        do_s = do_bufs.index(slot)
+        mbarrier.wait(q_ready.index(slot), phase)
+        s_tok = issue_scores(k_smem, k2_smem, q_s, q2_bufs.index(slot), BN, BMS, D2, s_layout)
+        st = warpgroup_mma_wait(0, deps=(s_tok, q_s, q2_bufs.index(slot), k_smem, k2_smem))[0]
+        pt = gl.exp2(st * scale_log2 - lse_i[None, :])
+        if masked:
+            end = gl.load(subtree_end + offs_n, mask=offs_n < TK, other=0)
+            pt = mask_probs_keys(pt, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET)
+        mbarrier.wait(p_free, (it & 1) ^ 1)  # consumer_d_keys has read the previous p^T
+        p32_smem.store(pt)
+        fence_async_shared()
+        gl.thread_barrier()  # all 4 warps' p^T stored before the arrive
+        mbarrier.arrive(p_ready, count=1)
+        p_op = gl.convert_layout(pt.to(dtype), p_op_layout)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dv_tok = warpgroup_mma(p_op, do_s, dvacc, is_async=True)
+        dvacc = warpgroup_mma_wait(0, deps=(dv_tok, p_op, do_s))[0]
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot), count=1)  # this partition is done with the slot
+    store_rows(dv, dvacc, i_n, i_kvh, TK, HKV, DV, 0, DV, BN, dv_layout)
+
+
+@gluon.jit
+def consumer_d_keys(q_bufs, q2_bufs, do_bufs, v_smem, p32_smem, kv_bar, q_ready, do_ready, empty, p_ready, p_free,
+                    k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ, TK, HKV: gl.constexpr,
+                    G: gl.constexpr, D: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, BM: gl.constexpr,
+                    BN: gl.constexpr, BMS: gl.constexpr, STAGES: gl.constexpr):
+    """CONSUMERS = 2, key-major, 4 warps: dP^T = V do^T, ds^T from consumer_s_keys's fp32 p^T (the Triton kernel's
+    precision), dK += ds^T q (ds^T from registers)."""
+    s_layout: gl.constexpr = keys_layout(BMS)
+    dk_layout: gl.constexpr = keys_layout(D1)
+    dk2_layout: gl.constexpr = keys_layout(D2 if D2 > 0 else D1)
+    ds_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+    ds2_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk2_layout, k_width=2)
+    dtype: gl.constexpr = q_bufs.dtype
+    cols = gl.arange(0, BMS, layout=gl.SliceLayout(0, s_layout))
+    dkacc = gl.zeros([BN, D1], gl.float32, dk_layout)
+    dk2acc = gl.zeros([BN, D2 if D2 > 0 else D1], gl.float32, dk2_layout)
+    mbarrier.wait(kv_bar, 0)
+    for it in range(G * n_visits * (BM // BMS)):
+        i_h, row0, masked = step_of(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        offs_m = row0 + cols
+        delta_i = gl.load(delta + i_h.to(gl.int64) * TQ + offs_m, mask=offs_m < TQ, other=0.0)
+        do_s = do_bufs.index(slot)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), gl.zeros([BN, BMS], gl.float32, s_layout),
+                               use_acc=False, is_async=True)
+        dpt = warpgroup_mma_wait(0, deps=(dp_tok, do_s, v_smem))[0]
+        mbarrier.wait(p_ready, it & 1)
+        pt = p32_smem.load(s_layout)
+        gl.thread_barrier()  # all 4 warps read p^T before it may be overwritten
+        mbarrier.arrive(p_free, count=1)
+        dst = (pt * (dpt - delta_i[None, :])).to(dtype)
+        ds_op = gl.convert_layout(dst, ds_op_layout)
+        mbarrier.wait(q_ready.index(slot), phase)
+        dk_tok = warpgroup_mma(ds_op, q_bufs.index(slot), dkacc, is_async=True)
+        if D2 > 0:
+            dk2_tok = warpgroup_mma(ds_op, q2_bufs.index(slot), dk2acc, is_async=True)
+            done = warpgroup_mma_wait(0, deps=(dk_tok, dk2_tok, ds_op, q_bufs.index(slot),
+                                               q2_bufs.index(slot)))
+            dk2acc = done[1]
+        else:
+            done = warpgroup_mma_wait(0, deps=(dk_tok, ds_op, q_bufs.index(slot)))
+        dkacc = done[0]
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot), count=1)  # this partition is done with the slot
+    if D2 > 0:
+        store_rows(dk, dk2acc * scale, i_n, i_kvh, TK, HKV, D, D1, D2, BN, dk2_layout)
+    store_rows(dk, dkacc * scale, i_n, i_kvh, TK, HKV, D, 0, D1, BN, dk_layout)

@@ -81,10 +81,12 @@ CONFIGS = {
     256: KernelConfig(gluon=dict(
         # on the H200 (P4096 B8 L3584, 16/2 heads) against the Triton launches above: fwd 4.73 ms (614 TFLOP/s) vs
         # 6.74; dq 6.75 (645) vs 8.94; dk/dv 10.81 (537) vs 13.01. Two 4-warp consumers beat one 8-warp one in the
-        # forward (5.52 ms) and dk/dv (11.71); dq is even (6.83 with two)
+        # forward (5.52 ms) and dk/dv (11.71); dq is even (6.83 with two). dk/dv key-major (dK, dV as [keys, dims]
+        # accumulators, p^T and ds^T entering their wgmma from registers): 9.85-10.04 ms against 10.4-10.7
+        # query-major on an H100
         fwd=dict(block_m=128, block_n=64, num_stages=2, consumers=2),
         dq=dict(block_m=128, block_n=64, k_stages=2, v_stages=1, consumers=1),
-        dkdv=dict(block_m=128, block_n=64, block_ms=64, stages=2, consumers=2))),
+        dkdv=dict(block_m=128, block_n=64, block_ms=64, stages=2, consumers=2, key_major=True))),
 }
 
 # MLA: (q/k head dim, v head dim). Shared memory below is per program for bf16, q/k as two tiles 128 + 64.
@@ -102,7 +104,8 @@ MLA_CONFIGS = {
         # Gluon on Hopper, q/k as column tiles 128 + 64 (sm_90 compiles, Triton 3.6): forward two consumers, K / V
         # rings of 3 (172 KB, no spills); dq one consumer (two get every wgmma serialised), K ring 3, V ring 2
         # (189 KB, 4 spilled registers); dk/dv two consumers (one gets its [64, 64] dK^T tile serialised), q / do
-        # rings of 3 (197 KB, no spills)
+        # rings of 3 (197 KB, no spills); key-major dk/dv was slower here (H100: 9.07 vs 8.44 ms on P4096 B8 L3584,
+        # 146 vs 136 on P32768 B8 L8192)
         gluon=dict(fwd=dict(block_m=128, block_n=64, num_stages=3, consumers=2),
                    dq=dict(block_m=128, block_n=64, k_stages=3, v_stages=2, consumers=1),
                    dkdv=dict(block_m=128, block_n=64, block_ms=64, stages=3, consumers=2))),

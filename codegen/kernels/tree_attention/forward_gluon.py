@@ -131,6 +131,14 @@ def _consumer(q_smem, q2_smem, k_bufs, k2_bufs, v_bufs, q_bar, k_ready, k_empty,
 
     # block 0: scores and softmax with nothing to overlap yet (O is zero, so no rescale)
     mbarrier.wait(q_bar, 0)
+    # q as the register operand of S where it fits (48 registers a thread at MLA's 192 on one warpgroup): every
+    # S wgmma then reads only K from shared memory
+    Q_IN_REGS: gl.constexpr = WARPS == 4 and q_smem.shape[1] + D2 <= 192
+    if Q_IN_REGS:
+        q_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        q_rows = q_rows.load(q_op_layout)
+        if D2 > 0:
+            q2_rows = q2_rows.load(q_op_layout)
     mbarrier.wait(k_ready.index(0), 0)
     # use_acc=False ignores the zeros; they are made where used so they are not live across the loop
     s_tok = issue_scores(q_rows, q2_rows, k_bufs.index(0), k2_bufs.index(0), ROWS, BN, D2, s_layout)
