@@ -11,7 +11,8 @@ that wheel first on the path:
 
 ``--dq``: the dq kernel only (K ring 2, V ring 1 at 128 x 64; smem q + do + 3 key tiles).
 ``--dkdv``: the dk/dv kernel only (backward_dkdv_gluon.py: 64-key blocks, 64-row q / do sub-tiles in 2-stage
-rings; smem K + V + 2 x (q + do) + p + ds tiles, + an fp32 p tile with two consumer partitions). ``wgmma_waits``
+rings; smem K + V + 2 x (q + do) + p + ds tiles, + an fp32 p tile with two consumer partitions; one consumer, two,
+two key-major). ``wgmma_waits``
 equal to ``wgmma`` means ptxas serialised every wgmma (its warning C7514).
 """
 from __future__ import annotations
@@ -143,12 +144,12 @@ def main(argv: list[str]) -> None:
     value_dim = args.dims[3] if len(args.dims) > 3 else head_dim
     sass_out, dq_only, dkdv_only = args.sass, args.dq, args.dkdv
     if not dq_only:
-        for consumers in (1, 2):
+        for consumers, key_major in ((1, False), (2, False), (2, True)):
             for suffix in (False, True):
                 print(dict(suffix_queries=suffix, **compile_dkdv_report(
                     head_dim, n_q_heads, n_kv_heads, value_dim, block_n=args.block_n, consumers=consumers,
-                    suffix_queries=suffix,
-                    sass_out=f"{sass_out}.dkdv.c{consumers}" if sass_out and not suffix else None)))
+                    suffix_queries=suffix, key_major=key_major,
+                    sass_out=f"{sass_out}.dkdv.c{consumers}{'k' * key_major}" if sass_out and not suffix else None)))
     if dkdv_only:
         return
     for consumers in (1, 2):

@@ -15,8 +15,11 @@ last wgmma retired). ``consumers=1``: one 8-warp consumer splits the [BMS, BN] S
 n32 wgmma per warpgroup), stages p and ds in shared memory (bf16) and queues dV^T += do^T p, dK^T += q^T ds behind
 the next step's S / dP; the transposed accumulators dK^T [D, BN], dV^T [DV, BN] keep k / v out of registers, as
 in the Triton kernel. ``consumers=2``: a 4-warp partition computes S (m64 n64), p and dV^T, another dP, ds and
-dK^T, p handed over in fp32 through shared memory (the Triton kernel's precision for ds). Shared memory at D = DV
-= 256: 208 KB (consumers=1) / 224 KB (2). docs/tree_attention_kernels.md ("Hopper kernels") gives the timings.
+dK^T, p handed over in fp32 through shared memory (the Triton kernel's precision for ds). ``consumers=2,
+key_major=True`` (backward_dkdv_gluon_parts.consumer_s_keys / consumer_d_keys): the same split with the keys on the
+wgmma's M side, S^T = K q^T and dP^T = V do^T, so p^T and ds^T enter dV += p^T do and dK += ds^T q from registers
+and dK, dV accumulate as [keys, dims]. Shared memory at D = DV = 256: 208 KB (consumers=1) / 224 KB (2) / 213 KB
+(key-major). docs/tree_attention_kernels.md ("Hopper kernels") gives the timings.
 """
 from __future__ import annotations
 
@@ -226,15 +229,16 @@ def tree_attn_bwd_dkdv_gluon_kernel(q_desc, q2_desc, k_desc, k2_desc, v_desc, do
             ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (consumer_s, (q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_bar, q_ready, do_ready,
-                               empty, p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start, n_full,
-                               n_visits, TQ, TK, q_offset, HKV, G, D2, DV, BM, BN, BMS, STAGES, HAS_OFFSET)),
-                (consumer_d, (q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
-                               p_ready, p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ, TK,
-                               HKV, G, D, D1, D2, BM, BN, BMS, STAGES)),
-                (_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, k_rows, q_bufs, q2_bufs, do_bufs, k_smem,
-                             k2_smem, v_smem, kv_bar, q_ready, do_ready, empty, i_n, i_kvh, start, n_full, n_visits, G,
-                             D, D1, D2, DV, BM, BN, BMS, STAGES)),
+                (consumer_s, (q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_bar, q_ready,
+                              do_ready, empty, p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh,
+                              start, n_full, n_visits, TQ, TK, q_offset, HKV, G, D2, DV, BM, BN, BMS, STAGES,
+                              HAS_OFFSET)),
+                (consumer_d, (q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_ready, do_ready,
+                              empty, p_ready, p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits,
+                              TQ, TK, HKV, G, D, D1, D2, BM, BN, BMS, STAGES)),
+                (_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, k_rows, q_bufs, q2_bufs, do_bufs,
+                             k_smem, k2_smem, v_smem, kv_bar, q_ready, do_ready, empty, i_n, i_kvh, start, n_full,
+                             n_visits, G, D, D1, D2, DV, BM, BN, BMS, STAGES)),
             ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -262,7 +266,8 @@ def bwd_dkdv_gluon(q, k, v, do, lse, delta, subtree_end, index: BlockIndex, scal
                    launch: dict | None = None):
     """As ``backward.bwd_dkdv``: (dk [Tk, HKV, D], dv [Tk, HKV, DV]) in k's and v's dtypes. ``launch``: block_m
     (128), block_n (64), block_ms (64), stages (2, the q / do ring depth), consumers (1: one 8-warp consumer
-    with S / dP split by key columns; 2: a 4-warp S / p / dV partition and a 4-warp dP / ds / dK one). The index
+    with S / dP split by key columns; 2: a 4-warp S / p / dV partition and a 4-warp dP / ds / dK one), key_major
+    (False; True needs consumers 2: the two partitions with keys on the wgmma's M side). The index
     must hold the (block_m, block_n) lists. bf16 / fp16 with HEAD_DIMS (forward_gluon.py). consumers defaults to
     1, to 2 when a head dim or a q/k column tile is 64 (MLA's 192 = 128 + 64)."""
     # default consumers 2 below 128 rows: the [4, 2] accumulator of consumers=1 gets its wgmma serialised

@@ -1,6 +1,7 @@
 """Pieces of the Gluon dk/dv kernel (``backward_dkdv_gluon.py``): its step order, its accumulator layouts and
-transposed stores, and the two consumer partitions of ``consumers=2`` (S / p / dV^T and dP / ds / dK^T, p handed
-over in fp32 through shared memory; the contract and the partitioning are described there).
+stores, and the two consumer partitions of ``consumers=2`` in both orientations: query-major (S / p / dV^T and
+dP / ds / dK^T) and key-major (S^T / p^T / dV and dP^T / ds^T / dK), p handed over in fp32 through shared memory
+either way; the contract and the partitionings are described there.
 """
 from __future__ import annotations
 
@@ -250,7 +251,6 @@ def consumer_d_keys(q_bufs, q2_bufs, do_bufs, v_smem, p32_smem, kv_bar, q_ready,
     dk_layout: gl.constexpr = keys_layout(D1)
     dk2_layout: gl.constexpr = keys_layout(D2 if D2 > 0 else D1)
     ds_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
-    ds2_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk2_layout, k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
     cols = gl.arange(0, BMS, layout=gl.SliceLayout(0, s_layout))
     dkacc = gl.zeros([BN, D1], gl.float32, dk_layout)
