@@ -30,8 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from .block_index import BlockIndex
-from .backward_dkdv_gluon_parts import (acc_layout, consumer_d, consumer_d_keys, consumer_s, consumer_s_keys,
-                                        mask_probs, step_of, store_transposed)
+from .backward_dkdv_gluon_parts import (acc_layout, consumer_d_any, consumer_s_any, mask_probs, step_of,
+                                        store_transposed)
 from .forward import LOG2E
 from .forward_gluon import (CONSUMER_REGS, HEAD_DIMS, MAXNREG, PRODUCER_REGS, column_tiles, gluon_descriptor,
                             issue_scores, qk_descriptors, supports)
@@ -214,32 +214,18 @@ def tree_attn_bwd_dkdv_gluon_kernel(q_desc, q2_desc, k_desc, k2_desc, v_desc, do
         p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
-        if KEY_MAJOR:
-            gl.warp_specialize([
-                (consumer_s_keys, (q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p32_smem, kv_bar, q_ready, do_ready,
-                                   empty, p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh,
-                                   start, n_full, n_visits, TQ, TK, q_offset, HKV, G, D1, D2, DV, BM, BN, BMS, STAGES,
-                                   HAS_OFFSET)),
-                (consumer_d_keys, (q_bufs, q2_bufs, do_bufs, v_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
-                                   p_ready, p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ,
-                                   TK, HKV, G, D, D1, D2, BM, BN, BMS, STAGES)),
-                (_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, k_rows, q_bufs, q2_bufs, do_bufs,
-                             k_smem, k2_smem, v_smem, kv_bar, q_ready, do_ready, empty, i_n, i_kvh, start, n_full,
-                             n_visits, G, D, D1, D2, DV, BM, BN, BMS, STAGES)),
-            ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (consumer_s, (q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_bar, q_ready,
-                              do_ready, empty, p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh,
-                              start, n_full, n_visits, TQ, TK, q_offset, HKV, G, D2, DV, BM, BN, BMS, STAGES,
-                              HAS_OFFSET)),
-                (consumer_d, (q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_ready, do_ready,
-                              empty, p_ready, p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits,
-                              TQ, TK, HKV, G, D, D1, D2, BM, BN, BMS, STAGES)),
-                (_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, k_rows, q_bufs, q2_bufs, do_bufs,
-                             k_smem, k2_smem, v_smem, kv_bar, q_ready, do_ready, empty, i_n, i_kvh, start, n_full,
-                             n_visits, G, D, D1, D2, DV, BM, BN, BMS, STAGES)),
-            ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([
+            (consumer_s_any, (q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_bar, q_ready, do_ready,
+                              empty, p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start,
+                              n_full, n_visits, TQ, TK, q_offset, HKV, G, D1, D2, DV, BM, BN, BMS, STAGES,
+                              HAS_OFFSET, KEY_MAJOR)),
+            (consumer_d_any, (q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
+                              p_ready, p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ, TK,
+                              HKV, G, D, D1, D2, BM, BN, BMS, STAGES, KEY_MAJOR)),
+            (_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, k_rows, q_bufs, q2_bufs, do_bufs, k_smem,
+                         k2_smem, v_smem, kv_bar, q_ready, do_ready, empty, i_n, i_kvh, start, n_full, n_visits, G,
+                         D, D1, D2, DV, BM, BN, BMS, STAGES)),
+        ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def dkdv_launch(launch: dict | None = None) -> dict:

@@ -288,3 +288,36 @@ def consumer_d_keys(q_bufs, q2_bufs, do_bufs, v_smem, p32_smem, kv_bar, q_ready,
     if D2 > 0:
         store_rows(dk, dk2acc * scale, i_n, i_kvh, TK, HKV, D, D1, D2, BN, dk2_layout)
     store_rows(dk, dkacc * scale, i_n, i_kvh, TK, HKV, D, 0, D1, BN, dk_layout)
+
+
+@gluon.jit
+def consumer_s_any(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
+                   p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start, n_full, n_visits, TQ,
+                   TK, q_offset, HKV: gl.constexpr, G: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
+                   DV: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BMS: gl.constexpr, STAGES: gl.constexpr,
+                   HAS_OFFSET: gl.constexpr, KEY_MAJOR: gl.constexpr):
+    """The S / p / dV partition of consumers=2 in the launch's orientation."""
+    if KEY_MAJOR:
+        consumer_s_keys(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
+                        p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start, n_full,
+                        n_visits, TQ, TK, q_offset, HKV, G, D1, D2, DV, BM, BN, BMS, STAGES, HAS_OFFSET)
+    else:
+        consumer_s(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
+                   p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start, n_full, n_visits, TQ,
+                   TK, q_offset, HKV, G, D2, DV, BM, BN, BMS, STAGES, HAS_OFFSET)
+
+
+@gluon.jit
+def consumer_d_any(q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_ready, do_ready, empty, p_ready,
+                   p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ, TK, HKV: gl.constexpr,
+                   G: gl.constexpr, D: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, BM: gl.constexpr,
+                   BN: gl.constexpr, BMS: gl.constexpr, STAGES: gl.constexpr, KEY_MAJOR: gl.constexpr):
+    """The dP / ds / dK partition of consumers=2 in the launch's orientation."""
+    if KEY_MAJOR:
+        consumer_d_keys(q_bufs, q2_bufs, do_bufs, v_smem, p32_smem, kv_bar, q_ready, do_ready, empty, p_ready,
+                        p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ, TK, HKV, G, D, D1,
+                        D2, BM, BN, BMS, STAGES)
+    else:
+        consumer_d(q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_ready, do_ready, empty, p_ready,
+                   p_free, k_rows, dk, delta, scale, i_n, i_kvh, start, n_full, n_visits, TQ, TK, HKV, G, D, D1, D2,
+                   BM, BN, BMS, STAGES)
