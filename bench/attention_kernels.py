@@ -4,7 +4,8 @@
     python bench/attention_kernels.py --shape mla --anchor 16384,8,2048
 
 Times the forward, dq and dk/dv kernels of the shipped Triton config and of the Gluon kernels (the shipped
-Gluon launches, the other consumer partitioning of each and ring depths one deeper / shallower; a launch that
+Gluon launches, the other consumer partitioning of each, ring depths one deeper / shallower and the dk/dv
+kernel's other orientation of two consumers, key-major or query-major; a launch that
 does not fit in shared memory is reported as such), all on one block index and the same bf16 inputs,
 and reports ms, TFLOP/s over visible pairs and the error of each kernel's output against the fp32 oracle, plus
 the largest difference from the Triton kernel's output. This is where the ``gluon`` launches in
@@ -34,7 +35,8 @@ RING = {"fwd": "num_stages", "dq": "k_stages", "dkdv": "stages"}  # the ring dep
 
 def variants(gluon: dict) -> dict:
     """Per kernel: the shipped Gluon launch, the other consumer partitioning, its ring one deeper and (above the
-    minimum of 2) one shallower; dq also with its V ring one deeper."""
+    minimum of 2) one shallower; dq also with its V ring one deeper, dk/dv also with two consumers in the other
+    orientation."""
     out = {}
     for kind, launch in gluon.items():
         ring = RING[kind]
