@@ -293,7 +293,8 @@ def test_gluon_dkdv_rejects_unsupported():
     q = torch.empty(8, 16, 256, device="cuda", dtype=torch.bfloat16)
     k = torch.empty(8, 2, 256, device="cuda", dtype=torch.bfloat16)
     for launch, match in ((dict(heads=2), "pack"), (dict(block_ms=128), "block_ms"),
-                          (dict(consumers=2, num_warps=8), "consumers"), (dict(stages=1), "stages")):
+                          (dict(consumers=2, num_warps=8), "consumers"), (dict(stages=1), "stages"),
+                          (dict(key_major=True), "key_major")):
         with pytest.raises(ValueError, match=match):
             fn(q, k, k, q, None, None, None, None, 1.0, launch)
     q = torch.empty(8, 16, 96, device="cuda", dtype=torch.bfloat16)  # 96 = 64 + 32: no Gluon column tiles for it

@@ -166,3 +166,15 @@ def test_gluon_launches_only_on_hopper_for_16_bit_inputs():
     assert config_for(256, 128).gluon is not None  # the 256 config serves (256, 128) too, but not on Gluon:
     assert (256, 128) not in GLUON_HEAD_DIMS and (192, 128) in GLUON_HEAD_DIMS  # its launches are not tested there
     assert hopper_launches(q, q, dataclasses.replace(shipped, gluon=None)) is None
+
+
+def test_shipped_gluon_dkdv_launches_validate():
+    # each shipped dk/dv launch passes the kernel's own checks (key-major at head dim 256 needs two consumers); the
+    # checks are host code, so this runs wherever Gluon's Hopper module imports
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from harts_compiler.codegen.kernels.tree_attention.backward_dkdv_gluon import dkdv_launch
+    for dims in GLUON_HEAD_DIMS:
+        launch = dkdv_launch(config_for(*dims).gluon["dkdv"])
+        assert launch["consumers"] == 2 and launch["key_major"] == (dims == (256, 256))
+    with pytest.raises(ValueError, match="key_major needs consumers 2"):
+        dkdv_launch(dict(consumers=1, key_major=True))
