@@ -12,8 +12,9 @@ that wheel first on the path:
 ``--dq``: the dq kernel only (K ring 2, V ring 1 at 128 x 64; smem q + do + 3 key tiles).
 ``--dkdv``: the dk/dv kernel only (backward_dkdv_gluon.py: 64-key blocks, 64-row q / do sub-tiles in 2-stage
 rings; smem K + V + 2 x (q + do) + p + ds tiles, + an fp32 p tile with two consumer partitions; one consumer, two,
-two key-major). ``wgmma_waits``
-equal to ``wgmma`` means ptxas serialised every wgmma (its warning C7514).
+two key-major). ``wgmma_waits`` equal to ``wgmma`` means ptxas serialised every wgmma; ``wgmma_serialized`` then
+gives ptxas's reason (C7512: registers; C7514 / C7515: an instruction between a wgmma and its wait that reads or
+writes its accumulator).
 """
 from __future__ import annotations
 

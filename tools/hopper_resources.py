@@ -32,9 +32,11 @@ def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, n
                      aligned_pointers: bool = False, source_cls=ASTSource, options: dict | None = None,
                      sass_out: str | None = None) -> dict:
     """Compile `fn` (a @triton.jit function) for sm_90 with `signature` (argument -> type string,
-    constexprs included as "constexpr") and report {regs, stack, shared, fits, wgmma, wgmma_waits, tma_loads,
-    spill_loads, spill_stores, sass_digest}; wgmma_waits counts WARPGROUP.DEPBAR (one per wgmma: ptxas serialised
-    them, its warning C7514); sass_digest (sha1 of the SASS instructions) tells whether a source refactor
+    constexprs included as "constexpr") and report {regs, stack, shared, fits, wgmma, wgmma_waits,
+    wgmma_serialized, tma_loads, spill_loads, spill_stores, sass_digest}; wgmma_waits counts WARPGROUP.DEPBAR (one
+    per wgmma: every wgmma waits for itself, either because ptxas serialised them, then wgmma_serialized gives its
+    reason, or because the source waits after each, as Triton's tl.dot does; else wgmma_serialized is None);
+    sass_digest (sha1 of the SASS instructions) tells whether a source refactor
     changed the machine code. `aligned_pointers`: give every pointer the 16-byte divisibility the JIT sees for
     torch allocations (without it Triton does not pipeline some loads). `source_cls`: GluonASTSource for a
     @gluon.jit kernel; `options`: further compile options (maxnreg); `sass_out`: write the SASS there. Also
@@ -59,10 +61,29 @@ def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, n
             handle.write(sass)
     regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     shared = kernel.metadata.shared
+    waits, wgmma = sass.count("WARPGROUP.DEPBAR"), sass.count("HGMMA")
     return dict(regs=int(regs.group(1)), stack=int(regs.group(2)), shared=shared,
-                fits=shared <= HOPPER_SHARED_LIMIT, wgmma=sass.count("HGMMA"),
-                wgmma_waits=sass.count("WARPGROUP.DEPBAR"), tma_loads=sass.count("UTMALDG"),
+                fits=shared <= HOPPER_SHARED_LIMIT, wgmma=wgmma, wgmma_waits=waits,
+                wgmma_serialized=serialisation_reason(kernel, options) if wgmma and waits >= wgmma else None,
+                tma_loads=sass.count("UTMALDG"),
                 setmaxnreg=sorted({int(n, 16) for n in re.findall(r"USETMAXREG\S* (?:UP\d, )?(0x[0-9a-f]+)", sass)}),
                 spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
                 sass_digest=hashlib.sha1("\n".join(line for line in sass.splitlines() if "/*" in line)
                                          .encode()).hexdigest()[:12])
+
+
+def serialisation_reason(kernel, options: dict | None) -> str:
+    """Why ptxas serialised a kernel's wgmma: its "Potential Performance Loss" line (C7512 registers, C7514 / C7515
+    what stands between a wgmma and its wait), read by assembling the kernel's PTX again with the bundled ptxas
+    (Triton does not keep ptxas's messages)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as handle:
+            handle.write(kernel.asm["ptx"])
+        limit = [f"--maxrregcount={options['maxnreg']}"] if options and options.get("maxnreg") else []
+        run = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "kernel.cubin"), *limit],
+                             capture_output=True, text=True)
+    found = re.findall(r"\((C\d+)\) Potential Performance Loss: (.*?)(?: in the function '[^']*')?$",
+                       run.stdout + run.stderr, flags=re.MULTILINE)
+    return "; ".join(f"{code}: {' '.join(text.split())}" for code, text in found) or "no reason given by ptxas"
