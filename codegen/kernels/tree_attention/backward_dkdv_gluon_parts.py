@@ -274,6 +274,9 @@ def consumer_d_keys(q_bufs, q2_bufs, do_bufs, v_smem, p32_smem, kv_bar, q_ready,
         dst = (pt * (dpt - delta_i[None, :])).to(dtype)
         ds_op = gl.convert_layout(dst, ds_op_layout)
         mbarrier.wait(q_ready.index(slot), phase)
+        # both dK wgmma retire within the step: left in flight into the next one, ptxas serialises every wgmma
+        # for lack of registers (C7512). The second takes the same ds^T registers: an m64 wgmma's A-operand layout
+        # does not depend on its N.
         dk_tok = warpgroup_mma(ds_op, q_bufs.index(slot), dkacc, is_async=True)
         if D2 > 0:
             dk2_tok = warpgroup_mma(ds_op, q2_bufs.index(slot), dk2acc, is_async=True)
