@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .block_index import BlockIndex
 from .backward_dkdv_gluon_parts import (acc_layout, consumer_d_any, consumer_s_any, mask_probs, step_of,
-                                        store_transposed)
+                                        step_rows, store_transposed)
 from .forward import LOG2E
 from .forward_gluon import (CONSUMER_REGS, HEAD_DIMS, MAXNREG, PRODUCER_REGS, column_tiles, gluon_descriptor,
                             issue_scores, qk_descriptors, supports)
@@ -91,15 +91,11 @@ def _consumer(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, v_smem, p_smem, ds_smem
     v_t = v_smem.permute((1, 0))
 
     for it in range(G * n_visits * (BM // BMS)):
-        i_h, row0, masked = step_of(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        prev = (it + STAGES - 1) % STAGES
-        offs_m = row0 + rows  # local query rows
-        m_valid = offs_m < TQ
         # lse / delta early: their latency hides behind the waits (rows past TQ read 0)
-        lse_i = gl.load(lse + i_h.to(gl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+        i_h, masked, slot, phase, offs_m, m_valid, lse_i = step_rows(it, k_rows, start, n_full, n_visits, i_kvh,
+                                                                     rows, TQ, lse, G, BM, BMS, STAGES)
         delta_i = gl.load(delta + i_h.to(gl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+        prev = (it + STAGES - 1) % STAGES
         q_s = q_bufs.index(slot)
         q2_s = q2_bufs.index(slot)
         do_s = do_bufs.index(slot)
@@ -127,7 +123,8 @@ def _consumer(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, v_smem, p_smem, ds_smem
 
         p = gl.exp2(s * scale_log2 - lse_i[:, None])
         if masked:
-            p = mask_probs(p, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET)
+            p = mask_probs(p, offs_n[None, :], end[None, :], offs_m[:, None], m_valid[:, None], q_offset,
+                           HAS_OFFSET)
         p_smem.store(p.to(dtype))
         fence_async_shared()
         gl.thread_barrier()  # all of p written before either warpgroup's wgmma reads it

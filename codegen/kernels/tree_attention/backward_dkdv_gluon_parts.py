@@ -32,14 +32,25 @@ def step_of(it, k_rows, start, n_full, n_visits, i_kvh, G: gl.constexpr, BM: gl.
 
 
 @gluon.jit
-def mask_probs(p, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET: gl.constexpr):
-    """p of a partial step with the tree mask applied (keys offs_n with ends `end`, local query rows offs_m,
-    rows past Tq dropped)."""
-    rows_g = offs_m
+def step_rows(it, k_rows, start, n_full, n_visits, i_kvh, rows, TQ, per_row, G: gl.constexpr, BM: gl.constexpr,
+              BMS: gl.constexpr, STAGES: gl.constexpr):
+    """A consumer's view of flat step `it`: (query head, masked, ring slot, its mbarrier phase, local query rows
+    `rows` of the sub-tile, their validity, per_row[head, rows] (lse or delta; 0 past Tq))."""
+    i_h, row0, masked = step_of(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
+    offs_m = row0 + rows
+    m_valid = offs_m < TQ
+    values = gl.load(per_row + i_h.to(gl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+    return i_h, masked, it % STAGES, (it // STAGES) & 1, offs_m, m_valid, values
+
+
+@gluon.jit
+def mask_probs(p, keys, ends, rows, valid, q_offset, HAS_OFFSET: gl.constexpr):
+    """p of a partial step with the tree mask applied: `keys` / `ends` (key columns and their subtree ends) and
+    `rows` / `valid` (local query rows and row < Tq) come expanded to p's key and row axes, so one mask serves
+    the query-major [rows, keys] and the key-major [keys, rows] tiles."""
     if HAS_OFFSET:
-        rows_g = offs_m + q_offset
-    visible = (offs_n[None, :] <= rows_g[:, None]) & (rows_g[:, None] < end[None, :]) & m_valid[:, None]
-    return gl.where(visible, p, 0.0)
+        rows = rows + q_offset
+    return gl.where((keys <= rows) & (rows < ends) & valid, p, 0.0)
 
 
 @gluon.constexpr_function
@@ -77,12 +88,8 @@ def consumer_s(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_b
     dvt = gl.zeros([DV, BN], gl.float32, dv_layout)
     mbarrier.wait(kv_bar, 0)
     for it in range(G * n_visits * (BM // BMS)):
-        i_h, row0, masked = step_of(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        offs_m = row0 + rows
-        m_valid = offs_m < TQ
-        lse_i = gl.load(lse + i_h.to(gl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+        i_h, masked, slot, phase, offs_m, m_valid, lse_i = step_rows(it, k_rows, start, n_full, n_visits, i_kvh,
+                                                                     rows, TQ, lse, G, BM, BMS, STAGES)
         q_s = q_bufs.index(slot)
         do_s = do_bufs.index(slot)
         mbarrier.wait(q_ready.index(slot), phase)
@@ -92,7 +99,8 @@ def consumer_s(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_b
         if masked:  # key columns and ends loaded here: n64 tiles give a thread 16 columns, 32 registers to keep
             offs_n = i_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
             end = gl.load(subtree_end + offs_n, mask=offs_n < TK, other=0)
-            p = mask_probs(p, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET)
+            p = mask_probs(p, offs_n[None, :], end[None, :], offs_m[:, None], m_valid[:, None], q_offset,
+                           HAS_OFFSET)
         p_smem.store(p.to(p_smem.dtype))
         mbarrier.wait(p_free, (it & 1) ^ 1)  # _consumer_d has read the previous p
         p32_smem.store(p)
@@ -127,12 +135,9 @@ def consumer_d(q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_re
     mbarrier.wait(kv_bar, 0)
     v_t = v_smem.permute((1, 0))
     for it in range(G * n_visits * (BM // BMS)):
-        i_h, row0, masked = step_of(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
+        i_h, masked, slot, phase, offs_m, m_valid, delta_i = step_rows(it, k_rows, start, n_full, n_visits, i_kvh,
+                                                                       rows, TQ, delta, G, BM, BMS, STAGES)
         prev = (it + STAGES - 1) % STAGES
-        offs_m = row0 + rows
-        delta_i = gl.load(delta + i_h.to(gl.int64) * TQ + offs_m, mask=offs_m < TQ, other=0.0)
         q_s = q_bufs.index(slot)
         do_s = do_bufs.index(slot)
         mbarrier.wait(do_ready.index(slot), phase)
@@ -169,16 +174,6 @@ def consumer_d(q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_re
 
 
 @gluon.jit
-def mask_probs_keys(pt, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET: gl.constexpr):
-    """mask_probs on a key-major tile p^T [keys, query rows]."""
-    rows_g = offs_m
-    if HAS_OFFSET:
-        rows_g = offs_m + q_offset
-    visible = (offs_n[:, None] <= rows_g[None, :]) & (rows_g[None, :] < end[:, None]) & m_valid[None, :]
-    return gl.where(visible, pt, 0.0)
-
-
-@gluon.jit
 def store_rows(out, acc, i_n, i_kvh, TK, HKV: gl.constexpr, DIM: gl.constexpr, COL0: gl.constexpr,
                COLS: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
     # acc [BN, COLS] is out[keys, i_kvh, COL0:COL0 + COLS] (out's head dim DIM); keys past TK dropped
@@ -211,12 +206,8 @@ def consumer_s_keys(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p32_smem, kv_bar,
     dvacc = gl.zeros([BN, DV], gl.float32, dv_layout)
     mbarrier.wait(kv_bar, 0)
     for it in range(G * n_visits * (BM // BMS)):
-        i_h, row0, masked = step_of(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        offs_m = row0 + cols
-        m_valid = offs_m < TQ
-        lse_i = gl.load(lse + i_h.to(gl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+        i_h, masked, slot, phase, offs_m, m_valid, lse_i = step_rows(it, k_rows, start, n_full, n_visits, i_kvh,
+                                                                     cols, TQ, lse, G, BM, BMS, STAGES)
         q_s = q_bufs.index(slot)
         do_s = do_bufs.index(slot)
         mbarrier.wait(q_ready.index(slot), phase)
@@ -225,7 +216,8 @@ def consumer_s_keys(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p32_smem, kv_bar,
         pt = gl.exp2(st * scale_log2 - lse_i[None, :])
         if masked:
             end = gl.load(subtree_end + offs_n, mask=offs_n < TK, other=0)
-            pt = mask_probs_keys(pt, offs_n, end, offs_m, m_valid, q_offset, HAS_OFFSET)
+            pt = mask_probs(pt, offs_n[:, None], end[:, None], offs_m[None, :], m_valid[None, :], q_offset,
+                            HAS_OFFSET)
         mbarrier.wait(p_free, (it & 1) ^ 1)  # consumer_d_keys has read the previous p^T
         p32_smem.store(pt)
         fence_async_shared()
@@ -257,11 +249,8 @@ def consumer_d_keys(q_bufs, q2_bufs, do_bufs, v_smem, p32_smem, kv_bar, q_ready,
     dk2acc = gl.zeros([BN, D2 if D2 > 0 else D1], gl.float32, dk2_layout)
     mbarrier.wait(kv_bar, 0)
     for it in range(G * n_visits * (BM // BMS)):
-        i_h, row0, masked = step_of(it, k_rows, start, n_full, n_visits, i_kvh, G, BM, BMS)
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        offs_m = row0 + cols
-        delta_i = gl.load(delta + i_h.to(gl.int64) * TQ + offs_m, mask=offs_m < TQ, other=0.0)
+        i_h, masked, slot, phase, offs_m, m_valid, delta_i = step_rows(it, k_rows, start, n_full, n_visits, i_kvh,
+                                                                       cols, TQ, delta, G, BM, BMS, STAGES)
         do_s = do_bufs.index(slot)
         mbarrier.wait(do_ready.index(slot), phase)
         dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), gl.zeros([BN, BMS], gl.float32, s_layout),
