@@ -24,8 +24,9 @@ from triton.compiler import ASTSource
 HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200
 
 
-def cuobjdump_path() -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def nvidia_tool(name: str) -> str:
+    """Path of a CUDA binary shipped in Triton's wheel (cuobjdump, ptxas)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
 def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, num_stages: int,
@@ -33,10 +34,10 @@ def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, n
                      sass_out: str | None = None) -> dict:
     """Compile `fn` (a @triton.jit function) for sm_90 with `signature` (argument -> type string,
     constexprs included as "constexpr") and report {regs, stack, shared, fits, wgmma, wgmma_waits,
-    wgmma_serialized, tma_loads, spill_loads, spill_stores, sass_digest}; wgmma_waits counts WARPGROUP.DEPBAR (one
-    per wgmma: every wgmma waits for itself, either because ptxas serialised them, then wgmma_serialized gives its
-    reason, or because the source waits after each, as Triton's tl.dot does; else wgmma_serialized is None);
-    sass_digest (sha1 of the SASS instructions) tells whether a source refactor
+    wgmma_serialized, tma_loads, spill_loads, spill_stores, sass_digest}; wgmma_waits counts WARPGROUP.DEPBAR. In a
+    Gluon kernel, whose source places its own waits, one wait per wgmma means ptxas serialised them and
+    wgmma_serialized gives its reason (None otherwise, and always for a Triton kernel, whose tl.dot waits for
+    itself); sass_digest (sha1 of the SASS instructions) tells whether a source refactor
     changed the machine code. `aligned_pointers`: give every pointer the 16-byte divisibility the JIT sees for
     torch allocations (without it Triton does not pipeline some loads). `source_cls`: GluonASTSource for a
     @gluon.jit kernel; `options`: further compile options (maxnreg); `sass_out`: write the SASS there. Also
@@ -52,9 +53,9 @@ def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, n
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as handle:
             handle.write(kernel.asm["cubin"])
-        usage = subprocess.run([cuobjdump_path(), "-res-usage", cubin], capture_output=True, text=True,
+        usage = subprocess.run([nvidia_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
                                check=True).stdout
-        sass = subprocess.run([cuobjdump_path(), "-sass", cubin], capture_output=True, text=True,
+        sass = subprocess.run([nvidia_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
     if sass_out:
         with open(sass_out, "w") as handle:
@@ -64,7 +65,8 @@ def hopper_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, n
     waits, wgmma = sass.count("WARPGROUP.DEPBAR"), sass.count("HGMMA")
     return dict(regs=int(regs.group(1)), stack=int(regs.group(2)), shared=shared,
                 fits=shared <= HOPPER_SHARED_LIMIT, wgmma=wgmma, wgmma_waits=waits,
-                wgmma_serialized=serialisation_reason(kernel, options) if wgmma and waits >= wgmma else None,
+                wgmma_serialized=(serialisation_reason(kernel, options)
+                                  if source_cls is not ASTSource and wgmma and waits >= wgmma else None),
                 tma_loads=sass.count("UTMALDG"),
                 setmaxnreg=sorted({int(n, 16) for n in re.findall(r"USETMAXREG\S* (?:UP\d, )?(0x[0-9a-f]+)", sass)}),
                 spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
@@ -76,14 +78,13 @@ def serialisation_reason(kernel, options: dict | None) -> str:
     """Why ptxas serialised a kernel's wgmma: its "Potential Performance Loss" line (C7512 registers, C7514 / C7515
     what stands between a wgmma and its wait), read by assembling the kernel's PTX again with the bundled ptxas
     (Triton does not keep ptxas's messages)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as handle:
             handle.write(kernel.asm["ptx"])
         limit = [f"--maxrregcount={options['maxnreg']}"] if options and options.get("maxnreg") else []
-        run = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "kernel.cubin"), *limit],
-                             capture_output=True, text=True)
+        run = subprocess.run([nvidia_tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "kernel.cubin"),
+                              *limit], capture_output=True, text=True)
     found = re.findall(r"\((C\d+)\) Potential Performance Loss: (.*?)(?: in the function '[^']*')?$",
                        run.stdout + run.stderr, flags=re.MULTILINE)
     return "; ".join(f"{code}: {' '.join(text.split())}" for code, text in found) or "no reason given by ptxas"
