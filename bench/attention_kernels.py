@@ -40,8 +40,9 @@ def variants(gluon: dict) -> dict:
     out = {}
     for kind, launch in gluon.items():
         ring = RING[kind]
-        other = dict(launch, consumers=3 - launch["consumers"], key_major=False) if kind == "dkdv" else \
-            dict(launch, consumers=3 - launch["consumers"])
+        other = dict(launch, consumers=3 - launch["consumers"])
+        if kind == "dkdv":  # key-major needs two consumers: the other partitioning is query-major
+            other["key_major"] = False
         alts = [launch, other, dict(launch, **{ring: launch[ring] + 1})]
         if launch[ring] > 2:
             alts.append(dict(launch, **{ring: launch[ring] - 1}))
