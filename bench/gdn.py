@@ -196,7 +196,7 @@ def stage_breakdown(fla, log, trees=((4096, 8, 3584),)):
         "wy_fwd (2 kernels)": bench(lambda: wy_fwd(k, v, g, beta, index)),
         "state_fwd (scan)": bench(lambda: state_fwd(k, w, u, gc, h0, index)),
         "output_fwd": bench(lambda: output_fwd(q, k, v_new, gc, h, scale, index)),
-        "state_bwd (dv_local+scan)": bench(lambda: state_bwd(q, k, w, gc, do, bank, scale, index)),
+        "state_bwd (dv_local in the scan)": bench(lambda: state_bwd(q, k, w, gc, do, bank, scale, index)),
         "chunk_bwd (qk+wy)": bench(lambda: chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index)),
     }
     leaves = [t.detach().requires_grad_(True) for t in tensors[:5]]

@@ -34,7 +34,7 @@ POINTERS = {
 SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_deg": "i32", "sx": "i64", "st": "i64",
            "g_per": "i32", "g_stride": "i64", "rows_total": "i32"}
 BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64, G=1,
-            SILU=True, GATHER=False, TMA=False, QDO=0, HAS_TAIL=False, WEIGHTED=True, RSTD=True)
+            SILU=True, GATHER=False, TMA=False, QDO=0, LOCAL_DV=False, HAS_TAIL=False, WEIGHTED=True, RSTD=True)
 
 
 # the scans' tensor descriptors (chunk_gdn/tma.py) with TMA=1: tile rows and columns by constexpr name
@@ -85,7 +85,8 @@ KERNELS = [
     ("state_fwd scan", state_fwd._state_fwd_kernel, {}, None),
     ("output_fwd", state_fwd._output_kernel, {}, None),
     ("dv_local", state_bwd._dv_local_kernel, {}, {"dv": "*fp32"}),  # chunk_bwd's dq/dv are bf16 (HK == HV)
-    ("state_bwd scan", state_bwd._state_bwd_kernel, {}, None),
+    ("state_bwd scan", state_bwd._state_bwd_kernel, {"LOCAL_DV": True}, None),
+    ("state_bwd scan (dv_local buffer)", state_bwd._state_bwd_kernel, {}, None),
     ("chunk_bwd_qk", chunk_bwd._chunk_bwd_qk_kernel, {}, {"dw": "*bf16"}),
     ("wy_bwd", chunk_bwd._wy_bwd_kernel, {}, {"dk_out": "*bf16", "T": "*bf16", "dw": "*bf16", "scratch": "*bf16"}),
     ("l2norm fwd", l2norm._l2norm_fwd_kernel, {}, None),

@@ -100,6 +100,19 @@ def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
         assert torch.equal(a, b), name
 
 
+def test_scan_formed_dv_local_equals_buffer_bitwise():
+    """Full-width backward scans form each chunk's dv_local themselves (64 columns, pointer loads); a call with a
+    narrow launch reads it from dv_local_bwd's buffer (16 columns, descriptor loads): the same bits in every output
+    and gradient, grouped heads, exports with injected gradients, partial and sub-chunk sequences."""
+    lengths = [3000, 1, 64, 63, 4096, 1300]
+    tensors, cu = make_inputs(lengths, hk=8, hv=16, seed=4)
+    exports = dict(export_seq=torch.tensor([0, 0, 4, 4, 5]), export_offset=torch.tensor([64, 2944, 4096, 1024, 1280]))
+    results = [run_call(chunk_gated_delta_rule, tensors, cu, exports, config=GDNKernelConfig(scan_min_programs=n))
+               for n in (0, 10**6)]
+    for name, a, b in zip(NAMES, *results):
+        assert torch.equal(a, b), name
+
+
 def test_precise_q_do_when_the_initial_state_gradient_is_returned():
     """GDNKernelConfig.scan_q_do_precision: "auto" runs the backward scan's q^T do as bf16 hi + lo exactly when
     the call returns d(initial state) (bitwise as "bf16x2" then, as "bf16" otherwise), and that brings d(initial

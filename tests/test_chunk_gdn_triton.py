@@ -161,6 +161,23 @@ def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("tma", [True, False])
+def test_scan_formed_dv_local_equals_buffer_bitwise(tma):
+    """Full-width backward scans form each chunk's dv_local themselves; where a launch runs narrower, every scan reads
+    it from dv_local_bwd's buffer instead (state_bwd.py). Both give the same bits in every output and gradient,
+    across scan widths (a tree round may scan narrower than its trajectories)."""
+    lengths = [200, 64, 5, 130, 192]
+    tensors, cu = make_inputs(lengths, hk=1, hv=2, kd=16, vd=32, seed=9)
+    export_seq, export_offset = torch.tensor([0, 0, 3, 4, 4]), torch.tensor([64, 192, 128, 64, 192])
+    results = []
+    for min_programs in (0, 10**6):  # every launch at 32 columns (formed in the scan); narrowed to 16 (buffer)
+        config = GDNKernelConfig(scan_tma_max_block_v=32 if tma else 0, scan_block_v=32, scan_min_programs=min_programs)
+        results.append(forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, config=config,
+                                        use_qk_l2norm=True))
+    for name, a, b in zip(NAMES, *results):
+        assert torch.equal(a, b), name
+
+
 def test_precise_q_do_remainder_is_zero_in_fp32():
     """The backward scan's bf16 hi + lo q^T do (GDNKernelConfig.scan_q_do_precision "bf16x2"): the interpreter
     runs fp32 operands, whose remainder is exactly 0, so the second dot must add nothing: the same bits as one

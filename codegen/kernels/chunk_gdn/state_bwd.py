@@ -6,7 +6,10 @@ With S_c the state entering chunk c (h_c), dS the gradient of the state leaving 
   dvn   = dv_local + exp(gc_last - gc) (k dS)                          (grad of v_new)
   dS    = exp(gc_last) dS + (scale exp(gc) q)^T do - w^T dvn            (grad of the state entering c)
 and after the first chunk dS is the gradient of the initial state.
-dv_local = scale * tril(q k^T exp(gc_i - gc_j))^T do is chunk-local and computed beforehand.
+dv_local = scale * tril(q k^T exp(gc_i - gc_j))^T do is chunk-local. Full-width launches (LOCAL_DV) form it
+from the q, k and do tiles they load for dS anyway, off the dS chain; narrow launches (few sequences: issue-bound,
+docs/gdn_kernels.md) read it from an fp32 buffer that a chunk-parallel kernel wrote beforehand. Both give the
+same bits.
 """
 from __future__ import annotations
 
@@ -61,6 +64,40 @@ def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, 
 
 
 @triton.jit
+def _dv_local(b_k, b_qt, b_gc, b_do, scale, BT: tl.constexpr):
+    """scale tril(q k^T exp(gc_i - gc_j))^T do of one chunk, [BT, BV] fp32, from b_k [BT, K], b_qt [K, BT] and
+    b_do [BT, BV] (rows past the chunk's end zero). The k q^T dot and its gating do not depend on the
+    column block, so every state column gets the same bits whatever the scan's width."""
+    o_t = tl.arange(0, BT)
+    b_at = tl.dot(b_k, b_qt)  # [BT(j), BT(i)]: A^T of the intra-chunk attention, non-zero for i >= j
+    b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at * _exp_gate_gap(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
+    return tl.dot(b_at.to(b_do.dtype), b_do)
+
+
+@triton.jit
+def _opaque(x, INTERPRET: tl.constexpr):
+    """x through an opaque fp32 copy, so that the sum it enters rounds as written: without it Triton folds
+    `dot + y` into the dot's accumulator, and a select on both sides of the sum lets LLVM merge them and ptxas
+    fuse y's multiply into the add; either rounds differently from adding a tile read from memory."""
+    if INTERPRET:
+        return x
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _chunk_dv_local(dv_local, rows, m_t, i_h, o_v, b_k, b_qt, b_gc, b_do, scale, HV: tl.constexpr, V: tl.constexpr,
+                    BT: tl.constexpr, LOCAL_DV: tl.constexpr, INTERPRET: tl.constexpr):
+    """A scan chunk's dv_local [BT, BV] fp32: formed here (LOCAL_DV) or read from the chunk-parallel kernel's
+    buffer, the same bits either way (rows past the chunk's end are 0 in both: their do rows are)."""
+    if LOCAL_DV:
+        return _opaque(_dv_local(b_k, b_qt, b_gc, b_do, scale, BT), INTERPRET)
+    else:
+        return tl.load(dv_local + (rows[:, None] * HV + i_h).to(tl.int64) * V + o_v[None, :], mask=m_t[:, None],
+                       other=0.0)
+
+
+@triton.jit
 def _decayed_q_do(b_qt, b_dos, b_acc, QDO: tl.constexpr):
     """b_acc + q^T b_dos, b_qt [K, BT] bf16 and b_dos = scale exp(gc) do [BT, BV] fp32. QDO 0 rounds b_dos to
     bf16 (one wgmma; 2^-9 relative per element, the largest rounding in d(initial state): 1.2x fla's error,
@@ -75,7 +112,8 @@ def _decayed_q_do(b_qt, b_dos, b_acc, QDO: tl.constexpr):
 @triton.jit
 def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
                     state_offs, scale, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BT: tl.constexpr, o_v, GATHER: tl.constexpr, QDO: tl.constexpr):
+                    BT: tl.constexpr, o_v, GATHER: tl.constexpr, QDO: tl.constexpr, LOCAL_DV: tl.constexpr,
+                    INTERPRET: tl.constexpr):
     """One chunk of the reverse scan; q, k and do are read at the row maps (GATHER) or at packed row + `shift`."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
@@ -97,7 +135,8 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 
     b_acc = _decayed_q_do(b_qt, b_do * (tl.exp(b_gc) * scale)[:, None], b_ds * tl.exp(b_gl), QDO)
 
     b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_dvn = tl.load(dv_local + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+    b_dvn = _chunk_dv_local(dv_local, rows, m_t, i_h, o_v, b_k, b_qt, b_gc, b_do, scale, HV, V, BT, LOCAL_DV,
+                            INTERPRET)
     b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp(b_gl - b_gc)[:, None], 0.0)
     tl.store(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty),
              mask=m_t[:, None])
@@ -110,7 +149,8 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 
 @triton.jit
 def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dh, dvn, gc, b_ds, i_c, c0, bos, eos, i_h, i_hk,
                         i_v, state_offs, scale, shift, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BT: tl.constexpr, BV: tl.constexpr, o_v, QDO: tl.constexpr):
+                        BT: tl.constexpr, BV: tl.constexpr, o_v, QDO: tl.constexpr, LOCAL_DV: tl.constexpr,
+                        INTERPRET: tl.constexpr):
     """_state_bwd_step on a full chunk, its loads through tensor descriptors (see state_fwd._state_fwd_step_tma):
     the same arithmetic in the same order. The row mask stays on the k dS term although every row is inside:
     without the select, ptxas contracts dv_local + (k dS) exp(..) into one FMA, which rounds differently."""
@@ -123,11 +163,14 @@ def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dh, dvn, gc, 
     tl.store(dh + (ic * HV + i_h) * (K * V) + state_offs, b_ds.to(dh.dtype.element_ty))
     b_gc = tl.load(gc + rows * HV + i_h)
     b_gl = tl.load(gc + (row0 + BT - 1) * HV + i_h)
-    b_q = q_desc.load([src0, i_hk * K])                                 # [BT, K]
+    b_qt = tl.trans(q_desc.load([src0, i_hk * K]))                      # [K, BT]
     b_do = do_desc.load([src0, col_v])                                  # [BT, BV]
-    b_acc = _decayed_q_do(tl.trans(b_q), b_do * (tl.exp(b_gc) * scale)[:, None], b_ds * tl.exp(b_gl), QDO)
+    b_acc = _decayed_q_do(b_qt, b_do * (tl.exp(b_gc) * scale)[:, None], b_ds * tl.exp(b_gl), QDO)
     b_k = k_desc.load([src0, i_hk * K])
-    b_dvn = dvl_desc.load([row0, col_v])                                # fp32
+    if LOCAL_DV:
+        b_dvn = _opaque(_dv_local(b_k, b_qt, b_gc, b_do, scale, BT), INTERPRET)
+    else:
+        b_dvn = dvl_desc.load([row0, col_v])                            # fp32
     b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp(b_gl - b_gc)[:, None], 0.0)
     tl.store(dvn + (rows[:, None] * HV + i_h).to(tl.int64) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty))
     b_w = w_desc.load([row0, i_h * K])
@@ -138,15 +181,17 @@ def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dh, dvn, gc, 
 def _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
                      i_v, state_offs, scale, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                      V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, o_v, GATHER: tl.constexpr, TMA: tl.constexpr,
-                     QDO: tl.constexpr):
+                     QDO: tl.constexpr, LOCAL_DV: tl.constexpr, INTERPRET: tl.constexpr):
     """A chunk of the main loop: loads through `descs` = (q, k, w, do, dv_local) with TMA (full chunks only),
     else through pointers."""
     if TMA:
-        return _state_bwd_step_tma(descs[0], descs[1], descs[2], descs[3], descs[4], dh, dvn, gc, b_ds, i_c, c0, bos,
-                                   eos, i_h, i_hk, i_v, state_offs, scale, shift, HV, K, V, BT, BV, o_v, QDO)
+        return _state_bwd_step_tma(descs[0], descs[1], descs[2], descs[3], descs[4], dh, dvn, gc, b_ds, i_c, c0,
+                                   bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HV, K, V, BT, BV, o_v, QDO,
+                                   LOCAL_DV, INTERPRET)
     else:
         return _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h,
-                               i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v, GATHER, QDO)
+                               i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v, GATHER, QDO, LOCAL_DV,
+                               INTERPRET)
 
 
 @triton.jit
@@ -154,7 +199,7 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc
                       cu_seqlens, seq_chunk_start, seq_order, seq_export_start, export_end_chunk,
                       export_end_slot, row_src, row_own, seq_shift, scale, HK: tl.constexpr, HV: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr,
-                      GATHER: tl.constexpr, TMA: tl.constexpr, QDO: tl.constexpr):
+                      GATHER: tl.constexpr, TMA: tl.constexpr, QDO: tl.constexpr, LOCAL_DV: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, i_v, o_v, state_offs = _scan_program(
         cu_seqlens, seq_chunk_start, seq_order, HK, HV, K, V, BT, BV)
     descs = (q_desc, k_desc, w_desc, do_desc, dvl_desc)
@@ -181,40 +226,47 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc
             if (n_loop >= c_start) & (n_loop < c_end):
                 b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, n_loop, c0, bos,
                                        eos, i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v,
-                                       False, QDO)
+                                       False, QDO, LOCAL_DV, INTERPRET)
         c_hi = tl.minimum(c_end, n_loop)
         if INTERPRET:  # see state_fwd: no loaded loop bounds in the CPU interpreter
             i_c = c_hi - 1
             while i_c >= c_start:
                 b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0,
                                         bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV, K, V, BT, BV, o_v,
-                                        False, TMA, QDO)
+                                        False, TMA, QDO, LOCAL_DV, INTERPRET)
                 i_c -= 1
         else:
             for i_r in range(0, c_hi - c_start):
                 b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds,
                                         c_hi - 1 - i_r, c0, bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV,
-                                        K, V, BT, BV, o_v, False, TMA, QDO)
+                                        K, V, BT, BV, o_v, False, TMA, QDO, LOCAL_DV, INTERPRET)
         i_e -= 1
     if GATHER:
         if n_chunks > 0:
             b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 0, c0, bos, eos,
-                                   i_h, i_hk, state_offs, scale, e0 * 0, HK, HV, K, V, BT, o_v, True, QDO)
+                                   i_h, i_hk, state_offs, scale, e0 * 0, HK, HV, K, V, BT, o_v, True, QDO,
+                                   LOCAL_DV, INTERPRET)
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
-def dv_local_bwd(q, k, gc, do, scale, index, rows=None):
-    """The chunk-local part of d(v_new) [R, HV, V] fp32 (every chunk at once). `rows` (index.PackedRows): q, k
-    and do are compact, read through `rows.src` and `rows.own`."""
+def dv_local_bwd(q, k, gc, do, scale, index, launch_seqs, rows=None):
+    """The chunk-local part of d(v_new) [R, HV, V] fp32 (every chunk at once) where one of the backward scan launches
+    over `launch_seqs` sequences (per launch) runs narrower than `index.config.scan_block_v`, else None: then every
+    scan forms it itself (LOCAL_DV). `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and
+    `rows.own`."""
     _, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
+    cfg = index.config
+    full = min(cfg.scan_block_v, vd)
+    if all(cfg.scan_launch_for(n, hv, vd, k.element_size())[0] == full for n in launch_seqs):
+        return None
     dv_local = torch.empty(gc.shape[0], hv, vd, device=q.device, dtype=torch.float32)
     shifts = chunk_shift_table(index, rows)
     if index.num_chunks:
         _dv_local_kernel[(index.num_chunks * hv,)](
             q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts,
             scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, GATHER=rows is not None,
-            num_warps=index.config.dv_local_warps)
+            num_warps=cfg.dv_local_warps)
     return dv_local
 
 
@@ -222,7 +274,8 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
                    seqs: tuple[int, int] | None = None, rows=None, launch_seqs: int | None = None,
                    initial_state_grad: bool = False, order=None):
     """The reverse scan of sequences `seqs` = (first, count) of `index` (default: all) into the shared dh
-    [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32.
+    [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32. `dv_local`:
+    dv_local_bwd's buffer, or None for the scan to form each chunk's dv_local itself.
     `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and `rows.own`.
     `launch_seqs`, `order`: as in state_fwd. `initial_state_grad`: the caller returns the initial-state gradients
     (GDNKernelConfig.scan_q_do_precision "auto" then takes the precise q^T do)."""
@@ -233,6 +286,8 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size())
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
     shifts = scan_row_shift(index, rows, first)
+    local_dv = dv_local is None
+    dv_local = do if local_dv else dv_local  # never read with LOCAL_DV
     tma, descs = scan_descriptors(cfg, bv, index.chunk_size, ((q, kd), (k, kd), (w, kd), (do, bv), (dv_local, bv)))
     if count:
         _state_bwd_kernel[scan_grid(count, hv, vd, bv)](
@@ -240,7 +295,8 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
             index.seq_chunk_start[first:], scan_order(index, seqs, order), index.seq_export_start[first:],
             index.export_end_chunk, index.export_end_slot, *row_tables(index, rows), shifts, scale, HK=hk, HV=hv,
             K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
-            TMA=tma, QDO=cfg.scan_q_do_code(initial_state_grad), num_warps=warps, num_stages=stages)
+            TMA=tma, QDO=cfg.scan_q_do_code(initial_state_grad), LOCAL_DV=local_dv, num_warps=warps,
+            num_stages=stages)
     return dh0
 
 
@@ -248,7 +304,7 @@ def state_bwd(q, k, w, gc, do, bank_grad, scale, index, initial_state_grad: bool
     """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32
     (`initial_state_grad`, `order`: see state_bwd_scan)."""
     hv, kd, vd = do.shape[1], q.shape[2], do.shape[2]
-    dv_local = dv_local_bwd(q, k, gc, do, scale, index)
+    dv_local = dv_local_bwd(q, k, gc, do, scale, index, [index.num_seqs])
     dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
     dvn = torch.empty_like(do)
     dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn,

@@ -7,9 +7,10 @@ one after another in a single varlen layout (tree_plan.py), and
   forward:  wy_fwd over every chunk of every round                      (2 launches)
             per round (and lane): state_fwd over its sequences, from states read in the bank
             output_fwd over every chunk                                 (1 launch)
-  backward: dv_local over every chunk; per round in reverse: the reverse scan (the exported states'
-            gradients injected), then its initial-state gradients summed into the bank rows they
-            came from; chunk_bwd over every chunk; the replayed rows' gradients summed onto their tokens.
+  backward: dv_local over every chunk if a scan launch is narrow (else each scan forms it); per round
+            in reverse: the reverse scan (the exported states' gradients injected), then its initial-state
+            gradients summed into the bank rows they came from; chunk_bwd over every chunk; the replayed
+            rows' gradients summed onto their tokens.
 
 The kernels read q, k, v, g, beta and do on the compact tokens and write o and the kept gradients there,
 through the plan's row maps (index.PackedRows); a plan whose packed rows are the compact tokens in order
@@ -172,7 +173,8 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         index, rows = plan.index, plan.rows
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
         do = torch.zeros_like(v) if d_out is None else d_out.to(v.dtype).contiguous()
-        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, rows)
+        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, [launch.round_seqs for launch in plan.launches],
+                                rows)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
         bank_grad = state_bank_grad(plan, d_exported, (hv, kd, vd), q.device)
