@@ -90,7 +90,7 @@ def time_case(lengths, row_maps, launches, device, value_heads=16, tma=True):
                 state_fwd(k, w, u, gc, h0, index, rows=rows)
 
             def bwd():
-                state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, 0.1, index, dh, dvn, rows=rows)
+                state_bwd_scan(q, k, w, gc, do, bank_grad, 0.1, index, dh, dvn, dv_local=(dv_local, 0), rows=rows)
             fwd_ms, bwd_ms = (kernel_ms(fn, device, rep_ms=60, warmup_ms=15) for fn in (fwd, bwd))
             results[(block_v, warps, stages)] = fwd_ms + bwd_ms
             split[(block_v, warps, stages)] = (fwd_ms, bwd_ms)

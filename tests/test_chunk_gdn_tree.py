@@ -148,6 +148,31 @@ def test_replays_and_shared_starts_are_summed():
         assert_close(a, b)
 
 
+def test_narrow_rounds_read_dv_local_full_width_rounds_form_it():
+    """A wide first round (three roots) and a narrow second one (one branch): the branch's backward scan reads
+    dv_local from a buffer that starts at its own packed rows, the roots' scans form theirs. Every output and
+    gradient equals the plan's whose launches all run at full width, bit for bit."""
+    roots = np.array([0, 128, 198, 288])
+    T = 338
+    rounds = [LinearRound(cu_seqlens=roots, row_src=np.arange(288), own_rows=np.arange(288), own_dst=np.arange(288),
+                          init_state=np.full(3, -1), export_seq=np.array([0]), export_offset=np.array([128]),
+                          export_bank=np.array([5])),
+              LinearRound(cu_seqlens=np.array([0, 50]), row_src=288 + np.arange(50), own_rows=np.arange(50),
+                          own_dst=288 + np.arange(50), init_state=np.array([5]), export_seq=np.zeros(0),
+                          export_offset=np.zeros(0), export_bank=np.zeros(0))]
+    vd = 2 * DIM
+    mixed = device_plan(rounds, T, scan_block_v=vd, scan_min_programs=4)  # 3 x 2 heads programs: full; 1 x 2: not
+    tensors = inputs(T, seed=4, vd=vd)
+    full_width = [mixed.index.config.scan_full_width(launch.round_seqs, 2, vd, tensors[1].element_size())
+                  for launch in mixed.launches]  # the roots' launches (one per lane), then the branch's
+    assert all(full_width[:-1]) and not full_width[-1]
+    full = device_plan(rounds, T, scan_block_v=vd, scan_min_programs=0)
+    weights = torch.randn(T, 2, vd, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
+    for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], run(fused(mixed), tensors, weights),
+                          run(fused(full), tensors, weights)):
+        assert torch.equal(a, b), name
+
+
 def test_aligned_branch_points_need_no_maps():
     """A tree whose branches fork on a chunk boundary replays nothing: the packed layout is the compact one
     (identity_layout, no row maps). Outputs equal one call per round bit for bit, even on a non-contiguous v

@@ -98,6 +98,12 @@ class GDNKernelConfig:
             block_v //= 2
         return block_v, self.scan_warps, self.scan_stages_for(element_size)
 
+    def scan_full_width(self, num_seqs: int, value_heads: int, value_dim: int, element_size: int) -> bool:
+        """Whether a scan launch over `num_seqs` sequences runs at `scan_block_v` columns (not narrowed for want of
+        programs): its backward then forms each chunk's dv_local itself."""
+        block_v = self.scan_launch_for(num_seqs, value_heads, value_dim, element_size)[0]
+        return block_v == min(self.scan_block_v, value_dim)
+
     def scan_stages_for(self, element_size: int) -> int:
         """Pipeline depth of the scans: `scan_num_stages`, or 3 for 16-bit inputs (two chunks of prefetch fit
         in shared memory at 64 columns) and 1 for fp32 (2 stages at 32 columns exceed the H200's 227 KiB)."""

@@ -6,10 +6,10 @@ With S_c the state entering chunk c (h_c), dS the gradient of the state leaving 
   dvn   = dv_local + exp(gc_last - gc) (k dS)                          (grad of v_new)
   dS    = exp(gc_last) dS + (scale exp(gc) q)^T do - w^T dvn            (grad of the state entering c)
 and after the first chunk dS is the gradient of the initial state.
-dv_local = scale * tril(q k^T exp(gc_i - gc_j))^T do is chunk-local. Full-width launches (LOCAL_DV) form it
-from the q, k and do tiles they load for dS anyway, off the dS chain; narrow launches (few sequences: issue-bound,
-docs/gdn_kernels.md) read it from an fp32 buffer that a chunk-parallel kernel wrote beforehand. Both give the
-same bits.
+dv_local = scale * tril(q k^T exp(gc_i - gc_j))^T do is chunk-local. A full-width scan launch forms it (LOCAL_DV)
+from the q, k and do tiles it loads for dS anyway, off the dS chain; narrow launches (few sequences: issue-bound,
+docs/gdn_kernels.md) read it from an fp32 buffer that a chunk-parallel kernel fills beforehand over their chunks.
+Both give the same bits.
 """
 from __future__ import annotations
 
@@ -25,11 +25,9 @@ from .tma import scan_descriptors
 
 
 @triton.jit
-def _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale,
-                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, i_c, i_h, row_lo, shift,
+                    scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     GATHER: tl.constexpr):
-    i_ch = tl.program_id(0)
-    i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
     o_t = tl.arange(0, BT)
@@ -45,22 +43,24 @@ def _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, r
     b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at * _exp_gate_gap(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
     b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
     b_dv = tl.dot(b_at.to(b_do.dtype), b_do)
-    tl.store(dv + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dv, mask=m_t[:, None])
+    tl.store(dv + ((rows - row_lo)[:, None] * HV + i_h) * V + o_v[None, :], b_dv, mask=m_t[:, None])
 
 
 @triton.jit
-def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, scale,
-                     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, c_first, row_lo,
+                     scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      GATHER: tl.constexpr):
-    """Chunks without replayed rows run the plain-row code at row + their shift, the others
-    through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
+    """One program per chunk (from c_first on) and value head, dv rows from packed row row_lo on. Chunks without
+    replayed rows run the plain-row code at row + their shift, the others through the row maps (GATHER) or on
+    plain rows."""
+    i_c, i_h = c_first + tl.program_id(0) // HV, tl.program_id(0) % HV
+    shift, affine = _chunk_shift(chunk_shift, i_c, GATHER)
     if affine:
-        _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale, HK, HV,
-            K, V, BT, False)
+        _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, i_c, i_h, row_lo, shift,
+            scale, HK, HV, K, V, BT, False)
     else:
-        _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, 0, scale, HK, HV, K, V,
-            BT, GATHER)
+        _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, i_c, i_h, row_lo, 0,
+            scale, HK, HV, K, V, BT, GATHER)
 
 
 @triton.jit
@@ -86,15 +86,16 @@ def _opaque(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _chunk_dv_local(dv_local, rows, m_t, i_h, o_v, b_k, b_qt, b_gc, b_do, scale, HV: tl.constexpr, V: tl.constexpr,
-                    BT: tl.constexpr, LOCAL_DV: tl.constexpr, INTERPRET: tl.constexpr):
+def _chunk_dv_local(dv_local, dvl_row0, rows, m_t, i_h, o_v, b_k, b_qt, b_gc, b_do, scale, HV: tl.constexpr,
+                    V: tl.constexpr, BT: tl.constexpr, LOCAL_DV: tl.constexpr, INTERPRET: tl.constexpr):
     """A scan chunk's dv_local [BT, BV] fp32: formed here (LOCAL_DV) or read from the chunk-parallel kernel's
-    buffer, the same bits either way (rows past the chunk's end are 0 in both: their do rows are)."""
+    buffer (packed rows from dvl_row0 on), the same bits either way (rows past the chunk's end are 0 in both:
+    their do rows are)."""
     if LOCAL_DV:
         return _opaque(_dv_local(b_k, b_qt, b_gc, b_do, scale, BT), INTERPRET)
     else:
-        return tl.load(dv_local + (rows[:, None] * HV + i_h).to(tl.int64) * V + o_v[None, :], mask=m_t[:, None],
-                       other=0.0)
+        return tl.load(dv_local + ((rows - dvl_row0)[:, None] * HV + i_h).to(tl.int64) * V + o_v[None, :],
+                       mask=m_t[:, None], other=0.0)
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def _decayed_q_do(b_qt, b_dos, b_acc, QDO: tl.constexpr):
 
 
 @triton.jit
-def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
+def _state_bwd_step(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
                     state_offs, scale, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BT: tl.constexpr, o_v, GATHER: tl.constexpr, QDO: tl.constexpr, LOCAL_DV: tl.constexpr,
                     INTERPRET: tl.constexpr):
@@ -135,7 +136,7 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 
     b_acc = _decayed_q_do(b_qt, b_do * (tl.exp(b_gc) * scale)[:, None], b_ds * tl.exp(b_gl), QDO)
 
     b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_dvn = _chunk_dv_local(dv_local, rows, m_t, i_h, o_v, b_k, b_qt, b_gc, b_do, scale, HV, V, BT, LOCAL_DV,
+    b_dvn = _chunk_dv_local(dv_local, dvl_row0, rows, m_t, i_h, o_v, b_k, b_qt, b_gc, b_do, scale, HV, V, BT, LOCAL_DV,
                             INTERPRET)
     b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp(b_gl - b_gc)[:, None], 0.0)
     tl.store(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty),
@@ -147,8 +148,8 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 
 
 
 @triton.jit
-def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dh, dvn, gc, b_ds, i_c, c0, bos, eos, i_h, i_hk,
-                        i_v, state_offs, scale, shift, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dvl_row0, dh, dvn, gc, b_ds, i_c, c0, bos, eos,
+                        i_h, i_hk, i_v, state_offs, scale, shift, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BT: tl.constexpr, BV: tl.constexpr, o_v, QDO: tl.constexpr, LOCAL_DV: tl.constexpr,
                         INTERPRET: tl.constexpr):
     """_state_bwd_step on a full chunk, its loads through tensor descriptors (see state_fwd._state_fwd_step_tma):
@@ -170,7 +171,7 @@ def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dh, dvn, gc, 
     if LOCAL_DV:
         b_dvn = _opaque(_dv_local(b_k, b_qt, b_gc, b_do, scale, BT), INTERPRET)
     else:
-        b_dvn = dvl_desc.load([row0, col_v])                            # fp32
+        b_dvn = dvl_desc.load([(row0 - dvl_row0).to(tl.int32), col_v])  # fp32
     b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp(b_gl - b_gc)[:, None], 0.0)
     tl.store(dvn + (rows[:, None] * HV + i_h).to(tl.int64) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty))
     b_w = w_desc.load([row0, i_h * K])
@@ -178,25 +179,25 @@ def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dh, dvn, gc, 
 
 
 @triton.jit
-def _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
-                     i_v, state_offs, scale, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def _state_bwd_chunk(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0, bos, eos,
+                     i_h, i_hk, i_v, state_offs, scale, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                      V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, o_v, GATHER: tl.constexpr, TMA: tl.constexpr,
                      QDO: tl.constexpr, LOCAL_DV: tl.constexpr, INTERPRET: tl.constexpr):
     """A chunk of the main loop: loads through `descs` = (q, k, w, do, dv_local) with TMA (full chunks only),
     else through pointers."""
     if TMA:
-        return _state_bwd_step_tma(descs[0], descs[1], descs[2], descs[3], descs[4], dh, dvn, gc, b_ds, i_c, c0,
-                                   bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HV, K, V, BT, BV, o_v, QDO,
+        return _state_bwd_step_tma(descs[0], descs[1], descs[2], descs[3], descs[4], dvl_row0, dh, dvn, gc, b_ds, i_c,
+                                   c0, bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HV, K, V, BT, BV, o_v, QDO,
                                    LOCAL_DV, INTERPRET)
     else:
-        return _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h,
-                               i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v, GATHER, QDO, LOCAL_DV,
+        return _state_bwd_step(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos,
+                               eos, i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v, GATHER, QDO, LOCAL_DV,
                                INTERPRET)
 
 
 @triton.jit
-def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc, k_desc, w_desc, do_desc, dvl_desc,
-                      cu_seqlens, seq_chunk_start, seq_order, seq_export_start, export_end_chunk,
+def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, dh0, bank_grad, q_desc, k_desc, w_desc, do_desc,
+                      dvl_desc, cu_seqlens, seq_chunk_start, seq_order, seq_export_start, export_end_chunk,
                       export_end_slot, row_src, row_own, seq_shift, scale, HK: tl.constexpr, HV: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr,
                       GATHER: tl.constexpr, TMA: tl.constexpr, QDO: tl.constexpr, LOCAL_DV: tl.constexpr):
@@ -224,58 +225,55 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, q_desc
                         mask=(state_offs * 0 + slot) >= 0, other=0.0)
         if TMA:
             if (n_loop >= c_start) & (n_loop < c_end):
-                b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, n_loop, c0, bos,
-                                       eos, i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v,
+                b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, row_src, row_own, b_ds, n_loop,
+                                       c0, bos, eos, i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v,
                                        False, QDO, LOCAL_DV, INTERPRET)
         c_hi = tl.minimum(c_end, n_loop)
         if INTERPRET:  # see state_fwd: no loaded loop bounds in the CPU interpreter
             i_c = c_hi - 1
             while i_c >= c_start:
-                b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0,
-                                        bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV, K, V, BT, BV, o_v,
+                b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, descs, row_src, row_own, b_ds,
+                                        i_c, c0, bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV, K, V, BT,
+BV, o_v,
                                         False, TMA, QDO, LOCAL_DV, INTERPRET)
                 i_c -= 1
         else:
             for i_r in range(0, c_hi - c_start):
-                b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvn, dh, descs, row_src, row_own, b_ds,
+                b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, descs, row_src, row_own, b_ds,
                                         c_hi - 1 - i_r, c0, bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV,
                                         K, V, BT, BV, o_v, False, TMA, QDO, LOCAL_DV, INTERPRET)
         i_e -= 1
     if GATHER:
         if n_chunks > 0:
-            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvn, dh, row_src, row_own, b_ds, 0, c0, bos, eos,
-                                   i_h, i_hk, state_offs, scale, e0 * 0, HK, HV, K, V, BT, o_v, True, QDO,
+            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, row_src, row_own, b_ds, 0, c0, bos,
+                                   eos, i_h, i_hk, state_offs, scale, e0 * 0, HK, HV, K, V, BT, o_v, True, QDO,
                                    LOCAL_DV, INTERPRET)
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
-def dv_local_bwd(q, k, gc, do, scale, index, launch_seqs, rows=None):
-    """The chunk-local part of d(v_new) [R, HV, V] fp32 (every chunk at once) where one of the backward scan launches
-    over `launch_seqs` sequences (per launch) runs narrower than `index.config.scan_block_v`, else None: then every
-    scan forms it itself (LOCAL_DV). `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and
-    `rows.own`."""
+def dv_local_bwd(q, k, gc, do, scale, index, chunks: tuple[int, int], row_lo: int, row_hi: int, rows=None):
+    """The chunk-local part of d(v_new) of chunks [chunks[0], chunks[1]) of `index`, whose packed rows are
+    [row_lo, row_hi): [row_hi - row_lo, HV, V] fp32, for the narrow scan launches over them to read
+    (`state_bwd_scan`'s `dv_local`). `rows` (index.PackedRows): q, k and do are compact, read through `rows.src`
+    and `rows.own`."""
     _, hk, kd = q.shape
     hv, vd = do.shape[1], do.shape[2]
-    cfg = index.config
-    full = min(cfg.scan_block_v, vd)
-    if all(cfg.scan_launch_for(n, hv, vd, k.element_size())[0] == full for n in launch_seqs):
-        return None
-    dv_local = torch.empty(gc.shape[0], hv, vd, device=q.device, dtype=torch.float32)
-    shifts = chunk_shift_table(index, rows)
-    if index.num_chunks:
-        _dv_local_kernel[(index.num_chunks * hv,)](
-            q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts,
-            scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, GATHER=rows is not None,
-            num_warps=cfg.dv_local_warps)
+    dv_local = torch.empty(row_hi - row_lo, hv, vd, device=q.device, dtype=torch.float32)
+    if chunks[1] > chunks[0]:
+        _dv_local_kernel[((chunks[1] - chunks[0]) * hv,)](
+            q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows),
+            chunk_shift_table(index, rows), chunks[0], row_lo, scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size,
+            GATHER=rows is not None, num_warps=index.config.dv_local_warps)
     return dv_local
 
 
-def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, *,
+def state_bwd_scan(q, k, w, gc, do, bank_grad, scale, index, dh, dvn, *, dv_local=None,
                    seqs: tuple[int, int] | None = None, rows=None, launch_seqs: int | None = None,
                    initial_state_grad: bool = False, order=None):
     """The reverse scan of sequences `seqs` = (first, count) of `index` (default: all) into the shared dh
-    [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32. `dv_local`:
-    dv_local_bwd's buffer, or None for the scan to form each chunk's dv_local itself.
+    [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32.
+    `dv_local`: (dv_local_bwd's buffer, its first packed row), which a narrow launch (`GDNKernelConfig.scan_full_width`
+    false) needs over its sequences' chunks; a full-width launch forms each chunk's dv_local itself.
     `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and `rows.own`.
     `launch_seqs`, `order`: as in state_fwd. `initial_state_grad`: the caller returns the initial-state gradients
     (GDNKernelConfig.scan_q_do_precision "auto" then takes the precise q^T do)."""
@@ -284,14 +282,16 @@ def state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn, 
     first, count = seqs if seqs is not None else (0, index.num_seqs)
     cfg = index.config
     bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size())
+    local_dv = cfg.scan_full_width(launch_seqs or count, hv, vd, k.element_size())
+    if not local_dv and dv_local is None:
+        raise ValueError("a narrow backward scan launch reads dv_local: pass dv_local_bwd's buffer")
+    dv_local, dvl_row0 = (do, 0) if local_dv else dv_local  # never read with LOCAL_DV
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
     shifts = scan_row_shift(index, rows, first)
-    local_dv = dv_local is None
-    dv_local = do if local_dv else dv_local  # never read with LOCAL_DV
     tma, descs = scan_descriptors(cfg, bv, index.chunk_size, ((q, kd), (k, kd), (w, kd), (do, bv), (dv_local, bv)))
     if count:
         _state_bwd_kernel[scan_grid(count, hv, vd, bv)](
-            q, k, w, gc, do, dv_local, dvn, dh, dh0, bank_grad, *descs, index.cu_seqlens[first:],
+            q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, dh0, bank_grad, *descs, index.cu_seqlens[first:],
             index.seq_chunk_start[first:], scan_order(index, seqs, order), index.seq_export_start[first:],
             index.export_end_chunk, index.export_end_slot, *row_tables(index, rows), shifts, scale, HK=hk, HV=hv,
             K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
@@ -304,9 +304,11 @@ def state_bwd(q, k, w, gc, do, bank_grad, scale, index, initial_state_grad: bool
     """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32
     (`initial_state_grad`, `order`: see state_bwd_scan)."""
     hv, kd, vd = do.shape[1], q.shape[2], do.shape[2]
-    dv_local = dv_local_bwd(q, k, gc, do, scale, index, [index.num_seqs])
+    dv_local = None
+    if not index.config.scan_full_width(index.num_seqs, hv, vd, k.element_size()):
+        dv_local = (dv_local_bwd(q, k, gc, do, scale, index, (0, index.num_chunks), 0, gc.shape[0]), 0)
     dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
     dvn = torch.empty_like(do)
-    dh0 = state_bwd_scan(q, k, w, gc, do, dv_local, bank_grad, scale, index, dh, dvn,
+    dh0 = state_bwd_scan(q, k, w, gc, do, bank_grad, scale, index, dh, dvn, dv_local=dv_local,
                          initial_state_grad=initial_state_grad, order=order)
     return dh, dvn, dh0

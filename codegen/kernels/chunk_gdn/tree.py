@@ -7,7 +7,7 @@ one after another in a single varlen layout (tree_plan.py), and
   forward:  wy_fwd over every chunk of every round                      (2 launches)
             per round (and lane): state_fwd over its sequences, from states read in the bank
             output_fwd over every chunk                                 (1 launch)
-  backward: dv_local over every chunk if a scan launch is narrow (else each scan forms it); per round
+  backward: dv_local over the chunks of narrow scan launches (full-width ones form it); per round
             in reverse: the reverse scan (the exported states' gradients injected), then its initial-state
             gradients summed into the bank rows they came from; chunk_bwd over every chunk; the replayed
             rows' gradients summed onto their tokens.
@@ -173,20 +173,33 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         index, rows = plan.index, plan.rows
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
         do = torch.zeros_like(v) if d_out is None else d_out.to(v.dtype).contiguous()
-        dv_local = dv_local_bwd(q, k, gc, do, ctx.scale, index, [launch.round_seqs for launch in plan.launches],
-                                rows)
+        dv_local = narrow_scans_dv_local(plan, q, k, gc, do, ctx.scale)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
         bank_grad = state_bank_grad(plan, d_exported, (hv, kd, vd), q.device)
         initial_grad = ctx.needs_input_grad[5]
         scan_rounds_backward(plan, q.device, bank_grad, lambda launch: state_bwd_scan(
-            q, k, w, gc, do, dv_local, bank_grad, ctx.scale, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
-            rows=rows, launch_seqs=launch.round_seqs, initial_state_grad=initial_grad, order=launch.scan_order))
+            q, k, w, gc, do, bank_grad, ctx.scale, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
+            dv_local=dv_local, rows=rows, launch_seqs=launch.round_seqs, initial_state_grad=initial_grad,
+order=launch.scan_order))
         chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows,
                                 dk_fp32=bool(l2norm_saved))
         grads = input_gradients(plan, ctx.dtypes, q.shape[1], chunk_grads, l2norm_saved)
         d_initial = bank_grad[index.num_slots:].to(ctx.dtypes[5]) if initial_grad else None
         return (*grads, d_initial, None, None, None)
+
+
+def narrow_scans_dv_local(plan: TreeGDNPlan, q, k, gc, do, scale):
+    """(dv_local over the chunks of the plan's narrow backward scan launches, its first packed row) for those
+    launches to read, or None where every launch runs at full width and forms its own (state_bwd.py)."""
+    hv, vd = do.shape[1], do.shape[2]
+    narrow = [launch for launch in plan.launches
+              if not plan.index.config.scan_full_width(launch.round_seqs, hv, vd, k.element_size())]
+    if not narrow:
+        return None
+    chunks = (min(launch.chunks[0] for launch in narrow), max(launch.chunks[1] for launch in narrow))
+    row_lo, row_hi = min(launch.packed_rows[0] for launch in narrow), max(launch.packed_rows[1] for launch in narrow)
+    return dv_local_bwd(q, k, gc, do, scale, plan.index, chunks, row_lo, row_hi, plan.rows), row_lo
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, initial_states=None,
