@@ -23,6 +23,18 @@ def test_scan_launch_follows_the_program_count():
     assert GDNKernelConfig(scan_block_v=32, scan_warps=2).scan_launch_for(8, 16, 128, 2) == (32, 2, 3)
 
 
+def test_backward_scans_form_dv_local_at_full_width_over_long_sequences():
+    """A backward scan launch forms dv_local itself only at full width and with a sequence of at least
+    scan_local_dv_min_chunks chunks; otherwise it reads the chunk-parallel kernel's buffer."""
+    config = GDNKernelConfig()
+    assert config.scan_forms_dv_local(8, 120, 16, 128, 2)           # 8 x 7,680 tokens: 64 columns, long
+    assert not config.scan_forms_dv_local(8, 15, 16, 128, 2)        # full width, short sequences
+    assert not config.scan_forms_dv_local(1, 512, 32, 128, 2)       # a lone 32,768-token sequence: 32 columns
+    assert GDNKernelConfig(scan_local_dv_min_chunks=0).scan_forms_dv_local(8, 1, 16, 128, 2)
+    with pytest.raises(ValueError, match="scan_local_dv_min_chunks"):
+        GDNKernelConfig(scan_local_dv_min_chunks=-1)
+
+
 def test_scan_stages_fit_shared_memory():
     """fp32 scans at K=V=128 fit the H200's 227 KiB of shared memory only at 1 stage (docs/gdn_kernels.md), whatever
     the 16-bit default; an explicit depth overrides both."""

@@ -107,8 +107,8 @@ def test_scan_formed_dv_local_equals_buffer_bitwise():
     lengths = [3000, 1, 64, 63, 4096, 1300]
     tensors, cu = make_inputs(lengths, hk=8, hv=16, seed=4)
     exports = dict(export_seq=torch.tensor([0, 0, 4, 4, 5]), export_offset=torch.tensor([64, 2944, 4096, 1024, 1280]))
-    results = [run_call(chunk_gated_delta_rule, tensors, cu, exports, config=GDNKernelConfig(scan_min_programs=n))
-               for n in (0, 10**6)]
+    results = [run_call(chunk_gated_delta_rule, tensors, cu, exports,
+                        config=GDNKernelConfig(scan_min_programs=n, scan_local_dv_min_chunks=0)) for n in (0, 10**6)]
     for name, a, b in zip(NAMES, *results):
         assert torch.equal(a, b), name
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from harts_compiler.codegen.kernels.chunk_gdn import (GDNKernelConfig, chunk_gat
                                                       chunk_gated_delta_rule_reference, gated_delta_rule,
                                                       plan_gated_delta_rule_reference, plan_tree_gdn)
 from harts_compiler.codegen.kernels.chunk_gdn.index import NO_SHIFT
+from harts_compiler.codegen.kernels.chunk_gdn.tree import dv_local_of
 from harts_compiler.codegen.kernels.upload import to_device
 from test_runtime_helpers import run_without_device_reads, naive_tree_index, random_rollout_batch
 from test_runtime_tree import tricky_batches
@@ -161,16 +163,28 @@ def test_narrow_rounds_read_dv_local_full_width_rounds_form_it():
                           own_dst=288 + np.arange(50), init_state=np.array([5]), export_seq=np.zeros(0),
                           export_offset=np.zeros(0), export_bank=np.zeros(0))]
     vd = 2 * DIM
-    mixed = device_plan(rounds, T, scan_block_v=vd, scan_min_programs=4)  # 3 x 2 heads programs: full; 1 x 2: not
+    # 3 x 2 heads programs: full width; 1 x 2: narrow. Every full-width launch forms dv_local, however short.
+    mixed = device_plan(rounds, T, scan_block_v=vd, scan_min_programs=4, scan_local_dv_min_chunks=0)
     tensors = inputs(T, seed=4, vd=vd)
     full_width = [mixed.index.config.scan_full_width(launch.round_seqs, 2, vd, tensors[1].element_size())
                   for launch in mixed.launches]  # the roots' launches (one per lane), then the branch's
     assert all(full_width[:-1]) and not full_width[-1]
-    full = device_plan(rounds, T, scan_block_v=vd, scan_min_programs=0)
+    full = device_plan(rounds, T, scan_block_v=vd, scan_min_programs=0, scan_local_dv_min_chunks=0)
     weights = torch.randn(T, 2, vd, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
     for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], run(fused(mixed), tensors, weights),
                           run(fused(full), tensors, weights)):
         assert torch.equal(a, b), name
+
+
+def test_launches_inside_the_dv_local_buffer_read_it():
+    """The buffer spans the chunks from the first to the last launch that cannot form dv_local; a launch inside that
+    span reads it (computed anyway), one outside forms its own."""
+    buffer = ("dv_local", 7, (10, 20))
+    assert dv_local_of(SimpleNamespace(chunks=(10, 12)), buffer) == ("dv_local", 7)
+    assert dv_local_of(SimpleNamespace(chunks=(18, 20)), buffer) == ("dv_local", 7)
+    assert dv_local_of(SimpleNamespace(chunks=(20, 25)), buffer) is None
+    assert dv_local_of(SimpleNamespace(chunks=(0, 10)), buffer) is None
+    assert dv_local_of(SimpleNamespace(chunks=(0, 3)), None) is None
 
 
 def test_aligned_branch_points_need_no_maps():

@@ -171,7 +171,8 @@ def test_scan_formed_dv_local_equals_buffer_bitwise(tma):
     export_seq, export_offset = torch.tensor([0, 0, 3, 4, 4]), torch.tensor([64, 192, 128, 64, 192])
     results = []
     for min_programs in (0, 10**6):  # every launch at 32 columns (formed in the scan); narrowed to 16 (buffer)
-        config = GDNKernelConfig(scan_tma_max_block_v=32 if tma else 0, scan_block_v=32, scan_min_programs=min_programs)
+        config = GDNKernelConfig(scan_tma_max_block_v=32 if tma else 0, scan_block_v=32, scan_min_programs=min_programs,
+                                 scan_local_dv_min_chunks=0)
         results.append(forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, config=config,
                                         use_qk_l2norm=True))
     for name, a, b in zip(NAMES, *results):

@@ -41,6 +41,10 @@ class GDNKernelConfig:
     # halve the columns (down to 16) while a launch has fewer programs than this (~one per SM): a lone long
     # root is latency-bound and gains from more, narrower programs
     scan_min_programs: int = 128
+    # full-width backward scans form dv_local themselves only where the launch's longest sequence has at least this
+    # many chunks: the scans of short sequences are latency-bound, and the chunk-parallel kernel's buffer is cheaper
+    # there (docs/gdn_kernels.md)
+    scan_local_dv_min_chunks: int = 16
     # pipeline depth, 0 = by input size: 16-bit scans prefetch two chunks ahead at 3 (4 overflows shared memory)
     scan_num_stages: int = 0
     # launches of at most this many columns load full chunks through tensor descriptors (narrow scans are
@@ -79,7 +83,8 @@ class GDNKernelConfig:
         if self.scan_q_do_precision not in Q_DO_PRECISIONS:
             raise ValueError(f"GDNKernelConfig.scan_q_do_precision must be one of {Q_DO_PRECISIONS}, "
                              f"got {self.scan_q_do_precision!r}")
-        for field, least in (("scan_min_programs", 0), ("scan_tma_max_block_v", 0), ("tree_scan_lanes", 1)):
+        for field, least in (("scan_min_programs", 0), ("scan_tma_max_block_v", 0), ("tree_scan_lanes", 1),
+                             ("scan_local_dv_min_chunks", 0)):
             if getattr(self, field) < least:
                 raise ValueError(f"GDNKernelConfig.{field} must be >= {least}, got {getattr(self, field)}")
 
@@ -100,9 +105,16 @@ class GDNKernelConfig:
 
     def scan_full_width(self, num_seqs: int, value_heads: int, value_dim: int, element_size: int) -> bool:
         """Whether a scan launch over `num_seqs` sequences runs at `scan_block_v` columns (not narrowed for want of
-        programs): its backward then forms each chunk's dv_local itself."""
+        programs)."""
         block_v = self.scan_launch_for(num_seqs, value_heads, value_dim, element_size)[0]
         return block_v == min(self.scan_block_v, value_dim)
+
+    def scan_forms_dv_local(self, num_seqs: int, longest_chunks: int, value_heads: int, value_dim: int,
+                            element_size: int) -> bool:
+        """Whether a backward scan launch over `num_seqs` sequences, the longest `longest_chunks` chunks long, forms
+        each chunk's dv_local itself (full width and long enough) rather than reading dv_local_bwd's buffer."""
+        return (longest_chunks >= self.scan_local_dv_min_chunks
+                and self.scan_full_width(num_seqs, value_heads, value_dim, element_size))
 
     def scan_stages_for(self, element_size: int) -> int:
         """Pipeline depth of the scans: `scan_num_stages`, or 3 for 16-bit inputs (two chunks of prefetch fit

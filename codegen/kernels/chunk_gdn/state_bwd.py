@@ -6,10 +6,10 @@ With S_c the state entering chunk c (h_c), dS the gradient of the state leaving 
   dvn   = dv_local + exp(gc_last - gc) (k dS)                          (grad of v_new)
   dS    = exp(gc_last) dS + (scale exp(gc) q)^T do - w^T dvn            (grad of the state entering c)
 and after the first chunk dS is the gradient of the initial state.
-dv_local = scale * tril(q k^T exp(gc_i - gc_j))^T do is chunk-local. A full-width scan launch forms it (LOCAL_DV)
-from the q, k and do tiles it loads for dS anyway, off the dS chain; narrow launches (few sequences: issue-bound,
-docs/gdn_kernels.md) read it from an fp32 buffer that a chunk-parallel kernel fills beforehand over their chunks.
-Both give the same bits.
+dv_local = scale * tril(q k^T exp(gc_i - gc_j))^T do is chunk-local. A full-width scan launch over long sequences
+forms it (LOCAL_DV) from the q, k and do tiles it loads for dS anyway, off the dS chain; other launches (narrow ones
+are issue-bound, short sequences latency-bound: docs/gdn_kernels.md) read it from an fp32 buffer that a
+chunk-parallel kernel fills beforehand over their chunks (tree.dv_local_buffer). Both give the same bits.
 """
 from __future__ import annotations
 
@@ -272,8 +272,8 @@ def state_bwd_scan(q, k, w, gc, do, bank_grad, scale, index, dh, dvn, *, dv_loca
                    initial_state_grad: bool = False, order=None):
     """The reverse scan of sequences `seqs` = (first, count) of `index` (default: all) into the shared dh
     [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32.
-    `dv_local`: (dv_local_bwd's buffer, its first packed row), which a narrow launch (`GDNKernelConfig.scan_full_width`
-    false) needs over its sequences' chunks; a full-width launch forms each chunk's dv_local itself.
+    `dv_local`: (dv_local_bwd's buffer over the launch's chunks, its first packed row) for the scan to read, or None
+    for it to form each chunk's dv_local itself, which needs a full-width launch (`GDNKernelConfig.scan_full_width`).
     `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and `rows.own`.
     `launch_seqs`, `order`: as in state_fwd. `initial_state_grad`: the caller returns the initial-state gradients
     (GDNKernelConfig.scan_q_do_precision "auto" then takes the precise q^T do)."""
@@ -282,8 +282,8 @@ def state_bwd_scan(q, k, w, gc, do, bank_grad, scale, index, dh, dvn, *, dv_loca
     first, count = seqs if seqs is not None else (0, index.num_seqs)
     cfg = index.config
     bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size())
-    local_dv = cfg.scan_full_width(launch_seqs or count, hv, vd, k.element_size())
-    if not local_dv and dv_local is None:
+    local_dv = dv_local is None
+    if local_dv and not cfg.scan_full_width(launch_seqs or count, hv, vd, k.element_size()):
         raise ValueError("a narrow backward scan launch reads dv_local: pass dv_local_bwd's buffer")
     dv_local, dvl_row0 = (do, 0) if local_dv else dv_local  # never read with LOCAL_DV
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
@@ -302,7 +302,9 @@ def state_bwd_scan(q, k, w, gc, do, bank_grad, scale, index, dh, dvn, *, dv_loca
 
 def state_bwd(q, k, w, gc, do, bank_grad, scale, index, initial_state_grad: bool = False, order=None):
     """Returns dh [NC, HV, K, V] (k's dtype), dvn [R, HV, V] (do's dtype), dh0 [N, HV, K, V] fp32
-    (`initial_state_grad`, `order`: see state_bwd_scan)."""
+    (`initial_state_grad`, `order`: see state_bwd_scan). One launch over every sequence, which forms dv_local itself
+    where it runs at full width (the runtime's path, tree.py, also asks for long sequences: it knows their lengths
+    on the host)."""
     hv, kd, vd = do.shape[1], q.shape[2], do.shape[2]
     dv_local = None
     if not index.config.scan_full_width(index.num_seqs, hv, vd, k.element_size()):

@@ -173,15 +173,15 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         index, rows = plan.index, plan.rows
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
         do = torch.zeros_like(v) if d_out is None else d_out.to(v.dtype).contiguous()
-        dv_local = narrow_scans_dv_local(plan, q, k, gc, do, ctx.scale)
+        dv_local = dv_local_buffer(plan, q, k, gc, do, ctx.scale)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
         bank_grad = state_bank_grad(plan, d_exported, (hv, kd, vd), q.device)
         initial_grad = ctx.needs_input_grad[5]
         scan_rounds_backward(plan, q.device, bank_grad, lambda launch: state_bwd_scan(
             q, k, w, gc, do, bank_grad, ctx.scale, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
-            dv_local=dv_local, rows=rows, launch_seqs=launch.round_seqs, initial_state_grad=initial_grad,
-order=launch.scan_order))
+            dv_local=dv_local_of(launch, dv_local), rows=rows, launch_seqs=launch.round_seqs,
+            initial_state_grad=initial_grad, order=launch.scan_order))
         chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows,
                                 dk_fp32=bool(l2norm_saved))
         grads = input_gradients(plan, ctx.dtypes, q.shape[1], chunk_grads, l2norm_saved)
@@ -189,17 +189,26 @@ order=launch.scan_order))
         return (*grads, d_initial, None, None, None)
 
 
-def narrow_scans_dv_local(plan: TreeGDNPlan, q, k, gc, do, scale):
-    """(dv_local over the chunks of the plan's narrow backward scan launches, its first packed row) for those
-    launches to read, or None where every launch runs at full width and forms its own (state_bwd.py)."""
+def dv_local_buffer(plan: TreeGDNPlan, q, k, gc, do, scale):
+    """(dv_local, its first packed row, its chunks) over the chunks from the first to the last backward scan launch
+    that does not form dv_local itself (`GDNKernelConfig.scan_forms_dv_local`: narrow, or short sequences), or
+    None where every launch forms its own (state_bwd.py)."""
     hv, vd = do.shape[1], do.shape[2]
-    narrow = [launch for launch in plan.launches
-              if not plan.index.config.scan_full_width(launch.round_seqs, hv, vd, k.element_size())]
-    if not narrow:
+    readers = [launch for launch in plan.launches if not plan.index.config.scan_forms_dv_local(
+        launch.round_seqs, launch.longest_chunks, hv, vd, k.element_size())]
+    if not readers:
         return None
-    chunks = (min(launch.chunks[0] for launch in narrow), max(launch.chunks[1] for launch in narrow))
-    row_lo, row_hi = min(launch.packed_rows[0] for launch in narrow), max(launch.packed_rows[1] for launch in narrow)
-    return dv_local_bwd(q, k, gc, do, scale, plan.index, chunks, row_lo, row_hi, plan.rows), row_lo
+    chunks = (min(launch.chunks[0] for launch in readers), max(launch.chunks[1] for launch in readers))
+    rows = (min(launch.packed_rows[0] for launch in readers), max(launch.packed_rows[1] for launch in readers))
+    return dv_local_bwd(q, k, gc, do, scale, plan.index, chunks, *rows, plan.rows), rows[0], chunks
+
+
+def dv_local_of(launch, buffer):
+    """What `launch`'s backward scan takes as `dv_local`: the buffer where it covers the launch's chunks (every
+    launch that does not form dv_local, and those between them, which read it as well), else None."""
+    if buffer is None or not buffer[2][0] <= launch.chunks[0] <= launch.chunks[1] <= buffer[2][1]:
+        return None
+    return buffer[:2]
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale: float, plan: TreeGDNPlan, initial_states=None,
