@@ -58,8 +58,8 @@ class GDNKernelConfig:
     # output kernel: 64 state columns per program at 4 warps
     out_block_v: int = 64
     out_warps: int = 4
-    # chunk-local part of d(v_new) for narrow backward scans (full-width ones form it themselves): 8 warps hide
-    # the [64, 64] dots' latency
+    # chunk-local part of d(v_new) for the backward scans that do not form it themselves: 8 warps hide the
+    # [64, 64] dots' latency
     dv_local_warps: int = 8
     # WY forward: the KKT solve in 16x16 register blocks runs best at one warp, 64 key columns a step
     wy_kkt_warps: int = 1

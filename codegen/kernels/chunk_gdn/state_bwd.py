@@ -234,8 +234,7 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, dh0, bank_gr
             while i_c >= c_start:
                 b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, descs, row_src, row_own, b_ds,
                                         i_c, c0, bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV, K, V, BT,
-BV, o_v,
-                                        False, TMA, QDO, LOCAL_DV, INTERPRET)
+                                        BV, o_v, False, TMA, QDO, LOCAL_DV, INTERPRET)
                 i_c -= 1
         else:
             for i_r in range(0, c_hi - c_start):
@@ -253,7 +252,7 @@ BV, o_v,
 
 def dv_local_bwd(q, k, gc, do, scale, index, chunks: tuple[int, int], row_lo: int, row_hi: int, rows=None):
     """The chunk-local part of d(v_new) of chunks [chunks[0], chunks[1]) of `index`, whose packed rows are
-    [row_lo, row_hi): [row_hi - row_lo, HV, V] fp32, for the narrow scan launches over them to read
+    [row_lo, row_hi): [row_hi - row_lo, HV, V] fp32, for the scan launches over them to read
     (`state_bwd_scan`'s `dv_local`). `rows` (index.PackedRows): q, k and do are compact, read through `rows.src`
     and `rows.own`."""
     _, hk, kd = q.shape

@@ -7,7 +7,7 @@ one after another in a single varlen layout (tree_plan.py), and
   forward:  wy_fwd over every chunk of every round                      (2 launches)
             per round (and lane): state_fwd over its sequences, from states read in the bank
             output_fwd over every chunk                                 (1 launch)
-  backward: dv_local over the chunks of narrow scan launches (full-width ones form it); per round
+  backward: dv_local over the chunks of the scan launches that do not form it; per round
             in reverse: the reverse scan (the exported states' gradients injected), then its initial-state
             gradients summed into the bank rows they came from; chunk_bwd over every chunk; the replayed
             rows' gradients summed onto their tokens.

@@ -43,8 +43,8 @@ class RoundLaunch:
     init_host: tuple[int, ...]     # init_row as ints (the reference path's control flow)
     scan_order: np.ndarray         # [num_seqs] the launch's sequences (0 = first_seq) longest first
     chunks: tuple[int, int]        # the launch's chunks [first, end) of the index
-    longest_chunks: int            # chunks of its longest sequence
     packed_rows: tuple[int, int]   # and their packed rows [first, end)
+    longest_chunks: int            # chunks of its longest sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +189,8 @@ def _assemble(num_tokens, index: GDNIndex, own_pick, src_all, round_slots, paren
                 start_bounds=np.r_[0, counts.cumsum()].astype(np.int64), init_host=tuple((run_slots + 1).tolist()),
                 scan_order=longest_first(chunks_per_seq[seq_base + start:seq_base + stop]),
                 chunks=(int(index.seq_chunk_start[seq_base + start]), int(index.seq_chunk_start[seq_base + stop])),
-                longest_chunks=int(chunks_per_seq[seq_base + start:seq_base + stop].max(initial=0)),
-                packed_rows=(int(index.cu_seqlens[seq_base + start]), int(index.cu_seqlens[seq_base + stop]))))
+                packed_rows=(int(index.cu_seqlens[seq_base + start]), int(index.cu_seqlens[seq_base + stop])),
+                longest_chunks=int(chunks_per_seq[seq_base + start:seq_base + stop].max(initial=0))))
         seq_base += n
     replay = np.setdiff1d(np.arange(src_all.size), own_pick, assume_unique=True)
     replay_dst, replay_rows, replay_counts = _groups(src_all[replay], replay)
