@@ -5,7 +5,7 @@ Deterministic (the same plan prints the same text) and line-oriented, so two pla
     launch-plan tokens=T trajectories=N chunk=64 conv-width=4
     target vocab=V gdn=triton conv=triton attention=triton 128x64 logprobs=triton lanes<=8
     gdn sequences=S chunks=C slots=B replayed-rows=R layout=maps launches=L lanes=K
-      launch 0 round-seqs=6 seqs=[0,6) lane=0 start=zero:6
+      launch 0 round-seqs=6 seqs=[0,6) chunks=[0,312) longest=64 lane=0 start=zero:6
       seq 0 rows=[0,4096) chunks=[0,64) shift=0 exports=64:s0
     conv successors=... max-degree=3
     attention tile=128x64 query-blocks=... visits=... full=...
@@ -35,7 +35,8 @@ def _gdn_lines(gdn, sequences: bool) -> list[str]:
              f"replayed-rows={replays} layout={layout} launches={len(gdn.launches)} lanes={gdn.num_lanes}"]
     for i, launch in enumerate(gdn.launches):
         lines.append(f"  launch {i} round-seqs={launch.round_seqs} seqs=[{launch.first_seq},"
-                     f"{launch.first_seq + launch.num_seqs}) lane={launch.lane} "
+                     f"{launch.first_seq + launch.num_seqs}) chunks=[{launch.chunks[0]},{launch.chunks[1]}) "
+                     f"longest={launch.longest_chunks} lane={launch.lane} "
                      f"start={_starts(launch.init_host, index.num_slots)}")
     if not sequences:
         return lines
