@@ -62,6 +62,13 @@ def acc_layout(rows, bn):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, bn // 2, 16])
 
 
+@gluon.constexpr_function
+def warpgroup_layout(cols):
+    """wgmma accumulator layout of a [64, cols] tile on one warpgroup (one m64 n-cols wgmma): the 4-warp consumer
+    partitions' score, dP and gradient tiles in either orientation."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
 @gluon.jit
 def store_transposed(out, acc, i_n, i_kvh, TK, HKV: gl.constexpr, DIM: gl.constexpr, COL0: gl.constexpr,
                       ROWS: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
@@ -80,10 +87,8 @@ def consumer_s(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p_smem, p32_smem, kv_b
                 BM: gl.constexpr, BN: gl.constexpr, BMS: gl.constexpr, STAGES: gl.constexpr,
                 HAS_OFFSET: gl.constexpr):
     """CONSUMERS = 2, 4 warps: S = q K^T (one m64 n64 wgmma), p, dV^T += do^T p; hands p (fp32) to _consumer_d."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BN, 16])
-    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BN, 16])
+    s_layout: gl.constexpr = warpgroup_layout(BN)
+    dv_layout: gl.constexpr = s_layout  # dV^T [DV, BN]: DV / 64 m64 tiles of the same n-BN layout
     rows = gl.arange(0, BMS, layout=gl.SliceLayout(1, s_layout))
     dvt = gl.zeros([DV, BN], gl.float32, dv_layout)
     mbarrier.wait(kv_bar, 0)
@@ -124,10 +129,8 @@ def consumer_d(q_bufs, q2_bufs, do_bufs, v_smem, ds_smem, p32_smem, kv_bar, q_re
                 BN: gl.constexpr, BMS: gl.constexpr, STAGES: gl.constexpr):
     """CONSUMERS = 2, 4 warps: dP = do V^T (one m64 n64 wgmma), ds from _consumer_s's fp32 p (the Triton
     kernel's precision), dK^T += q^T ds."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BN, 16])
-    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BN, 16])
+    s_layout: gl.constexpr = warpgroup_layout(BN)
+    dk_layout: gl.constexpr = s_layout  # dK^T [D1, BN]: D1 / 64 m64 tiles of the same n-BN layout
     rows = gl.arange(0, BMS, layout=gl.SliceLayout(1, s_layout))
     dkt = warpgroup_mma_init(gl.zeros([D1, BN], gl.float32, dk_layout))
     if D2 > 0:  # dK^T's last D2 rows (q2^T ds)
@@ -183,12 +186,6 @@ def store_rows(out, acc, i_n, i_kvh, TK, HKV: gl.constexpr, DIM: gl.constexpr, C
     gl.store(ptrs, acc.to(out.dtype.element_ty), mask=(offs_n < TK)[:, None])
 
 
-@gluon.constexpr_function
-def keys_layout(cols):
-    """wgmma accumulator layout of a key-major [64 keys, cols] tile on one warpgroup (one m64 n-cols wgmma)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
-
-
 @gluon.jit
 def consumer_s_keys(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p32_smem, kv_bar, q_ready, do_ready, empty,
                     p_ready, p_free, k_rows, subtree_end, dv, lse, scale_log2, i_n, i_kvh, start, n_full, n_visits,
@@ -197,8 +194,8 @@ def consumer_s_keys(q_bufs, q2_bufs, do_bufs, k_smem, k2_smem, p32_smem, kv_bar,
                     HAS_OFFSET: gl.constexpr):
     """CONSUMERS = 2, key-major, 4 warps: S^T = K q^T (m64 n-BMS wgmma), p^T, dV += p^T do (p^T from registers);
     hands p^T (fp32) to consumer_d_keys."""
-    s_layout: gl.constexpr = keys_layout(BMS)
-    dv_layout: gl.constexpr = keys_layout(DV)
+    s_layout: gl.constexpr = warpgroup_layout(BMS)
+    dv_layout: gl.constexpr = warpgroup_layout(DV)
     p_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
     cols = gl.arange(0, BMS, layout=gl.SliceLayout(0, s_layout))
@@ -239,9 +236,9 @@ def consumer_d_keys(q_bufs, q2_bufs, do_bufs, v_smem, p32_smem, kv_bar, q_ready,
                     BN: gl.constexpr, BMS: gl.constexpr, STAGES: gl.constexpr):
     """CONSUMERS = 2, key-major, 4 warps: dP^T = V do^T, ds^T from consumer_s_keys's fp32 p^T (the Triton kernel's
     precision), dK += ds^T q (ds^T from registers)."""
-    s_layout: gl.constexpr = keys_layout(BMS)
-    dk_layout: gl.constexpr = keys_layout(D1)
-    dk2_layout: gl.constexpr = keys_layout(D2 if D2 > 0 else D1)
+    s_layout: gl.constexpr = warpgroup_layout(BMS)
+    dk_layout: gl.constexpr = warpgroup_layout(D1)
+    dk2_layout: gl.constexpr = warpgroup_layout(D2 if D2 > 0 else D1)
     ds_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
     cols = gl.arange(0, BMS, layout=gl.SliceLayout(0, s_layout))
