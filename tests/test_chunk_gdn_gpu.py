@@ -82,35 +82,30 @@ def test_tree_equals_trajectories_bitwise(hk, hv):
         assert rel(a, b) < 1e-2
 
 
-@pytest.mark.parametrize("block_v", [16, 32, 64])
-def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
-    """Scans whose full chunks load through tensor descriptors (TMA, GDNKernelConfig.scan_tma_max_block_v) give
-    the bits of
-    the pointer loads, forward and every gradient: partial chunks, sub-chunk sequences, exports with injected
-    gradients, grouped heads. (Without the row mask on the k dS term ptxas fused a multiply-add in the
-    descriptor path only, and the backward differed in the last bit.)"""
+def assert_same_bits(*configs):
+    """Every output and gradient of one call bit for bit equal under each of `configs`: partial chunks, sub-chunk
+    sequences, exports with injected gradients, grouped heads."""
     lengths = [3000, 1, 64, 63, 4096, 1300]
     tensors, cu = make_inputs(lengths, hk=8, hv=16, seed=4)
     exports = dict(export_seq=torch.tensor([0, 0, 4, 4, 5]), export_offset=torch.tensor([64, 2944, 4096, 1024, 1280]))
-    results = []
-    for tma in (True, False):
-        config = GDNKernelConfig(scan_tma_max_block_v=64 if tma else 0, scan_block_v=block_v, scan_min_programs=0)
-        results.append(run_call(chunk_gated_delta_rule, tensors, cu, exports, config=config))
+    results = [run_call(chunk_gated_delta_rule, tensors, cu, exports, config=config) for config in configs]
     for name, a, b in zip(NAMES, *results):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("block_v", [16, 32, 64])
+def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
+    """Scans whose full chunks load through tensor descriptors (TMA, GDNKernelConfig.scan_tma_max_block_v) give
+    the bits of the pointer loads. (Without the row mask on the k dS term ptxas fused a multiply-add in the
+    descriptor path only, and the backward differed in the last bit.)"""
+    assert_same_bits(*(GDNKernelConfig(scan_tma_max_block_v=tma_cols, scan_block_v=block_v, scan_min_programs=0)
+                       for tma_cols in (64, 0)))
 
 
 def test_scan_formed_dv_local_equals_buffer_bitwise():
     """Full-width backward scans form each chunk's dv_local themselves (64 columns, pointer loads); a call with a
-    narrow launch reads it from dv_local_bwd's buffer (16 columns, descriptor loads): the same bits in every output
-    and gradient, grouped heads, exports with injected gradients, partial and sub-chunk sequences."""
-    lengths = [3000, 1, 64, 63, 4096, 1300]
-    tensors, cu = make_inputs(lengths, hk=8, hv=16, seed=4)
-    exports = dict(export_seq=torch.tensor([0, 0, 4, 4, 5]), export_offset=torch.tensor([64, 2944, 4096, 1024, 1280]))
-    results = [run_call(chunk_gated_delta_rule, tensors, cu, exports,
-                        config=GDNKernelConfig(scan_min_programs=n, scan_local_dv_min_chunks=0)) for n in (0, 10**6)]
-    for name, a, b in zip(NAMES, *results):
-        assert torch.equal(a, b), name
+    narrow launch reads it from dv_local_bwd's buffer (16 columns, descriptor loads): the same bits."""
+    assert_same_bits(*(GDNKernelConfig(scan_min_programs=n, scan_local_dv_min_chunks=0) for n in (0, 10**6)))
 
 
 def test_precise_q_do_when_the_initial_state_gradient_is_returned():

@@ -144,39 +144,33 @@ def test_strong_decays_as_transformers_init_gives():
     assert_all_close(got, want, rtol=5e-5, atol=5e-5)
 
 
-@pytest.mark.parametrize("block_v", [16, 32])
-def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
-    """The scans' full chunks through tensor descriptors (GDNKernelConfig.scan_tma_max_block_v) give the same bits as
-    through pointers: partial last chunks, a one-chunk and a sub-chunk sequence, exports at segment ends and
-    mid-sequence, grouped heads, every output and gradient."""
+def assert_same_bits(*configs):
+    """Every output and gradient bit for bit equal under each of `configs`: partial last chunks, a one-chunk and a
+    sub-chunk sequence, exports at segment ends and mid-sequence, grouped heads."""
     lengths = [200, 64, 5, 130, 192]
     tensors, cu = make_inputs(lengths, hk=1, hv=2, kd=16, vd=32, seed=9)
     export_seq, export_offset = torch.tensor([0, 0, 3, 4, 4]), torch.tensor([64, 192, 128, 64, 192])
-    results = []
-    for tma in (True, False):
-        config = GDNKernelConfig(scan_tma_max_block_v=32 if tma else 0, scan_block_v=block_v, scan_min_programs=0)
-        results.append(forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, config=config,
-                                        use_qk_l2norm=True))
+    results = [forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, config=config,
+                                use_qk_l2norm=True) for config in configs]
     for name, a, b in zip(NAMES, *results):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("block_v", [16, 32])
+def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
+    """The scans' full chunks through tensor descriptors (GDNKernelConfig.scan_tma_max_block_v) give the same bits as
+    through pointers."""
+    assert_same_bits(*(GDNKernelConfig(scan_tma_max_block_v=tma_cols, scan_block_v=block_v, scan_min_programs=0)
+                       for tma_cols in (32, 0)))
 
 
 @pytest.mark.parametrize("tma", [True, False])
 def test_scan_formed_dv_local_equals_buffer_bitwise(tma):
     """Full-width backward scans form each chunk's dv_local themselves; where a launch runs narrower, every scan reads
-    it from dv_local_bwd's buffer instead (state_bwd.py). Both give the same bits in every output and gradient,
-    across scan widths (a tree round may scan narrower than its trajectories)."""
-    lengths = [200, 64, 5, 130, 192]
-    tensors, cu = make_inputs(lengths, hk=1, hv=2, kd=16, vd=32, seed=9)
-    export_seq, export_offset = torch.tensor([0, 0, 3, 4, 4]), torch.tensor([64, 192, 128, 64, 192])
-    results = []
-    for min_programs in (0, 10**6):  # every launch at 32 columns (formed in the scan); narrowed to 16 (buffer)
-        config = GDNKernelConfig(scan_tma_max_block_v=32 if tma else 0, scan_block_v=32, scan_min_programs=min_programs,
-                                 scan_local_dv_min_chunks=0)
-        results.append(forward_backward(chunk_gated_delta_rule, tensors, cu, export_seq, export_offset, config=config,
-                                        use_qk_l2norm=True))
-    for name, a, b in zip(NAMES, *results):
-        assert torch.equal(a, b), name
+    it from dv_local_bwd's buffer instead (state_bwd.py). Both give the same bits across scan widths (a tree round
+    may scan narrower than its trajectories): every launch at 32 columns (formed) against narrowed to 16 (read)."""
+    assert_same_bits(*(GDNKernelConfig(scan_tma_max_block_v=32 if tma else 0, scan_block_v=32, scan_min_programs=n,
+                                       scan_local_dv_min_chunks=0) for n in (0, 10**6)))
 
 
 def test_precise_q_do_remainder_is_zero_in_fp32():
