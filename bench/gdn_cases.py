@@ -28,12 +28,15 @@ CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
     "tma_wide": ("TMA scans at 64 columns too", GDNKernelConfig(scan_tma_max_block_v=64)),
     "qdo_bf16": ("backward scan q^T do in bf16 always", GDNKernelConfig(scan_q_do_precision="bf16")),
     "qdo_bf16x2": ("backward scan q^T do as bf16 hi + lo always", GDNKernelConfig(scan_q_do_precision="bf16x2")),
-    # which backward scans form dv_local themselves (GDNKernelConfig.scan_local_dv_min_chunks; default 16 chunks)
+    # which backward scans form dv_local themselves (GDNKernelConfig.scan_local_dv_min_chunks; default 8 chunks)
     "dv_buffer": ("every backward scan reads the dv_local buffer", GDNKernelConfig(scan_local_dv_min_chunks=1 << 30)),
     "dv_min0": ("full-width backward scans form dv_local at any length", GDNKernelConfig(scan_local_dv_min_chunks=0)),
-    "dv_min8": ("full-width backward scans form dv_local from 8 chunks", GDNKernelConfig(scan_local_dv_min_chunks=8)),
-    "dv_min32": ("full-width backward scans form dv_local from 32 chunks",
-                 GDNKernelConfig(scan_local_dv_min_chunks=32)),
+    "dv_min4": ("full-width backward scans form dv_local from 4 chunks", GDNKernelConfig(scan_local_dv_min_chunks=4)),
+    "dv_min16": ("full-width backward scans form dv_local from 16 chunks",
+                 GDNKernelConfig(scan_local_dv_min_chunks=16)),
+    # output kernel: one program per chunk and value head (q k^T formed once, not per 64 columns)
+    "out128w4": ("output 128 columns, 4 warps", GDNKernelConfig(out_block_v=128, out_warps=4)),
+    "out128w8": ("output 128 columns, 8 warps", GDNKernelConfig(out_block_v=128, out_warps=8)),
 }
 
 

@@ -28,7 +28,7 @@ def test_backward_scans_form_dv_local_at_full_width_over_long_sequences():
     scan_local_dv_min_chunks chunks; otherwise it reads the chunk-parallel kernel's buffer."""
     config = GDNKernelConfig()
     assert config.scan_forms_dv_local(8, 120, 16, 128, 2)           # 8 x 7,680 tokens: 64 columns, long
-    assert not config.scan_forms_dv_local(8, 15, 16, 128, 2)        # full width, short sequences
+    assert not config.scan_forms_dv_local(8, 7, 16, 128, 2)         # full width, short sequences
     assert not config.scan_forms_dv_local(1, 512, 32, 128, 2)       # a lone 32,768-token sequence: 32 columns
     assert GDNKernelConfig(scan_local_dv_min_chunks=0).scan_forms_dv_local(8, 1, 16, 128, 2)
     with pytest.raises(ValueError, match="scan_local_dv_min_chunks"):

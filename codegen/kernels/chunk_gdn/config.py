@@ -44,7 +44,7 @@ class GDNKernelConfig:
     # full-width backward scans form dv_local themselves only where the launch's longest sequence has at least this
     # many chunks: the scans of short sequences are latency-bound, and the chunk-parallel kernel's buffer is cheaper
     # there (docs/gdn_kernels.md)
-    scan_local_dv_min_chunks: int = 16
+    scan_local_dv_min_chunks: int = 8
     # pipeline depth, 0 = by input size: 16-bit scans prefetch two chunks ahead at 3 (4 overflows shared memory)
     scan_num_stages: int = 0
     # launches of at most this many columns load full chunks through tensor descriptors (narrow scans are
