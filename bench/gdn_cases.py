@@ -34,9 +34,6 @@ CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
     "dv_min4": ("full-width backward scans form dv_local from 4 chunks", GDNKernelConfig(scan_local_dv_min_chunks=4)),
     "dv_min16": ("full-width backward scans form dv_local from 16 chunks",
                  GDNKernelConfig(scan_local_dv_min_chunks=16)),
-    # output kernel: one program per chunk and value head (q k^T formed once, not per 64 columns)
-    "out128w4": ("output 128 columns, 4 warps", GDNKernelConfig(out_block_v=128, out_warps=4)),
-    "out128w8": ("output 128 columns, 8 warps", GDNKernelConfig(out_block_v=128, out_warps=8)),
 }
 
 
