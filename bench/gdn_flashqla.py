@@ -18,7 +18,8 @@ shape: about 4 minutes for the first case, a minute or two for each later one, s
         2>&1 | tee $OUT/gdn_flashqla.log
 
 --profile prints, per case, each kernel's GPU ms per kernel it launches (where FlashQLA's time goes
-against ours). --no-fla leaves fla out (its autotuning adds a minute or more per case). TileLang keeps its
+against ours). --no-fla leaves fla out (its autotuning adds a minute or more per case). --variants NAME ... adds
+our kernels under other launch configurations (bench/gdn_cases.py) to sections 1-2, beside the default. TileLang keeps its
 compiled kernels under TILELANG_CACHE_DIR (default ~/.tilelang/cache): pointing that at a saved directory skips
 the compilation on a fresh machine.
 """
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import fla_single_call, import_flashqla, single_call  # noqa: E402
 from common import kernel_ms, rel_error  # noqa: E402
 from gdn import GRAD_NAMES  # noqa: E402
-from gdn_cases import ANCHORS, agentic_trees, make_inputs, single_call_plan, tree_case  # noqa: E402
+from gdn_cases import ANCHORS, CONFIG_VARIANTS, agentic_trees, make_inputs, single_call_plan, tree_case  # noqa: E402
 from gdn_profile import device_ms_by_kernel, print_kernels  # noqa: E402
 from harts_compiler.codegen.kernels.chunk_gdn import (  # noqa: E402
     GDNKernelConfig,
@@ -199,11 +200,17 @@ def main():
     parser.add_argument("--cases", type=int, nargs="+", help="indices into CASES for sections 1-2 (default: all)")
     parser.add_argument("--profile", action="store_true", help="section 2 also prints GPU ms per kernel of each")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (saves its autotuning)")
+    parser.add_argument("--variants", nargs="+", default=[], choices=sorted(CONFIG_VARIANTS),
+                        help="also our kernels under these launch configurations (gdn_cases.CONFIG_VARIANTS), "
+                             "in sections 1-2")
     args = parser.parse_args()
     if args.cases:
         CASES[:] = [CASES[i] for i in args.cases]
     flashqla, fla = single_call(import_flashqla()), None if args.no_fla else fla_single_call("gdn")
     kernels = {"ours": lambda cu: ours_call(single_call_plan(cu, device=CUDA))}
+    for name in args.variants:
+        config = CONFIG_VARIANTS[name][1]
+        kernels[name] = lambda cu, config=config: ours_call(single_call_plan(cu, config=config, device=CUDA))
     if fla is not None:
         kernels["fla"] = lambda cu: fla
     if flashqla is not None:
