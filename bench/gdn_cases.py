@@ -34,7 +34,6 @@ CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
     "dv_min4": ("full-width backward scans form dv_local from 4 chunks", GDNKernelConfig(scan_local_dv_min_chunks=4)),
     "dv_min16": ("full-width backward scans form dv_local from 16 chunks",
                  GDNKernelConfig(scan_local_dv_min_chunks=16)),
-    "qk_w16": ("dq/dk/dw kernel at 16 warps", GDNKernelConfig(bwd_qk_warps=16)),
 }
 
 

@@ -19,9 +19,9 @@ shape: about 4 minutes for the first case, a minute or two for each later one, s
 
 --profile prints, per case, each kernel's GPU ms per kernel it launches (where FlashQLA's time goes
 against ours). --no-fla leaves fla out (its autotuning adds a minute or more per case). --variants NAME ... adds
-our kernels under other launch configurations (bench/gdn_cases.py) to sections 1-2, beside the default. TileLang keeps its
-compiled kernels under TILELANG_CACHE_DIR (default ~/.tilelang/cache): pointing that at a saved directory skips
-the compilation on a fresh machine.
+our kernels under other launch configurations (bench/gdn_cases.py) to sections 1-2, beside the default.
+TileLang keeps its compiled kernels under TILELANG_CACHE_DIR (default ~/.tilelang/cache): pointing that at a saved
+directory skips the compilation on a fresh machine.
 """
 from __future__ import annotations
 

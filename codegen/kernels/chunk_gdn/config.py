@@ -68,7 +68,7 @@ class GDNKernelConfig:
     # chunk-parallel backward: V block of the dq/dk/dw and WY kernels
     bwd_block_v: int = 64
     # dq/dk/dw kernel: 8 warps (at 4 its fp32 accumulators spill, 1.3 KB a thread at the JIT's alignment:
-    # bench/gdn_resources.py --aligned)
+    # bench/gdn_resources.py --aligned; 16 warps fit 128 registers but were 0.7% slower)
     bwd_qk_warps: int = 8
     # WY backward at 4 warps (8 and 2 were slower)
     wy_bwd_warps: int = 4
