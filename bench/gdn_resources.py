@@ -15,6 +15,8 @@ from harts_compiler.codegen.kernels.causal_conv import function as conv
 from harts_compiler.codegen.kernels.chunk_gdn import chunk_bwd, l2norm, state_bwd, state_fwd, wy_fwd
 from harts_compiler.codegen.kernels.chunk_kda import chunk_bwd as kda_chunk_bwd
 from harts_compiler.codegen.kernels.chunk_kda import diag_bwd, intra_bwd, intra_fwd
+from harts_compiler.codegen.kernels.chunk_kda import state_bwd as kda_state_bwd
+from harts_compiler.codegen.kernels.chunk_kda import state_fwd as kda_state_fwd
 from harts_compiler.codegen.kernels.moe_combine import kernels as moe_combine
 from harts_compiler.codegen.kernels.rmsnorm import kernels as rmsnorm
 
@@ -67,13 +69,15 @@ def resources(fn, num_warps, constexprs, overrides=None, num_stages=3, data_kind
     sig = signature_of(fn, consts, overrides or {}, data_kind)
     # aligned=False: pointers without the JIT's 16-byte divisibility hint (the worst case: any pointer);
     # aligned=True: as the JIT compiles for torch's allocations (vectorised loads)
-    report = hopper_resources(fn, sig, consts, num_warps=num_warps, num_stages=num_stages, aligned_pointers=aligned)
-    return report["regs"], report["stack"], report["shared"]
+    return hopper_resources(fn, sig, consts, num_warps=num_warps, num_stages=num_stages, aligned_pointers=aligned)
 
 
 COMBINE_PTRS = {"POS": "*i64", "W": "*bf16", "DW": "*bf16", "hidden_dim": "i32"}
 RMSNORM_PTRS = {"W": "*bf16", "G": "*bf16", "RSTD": "*fp32", "DW_PART": "*fp32", "n_rows": "i32", "dim": "i32",
                 "eps": "fp32"}
+
+# the backward scan's dv_local buffer (fp32) and its first row
+DV_LOCAL_BUFFER = {"dv_local": "*fp32", "dvl_row0": "i32"}
 
 # the conv at its launch tiles (causal_conv.function)
 CONV_FWD = {"BT": conv.FWD_BLOCK_T, "BC": conv.FWD_BLOCK_C}
@@ -85,8 +89,8 @@ KERNELS = [
     ("state_fwd scan", state_fwd._state_fwd_kernel, {}, None),
     ("output_fwd", state_fwd._output_kernel, {}, None),
     ("dv_local", state_bwd._dv_local_kernel, {}, {"dv": "*fp32"}),  # chunk_bwd's dq/dv are bf16 (HK == HV)
-    ("state_bwd scan", state_bwd._state_bwd_kernel, {"LOCAL_DV": True}, None),
-    ("state_bwd scan (dv_local buffer)", state_bwd._state_bwd_kernel, {}, None),
+    ("state_bwd scan", state_bwd._state_bwd_kernel, {"LOCAL_DV": True}, DV_LOCAL_BUFFER),
+    ("state_bwd scan (dv_local buffer)", state_bwd._state_bwd_kernel, {}, DV_LOCAL_BUFFER),
     ("chunk_bwd_qk", chunk_bwd._chunk_bwd_qk_kernel, {}, {"dw": "*bf16"}),
     ("wy_bwd", chunk_bwd._wy_bwd_kernel, {}, {"dk_out": "*bf16", "T": "*bf16", "dw": "*bf16", "scratch": "*bf16"}),
     ("l2norm fwd", l2norm._l2norm_fwd_kernel, {}, None),
@@ -115,6 +119,8 @@ KERNELS = [
      COMBINE_PTRS),
     ("dispatch bwd", moe_combine._combine_fwd_kernel, {"TOP_K": 4, "MODE": 0, "BLOCK_H": 2048, "WEIGHTED": False},
      COMBINE_PTRS),
+    ("kda scan fwd", kda_state_fwd._scan_fwd_kernel, {"HK": 32, "HV": 32}, None),
+    ("kda scan bwd", kda_state_bwd._scan_bwd_kernel, {"HK": 32, "HV": 32}, None),
     ("kda bwd_inter", kda_chunk_bwd._bwd_inter_kernel, {"HK": 32, "HV": 32}, None),
     ("kda wy_bwd", kda_chunk_bwd._wy_bwd_kernel, {"HK": 32, "HV": 32}, {"dv": "*fp32", "side_dv": "*fp32"}),
 ]
@@ -131,6 +137,9 @@ def main():
                         help="give pointers the 16-byte divisibility hint the JIT sees for torch tensors")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                         help="element type of the q/k/v/o-like pointers (fp32: an fp32 model)")
+    parser.add_argument("--digests", action="store_true",
+                        help="also each compile's SASS digest: equal digests before and after a source change show "
+                             "that it kept the machine code")
     args = parser.parse_args()
     extra = {k: int(v) for k, v in (item.split("=") for item in args.set)}
     print(f"{'kernel':16s} " + " ".join(f"{f'{w}w regs/stack/smem':>26s}" for w in args.warps))
@@ -140,9 +149,9 @@ def main():
         cells = []
         for warps in args.warps:
             try:
-                regs, spill, smem = resources(fn, warps, {**consts, **extra}, overrides, args.stages, args.dtype,
-                                               args.aligned)
-                cells.append(f"{regs:4d} / {spill:6d} B / {smem // 1024:3d} KiB")
+                report = resources(fn, warps, {**consts, **extra}, overrides, args.stages, args.dtype, args.aligned)
+                cells.append(f"{report['regs']:4d} / {report['stack']:6d} B / {report['shared'] // 1024:3d} KiB"
+                             + (f" {report['sass_digest'][:10]}" if args.digests else ""))
             except Exception as exc:  # noqa: BLE001 - report and go on
                 cells.append(f"failed: {type(exc).__name__}"[:26])
         print(f"{name:16s} " + " ".join(f"{c:>26s}" for c in cells), flush=True)
