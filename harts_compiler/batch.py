@@ -112,7 +112,8 @@ class TreeBatch:
 
     @classmethod
     def load(cls, path: str | Path) -> "TreeBatch":
-        """A JSONL file, or standard input for `-`; a missing file or a directory is one InputError line."""
+        """A JSONL file, or standard input for `-`; a missing file, a directory or a saved plan is one InputError
+        line."""
         if str(path) == "-":
             return cls.from_jsonl_lines(sys.stdin.buffer)
         path = Path(path)
@@ -120,6 +121,10 @@ class TreeBatch:
             raise InputError(f"{path}: is a directory, not a JSONL file")
         if not path.is_file():
             raise InputError(f"{path}: no such file")
+        from .plan import is_saved_plan
+        if is_saved_plan(path):
+            raise InputError(f"{path}: a saved plan (harts compile -o), not a JSONL batch (harts show and harts "
+                             "lower read it)")
         with open(path, "rb") as handle:
             return cls.from_jsonl_lines(handle)
 

@@ -32,7 +32,7 @@ def lower_main(argv: list[str]) -> int:
     from . import CompileOptions, Plan, TreeBatch, compile
     from .codegen import format_launch_plan, lower
     from .runtime.backend import select_backend
-    from .ir import IRError
+    from .plan import is_saved_plan
 
     parser = argparse.ArgumentParser(prog="harts lower", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("input", help="a saved plan (.hir) or a JSONL batch (compiled for --model)")
@@ -47,11 +47,8 @@ def lower_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     config = _model_config(args.model)
     path = Path(args.input)
-    if path.suffix == ".hir":
-        try:
-            plan = Plan.load(path)  # an ArtifactError names the files itself and reaches the CLI as it is
-        except IRError as error:
-            raise InputError(f"{path}: {error}") from None
+    if is_saved_plan(path):
+        plan = Plan.load_input(path)
         plan.options.check_model(config)
     else:
         plan = compile(TreeBatch.load(path), CompileOptions.for_model(config, microbatch_tokens=args.microbatch_tokens))

@@ -162,6 +162,16 @@ class Plan:
         return write_hir(self.program, path, header=header)
 
     @classmethod
+    def load_input(cls, path: str | Path) -> "Plan":
+        """`load` for a command's input: a broken plan text is one InputError line naming the file."""
+        from .errors import InputError
+        from .ir import IRError
+        try:
+            return cls.load(path)  # an ArtifactError names the files itself and reaches the CLI as it is
+        except IRError as error:
+            raise InputError(f"{path}: {error}") from None
+
+    @classmethod
     def load(cls, path: str | Path) -> "Plan":
         """A saved plan; `ir.ArtifactError` (naming the files) when its text and arrays do not belong together."""
         program, text = load_hir(path)
@@ -173,3 +183,18 @@ class Plan:
         program.verify()
         return cls(program=program, options=options, trajectory_tokens=int(program.forest.traj_length.sum()),
                    metadata=json.loads(found.group(1)) if found else None)
+
+
+PLAN_HEADER = b"# options "  # how `Plan.save` starts a plan's text
+
+
+def is_saved_plan(path: str | Path) -> bool:
+    """Whether `path` names a saved plan rather than a JSONL batch: a `.hir` file, or any file whose text starts as
+    `Plan.save` writes it (`harts compile -o PLAN` takes any name)."""
+    path = Path(path)
+    if path.suffix == ".hir":
+        return True
+    if str(path) == "-" or not path.is_file():
+        return False
+    with open(path, "rb") as handle:
+        return handle.read(len(PLAN_HEADER)) == PLAN_HEADER

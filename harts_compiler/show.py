@@ -313,19 +313,16 @@ def _parser() -> argparse.ArgumentParser:
 def load_plan(source: str, given: dict):
     """The plan of a saved `.hir`, or of a JSONL batch compiled with the `given` options."""
     from . import CompileOptions, Plan, TreeBatch, compile
-    from .ir import IRError
+    from .plan import is_saved_plan
 
     path = Path(source)
-    if path.suffix != ".hir":  # TreeBatch.load reads stdin for "-" and names a missing file or a directory
+    if not is_saved_plan(path):  # TreeBatch.load reads stdin for "-" and names a missing file or a directory
         return compile(TreeBatch.load(source), CompileOptions.checked(**given))
     if given:
         flags = ", ".join(flag for flag, (name, *_) in COMPILE_FLAGS.items() if name in given)
         raise InputError(f"{flags}: a saved plan keeps the options it was compiled with (give the JSONL batch "
                          "to compile with others)")
-    try:
-        plan = Plan.load(path)  # an ArtifactError names the files itself and reaches the CLI as it is
-    except IRError as error:
-        raise InputError(f"{path}: {error}") from None
+    plan = Plan.load_input(path)
     if not plan.program.forest.laid_out:
         raise InputError(f"{path}: stage {plan.program.stage}: show needs a laid-out plan (harts compile -o)")
     return plan

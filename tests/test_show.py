@@ -148,6 +148,20 @@ def test_saved_plan_shows_like_its_batch(batch_file, tmp_path, capsys):
     assert code == 2 and "--dp-size" in err and len(err.splitlines()) == 1
 
 
+def test_saved_plan_under_any_name(batch_file, tmp_path, capsys):
+    """`harts compile -o PLAN` takes any name: show reads a plan by its text, and the commands that want a JSONL
+    batch refuse one in a single line instead of a line of JSON errors per plan line."""
+    plan = hc.compile(hc.TreeBatch.load(batch_file), hc.CompileOptions(chunk_size=CHUNK))
+    plan.save(tmp_path / "plan.hir")
+    plan.save(tmp_path / "plan_out")
+    _, from_hir, _ = run(["show", str(tmp_path / "plan.hir")], capsys)
+    code, from_any, _ = run(["show", str(tmp_path / "plan_out")], capsys)
+    assert code == 0 and from_any == from_hir
+    for command in ("compile", "verify"):
+        code, _, err = run([command, str(tmp_path / "plan_out")], capsys)
+        assert code == 2 and len(err.splitlines()) == 1 and "a saved plan" in err, err
+
+
 def test_unscheduled_dump(batch_file, tmp_path, capsys):
     """A dump after replay-min (no schedule) shows its trees and rounds and says there is no table; its chunk
     size is the sequences' own (a dump carries no options)."""
