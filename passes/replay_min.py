@@ -1,4 +1,5 @@
-"""`replay-min`: choose continuation children for the minimum number of rounds; record sequences."""
+"""`replay-min`: choose continuation children for the minimum number of rounds, and the sequence breaks that
+shorten the scans without adding rounds; record sequences."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from harts_compiler.ir import Forest, Program, Sequences
 from .base import Pass, PassError
 from .layout import lay_out, subtree_tokens
 from .rounds import optimal_continuations
+from .scan_breaks import choose_breaks
 
 
 @dataclass(frozen=True)
@@ -19,8 +21,11 @@ class ReplayMin(Pass):
     Continuation children come from the linear-time min-rounds DP (passes/rounds.py); when they
     differ from the layout's, the forest is laid out again with them (same `lay_out` code), so
     the layout invariant — every heavy path is one contiguous compact range — still holds.
-    Then one top-down sweep records every sequence (docs/INTERFACES.md section 2): a sequence is
-    a root or non-continuation child plus its chain of continuation children; it starts at
+    Then the breaks (passes/scan_breaks.py: where a sequence ends before its continuation child, because
+    that child's chain made the sequence its round's longest) are chosen per tree without changing its
+    rounds, and one top-down sweep records every sequence (docs/INTERFACES.md section 2): a sequence is
+    a root, a non-continuation child or a child after a break, plus its unbroken chain of continuation
+    children; it starts at
     σ = floor(pos/C)*C, replays the < C ancestor tokens at positions [σ, pos), and takes its
     initial state from its parent's sequence at local offset β_parent - σ_parent (one round
     later), or, when the branch lies in the parent sequence's first chunk (β_parent = σ_parent),
@@ -29,7 +34,8 @@ class ReplayMin(Pass):
     Output invariants: `Sequences.verify` (own ranges partition the tokens, replay rows are the
     path ancestors, every state source ran in an earlier round, exports = offsets others start
     from), and tree_rounds == 1 + f(root, A) of the DP.
-    Complexity: O(N) DP, O(T) vectorised re-layout when needed, O(S * C) vectorised replay.
+    Complexity: O(N) DP, O(T) vectorised re-layout when needed, O(N_tree) per evaluated break (at most
+    scan_breaks.MAX_EVALUATIONS per tree), O(S * C) vectorised replay.
     """
 
     name = "replay-min"
@@ -45,7 +51,9 @@ class ReplayMin(Pass):
                                              self.chunk_size, children)
         if not np.array_equal(cont, forest.node_cont_child):
             forest = lay_out(forest, forest.conv_width, cont)
-        sequences = record_sequences(forest, self.chunk_size)
+        breaks = choose_breaks(forest.node_parent, forest.node_position, forest.node_length,
+                               forest.node_cont_child, self.chunk_size)
+        sequences = record_sequences(forest, self.chunk_size, breaks)
         roots = np.flatnonzero(forest.node_parent < 0)
         optimum = np.zeros(forest.num_trees, np.int64)
         optimum[forest.node_tree[roots]] = 1 + f_a[_old_roots(program.forest)]
@@ -61,11 +69,14 @@ def _old_roots(forest: Forest) -> np.ndarray:
     return roots[np.argsort(forest.node_tree[roots])]
 
 
-def record_sequences(forest: Forest, chunk_size: int) -> Sequences:
-    """Sequences of a laid-out forest under its continuation children (top-down sweep)."""
+def record_sequences(forest: Forest, chunk_size: int, breaks: np.ndarray | None = None) -> Sequences:
+    """Sequences of a laid-out forest under its continuation children, a node's ending at the node where
+    `breaks` (bool per node) says so (top-down sweep)."""
     C = chunk_size
     parents = forest.node_parent.tolist()
     cont = forest.node_cont_child.tolist()
+    if breaks is not None:  # a broken link is no continuation for the sequences
+        cont = np.where(breaks, -1, forest.node_cont_child).tolist()
     pos = forest.node_position.tolist()
     end = (forest.node_position + forest.node_length).tolist()
     seq_of = [0] * forest.num_nodes

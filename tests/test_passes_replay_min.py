@@ -162,3 +162,40 @@ def test_dp_prefers_continuation_that_saves_rounds():
     leaf = [[1, 1, 1, 1, 9] + [0] * 30]  # larger subtree: the layout default continues it
     program = compile_to(deep + leaf, 2)
     assert program.sequences.tree_rounds.tolist() == min_rounds_brute_force(program.forest, 2)
+
+
+def scan_steps(forest, seqs):
+    """Per tree: (rounds, summed chunk count of each round's longest sequence), from recorded sequences."""
+    longest = {}
+    for s in range(seqs.num_sequences):
+        key = (int(seqs.seq_tree[s]), int(seqs.seq_round[s]))
+        longest[key] = max(longest.get(key, 0), -(-seqs.rows(s).size // seqs.chunk_size))
+    return {t: (1 + max(r for tt, r in longest if tt == t), sum(v for (tt, _), v in longest.items() if tt == t))
+            for t in range(forest.num_trees)}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(token_lists_strategy(max_traj=8, max_len=40), st.sampled_from([2, 4, 8]))
+def test_breaks_shorten_scans_without_adding_rounds(token_lists, chunk_size):
+    """The sequences replay-min records (with its breaks) keep every tree's minimum rounds and never lengthen
+    its scans (summed longest sequence per round) against the same continuations without breaks."""
+    from harts_compiler.passes.replay_min import record_sequences
+    program = compile_to(token_lists, chunk_size)
+    unbroken = record_sequences(program.forest, chunk_size)
+    with_breaks, without = scan_steps(program.forest, program.sequences), scan_steps(program.forest, unbroken)
+    for tree, (rounds, steps) in with_breaks.items():
+        assert rounds == without[tree][0] and steps <= without[tree][1]
+    simulate(program)
+
+
+def test_group_prompt_runs_alone_when_its_responses_differ_in_length():
+    """A GRPO group: continuing the prompt into one response would make the others wait for a whole trajectory;
+    with a break the prompt's sequence ends with it, every response runs in the next round, and the scans take
+    the prompt plus the longest response."""
+    prompt = list(range(1, 129))  # two chunks of 64
+    responses = [[1000 + r] * n for r, n in enumerate((70, 200, 300, 130))]
+    program = compile_to([prompt + response for response in responses], 64)
+    seqs = program.sequences
+    assert seqs.tree_rounds.tolist() == [2] and seqs.num_sequences == 5
+    assert seqs.rows(0).size == 128 and all(seqs.seq_round[s] == 1 for s in range(1, 5))
+    assert scan_steps(program.forest, seqs)[0] == (2, 2 + 5)  # 128 prompt rows, then 300 response rows
