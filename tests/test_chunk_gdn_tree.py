@@ -110,6 +110,29 @@ def test_plan_function_equals_rounds(name):
     assert len(index.rounds) > 1, "a single round would not test the hand-offs"
 
 
+def test_compiled_plan_with_a_sequence_break():
+    """A GRPO-like group as the compiler plans it: the prompt's sequence ends with the prompt (a break before its
+    continuation child, passes/scan_breaks.py), so that child's sequence replays the prompt's partial chunk from the
+    rows laid out just before its own; the Function equals one Triton call per round and the fp64 reference."""
+    import harts_compiler as hc
+    prompt = list(range(1, 101))  # a partial second chunk: every response replays 36 rows
+    batch = hc.TreeBatch.from_trajectories([prompt + [1000 + r] * n for r, n in enumerate((40, 150, 230))])
+    plan = hc.compile(batch, hc.CompileOptions(chunk_size=C))
+    seqs, forest = plan.program.sequences, plan.program.forest
+    heads = forest.token_node[seqs.seq_own_start]
+    assert forest.node_cont_child[0] in heads.tolist(), "the prompt's continuation child should start a sequence"
+    index = plan.microbatches()[0].build_index()
+    tensors = inputs(index.num_tokens, seed=21)
+    weights = torch.randn(index.num_tokens, 2, DIM, generator=torch.Generator().manual_seed(6),
+                          dtype=torch.float64).to(DEVICE)
+    gdn_plan = device_plan(index.rounds, index.num_tokens)
+    got = run(fused(gdn_plan), tensors, weights)
+    assert torch.equal(got[0], run(per_round_triton(index), tensors, weights)[0])
+    expect = run(reference(gdn_plan), [t.double() for t in tensors], weights)
+    for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], got, expect):
+        assert_close(a, b, name)
+
+
 def test_replays_and_shared_starts_are_summed():
     """A root whose tail chunk is replayed by three branches that all start from its exported state."""
     root, branch = 70, 20
