@@ -88,7 +88,7 @@ KERNELS = [
     ("wy_wu", wy_fwd._wy_wu_kernel, {}, {"T": "*bf16"}),
     ("state_fwd scan", state_fwd._state_fwd_kernel, {}, None),
     ("output_fwd", state_fwd._output_kernel, {}, None),
-    ("dv_local", state_bwd._dv_local_kernel, {}, {"dv": "*fp32"}),  # chunk_bwd's dq/dv are bf16 (HK == HV)
+    ("dv_local", state_bwd._dv_local_kernel, {}, {"dv": "*fp32", "c_first": "i32", "row_lo": "i32"}),
     ("state_bwd scan", state_bwd._state_bwd_kernel, {"LOCAL_DV": True}, DV_LOCAL_BUFFER),
     ("state_bwd scan (dv_local buffer)", state_bwd._state_bwd_kernel, {}, DV_LOCAL_BUFFER),
     ("chunk_bwd_qk", chunk_bwd._chunk_bwd_qk_kernel, {}, {"dw": "*bf16"}),
@@ -139,7 +139,8 @@ def main():
                         help="element type of the q/k/v/o-like pointers (fp32: an fp32 model)")
     parser.add_argument("--digests", action="store_true",
                         help="also each compile's SASS digest: equal digests before and after a source change show "
-                             "that it kept the machine code")
+                             "that it kept the machine code (unequal ones may differ only in instruction order or "
+                             "registers; the TMA scans' code even moves with the source's line numbers)")
     args = parser.parse_args()
     extra = {k: int(v) for k, v in (item.split("=") for item in args.set)}
     print(f"{'kernel':16s} " + " ".join(f"{f'{w}w regs/stack/smem':>26s}" for w in args.warps))

@@ -30,7 +30,6 @@ def _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, r
                     GATHER: tl.constexpr):
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
-    o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
     src = _input_rows(row_src, rows, m_t, shift, GATHER)
@@ -38,9 +37,7 @@ def _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, r
     b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_qt = tl.load(q + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
-    # [BT(j), BT(i)]: A^T of the intra-chunk attention, non-zero for i >= j
-    b_at = tl.dot(b_k, b_qt)
-    b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at * _exp_gate_gap(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
+    b_at = _gated_at(b_k, b_qt, b_gc, scale, BT)
     b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
     b_dv = tl.dot(b_at.to(b_do.dtype), b_do)
     tl.store(dv + ((rows - row_lo)[:, None] * HV + i_h) * V + o_v[None, :], b_dv, mask=m_t[:, None])
@@ -64,13 +61,20 @@ def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, 
 
 
 @triton.jit
-def _dv_local(b_k, b_qt, b_gc, b_do, scale, BT: tl.constexpr):
-    """scale tril(q k^T exp(gc_i - gc_j))^T do of one chunk, [BT, BV] fp32, from b_k [BT, K], b_qt [K, BT] and
-    b_do [BT, BV] (rows past the chunk's end zero). The k q^T dot and its gating do not depend on the
-    column block, so every state column gets the same bits whatever the scan's width."""
+def _gated_at(b_k, b_qt, b_gc, scale, BT: tl.constexpr):
+    """[BT(j), BT(i)] fp32: scale tril(q k^T exp(gc_i - gc_j))^T of one chunk, from b_k [BT, K] and b_qt [K, BT]
+    (the intra-chunk attention, transposed; non-zero for i >= j)."""
     o_t = tl.arange(0, BT)
-    b_at = tl.dot(b_k, b_qt)  # [BT(j), BT(i)]: A^T of the intra-chunk attention, non-zero for i >= j
-    b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at * _exp_gate_gap(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
+    b_at = tl.dot(b_k, b_qt)
+    return tl.where(o_t[:, None] <= o_t[None, :], b_at * _exp_gate_gap(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
+
+
+@triton.jit
+def _dv_local(b_k, b_qt, b_gc, b_do, scale, BT: tl.constexpr):
+    """dv_local of one chunk, [BT, BV] fp32: `_gated_at` times b_do [BT, BV]
+    (rows past the chunk's end zero). The k q^T dot and its gating do not depend on the column block, so every
+    state column gets the same bits whatever the scan's width, and the same as the chunk-parallel kernel's."""
+    b_at = _gated_at(b_k, b_qt, b_gc, scale, BT)
     return tl.dot(b_at.to(b_do.dtype), b_do)
 
 
