@@ -7,7 +7,7 @@ and three tree batches (two anchors, two small trees), each through the tree Fun
 One line per case: sha1 (12 hex digits) of o and of every input gradient.
 
     python3 bench/gdn_digests.py > a.txt   # on each version, then: diff a.txt b.txt
-    python3 bench/gdn_digests.py --configs default out128w4   # a launch variant's lines beside the default's
+    python3 bench/gdn_digests.py --configs default dv_buffer   # a launch variant's lines beside the default's
 """
 from __future__ import annotations
 

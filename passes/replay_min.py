@@ -10,7 +10,7 @@ from harts_compiler.ir import Forest, Program, Sequences
 
 from .base import Pass, PassError
 from .layout import lay_out, subtree_tokens
-from .rounds import optimal_continuations
+from .rounds import optimal_continuations, walk_sequences
 from .scan_breaks import choose_breaks
 
 
@@ -69,36 +69,12 @@ def _old_roots(forest: Forest) -> np.ndarray:
     return roots[np.argsort(forest.node_tree[roots])]
 
 
-def record_sequences(forest: Forest, chunk_size: int, breaks: np.ndarray | None = None) -> Sequences:
-    """Sequences of a laid-out forest under its continuation children, a node's ending at the node where
-    `breaks` (bool per node) says so (top-down sweep)."""
-    C = chunk_size
-    parents = forest.node_parent.tolist()
-    cont = forest.node_cont_child.tolist()
-    if breaks is not None:  # a broken link is no continuation for the sequences
-        cont = np.where(breaks, -1, forest.node_cont_child).tolist()
-    pos = forest.node_position.tolist()
-    end = (forest.node_position + forest.node_length).tolist()
-    seq_of = [0] * forest.num_nodes
-    sigma, rounds, init_seq, init_off, heads = [], [], [], [], []
-    for v in range(forest.num_nodes):  # preorder: parents first, heads in compact order
-        p = parents[v]
-        if p >= 0 and cont[p] == v:
-            seq_of[v] = seq_of[p]
-            continue
-        s = len(heads)
-        seq_of[v] = s
-        heads.append(v)
-        sigma.append(pos[v] // C * C)
-        if p < 0:
-            rounds.append(0); init_seq.append(-1); init_off.append(0)
-            continue
-        ps = seq_of[p]
-        boundary = end[p] // C * C  # == sigma[s]
-        if boundary == sigma[ps]:  # branch in the parent sequence's first chunk
-            rounds.append(rounds[ps]); init_seq.append(init_seq[ps]); init_off.append(init_off[ps])
-        else:
-            rounds.append(rounds[ps] + 1); init_seq.append(ps); init_off.append(boundary - sigma[ps])
+def record_sequences(forest: Forest, chunk_size: int, breaks: set = frozenset()) -> Sequences:
+    """Sequences of a laid-out forest (preorder: heads in compact order) under its continuation children, a
+    node's ending at the node where `breaks` (node ids) says so (`rounds.walk_sequences`)."""
+    seq_of, heads, sigma, rounds, init_seq, init_off = walk_sequences(
+        0, forest.num_nodes, forest.node_parent.tolist(), forest.node_cont_child.tolist(), breaks,
+        forest.node_position.tolist(), (forest.node_position + forest.node_length).tolist(), chunk_size)
     S = len(heads)
     head = np.asarray(heads, np.int64)
     own_start = forest.node_start[head]
@@ -113,7 +89,7 @@ def record_sequences(forest: Forest, chunk_size: int, breaks: np.ndarray | None 
     round_arr = np.asarray(rounds, np.int64)
     tree_rounds = np.zeros(forest.num_trees, np.int64)
     np.maximum.at(tree_rounds, seq_tree, round_arr + 1)
-    return Sequences(chunk_size=C, seq_tree=seq_tree, seq_round=round_arr,
+    return Sequences(chunk_size=chunk_size, seq_tree=seq_tree, seq_round=round_arr,
                      seq_start_position=sigma_arr, seq_own_start=own_start, seq_own_end=own_end,
                      seq_init_seq=init_seq_arr, seq_init_offset=init_off_arr,
                      replay_ptr=replay_ptr, replay=replay, export_ptr=export_ptr,

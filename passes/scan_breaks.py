@@ -17,29 +17,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from .rounds import walk_sequences
+
 # the search's work per tree: at most this many evaluations of its sequences, and of node visits over them (an
-# evaluation visits every node of the tree: ~3.5 us each in CPython), so a tree of thousands of nodes stays under
-# a second; trees stop far earlier in practice (0.1 ms a tree on bench/compile_speed.py's batch)
+# evaluation visits every node of the tree twice: ~0.4 us a node in CPython), so no tree takes more than ~0.15 s;
+# trees stop far earlier in practice (0.2 ms a tree on bench/compile_speed.py's batch, 43 ms for a 3,669-node tree)
 MAX_EVALUATIONS = 256
 MAX_NODE_VISITS = 300_000
 
 
 def choose_breaks(node_parent: np.ndarray, node_position: np.ndarray, node_length: np.ndarray,
-                  node_cont_child: np.ndarray, chunk_size: int) -> np.ndarray:
-    """Per node of a laid-out forest (preorder: a tree's nodes run from its root to the next root): whether its
+                  node_cont_child: np.ndarray, chunk_size: int) -> set:
+    """The nodes of a laid-out forest (preorder: a tree's nodes run from its root to the next root) whose
     continuation child starts a sequence of its own. Greedy per tree: among the breaks on the chains of each
-    round's longest sequences, take the one that cuts the summed longest sequences most (then the chunks), as
-    long as the tree keeps its number of rounds; repeat until none helps."""
+    round's longest sequence, take the one that cuts the summed longest sequences most (then the chunks), as long
+    as the tree keeps its number of rounds; repeat until none helps."""
     n = node_parent.size
-    breaks = np.zeros(n, bool)
-    parent, cont = node_parent.tolist(), node_cont_child.tolist()
-    pos = node_position.tolist()
-    end = (node_position + node_length).tolist()
+    links = (node_parent.tolist(), node_cont_child.tolist(), node_position.tolist(),
+             (node_position + node_length).tolist())
     roots = np.flatnonzero(node_parent < 0).tolist()
+    breaks: set = set()
     for root, next_root in zip(roots, roots[1:] + [n]):
-        tree = _TreeScans(root, next_root, parent, cont, pos, end, chunk_size)
-        for v in tree.search():
-            breaks[v] = True
+        breaks |= _TreeScans(root, next_root, *links, chunk_size).search()
     return breaks
 
 
@@ -52,35 +51,22 @@ class _TreeScans:
 
     def evaluate(self, breaks: set) -> tuple:
         """(rounds, summed longest sequence per round, chunks, the chains of each round's longest sequence)."""
-        C, parent, cont, pos, end = self.C, self.parent, self.cont, self.pos, self.end
-        seq_of, sigma, rounds, last_end, chain = {}, [], [], [], []
-        for v in range(self.lo, self.hi):  # preorder: a parent before its children
-            p = parent[v]
-            if p >= 0 and cont[p] == v and p not in breaks:
-                s = seq_of[p]
-                last_end[s] = end[v]
-                chain[s].append(v)
-            else:
-                s = len(sigma)
-                sigma.append(pos[v] // C * C)
-                if p < 0:
-                    rounds.append(0)
-                else:
-                    ps = seq_of[p]
-                    # a branch in the parent sequence's first chunk starts from that sequence's own source
-                    rounds.append(rounds[ps] if end[p] // C * C == sigma[ps] else rounds[ps] + 1)
-                last_end.append(end[v])
-                chain.append([v])
-            seq_of[v] = s
+        seq_of, heads, sigma, rounds, _, _ = walk_sequences(self.lo, self.hi, self.parent, self.cont, breaks,
+                                                            self.pos, self.end, self.C)
+        last_end, chains = list(sigma), [[] for _ in heads]
+        for v in range(self.lo, self.hi):  # a chain's nodes in preorder, each ending after the one before
+            s = seq_of[v - self.lo]
+            chains[s].append(v)
+            last_end[s] = self.end[v]
         longest: dict[int, tuple[int, int]] = {}  # round -> (chunks, sequence)
         chunks = 0
         for s, (first, last, r) in enumerate(zip(sigma, last_end, rounds)):
-            count = -(-(last - first) // C)
+            count = -(-(last - first) // self.C)
             chunks += count
             if count > longest.get(r, (-1, -1))[0]:
                 longest[r] = (count, s)
         critical = sum(count for count, _ in longest.values())
-        return len(longest), critical, chunks, [chain[s] for _, s in longest.values()]
+        return len(longest), critical, chunks, [chains[s] for _, s in longest.values()]
 
     def search(self) -> set:
         breaks: set = set()
