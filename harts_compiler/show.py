@@ -104,19 +104,15 @@ def tree_views(plan, count: int) -> list[TreeView]:
             levels[v] = levels[parent] + 1 if parent >= 0 else 0  # preorder: the parent came first
             start = int(forest.node_position[v])
             round_, replay = None, 0
-            # before replay-min the laid-out continuation child; after it the sequences (a break ends one early)
-            continuation = parent >= 0 and int(forest.node_cont_child[parent]) == v
             if seqs is not None:
                 s = int(seq_of_node[v])
                 round_ = int(seqs.seq_round[s])
-                head = int(seqs.seq_own_start[s]) == int(forest.node_start[v])
-                replay = int(replay_of_seq[s]) if head else 0
-                continuation = parent >= 0 and not head
+                replay = int(replay_of_seq[s]) if int(seqs.seq_own_start[s]) == int(forest.node_start[v]) else 0
             in_pieces, cuts = _pieces_of_node(pieces, tree, int(forest.node_start[v]), int(forest.node_length[v]))
             nodes.append(NodeView(node=v, level=levels[v], parent=parent, start=start,
                                   end=start + int(forest.node_length[v]), shared=int(forest.node_multiplicity[v]),
                                   children=int(kids[v]), ends=tuple(ends.get(v, ())),
-                                  continuation=continuation,
+                                  continuation=parent >= 0 and int(forest.node_cont_child[parent]) == v,
                                   round=round_, replay=replay, pieces=in_pieces,
                                   piece_cuts=tuple(start + c for c in cuts)))
         in_tree = seqs.seq_tree == tree if seqs is not None else None

@@ -1,8 +1,7 @@
 """`verify_sequences`: invariants of replay-min's sequences against a laid-out forest.
 
-- own ranges partition [0, T); each starts at a node's first token (a root, a non-continuation
-  child, or a continuation child after a break) and is one contiguous path segment (every token's
-  predecessor is the previous one);
+- own ranges partition [0, T); each starts at a sequence head (a root or a non-continuation
+  child) and is one contiguous path segment (every token's predecessor is the previous one);
 - start_position is floor(pos(own_start)/C)*C and the replay rows are exactly the path tokens at
   positions [start_position, pos(own_start)), fewer than C;
 - the zero state is used iff start_position == 0; otherwise the source sequence lies in the same
@@ -40,7 +39,8 @@ def verify_sequences(seqs, forest) -> None:
     _check(np.all(own_end > own_start), "empty own range")
     pred = forest.token_pred
     breaks = np.cumsum(pred != np.arange(-1, T - 1))  # path breaks up to each token
-    _check(np.all(forest.node_start[forest.token_node[own_start]] == own_start), "a sequence starts inside a node")
+    _check(np.all((pred[own_start] != own_start - 1) | (pred[own_start] < 0)),
+           "a sequence starts inside a heavy path")
     _check(np.all(breaks[own_end - 1] - breaks[own_start] == 0),
            "an own range is not one contiguous path segment")
     node = forest.token_node[own_start]

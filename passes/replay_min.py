@@ -1,5 +1,4 @@
-"""`replay-min`: choose continuation children for the minimum number of rounds, and the sequence breaks that
-shorten the scans without adding rounds; record sequences."""
+"""`replay-min`: choose continuation children for the minimum number of rounds; record sequences."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +9,7 @@ from harts_compiler.ir import Forest, Program, Sequences
 
 from .base import Pass, PassError
 from .layout import lay_out, subtree_tokens
-from .rounds import optimal_continuations, walk_sequences
-from .scan_breaks import choose_breaks
+from .rounds import optimal_continuations
 
 
 @dataclass(frozen=True)
@@ -21,11 +19,8 @@ class ReplayMin(Pass):
     Continuation children come from the linear-time min-rounds DP (passes/rounds.py); when they
     differ from the layout's, the forest is laid out again with them (same `lay_out` code), so
     the layout invariant — every heavy path is one contiguous compact range — still holds.
-    Then the breaks (passes/scan_breaks.py: where a sequence ends before its continuation child, because
-    that child's chain made the sequence its round's longest) are chosen per tree without changing its
-    rounds, and one top-down sweep records every sequence (docs/INTERFACES.md section 2): a sequence is
-    a root, a non-continuation child or a child after a break, plus its unbroken chain of continuation
-    children; it starts at
+    Then one top-down sweep records every sequence (docs/INTERFACES.md section 2): a sequence is
+    a root or non-continuation child plus its chain of continuation children; it starts at
     σ = floor(pos/C)*C, replays the < C ancestor tokens at positions [σ, pos), and takes its
     initial state from its parent's sequence at local offset β_parent - σ_parent (one round
     later), or, when the branch lies in the parent sequence's first chunk (β_parent = σ_parent),
@@ -34,8 +29,7 @@ class ReplayMin(Pass):
     Output invariants: `Sequences.verify` (own ranges partition the tokens, replay rows are the
     path ancestors, every state source ran in an earlier round, exports = offsets others start
     from), and tree_rounds == 1 + f(root, A) of the DP.
-    Complexity: O(N) DP, O(T) vectorised re-layout when needed, O(N_tree) per evaluated break (at most
-    scan_breaks.MAX_EVALUATIONS per tree), O(S * C) vectorised replay.
+    Complexity: O(N) DP, O(T) vectorised re-layout when needed, O(S * C) vectorised replay.
     """
 
     name = "replay-min"
@@ -51,9 +45,7 @@ class ReplayMin(Pass):
                                              self.chunk_size, children)
         if not np.array_equal(cont, forest.node_cont_child):
             forest = lay_out(forest, forest.conv_width, cont)
-        breaks = choose_breaks(forest.node_parent, forest.node_position, forest.node_length,
-                               forest.node_cont_child, self.chunk_size)
-        sequences = record_sequences(forest, self.chunk_size, breaks)
+        sequences = record_sequences(forest, self.chunk_size)
         roots = np.flatnonzero(forest.node_parent < 0)
         optimum = np.zeros(forest.num_trees, np.int64)
         optimum[forest.node_tree[roots]] = 1 + f_a[_old_roots(program.forest)]
@@ -69,12 +61,33 @@ def _old_roots(forest: Forest) -> np.ndarray:
     return roots[np.argsort(forest.node_tree[roots])]
 
 
-def record_sequences(forest: Forest, chunk_size: int, breaks: set = frozenset()) -> Sequences:
-    """Sequences of a laid-out forest (preorder: heads in compact order) under its continuation children, a
-    node's ending at the node where `breaks` (node ids) says so (`rounds.walk_sequences`)."""
-    seq_of, heads, sigma, rounds, init_seq, init_off = walk_sequences(
-        0, forest.num_nodes, forest.node_parent.tolist(), forest.node_cont_child.tolist(), breaks,
-        forest.node_position.tolist(), (forest.node_position + forest.node_length).tolist(), chunk_size)
+def record_sequences(forest: Forest, chunk_size: int) -> Sequences:
+    """Sequences of a laid-out forest under its continuation children (top-down sweep)."""
+    C = chunk_size
+    parents = forest.node_parent.tolist()
+    cont = forest.node_cont_child.tolist()
+    pos = forest.node_position.tolist()
+    end = (forest.node_position + forest.node_length).tolist()
+    seq_of = [0] * forest.num_nodes
+    sigma, rounds, init_seq, init_off, heads = [], [], [], [], []
+    for v in range(forest.num_nodes):  # preorder: parents first, heads in compact order
+        p = parents[v]
+        if p >= 0 and cont[p] == v:
+            seq_of[v] = seq_of[p]
+            continue
+        s = len(heads)
+        seq_of[v] = s
+        heads.append(v)
+        sigma.append(pos[v] // C * C)
+        if p < 0:
+            rounds.append(0); init_seq.append(-1); init_off.append(0)
+            continue
+        ps = seq_of[p]
+        boundary = end[p] // C * C  # == sigma[s]
+        if boundary == sigma[ps]:  # branch in the parent sequence's first chunk
+            rounds.append(rounds[ps]); init_seq.append(init_seq[ps]); init_off.append(init_off[ps])
+        else:
+            rounds.append(rounds[ps] + 1); init_seq.append(ps); init_off.append(boundary - sigma[ps])
     S = len(heads)
     head = np.asarray(heads, np.int64)
     own_start = forest.node_start[head]
@@ -89,7 +102,7 @@ def record_sequences(forest: Forest, chunk_size: int, breaks: set = frozenset())
     round_arr = np.asarray(rounds, np.int64)
     tree_rounds = np.zeros(forest.num_trees, np.int64)
     np.maximum.at(tree_rounds, seq_tree, round_arr + 1)
-    return Sequences(chunk_size=chunk_size, seq_tree=seq_tree, seq_round=round_arr,
+    return Sequences(chunk_size=C, seq_tree=seq_tree, seq_round=round_arr,
                      seq_start_position=sigma_arr, seq_own_start=own_start, seq_own_end=own_end,
                      seq_init_seq=init_seq_arr, seq_init_offset=init_off_arr,
                      replay_ptr=replay_ptr, replay=replay, export_ptr=export_ptr,

@@ -77,35 +77,3 @@ def optimal_continuations(node_parent: np.ndarray, node_position: np.ndarray,
         if children[v]:
             cont[v] = best_a[v] if aligned[v] else best_o[v]
     return cont, np.asarray(f_a, np.int64), np.asarray(f_o, np.int64)
-
-
-def walk_sequences(lo: int, hi: int, parent: list, cont: list, breaks, pos: list, end: list, chunk_size: int):
-    """The sequences of the preorder node range [lo, hi) (whole trees; parents before children) under the
-    continuation children `cont`, except where the parent is in `breaks` (its continuation child then starts a
-    sequence like any other child). Returns (seq_of: each node's sequence, by v - lo; and per sequence, in head
-    order: head node, start boundary σ, round, the sequence its initial state comes from (-1: zeros) and at which
-    local offset). A branch in its parent sequence's first chunk starts from that sequence's own source, in its
-    round; any other one round after its parent's, from the state its parent exports at the branch's boundary.
-    O(hi - lo)."""
-    C = chunk_size
-    seq_of = [0] * (hi - lo)
-    heads, sigma, rounds, init_seq, init_off = [], [], [], [], []
-    for v in range(lo, hi):
-        p = parent[v]
-        if p >= 0 and cont[p] == v and p not in breaks:
-            seq_of[v - lo] = seq_of[p - lo]
-            continue
-        s = len(heads)
-        seq_of[v - lo] = s
-        heads.append(v)
-        sigma.append(pos[v] // C * C)
-        if p < 0:
-            rounds.append(0); init_seq.append(-1); init_off.append(0)
-            continue
-        ps = seq_of[p - lo]
-        boundary = end[p] // C * C  # == sigma[s]
-        if boundary == sigma[ps]:
-            rounds.append(rounds[ps]); init_seq.append(init_seq[ps]); init_off.append(init_off[ps])
-        else:
-            rounds.append(rounds[ps] + 1); init_seq.append(ps); init_off.append(boundary - sigma[ps])
-    return seq_of, heads, sigma, rounds, init_seq, init_off

@@ -110,17 +110,17 @@ def test_plan_function_equals_rounds(name):
     assert len(index.rounds) > 1, "a single round would not test the hand-offs"
 
 
-def test_compiled_plan_with_a_sequence_break():
-    """A GRPO-like group as the compiler plans it: the prompt's sequence ends with the prompt (a break before its
-    continuation child, passes/scan_breaks.py), so that child's sequence replays the prompt's partial chunk from the
-    rows laid out just before its own; the Function equals one Triton call per round and the fp64 reference."""
+def test_compiled_plan_function_equals_rounds():
+    """A GRPO-like group as the compiler plans it (not a hand-made plan): one response continues the prompt's
+    sequence, the others replay the prompt's partial chunk from its exported state a round later; the Function
+    equals one Triton call per round and the fp64 reference."""
     import harts_compiler as hc
-    prompt = list(range(1, 101))  # a partial second chunk: every response replays 36 rows
+    prompt = list(range(1, 101))  # a partial second chunk: every response that starts a sequence replays 36 rows
     batch = hc.TreeBatch.from_trajectories([prompt + [1000 + r] * n for r, n in enumerate((40, 150, 230))])
     plan = hc.compile(batch, hc.CompileOptions(chunk_size=C))
-    seqs, forest = plan.program.sequences, plan.program.forest
-    heads = forest.token_node[seqs.seq_own_start]
-    assert forest.node_cont_child[0] in heads.tolist(), "the prompt's continuation child should start a sequence"
+    seqs = plan.program.sequences
+    assert seqs.num_sequences == 3 and int(seqs.seq_round.max()) == 1
+    assert sorted(np.diff(seqs.replay_ptr).tolist()) == [0, 36, 36]
     index = plan.microbatches()[0].build_index()
     tensors = inputs(index.num_tokens, seed=21)
     weights = torch.randn(index.num_tokens, 2, DIM, generator=torch.Generator().manual_seed(6),

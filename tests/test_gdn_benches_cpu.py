@@ -74,14 +74,13 @@ def test_gdn_batch_chunk_ratio_is_below_the_token_ratio(tmp_path):
 
 def test_gdn_batch_plans_the_gdn_tree_cases_with_the_compiler(tmp_path):
     """bench/gdn_batch.py --trees: bench/gdn.py's agentic batch as the compiler plans it, one microbatch of two
-    rounds. Continuing a root's sequence into one of its branches would make round 0 as long as a root and a
-    branch, so the compiler breaks every root's sequence at its end (docs/design.md section 6): round 0 holds the
-    6 roots and round 1 all 42 branches, gdn.py's hand-made plan (1,254 chunks)."""
+    rounds in which each tree's first branch continues its root's sequence (docs/design.md section 6), so round 0
+    holds the 6 roots and round 1 the other 36 branches, and fewer chunks than gdn.py's hand-made plan (1,254)."""
     result = run_bench("gdn_batch.py", tmp_path, "--presets", "--trees", "agentic", "--chunks-only")
     row = next(line for line in result.stdout.splitlines() if line.startswith("[agentic 6 trees]"))
-    assert "'rounds': 2" in row and "'sequences': [[6, 42]]" in row, row
+    assert "'rounds': 2" in row and "'sequences': [[6, 36]]" in row, row
     assert "'compact': 77518" in row and "'trajectory_tokens': 188513" in row, row
-    assert f"'chunk_ratio': {2963 / 1254}" in row, row
+    assert f"'chunk_ratio': {2963 / 1248}" in row, row
 
 
 def test_gdn_rounding_emulation_is_the_reference_without_roundings():
