@@ -116,7 +116,7 @@ def _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_s
                         HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
     """gc = in-chunk cumsum of g; T = (I + A)^-1, A = strictly_lower((beta k) k^T exp(gc_i - gc_j)), with A's
     ten lower [16, 16] blocks accumulated over BK columns of k at a time and inverted in registers."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_h = tl.program_id(0) // HV, tl.program_id(0) % HV
     i_hk = i_h // (HV // HK)
     row0 = tl.load(chunk_row_start + i_c)
     row_end = tl.load(chunk_row_end + i_c)
@@ -172,7 +172,7 @@ def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_
                          HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
     """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0), GATHER)
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
     if affine:
         _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, BT, BK,
             False)
@@ -185,7 +185,7 @@ def _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_sr
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, GATHER: tl.constexpr):
     """w = T (beta exp(gc) k) [BT, K], u = (T diag(beta)) v [BT, V], BK / BV columns at a time."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_h = tl.program_id(0) // HV, tl.program_id(0) % HV
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
     src = _input_rows(row_src, rows, m_t, shift, GATHER)
@@ -216,7 +216,7 @@ def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_s
                   BV: tl.constexpr, GATHER: tl.constexpr):
     """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0), GATHER)
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
     if affine:
         _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, V, BT,
             BK, BV, False)
@@ -244,7 +244,9 @@ def wy_fwd(k, v, g, beta, index, rows=None):
     u = torch.empty(n_rows, hv, vd, device=k.device, dtype=v.dtype)
     if not index.num_chunks:
         return gc, T, w, u
-    grid = (index.num_chunks, hv)
+    # one program per (chunk, value head), the heads of a chunk adjacent: a key head's k rows, read by each of its
+    # value heads, are then still in L2 for the second
+    grid = (index.num_chunks * hv,)
     shifts = chunk_shift_table(index, rows)
     tables = (index.chunk_row_start, index.chunk_row_end, row_tables(index, rows)[0], shifts)
     gather = rows is not None
