@@ -14,6 +14,10 @@ from harts_compiler.ir import ArtifactError, Program, format_program, load_hir, 
 
 from .options import CompileOptions
 
+# a saved plan's text starts with this line (then its options as JSON): `Plan.save` writes it, `Plan.load` reads the
+# options from it, and `is_saved_plan` tells a plan from a JSONL batch by it
+OPTIONS_LINE = "# options "
+
 
 @dataclass(frozen=True)
 class PlannedMicrobatch:
@@ -156,7 +160,7 @@ class Plan:
     def save(self, path: str | Path) -> Path:
         """Writes the final Program as `.hir` text (its long token arrays in `<path>.npz`, bound to the text by
         their sha256; see `ir.artifact`), the options and the identity in comment header lines."""
-        header = f"# options {self.options.model_dump_json()}\n# identity {self.identity}\n"
+        header = f"{OPTIONS_LINE}{self.options.model_dump_json()}\n# identity {self.identity}\n"
         if self.metadata:
             header += f"# metadata {json.dumps(self.metadata, separators=(',', ':'))}\n"
         return write_hir(self.program, path, header=header)
@@ -175,7 +179,7 @@ class Plan:
     def load(cls, path: str | Path) -> "Plan":
         """A saved plan; `ir.ArtifactError` (naming the files) when its text and arrays do not belong together."""
         program, text = load_hir(path)
-        match = re.search(r"^# options (.*)$", text, re.M)
+        match = re.search(rf"^{OPTIONS_LINE}(.*)$", text, re.M)
         options = CompileOptions(**json.loads(match.group(1))) if match else CompileOptions()
         found = re.search(r"^# metadata (.*)$", text, re.M)
         if program.forest is None:
@@ -183,9 +187,6 @@ class Plan:
         program.verify()
         return cls(program=program, options=options, trajectory_tokens=int(program.forest.traj_length.sum()),
                    metadata=json.loads(found.group(1)) if found else None)
-
-
-PLAN_HEADER = b"# options "  # how `Plan.save` starts a plan's text
 
 
 def is_saved_plan(path: str | Path) -> bool:
@@ -197,4 +198,4 @@ def is_saved_plan(path: str | Path) -> bool:
     if str(path) == "-" or not path.is_file():
         return False
     with open(path, "rb") as handle:
-        return handle.read(len(PLAN_HEADER)) == PLAN_HEADER
+        return handle.read(len(OPTIONS_LINE)) == OPTIONS_LINE.encode()
