@@ -138,14 +138,12 @@ def _state_fwd_kernel(k, w, u, gc, h0, h0_row, h, v_new, bank, k_desc, w_desc, u
 
 
 @triton.jit
-def _output_chunk(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, shift,
-                  scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BV: tl.constexpr, GATHER: tl.constexpr, RSTD: tl.constexpr):
+def _output_chunk(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, i_c, i_h,
+                  i_v, shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr, RSTD: tl.constexpr):
     """o of one chunk and BV columns. RSTD: q and k are the raw query and key and q_rstd, k_rstd [rows, HK] their
     l2 norms' reciprocals, applied to the dots' fp32 results, so the normalised rows are never rounded to 16 bits
     here (the output is where those roundings cost o most: bench/gdn_rounding.py)."""
-    i_ch, i_v = tl.program_id(0) // (V // BV), tl.program_id(0) % (V // BV)
-    i_c, i_h = i_ch // HV, i_ch % HV
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
     o_t = tl.arange(0, BT)
@@ -181,13 +179,15 @@ def _output_kernel(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk
     of a chunk and head read the same q, k and gc rows, which the second then finds in L2 (1.12-1.32x faster than
     with the column block slowest, same bits). Chunks without replayed rows run the plain-row code at row + their
     shift, the others through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // (V // BV) // HV, GATHER)
+    i_ch, i_v = tl.program_id(0) // (V // BV), tl.program_id(0) % (V // BV)
+    i_c, i_h = i_ch // HV, i_ch % HV
+    shift, affine = _chunk_shift(chunk_shift, i_c, GATHER)
     if affine:
-        _output_chunk(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own,
-            shift, scale, HK, HV, K, V, BT, BV, False, RSTD)
+        _output_chunk(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, i_c,
+            i_h, i_v, shift, scale, HK, HV, K, V, BT, BV, False, RSTD)
     else:
-        _output_chunk(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, 0,
-            scale, HK, HV, K, V, BT, BV, GATHER, RSTD)
+        _output_chunk(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk_row_end, row_src, row_own, i_c,
+            i_h, i_v, 0, scale, HK, HV, K, V, BT, BV, GATHER, RSTD)
 
 
 def state_fwd(k, w, u, gc, initial_state, index, *, seqs: tuple[int, int] | None = None, out=None, rows=None,

@@ -112,11 +112,10 @@ def _decay_block(b_a, b_gci, b_gcj, b_bi, DIAG: tl.constexpr):
 
 
 @triton.jit
-def _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, shift, HK: tl.constexpr,
+def _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, i_c, i_h, shift, HK: tl.constexpr,
                         HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
     """gc = in-chunk cumsum of g; T = (I + A)^-1, A = strictly_lower((beta k) k^T exp(gc_i - gc_j)), with A's
     ten lower [16, 16] blocks accumulated over BK columns of k at a time and inverted in registers."""
-    i_c, i_h = tl.program_id(0) // HV, tl.program_id(0) % HV
     i_hk = i_h // (HV // HK)
     row0 = tl.load(chunk_row_start + i_c)
     row_end = tl.load(chunk_row_end + i_c)
@@ -172,20 +171,21 @@ def _wy_kkt_solve_kernel(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_
                          HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
     """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
+    i_c, i_h = tl.program_id(0) // HV, tl.program_id(0) % HV
+    shift, affine = _chunk_shift(chunk_shift, i_c, GATHER)
     if affine:
-        _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, BT, BK,
-            False)
+        _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, i_c, i_h, shift, HK, HV, K,
+            BT, BK, False)
     else:
-        _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, BT, BK, GATHER)
+        _wy_kkt_solve_chunk(k, g, beta, gc, T, chunk_row_start, chunk_row_end, row_src, i_c, i_h, 0, HK, HV, K, BT,
+            BK, GATHER)
 
 
 @triton.jit
-def _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, shift, HK: tl.constexpr,
+def _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, i_c, i_h, shift, HK: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, GATHER: tl.constexpr):
     """w = T (beta exp(gc) k) [BT, K], u = (T diag(beta)) v [BT, V], BK / BV columns at a time."""
-    i_c, i_h = tl.program_id(0) // HV, tl.program_id(0) % HV
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
     src = _input_rows(row_src, rows, m_t, shift, GATHER)
@@ -216,13 +216,14 @@ def _wy_wu_kernel(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_s
                   BV: tl.constexpr, GATHER: tl.constexpr):
     """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
+    i_c, i_h = tl.program_id(0) // HV, tl.program_id(0) % HV
+    shift, affine = _chunk_shift(chunk_shift, i_c, GATHER)
     if affine:
-        _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, shift, HK, HV, K, V, BT,
-            BK, BV, False)
+        _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, i_c, i_h, shift, HK, HV, K, V,
+            BT, BK, BV, False)
     else:
-        _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, V, BT, BK, BV,
-            GATHER)
+        _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_src, i_c, i_h, 0, HK, HV, K, V, BT,
+            BK, BV, GATHER)
 
 
 def wy_fwd(k, v, g, beta, index, rows=None):
