@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from harts_compiler.ir import ArtifactError, Program, format_program, load_hir, write_hir
+from harts_compiler.ir import ArtifactError, IRError, Program, format_program, load_hir, write_hir
 
+from .errors import InputError
 from .options import CompileOptions
 
 # a saved plan's text starts with this line (then its options as JSON): `Plan.save` writes it, `Plan.load` reads the
@@ -168,8 +169,6 @@ class Plan:
     @classmethod
     def load_input(cls, path: str | Path) -> "Plan":
         """`load` for a command's input: a broken plan text is one InputError line naming the file."""
-        from .errors import InputError
-        from .ir import IRError
         try:
             return cls.load(path)  # an ArtifactError names the files itself and reaches the CLI as it is
         except IRError as error:
