@@ -120,6 +120,7 @@ KERNELS = [
     ("dispatch bwd", moe_combine._combine_fwd_kernel, {"TOP_K": 4, "MODE": 0, "BLOCK_H": 2048, "WEIGHTED": False},
      COMBINE_PTRS),
     ("kda scan fwd", kda_state_fwd._scan_fwd_kernel, {"HK": 32, "HV": 32}, None),
+    ("kda output", kda_state_fwd._output_kernel, {"HK": 32, "HV": 32}, None),
     ("kda scan bwd", kda_state_bwd._scan_bwd_kernel, {"HK": 32, "HV": 32}, None),
     ("kda bwd_inter", kda_chunk_bwd._bwd_inter_kernel, {"HK": 32, "HV": 32}, None),
     ("kda wy_bwd", kda_chunk_bwd._wy_bwd_kernel, {"HK": 32, "HV": 32}, {"dv": "*fp32", "side_dv": "*fp32"}),
