@@ -31,7 +31,7 @@ def _bwd_inter_chunk(q, k, gc, v_new, h, dh, do, dvn, dq, dk, dgc, dw, dAqk, chu
                      row_own, shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
     i_c, i_h, i_hk, row0, row_end, rows64, m_t, src, kept, m_keep = _chunk_program(
-        chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
+        tl.program_id(0), chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     state = (i_c.to(tl.int64) * HV + i_h) * (K * V)
@@ -95,7 +95,7 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dbeta, dAkk, dv, side_dv, 
                   row_src, row_own, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
     i_c, i_h, i_hk, row0, row_end, rows64, m_t, src, kept, m_keep = _chunk_program(
-        chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
+        tl.program_id(0), chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
     m_side = m_t & ~m_keep
     slot = -1 - kept  # side-buffer row of a replayed row (garbage, and masked, elsewhere)
     o_t = tl.arange(0, BT)

@@ -27,7 +27,7 @@ def _bwd_prep_chunk(q, gc, Aqk, do, qg, dv_local, chunk_row_start, chunk_row_end
                     GATHER: tl.constexpr):
     # replayed rows have no output gradient (do_rows: the kept tokens)
     i_c, i_h, i_hk, row0, row_end, rows64, m_t, src, do_rows, m_do = _chunk_program(
-        chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
+        tl.program_id(0), chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)

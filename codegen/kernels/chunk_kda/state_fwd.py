@@ -81,10 +81,10 @@ def _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_s
                   BV: tl.constexpr, GATHER: tl.constexpr):
     # replayed rows' outputs are dropped (out_rows: the kept tokens)
     i_c, i_h, i_hk, row0, row_end, rows64, m_t, src, out_rows, m_out = _chunk_program(
-        chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
+        tl.program_id(0) // (V // BV), chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
-    o_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    o_v = tl.program_id(0) % (V // BV) * BV + tl.arange(0, BV)
     b_q = tl.load(q + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_gc = tl.load(gc + (rows64[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_qg = (b_q.to(tl.float32) * tl.exp(b_gc)).to(b_q.dtype)
@@ -100,7 +100,8 @@ def _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_s
 def _output_kernel(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, scale,
                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                    BV: tl.constexpr, GATHER: tl.constexpr):
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
+    # a chunk and head's column blocks adjacent: they read the same q, gc and Aqk rows, the second from L2
+    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // (V // BV) // HV, GATHER)
     if affine:
         _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale, HK,
                       HV, K, V, BT, BV, False)
@@ -134,7 +135,7 @@ def output_fwd(q, gc, Aqk, v_new, h, scale, index, config, rows=None):
     bv = min(config.out_block_v, vd)
     o = torch.empty_like(v_new) if rows is None else v_new.new_empty(rows.num_tokens, hv, vd)
     if index.num_chunks:
-        _output_kernel[(index.num_chunks * hv, vd // bv)](
+        _output_kernel[(index.num_chunks * hv * (vd // bv),)](
             q, gc, Aqk, v_new, h, o, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows),
             chunk_shift_table(index, rows), scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size, BV=bv,
             GATHER=rows is not None, num_warps=config.out_warps)
