@@ -1,8 +1,9 @@
 """Backward, chunk-parallel part: dq, dk, dw, dgc of each chunk, then back through the WY representation.
 
 No kernel here transposes a dot accumulator with tl.trans before another dot (Triton 3.6 on Hopper
-miscompiles that, docs/gdn_kernels.md): transposed products are computed as their own dots from transposed loads,
-or go through a small per-program scratch buffer.
+miscompiles that, docs/gdn_kernels.md): transposed products are computed as their own dots, or go through a small
+per-program scratch buffer. Loaded (or elementwise-scaled) tiles are transposed with tl.trans, which only changes
+how the dot reads them from shared memory (no second transposed load from global memory).
 """
 from __future__ import annotations
 
@@ -41,22 +42,19 @@ def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_vn = tl.load(v_new + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
-        b_vnt = tl.load(v_new + (rows[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
         b_do = tl.load(do + (kept[:, None] * HV + i_h) * V + o_v[None, :], mask=m_keep[:, None], other=0.0)
-        b_dot = tl.load(do + (kept[None, :] * HV + i_h) * V + o_v[:, None], mask=m_keep[None, :], other=0.0)
         b_dvn = tl.load(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
         b_ht = tl.load(h + state + o_v[:, None] + o_k[None, :] * V)        # [BV, K]
         b_dht = tl.load(dh + state + o_v[:, None] + o_k[None, :] * V)      # [BV, K]
         b_dgl += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), 0)
-        b_da += tl.dot(b_do, b_vnt)
-        b_dat += tl.dot(b_vn, b_dot)
+        b_da += tl.dot(b_do, tl.trans(b_vn))
+        b_dat += tl.dot(b_vn, tl.trans(b_do))
         b_dq += tl.dot(b_do, b_ht)
         b_dk += tl.dot(b_vn, b_dht)
         b_dw += tl.dot(b_dvn.to(b_ht.dtype), b_ht)
 
     b_q = tl.load(q + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     last = row_end - 1 - row0
     b_gl = tl.sum(tl.where(o_t == last, b_gc, 0.0))
@@ -73,7 +71,7 @@ def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_
     b_dat = tl.where(o_t[:, None] <= o_t[None, :], b_dat * _exp_gate_gap(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
     b_dq += tl.dot(b_da.to(b_k.dtype), b_k)
     b_dk += tl.dot(b_dat.to(b_q.dtype), b_q)
-    b_m = b_da * tl.dot(b_q, b_kt)
+    b_m = b_da * tl.dot(b_q, tl.trans(b_k))
     b_dgc += tl.sum(b_m, 1) - tl.sum(b_m, 0)
     b_dgc += tl.where(o_t == last, b_dgl, 0.0)
 
@@ -131,14 +129,14 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
     b_dt = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
+        b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_dw = tl.load(dw + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_dt += tl.dot(b_dw.to(dt), (b_kt * (b_b * b_eg)[None, :]).to(dt))
+        b_dt += tl.dot(b_dw.to(dt), tl.trans((b_k * (b_b * b_eg)[:, None]).to(dt)))
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_du = tl.load(du + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
-        b_vt = tl.load(v + (src[None, :] * HV + i_h) * V + o_v[:, None], mask=m_t[None, :], other=0.0)
-        b_dt += tl.dot(b_du.to(dt), (b_vt * b_b[None, :]).to(dt))
+        b_v = tl.load(v + (src[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+        b_dt += tl.dot(b_du.to(dt), tl.trans((b_v * b_b[:, None]).to(dt)))
 
     # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept strictly lower
     m_lower = o_t[:, None] > o_t[None, :]
@@ -147,8 +145,7 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
-        b_kk += tl.dot(b_k, b_kt)
+        b_kk += tl.dot(b_k, tl.trans(b_k))
     b_decay = tl.where(m_lower, _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
     b_da = tl.where(m_lower, b_da, 0.0)
     b_dkk = b_da * b_decay                                             # d(k_i . k_j) / beta_i, i > j
