@@ -1,5 +1,5 @@
-"""Toy-size CPU runs of the GDN benchmarks (bench/gdn_batch.py, gdn_scans.py, gdn_rounding.py), so they cannot rot:
-each must finish and report what its GPU runs report."""
+"""Toy-size CPU runs of the GDN benchmarks (bench/gdn_batch.py, gdn_scans.py, gdn_rounding.py, gdn_ncu.py), so they
+cannot rot: each must finish and report what its GPU runs report."""
 import math
 import os
 import subprocess
@@ -106,3 +106,23 @@ def test_gdn_rounding_emulation_is_the_reference_without_roundings():
         o = gdn_rounding.forward(*inputs, every, **form)
         return float((o - ref[:, 0]).norm() / ref[:, 0].norm())
     assert error(**form) < 0.9 * error(u_from_t_beta=False, raw_out=False)
+
+
+def test_gdn_ncu_summary_reads_a_raw_csv(tmp_path, capsys):
+    """bench/gdn_ncu.py --summarize: ncu's notes before the header are skipped, the units row too, and each kernel
+    gets its time, throughputs and largest stall reasons."""
+    with bench_on_path():
+        import gdn_ncu
+    names = ["ID", "Kernel Name"] + [metric for _, metric, _ in gdn_ncu.COLUMNS] + [
+        f"{gdn_ncu.STALL}{reason}_per_issue_active.ratio" for reason in ("long_scoreboard", "barrier", "wait", "gmma")]
+    units = ["", ""] + ["ns", "%", "%", "%", "%", "register/thread"] + ["inst"] * 4
+    row = ["0", "_chunk_bwd_qk_kernel", "3,458,368", "56.43", "54.46", "21.38", "12.35", "255", "3.22", "1.14", "1.02",
+           "0.2"]
+    path = tmp_path / "ncu.csv"
+    path.write_text('==PROF== Connected to process 1\n' + "\n".join(
+        ",".join(f'"{cell}"' for cell in line) for line in (names, units, row)) + "\n")
+    gdn_ncu.summarize(str(path))
+    line = capsys.readouterr().out.splitlines()[1].split()
+    assert line[0] == "_chunk_bwd_qk_kernel"
+    assert [float(x) for x in line[1:7]] == [3458.4, 56.4, 54.5, 21.4, 12.3, 255.0]
+    assert " ".join(line[7:]) == "long_scoreboard 3.2, barrier 1.1, wait 1.0"
