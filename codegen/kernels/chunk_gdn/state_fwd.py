@@ -176,8 +176,8 @@ def _output_kernel(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk
                    chunk_shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr, RSTD: tl.constexpr):
     """One program per (chunk, value head, BV columns), in that order with the columns fastest: the column blocks
-    of a chunk and head read the same q, k and gc rows, which the second then finds in L2 (1.12-1.32x faster than
-    with the column block slowest, same bits). Chunks without replayed rows run the plain-row code at row + their
+    of a chunk and head read the same q, k and gc rows, which the second then finds in L2 (docs/gdn_kernels.md).
+    Chunks without replayed rows run the plain-row code at row + their
     shift, the others through the row maps (GATHER) or on plain rows."""
     i_ch, i_v = tl.program_id(0) // (V // BV), tl.program_id(0) % (V // BV)
     i_c, i_h = i_ch // HV, i_ch % HV

@@ -76,15 +76,15 @@ def _scan_fwd_kernel(kg, w, u, gc, h0, h0_row, h, v_new, bank, cu_seqlens, seq_c
 
 
 @triton.jit
-def _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale,
-                  HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_src, row_own, i_ch, i_v, shift,
+                  scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                   BV: tl.constexpr, GATHER: tl.constexpr):
     # replayed rows' outputs are dropped (out_rows: the kept tokens)
     i_c, i_h, i_hk, row0, row_end, rows64, m_t, src, out_rows, m_out = _chunk_program(
-        tl.program_id(0) // (V // BV), chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
+        i_ch, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, BT, GATHER)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
-    o_v = tl.program_id(0) % (V // BV) * BV + tl.arange(0, BV)
+    o_v = i_v * BV + tl.arange(0, BV)
     b_q = tl.load(q + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_gc = tl.load(gc + (rows64[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_qg = (b_q.to(tl.float32) * tl.exp(b_gc)).to(b_q.dtype)
@@ -101,13 +101,14 @@ def _output_kernel(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_
                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                    BV: tl.constexpr, GATHER: tl.constexpr):
     # a chunk and head's column blocks adjacent: they read the same q, gc and Aqk rows, the second from L2
-    shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // (V // BV) // HV, GATHER)
+    i_ch, i_v = tl.program_id(0) // (V // BV), tl.program_id(0) % (V // BV)
+    shift, affine = _chunk_shift(chunk_shift, i_ch // HV, GATHER)
     if affine:
-        _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_src, row_own, shift, scale, HK,
-                      HV, K, V, BT, BV, False)
+        _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_src, row_own, i_ch, i_v, shift,
+                      scale, HK, HV, K, V, BT, BV, False)
     else:
-        _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_src, row_own, 0, scale, HK, HV,
-                      K, V, BT, BV, GATHER)
+        _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_src, row_own, i_ch, i_v, 0, scale,
+                      HK, HV, K, V, BT, BV, GATHER)
 
 
 def scan_fwd(kg, w, u, gc, bank, index, *, seqs: tuple[int, int], out, launch_seqs: int, initial_rows, order):
