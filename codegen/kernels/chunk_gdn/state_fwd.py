@@ -177,8 +177,8 @@ def _output_kernel(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk
                    BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr, RSTD: tl.constexpr):
     """One program per (chunk, value head, BV columns), in that order with the columns fastest: the column blocks
     of a chunk and head read the same q, k and gc rows, which the second then finds in L2 (docs/gdn_kernels.md).
-    Chunks without replayed rows run the plain-row code at row + their
-    shift, the others through the row maps (GATHER) or on plain rows."""
+    Chunks without replayed rows run the plain-row code at row + their shift, the others through the row maps
+    (GATHER) or on plain rows."""
     i_ch, i_v = tl.program_id(0) // (V // BV), tl.program_id(0) % (V // BV)
     i_c, i_h = i_ch // HV, i_ch % HV
     shift, affine = _chunk_shift(chunk_shift, i_c, GATHER)
