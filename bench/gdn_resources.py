@@ -105,6 +105,7 @@ KERNELS = [
     # KDA at Kimi Linear's shapes (32 heads of 128; KDAKernelConfig's tiles)
     ("kda diag_fwd", intra_fwd._diag_fwd_kernel, {"HK": 32, "HV": 32, "BH": 4}, None),
     ("kda intra_fwd", intra_fwd._intra_fwd_kernel, {"HK": 32, "HV": 32, "BK": 32}, None),
+    ("kda solve", intra_fwd._solve_kernel, {"HV": 32}, None),
     ("kda wu", intra_fwd._wu_kernel, {"HK": 32, "HV": 32, "BK": 64}, None),
     ("kda intra_bwd", intra_bwd._intra_bwd_kernel, {"HK": 32, "HV": 32, "BK": 32}, None),
     ("kda diag_bwd", diag_bwd._diag_bwd_kernel, {"HK": 32, "HV": 32, "BH": 4}, None),

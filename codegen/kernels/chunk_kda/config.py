@@ -22,8 +22,10 @@ class KDAKernelConfig:
     # within a warp (K = 128: four values a lane)
     diag_heads: int = 4
     diag_warps: int = 4
-    # forward intra (A, T): 4 warps hold the twelve off-diagonal [16, 16] accumulators and the inverse
+    # forward intra (A): 4 warps hold the twelve off-diagonal [16, 16] accumulators
     intra_fwd_warps: int = 4
+    # T = (I + Akk)^-1 from the stored Akk blocks: one warp keeps each substitution step's row sums in a warp
+    solve_warps: int = 1
     # w, u, kg: [64, 64] dots, as GDN's wy_wu_warps
     wu_warps: int = 4
     # output: 64 state columns per program at 4 warps (GDN's out kernel)
@@ -47,7 +49,7 @@ class KDAKernelConfig:
         for field in ("intra_block_k", "out_block_v", "bwd_block_v"):
             if not _power_of_two(getattr(self, field), 16):
                 raise ValueError(f"KDAKernelConfig.{field} must be a power of two >= 16, got {getattr(self, field)}")
-        for field in ("diag_heads", "diag_warps", "intra_fwd_warps", "wu_warps", "out_warps", "bwd_prep_warps",
-                      "bwd_inter_warps", "wy_bwd_warps", "intra_bwd_warps", "diag_bwd_heads", "diag_bwd_warps"):
+        for field in ("diag_heads", "diag_warps", "intra_fwd_warps", "solve_warps", "wu_warps", "out_warps",
+                      "bwd_prep_warps", "bwd_inter_warps", "wy_bwd_warps", "intra_bwd_warps", "diag_bwd_heads", "diag_bwd_warps"):
             if not _power_of_two(getattr(self, field), 1):
                 raise ValueError(f"KDAKernelConfig.{field} must be a power of two, got {getattr(self, field)}")

@@ -7,14 +7,14 @@ E_ij[d] = exp(gc_i[d] - gc_j[d]):
   Aqk = lower( sum_d q_i[d] k_j[d] E_ij[d] )  (diagonal included)  [BT, BT] fp32, for o and dv_local
   T   = (I + Akk)^-1                                              [BT, BT] fp32, kept for the backward
   w   = T (beta exp(gc) k),  u = T (beta v),  kg = exp(gl - gc) k   (gl: gc of the chunk's last row)
-Three kernels. The first fills the diagonal 16x16 blocks of Akk (before beta) and Aqk, one program per row and
+Four kernels. The first fills the diagonal 16x16 blocks of Akk (before beta) and Aqk, one program per row and
 group of heads: row i walks j = i, i - 1, ... down to its block's first row, carrying the exponent
 gc_i - gc_j = g_i + ... + g_(j+1) as a running sum of gates (<= 0 exactly, so no factor exceeds 1 and no clamp is
 needed), each entry one [heads, K] product summed over K. Inside a (chunk, head) program this serial walk
 would be most of the kernel's time; spread over rows it is one short loop per program. The second builds the
-off-diagonal blocks by dots split at a reference row (blocks.py), reads the diagonal ones back, inverts Akk in
-registers with GDN's 16x16 forward substitution and block merge, and stores gc, T, Aqk (as GDN's wy_fwd); the
-third computes w, u and kg from T.
+off-diagonal blocks by dots split at a reference row (blocks.py), reads the diagonal ones back, and stores gc,
+Aqk and Akk (beta applied) in T's place; the third inverts Akk in place at one warp with GDN's 16x16 forward
+substitution and block merge (wy_fwd); the fourth computes w, u and kg from T.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ..chunk_gdn.gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_r
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from ..chunk_gdn.wy_fwd import _inverse_unit_lower16, _merge_inverse, _store_inverse
 from ..interpreter_safe import interpreting
-from .blocks import _block_betas, _block_tiles, _chunk_blocks, _from_ref, _load_block, _to_ref
+from .blocks import _block_betas, _block_tiles, _chunk_blocks, _from_ref, _load_block, _store_block, _to_ref
 
 
 @triton.jit
@@ -148,14 +148,17 @@ def _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, 
     a11, p11 = _load_block(T, r1, m1, i_h, 16, HV, BT, True), _load_block(Aqk, r1, m1, i_h, 16, HV, BT, True)
     a22, p22 = _load_block(T, r2, m2, i_h, 32, HV, BT, True), _load_block(Aqk, r2, m2, i_h, 32, HV, BT, True)
     a33, p33 = _load_block(T, r3, m3, i_h, 48, HV, BT, True), _load_block(Aqk, r3, m3, i_h, 48, HV, BT, True)
-    t00 = _inverse_unit_lower16(_strict(a00, b0))
-    t11 = _inverse_unit_lower16(_strict(a11, b1))
-    t22 = _inverse_unit_lower16(_strict(a22, b2))
-    t33 = _inverse_unit_lower16(_strict(a33, b3))
-    t10, t20, t21, t30, t31, t32 = _merge_inverse(
-        t00, t11, t22, t33, a10 * b1[:, None], a20 * b2[:, None], a21 * b2[:, None], a30 * b3[:, None],
-        a31 * b3[:, None], a32 * b3[:, None])
-    _store_inverse(T, row0, row_end, i_h, t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, HV, BT)
+    # Akk with beta, its ten lower blocks, for _solve_kernel to invert in place
+    _store_block(T, r0, m0, i_h, 0, _strict(a00, b0), HV, BT)
+    _store_block(T, r1, m1, i_h, 0, a10 * b1[:, None], HV, BT)
+    _store_block(T, r1, m1, i_h, 16, _strict(a11, b1), HV, BT)
+    _store_block(T, r2, m2, i_h, 0, a20 * b2[:, None], HV, BT)
+    _store_block(T, r2, m2, i_h, 16, a21 * b2[:, None], HV, BT)
+    _store_block(T, r2, m2, i_h, 32, _strict(a22, b2), HV, BT)
+    _store_block(T, r3, m3, i_h, 0, a30 * b3[:, None], HV, BT)
+    _store_block(T, r3, m3, i_h, 16, a31 * b3[:, None], HV, BT)
+    _store_block(T, r3, m3, i_h, 32, a32 * b3[:, None], HV, BT)
+    _store_block(T, r3, m3, i_h, 48, _strict(a33, b3), HV, BT)
     _store_inverse(Aqk, row0, row_end, i_h, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, HV, BT)
 
 
@@ -172,6 +175,29 @@ def _intra_fwd_kernel(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end,
     else:
         _intra_fwd_chunk(q, k, g, beta, gc, T, Aqk, chunk_row_start, chunk_row_end, row_src, 0, HK, HV, K, BT, BK,
                          GATHER)
+
+
+@triton.jit
+def _solve_kernel(T, chunk_row_start, chunk_row_end, HV: tl.constexpr, BT: tl.constexpr):
+    """T = (I + Akk)^-1 in place, one program per chunk and head: the ten lower 16x16 blocks of Akk (beta applied,
+    from _intra_fwd_kernel) in, GDN's forward substitution and block merge, all 16 blocks of T out. A kernel of
+    its own because the substitution's row sums cross warps at the chunk kernel's 4 warps (a barrier and
+    shuffles per step) and stay inside one warp here."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    row0 = tl.load(chunk_row_start + i_c)
+    row_end = tl.load(chunk_row_end + i_c)
+    r0 = row0 + tl.arange(0, 16)
+    r1, r2, r3 = r0 + 16, r0 + 32, r0 + 48
+    m0, m1, m2, m3 = r0 < row_end, r1 < row_end, r2 < row_end, r3 < row_end
+    t00 = _inverse_unit_lower16(_load_block(T, r0, m0, i_h, 0, HV, BT))
+    t11 = _inverse_unit_lower16(_load_block(T, r1, m1, i_h, 16, HV, BT))
+    t22 = _inverse_unit_lower16(_load_block(T, r2, m2, i_h, 32, HV, BT))
+    t33 = _inverse_unit_lower16(_load_block(T, r3, m3, i_h, 48, HV, BT))
+    t10, t20, t21, t30, t31, t32 = _merge_inverse(
+        t00, t11, t22, t33, _load_block(T, r1, m1, i_h, 0, HV, BT), _load_block(T, r2, m2, i_h, 0, HV, BT),
+        _load_block(T, r2, m2, i_h, 16, HV, BT), _load_block(T, r3, m3, i_h, 0, HV, BT),
+        _load_block(T, r3, m3, i_h, 16, HV, BT), _load_block(T, r3, m3, i_h, 32, HV, BT))
+    _store_inverse(T, row0, row_end, i_h, t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, HV, BT)
 
 
 @triton.jit
@@ -248,6 +274,7 @@ def intra_fwd(q, k, v, g, beta, index, config, rows=None):
         num_warps=config.diag_warps)
     _intra_fwd_kernel[grid](q, k, g, beta, gc, T, Aqk, *tables, HK=hk, HV=hv, K=kd, BT=BT,
                             BK=min(config.intra_block_k, kd), GATHER=gather, num_warps=config.intra_fwd_warps)
+    _solve_kernel[grid](T, index.chunk_row_start, index.chunk_row_end, HV=hv, BT=BT, num_warps=config.solve_warps)
     _wu_kernel[grid](k, v, beta, gc, T, w, u, kg, *tables, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd),
                      BV=min(64, vd), GATHER=gather, num_warps=config.wu_warps)
     return gc, T, Aqk, w, u, kg
