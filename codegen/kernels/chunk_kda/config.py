@@ -50,6 +50,7 @@ class KDAKernelConfig:
             if not _power_of_two(getattr(self, field), 16):
                 raise ValueError(f"KDAKernelConfig.{field} must be a power of two >= 16, got {getattr(self, field)}")
         for field in ("diag_heads", "diag_warps", "intra_fwd_warps", "solve_warps", "wu_warps", "out_warps",
-                      "bwd_prep_warps", "bwd_inter_warps", "wy_bwd_warps", "intra_bwd_warps", "diag_bwd_heads", "diag_bwd_warps"):
+                      "bwd_prep_warps", "bwd_inter_warps", "wy_bwd_warps", "intra_bwd_warps", "diag_bwd_heads",
+                      "diag_bwd_warps"):
             if not _power_of_two(getattr(self, field), 1):
                 raise ValueError(f"KDAKernelConfig.{field} must be a power of two, got {getattr(self, field)}")
