@@ -1,10 +1,12 @@
-"""Hardware counters of the GDN kernels: one trajectory-wise fwd+bwd inside a CUDA profiler range for Nsight Compute,
-and a summary of its raw CSV (time, DRAM and L2 throughput, issue activity, resident warps, top stall reasons).
+"""Hardware counters of the GDN (or KDA) kernels: one trajectory-wise fwd+bwd inside a CUDA profiler range for Nsight
+Compute, and a summary of its raw CSV (time, DRAM and L2 throughput, issue activity, resident warps, top stall reasons).
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \\
         --section WarpStateStats --section Occupancy --section LaunchStats --csv --page raw \\
         python3 bench/gdn_ncu.py [--lengths 7680 x 8] [--value-heads 32] > ncu.csv
     python3 bench/gdn_ncu.py --summarize ncu.csv
+
+`--kda` profiles one KDA fwd+bwd instead (bench/kda.py's inputs: 32 heads of 128, 8 x 8,192 tokens by default).
 
 The step runs twice first (Triton compiles, the allocator warms up), then once inside the range, so ncu profiles each
 kernel of exactly one fwd+bwd. Stall reasons are cycles per issued instruction by reason (ncu's
@@ -42,7 +44,20 @@ def summarize(path: str) -> None:
         print(f"{row[col['Kernel Name']][:28]:28s} {cells}  " + ", ".join(f"{n} {v:.1f}" for v, n in top))
 
 
-def profile(lengths: list[int], value_heads: int) -> None:
+def run_profiled(step) -> None:
+    """`step` twice (Triton compiles, the allocator warms up), then once inside the profiler range."""
+    import torch
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def profile_gdn(lengths: list[int], value_heads: int) -> None:
     import torch
     from gdn_cases import make_inputs, planned_call, single_call_plan
 
@@ -54,26 +69,40 @@ def profile(lengths: list[int], value_heads: int) -> None:
     def step():
         o = planned_call(*leaves, scale=128 ** -0.5, initial_state=tensors[5], plan=plan, use_qk_l2norm=True)[0]
         torch.autograd.grad(o, leaves, do)  # not .backward(): no accumulation kernels into .grad
+    run_profiled(step)
 
-    step()
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+
+def profile_kda(lengths: list[int], heads: int) -> None:
+    import torch
+    from kda import make_inputs, ours_call
+
+    from harts_compiler.codegen.kernels.chunk_gdn import plan_single_call
+    from harts_compiler.codegen.kernels.chunk_kda import KDAKernelConfig
+    from harts_compiler.codegen.kernels.upload import to_device
+
+    device = torch.device("cuda")
+    tensors, _ = make_inputs(lengths, heads, device)
+    call = ours_call(to_device(plan_single_call(lengths), device), 128 ** -0.5, KDAKernelConfig())
+    leaves = [t.detach().requires_grad_(True) for t in tensors]
+    do = torch.randn_like(tensors[2])
+    run_profiled(lambda: torch.autograd.grad(call(*leaves), leaves, do))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[7680] * 8, help="sequence lengths (tokens)")
-    parser.add_argument("--value-heads", type=int, default=32, help="16 key heads; 32 value heads is Qwen3-Next's")
+    parser.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (tokens; default 8 x 7,680, "
+                        "with --kda 8 x 8,192)")
+    parser.add_argument("--value-heads", type=int, default=32, help="GDN: 16 key heads; 32 value heads is "
+                        "Qwen3-Next's. KDA: the heads")
+    parser.add_argument("--kda", action="store_true", help="a KDA step instead of a GDN one")
     parser.add_argument("--summarize", metavar="CSV", help="print the summary of an ncu raw CSV instead")
     args = parser.parse_args()
     if args.summarize:
         summarize(args.summarize)
+    elif args.kda:
+        profile_kda(args.lengths or [8192] * 8, args.value_heads)
     else:
-        profile(args.lengths, args.value_heads)
+        profile_gdn(args.lengths or [7680] * 8, args.value_heads)
 
 
 if __name__ == "__main__":
