@@ -1,5 +1,7 @@
-"""Hardware counters of the GDN (or KDA) kernels: one trajectory-wise fwd+bwd inside a CUDA profiler range for Nsight
-Compute, and a summary of its raw CSV (time, DRAM and L2 throughput, issue activity, resident warps, top stall reasons).
+"""Hardware counters of the GDN (or KDA) kernels under Nsight Compute, and a summary of ncu's raw CSV.
+
+One trajectory-wise fwd+bwd runs inside a CUDA profiler range; the summary gives each kernel's time, DRAM and L2
+throughput, issue activity, resident warps and top stall reasons.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \\
         --section WarpStateStats --section Occupancy --section LaunchStats --csv --page raw \\
