@@ -79,7 +79,7 @@ def test_tree_equals_trajectories_bitwise():
         assert rel(a, b) < BOUND, name
 
 
-@pytest.mark.parametrize("config", [KDAKernelConfig(intra_block_k=16, intra_fwd_warps=2, intra_bwd_warps=8,
+@pytest.mark.parametrize("config", [KDAKernelConfig(intra_block_k=16, intra_fwd_warps=4, intra_bwd_warps=8,
                                                     diag_bwd_heads=2, diag_bwd_warps=2),
                                     KDAKernelConfig(out_block_v=32, bwd_block_v=32, wy_bwd_warps=8, diag_bwd_heads=8,
                                                     intra_bwd_warps=4)],
