@@ -22,8 +22,8 @@ class KDAKernelConfig:
     # within a warp (K = 128: four values a lane)
     diag_heads: int = 4
     diag_warps: int = 4
-    # forward intra (Aqk, Akk off-diagonal blocks): 2 warps, 2.23 against 2.52 ms at 4 once the inverse left it
-    # (H100, 8 x 8,192 tokens x 32 heads; bench/kda.py --sweep)
+    # forward intra (the off-diagonal blocks of Aqk and Akk; the inverse runs in the solve kernel): 2 warps, 2.23
+    # against 2.52 ms at 4 (H100, 8 x 8,192 tokens x 32 heads; bench/kda.py --sweep)
     intra_fwd_warps: int = 2
     # T = (I + Akk)^-1 from the stored Akk blocks: one warp keeps each substitution step's row sums in a warp
     solve_warps: int = 1
