@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows
+from .gates import LOG2E, _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows
 from .index import chunk_shift_table, row_tables
 
 
@@ -60,10 +60,10 @@ def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_
     b_gl = tl.sum(tl.where(o_t == last, b_gc, 0.0))
 
     # inter-chunk terms: o += scale exp(gc) q h ;  S_next += k^T (exp(gc_last - gc) vn)
-    b_dq = b_dq * (tl.exp(b_gc) * scale)[:, None]
-    b_dk = tl.where(m_t[:, None], b_dk * tl.exp(b_gl - b_gc)[:, None], 0.0)
+    b_dq = b_dq * (tl.exp2(b_gc * LOG2E) * scale)[:, None]
+    b_dk = tl.where(m_t[:, None], b_dk * tl.exp2((b_gl - b_gc) * LOG2E)[:, None], 0.0)
     b_dgc = tl.sum(b_dq * b_q.to(tl.float32), 1) - tl.sum(b_dk * b_k.to(tl.float32), 1)
-    b_dgl = tl.sum(b_dgl) * tl.exp(b_gl) + tl.sum(b_dk * b_k.to(tl.float32))
+    b_dgl = tl.sum(b_dgl) * tl.exp2(b_gl * LOG2E) + tl.sum(b_dk * b_k.to(tl.float32))
 
     # intra-chunk attention: o_i += scale sum_{j<=i} (q_i.k_j) exp(gc_i - gc_j) vn_j
     m_a = o_t[:, None] >= o_t[None, :]
@@ -122,7 +122,7 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
 
     b_b = tl.load(beta + src * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
-    b_eg = tl.exp(b_gc)
+    b_eg = tl.exp2(b_gc * LOG2E)
     b_tt = tl.load(T + (rows[None, :] * HV + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0).to(dt)  # T_ji
 
     # dT = dw (beta exp(gc) k)^T + du (beta v)^T

@@ -7,6 +7,12 @@ from .index import NO_SHIFT as _NO_SHIFT
 NO_SHIFT = tl.constexpr(_NO_SHIFT)
 
 
+# exp(x) = exp2(x log2 e): FMUL + MUFU.EX2 an entry, where tl.exp adds a range check for results under 2^-126
+# (five instructions); such results flush to 0, and every exp in these kernels is a decay factor <= 1 that scales
+# other terms
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
 def _exp_gate_gap(b_gap):
     """exp(gc_i - gc_j) for the in-chunk decay between tokens j <= i, whose gap is <= 0 exactly
@@ -15,7 +21,7 @@ def _exp_gate_gap(b_gap):
     sequence's end gc loads as 0 while a valid row's gc can be -1000 (strong decays, as
     transformers' init gives), and exp(+1000) = inf times a zero operand made NaN there, which
     leaked into dv, dk, dg, dbeta and the initial-state gradient of partial chunks."""
-    return tl.exp(tl.minimum(b_gap, 0.0))
+    return tl.exp2(tl.minimum(b_gap, 0.0) * LOG2E)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
-from .gates import (_chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows, _scan_program, scan_grid,
+from .gates import (LOG2E, _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows, _scan_program, scan_grid,
                     scan_order)
 from .index import chunk_shift_table, row_tables, scan_row_shift
 from .tma import scan_descriptors
@@ -137,12 +137,12 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, row_src, row_o
     # k dS; the row scaling goes on the [BT, BV] do tile (fewer registers than q^T)
     b_qt = tl.load(q + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
-    b_acc = _decayed_q_do(b_qt, b_do * (tl.exp(b_gc) * scale)[:, None], b_ds * tl.exp(b_gl), QDO)
+    b_acc = _decayed_q_do(b_qt, b_do * (tl.exp2(b_gc * LOG2E) * scale)[:, None], b_ds * tl.exp2(b_gl * LOG2E), QDO)
 
     b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_dvn = _chunk_dv_local(dv_local, dvl_row0, rows, m_t, i_h, o_v, b_k, b_qt, b_gc, b_do, scale, HV, V, BT, LOCAL_DV,
                             INTERPRET)
-    b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp(b_gl - b_gc)[:, None], 0.0)
+    b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp2((b_gl - b_gc) * LOG2E)[:, None], 0.0)
     tl.store(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty),
              mask=m_t[:, None])
 
@@ -170,13 +170,13 @@ def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dvl_row0, dh,
     b_gl = tl.load(gc + (row0 + BT - 1) * HV + i_h)
     b_qt = tl.trans(q_desc.load([src0, i_hk * K]))                      # [K, BT]
     b_do = do_desc.load([src0, col_v])                                  # [BT, BV]
-    b_acc = _decayed_q_do(b_qt, b_do * (tl.exp(b_gc) * scale)[:, None], b_ds * tl.exp(b_gl), QDO)
+    b_acc = _decayed_q_do(b_qt, b_do * (tl.exp2(b_gc * LOG2E) * scale)[:, None], b_ds * tl.exp2(b_gl * LOG2E), QDO)
     b_k = k_desc.load([src0, i_hk * K])
     if LOCAL_DV:
         b_dvn = _opaque(_dv_local(b_k, b_qt, b_gc, b_do, scale, BT), INTERPRET)
     else:
         b_dvn = dvl_desc.load([(row0 - dvl_row0).to(tl.int32), col_v])  # fp32
-    b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp(b_gl - b_gc)[:, None], 0.0)
+    b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp2((b_gl - b_gc) * LOG2E)[:, None], 0.0)
     tl.store(dvn + (rows[:, None] * HV + i_h).to(tl.int64) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty))
     b_w = w_desc.load([row0, i_h * K])
     return tl.dot(tl.trans(b_w), (-b_dvn).to(b_w.dtype), acc=b_acc)

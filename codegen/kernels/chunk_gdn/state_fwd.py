@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..interpreter_safe import interpreting
-from .gates import (_chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows, _scan_program, scan_grid,
+from .gates import (LOG2E, _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows, _scan_program, scan_grid,
                     scan_order)
 from .index import chunk_shift_table, row_tables, scan_row_shift
 from .tma import scan_descriptors
@@ -44,8 +44,8 @@ def _state_fwd_step(k, w, u, gc, h, v_new, row_src, b_s, i_c, c0, bos, eos, i_h,
     b_gl = tl.load(gc + last * HV + i_h)
     src = _input_rows(row_src, rows, m_t, shift, GATHER)
     b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
-    b_vd = tl.where(m_t[:, None], b_vn * tl.exp(b_gl - b_gc)[:, None], 0.0)
-    return b_s * tl.exp(b_gl) + tl.dot(b_kt, b_vd.to(b_kt.dtype))
+    b_vd = tl.where(m_t[:, None], b_vn * tl.exp2((b_gl - b_gc) * LOG2E)[:, None], 0.0)
+    return b_s * tl.exp2(b_gl * LOG2E) + tl.dot(b_kt, b_vd.to(b_kt.dtype))
 
 
 @triton.jit
@@ -67,8 +67,8 @@ def _state_fwd_step_tma(k_desc, w_desc, u_desc, h, v_new, gc, b_s, i_c, c0, bos,
     b_gc = tl.load(gc + rows * HV + i_h)
     b_gl = tl.load(gc + (row0 + BT - 1) * HV + i_h)
     b_k = k_desc.load([(row0 + shift).to(tl.int32), i_hk * K])         # [BT, K]
-    b_vd = b_vn * tl.exp(b_gl - b_gc)[:, None]
-    return b_s * tl.exp(b_gl) + tl.dot(tl.trans(b_k), b_vd.to(b_k.dtype))
+    b_vd = b_vn * tl.exp2((b_gl - b_gc) * LOG2E)[:, None]
+    return b_s * tl.exp2(b_gl * LOG2E) + tl.dot(tl.trans(b_k), b_vd.to(b_k.dtype))
 
 
 @triton.jit
@@ -156,7 +156,7 @@ def _output_chunk(q, q_rstd, k, k_rstd, v_new, gc, h, o, chunk_row_start, chunk_
     b_h = tl.load(h + (i_c.to(tl.int64) * HV + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :])
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
 
-    b_row = tl.exp(b_gc)
+    b_row = tl.exp2(b_gc * LOG2E)
     b_a = tl.dot(b_q, b_kt)
     if RSTD:
         b_rq = tl.load(q_rstd + src * HK + i_hk, mask=m_t, other=0.0)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows
+from .gates import LOG2E, _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows
 from .index import chunk_shift_table, row_tables
 
 
@@ -194,7 +194,7 @@ def _wy_wu_chunk(k, v, beta, gc, T, w, u, chunk_row_start, chunk_row_end, row_sr
     # T rounds to the inputs' dtype once, for both dots
     b_t = tl.load(T + (rows[:, None] * HV + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0).to(dt)
     b_b = tl.load(beta + src * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_kscale = b_b * tl.exp(tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0))
+    b_kscale = b_b * tl.exp2(tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0) * LOG2E)
     # u = (T diag(beta)) v, not T (beta v): v enters the dot as given and the rounding falls on T diag(beta), whose
     # diagonal (beta_i) is exact and whose other entries are small; rounding beta v raised o's error by about 10%
     b_tb = (b_t.to(tl.float32) * b_b[None, :]).to(v.dtype.element_ty)

@@ -16,7 +16,7 @@ fp32 in the CPU interpreter).
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import _input_rows
+from ..chunk_gdn.gates import LOG2E, _input_rows
 
 
 @triton.jit
@@ -72,13 +72,13 @@ def _tile_t(x, rows, m, row_stride, col0, o_k):
 @triton.jit
 def _to_ref(b_x, b_gc, b_ref):
     """x exp(gc - ref) for rows at or after the reference row (factor <= 1; `_exp_gate_gap` written out)."""
-    return b_x * tl.exp(tl.minimum(b_gc - b_ref[None, :], 0.0))
+    return b_x * tl.exp2(tl.minimum(b_gc - b_ref[None, :], 0.0) * LOG2E)
 
 
 @triton.jit
 def _from_ref(b_x, b_gc, b_ref):
     """x exp(ref - gc) for rows at or before the reference row (factor <= 1)."""
-    return b_x * tl.exp(tl.minimum(b_ref[None, :] - b_gc, 0.0))
+    return b_x * tl.exp2(tl.minimum(b_ref[None, :] - b_gc, 0.0) * LOG2E)
 
 
 @triton.jit
@@ -87,8 +87,8 @@ def _off_rows(b_dm, b_y, b_gcj, b_gci, b_ref):
     them (gc of that row: b_ref).
     (The factors are written out rather than calls of _to_ref / _from_ref: each device-function call costs the
     CPU interpreter a re-patch of triton.language, about a millisecond.)"""
-    b_yr = b_y * tl.exp(tl.minimum(b_ref[None, :] - b_gcj, 0.0))
-    return tl.dot(b_dm, b_yr) * tl.exp(tl.minimum(b_gci - b_ref[None, :], 0.0))
+    b_yr = b_y * tl.exp2(tl.minimum(b_ref[None, :] - b_gcj, 0.0) * LOG2E)
+    return tl.dot(b_dm, b_yr) * tl.exp2(tl.minimum(b_gci - b_ref[None, :], 0.0) * LOG2E)
 
 
 @triton.jit
@@ -96,8 +96,8 @@ def _off_cols(b_dmt, b_x, b_gci, b_gcj, b_ref):
     """Z_J += [16, BK]: sum_{i in I} dm_ij x_i exp(gc_i - gc_j) for a block I after J, split at a row between
     them;
     b_dmt is dm_IJ transposed."""
-    b_xr = b_x * tl.exp(tl.minimum(b_gci - b_ref[None, :], 0.0))
-    return tl.dot(b_dmt, b_xr) * tl.exp(tl.minimum(b_ref[None, :] - b_gcj, 0.0))
+    b_xr = b_x * tl.exp2(tl.minimum(b_gci - b_ref[None, :], 0.0) * LOG2E)
+    return tl.dot(b_dmt, b_xr) * tl.exp2(tl.minimum(b_ref[None, :] - b_gcj, 0.0) * LOG2E)
 
 
 @triton.jit

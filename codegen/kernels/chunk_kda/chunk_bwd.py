@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import _chunk_shift, _exp_gate_gap
+from ..chunk_gdn.gates import LOG2E, _chunk_shift, _exp_gate_gap
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from ..interpreter_safe import interpreting
 from .diag_bwd import _diag_bwd_kernel
@@ -63,10 +63,10 @@ def _bwd_inter_chunk(q, k, gc, v_new, h, dh, do, dvn, dq, dk, dgc, dw, dAqk, chu
     last = row_end - 1 - row0
     b_gl = tl.load(gc + ((row_end - 1).to(tl.int64) * HV + i_h) * K + o_k)
 
-    b_dq = b_dqg * tl.exp(b_gc) * scale
+    b_dq = b_dqg * tl.exp2(b_gc * LOG2E) * scale
     b_dk = b_dkg * _exp_gate_gap(b_gl[None, :] - b_gc)
     b_dgc = b_dq * b_q - b_dk * b_k
-    b_dgl = b_dgl * tl.exp(b_gl) + tl.sum(b_dk * b_k, 0)
+    b_dgl = b_dgl * tl.exp2(b_gl * LOG2E) + tl.sum(b_dk * b_k, 0)
     b_dgc += tl.where((o_t == last)[:, None], b_dgl[None, :], 0.0)
     b_da = tl.where(o_t[:, None] >= o_t[None, :], b_da * scale, 0.0)
 
@@ -110,7 +110,7 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dbeta, dAkk, dv, side_dv, 
         b_kt = tl.load(k + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
         b_gct = tl.load(gc + (rows64[None, :] * HV + i_h) * K + o_k[:, None], mask=m_t[None, :], other=0.0)
         b_dwt = tl.load(dw + (rows64[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_kbt = b_kt.to(tl.float32) * tl.exp(b_gct) * b_b[None, :]
+        b_kbt = b_kt.to(tl.float32) * tl.exp2(b_gct * LOG2E) * b_b[None, :]
         b_dt += tl.dot(b_dwt.to(dt), b_kbt.to(dt))
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -128,7 +128,7 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dbeta, dAkk, dv, side_dv, 
         p_k = (rows64[:, None] * HV + i_h) * K + o_k[None, :]
         b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None],
                       other=0.0).to(tl.float32)
-        b_eg = tl.exp(tl.load(gc + p_k, mask=m_t[:, None], other=0.0))
+        b_eg = tl.exp2(tl.load(gc + p_k, mask=m_t[:, None], other=0.0) * LOG2E)
         b_dwt = tl.load(dw + p_k, mask=m_t[:, None], other=0.0)
         b_dkb = tl.dot(b_tt, b_dwt.to(dt))                                # d(beta exp(gc) k)
         b_kb = b_dkb * b_k * b_eg

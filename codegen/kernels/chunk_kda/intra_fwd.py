@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows
+from ..chunk_gdn.gates import LOG2E, _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from ..chunk_gdn.wy_fwd import _inverse_unit_lower16, _merge_inverse, _store_inverse
 from ..interpreter_safe import interpreting
@@ -45,17 +45,18 @@ def _off_pair(b_kn, b_qn, b_kj, b_gcj, b_ref, b_akk, b_aqk):
 
 
 @triton.jit
-def _diag_entry(k, g, T, Aqk, row_src, out, b_q, b_k, b_s, row, jj, o_hk, o_hv, o_k, m_h, HK: tl.constexpr,
+def _diag_entry(k, g, row_src, b_q, b_k, b_s, b_aqk, b_akk, row, jj, o_hk, o_hv, o_k, m_h, HK: tl.constexpr,
                 HV: tl.constexpr, K: tl.constexpr, GATHER: tl.constexpr):
-    """Entry (i, j = row) of the diagonal block for every head of the program (column jj of its block); returns
-    the running exponent carried on to row j - 1 (plus g_j)."""
+    """Entry (i, j = row) of the diagonal block for every head of the program, put in column jj of the row's
+    [BH, 16] tiles; returns them and the running exponent carried on to row j - 1 (plus g_j, in log2 units)."""
     src = _input_rows(row_src, row, row >= 0, 0, GATHER).to(tl.int64)  # a row of the walk: inside the sequence
     k_j = tl.load(k + src * (HK * K) + o_hk[:, None] * K + o_k[None, :], mask=m_h[:, None], other=0.0).to(tl.float32)
-    kj_e = k_j * tl.exp(b_s)
-    tl.store(Aqk + out + jj, tl.sum(b_q * kj_e, 1), mask=m_h)
-    tl.store(T + out + jj, tl.sum(b_k * kj_e, 1), mask=m_h)
+    kj_e = k_j * tl.exp2(b_s)
+    at = tl.arange(0, 16)[None, :] == jj
+    b_aqk = tl.where(at, tl.sum(b_q * kj_e, 1)[:, None], b_aqk)
+    b_akk = tl.where(at, tl.sum(b_k * kj_e, 1)[:, None], b_akk)
     g_j = tl.load(g + (src * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_h[:, None], other=0.0)
-    return b_s + g_j
+    return b_s + g_j * LOG2E, b_aqk, b_akk
 
 
 @triton.jit
@@ -79,17 +80,25 @@ def _diag_fwd_kernel(q, k, g, T, Aqk, chunk_row_start, chunk_row_end, row_src, H
     b_q = tl.load(q + p_qk, mask=m_qk, other=0.0).to(tl.float32)
     b_k = tl.load(k + p_qk, mask=m_qk, other=0.0).to(tl.float32)
     b_s = tl.zeros([BH, K], dtype=tl.float32)
-    out = (row.to(tl.int64) * HV + o_hv) * BT + (t // 16) * 16
+    b_aqk = tl.zeros([BH, 16], dtype=tl.float32)
+    b_akk = tl.zeros([BH, 16], dtype=tl.float32)
+    # the row's entries stay in registers and leave in one store each: stored per step, each value crossed
+    # the warps through shared memory behind barriers
     if INTERPRET:
         jj = 0
         while jj < count:
-            b_s = _diag_entry(k, g, T, Aqk, row_src, out, b_q, b_k, b_s, row - jj, t % 16 - jj, o_hk, o_hv,
-                              o_k, m_h, HK, HV, K, GATHER)
+            b_s, b_aqk, b_akk = _diag_entry(k, g, row_src, b_q, b_k, b_s, b_aqk, b_akk, row - jj, t % 16 - jj,
+                                            o_hk, o_hv, o_k, m_h, HK, HV, K, GATHER)
             jj += 1
     else:
         for jj in range(0, count):
-            b_s = _diag_entry(k, g, T, Aqk, row_src, out, b_q, b_k, b_s, row - jj, t % 16 - jj, o_hk, o_hv,
-                              o_k, m_h, HK, HV, K, GATHER)
+            b_s, b_aqk, b_akk = _diag_entry(k, g, row_src, b_q, b_k, b_s, b_aqk, b_akk, row - jj, t % 16 - jj,
+                                            o_hk, o_hv, o_k, m_h, HK, HV, K, GATHER)
+    o_c = tl.arange(0, 16)
+    out = (row.to(tl.int64) * HV + o_hv[:, None]) * BT + (t // 16) * 16 + o_c[None, :]
+    m_out = m_h[:, None] & (o_c[None, :] < count)
+    tl.store(Aqk + out, b_aqk, mask=m_out)
+    tl.store(T + out, b_akk, mask=m_out)
 
 
 @triton.jit
@@ -223,7 +232,7 @@ def _wu_chunk(k, v, beta, gc, T, w, u, kg, chunk_row_start, chunk_row_end, row_s
         p_gc = gc + (rows64[:, None] * HV + i_h) * K + o_k[None, :]
         b_gc = tl.load(p_gc, mask=m_t[:, None], other=0.0)
         b_gl = tl.load(gc + (last * HV + i_h) * K + o_k)
-        b_w = tl.dot(b_t, (b_k * tl.exp(b_gc) * b_b[:, None]).to(dt))
+        b_w = tl.dot(b_t, (b_k * tl.exp2(b_gc * LOG2E) * b_b[:, None]).to(dt))
         p_out = (rows64[:, None] * HV + i_h) * K + o_k[None, :]
         tl.store(w + p_out, b_w.to(w.dtype.element_ty), mask=m_t[:, None])
         b_kg = b_k * _exp_gate_gap(b_gl[None, :] - b_gc)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import _chunk_shift, _kept_rows, _scan_program, scan_grid
+from ..chunk_gdn.gates import LOG2E, _chunk_shift, _kept_rows, _scan_program, scan_grid
 from ..chunk_gdn.index import chunk_shift_table, row_tables, scan_row_shift
 from ..interpreter_safe import interpreting
 from .programs import _chunk_program
@@ -34,7 +34,7 @@ def _bwd_prep_chunk(q, gc, Aqk, do, qg, dv_local, chunk_row_start, chunk_row_end
     b_q = tl.load(q + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     p_k = (rows64[:, None] * HV + i_h) * K + o_k[None, :]
     b_gc = tl.load(gc + p_k, mask=m_t[:, None], other=0.0)
-    tl.store(qg + p_k, (b_q.to(tl.float32) * tl.exp(b_gc) * scale).to(qg.dtype.element_ty), mask=m_t[:, None])
+    tl.store(qg + p_k, (b_q.to(tl.float32) * tl.exp2(b_gc * LOG2E) * scale).to(qg.dtype.element_ty), mask=m_t[:, None])
     # Aqk^T [BT(j), BT(i)], loaded transposed
     b_at = tl.load(Aqk + (rows64[None, :] * HV + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0)
     b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
@@ -73,7 +73,7 @@ def _scan_bwd_step(qg, kg, w, gc, do, dv_local, dvn, dh, row_own, b_ds, i_c, c0,
     b_qgt = tl.load(qg + (rows64[None, :] * HV + i_h) * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_do = tl.load(do + (do_rows[:, None].to(tl.int64) * HV + i_h) * V + o_v[None, :], mask=m_do[:, None],
                    other=0.0)
-    b_acc = tl.dot(b_qgt, b_do.to(b_qgt.dtype), acc=b_ds * tl.exp(b_gl)[:, None])
+    b_acc = tl.dot(b_qgt, b_do.to(b_qgt.dtype), acc=b_ds * tl.exp2(b_gl * LOG2E)[:, None])
     b_kg = tl.load(kg + (rows64[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     p_v = (rows64[:, None] * HV + i_h) * V + o_v[None, :]
     b_dvn = tl.load(dv_local + p_v, mask=m_t[:, None], other=0.0) + tl.dot(b_kg, b_ds.to(b_kg.dtype))

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import _chunk_shift, _scan_program, scan_grid
+from ..chunk_gdn.gates import LOG2E, _chunk_shift, _scan_program, scan_grid
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from ..interpreter_safe import interpreting
 from .programs import _chunk_program
@@ -40,7 +40,7 @@ def _scan_fwd_step(kg, w, u, gc, h, v_new, b_s, i_c, c0, bos, eos, i_h, state_of
              mask=m_t[:, None])
     b_kgt = tl.load(kg + (rows[None, :] * HV + i_h) * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_gl = tl.load(gc + (last * HV + i_h) * K + o_k)
-    return b_s * tl.exp(b_gl)[:, None] + tl.dot(b_kgt, b_vn.to(b_kgt.dtype))
+    return b_s * tl.exp2(b_gl * LOG2E)[:, None] + tl.dot(b_kgt, b_vn.to(b_kgt.dtype))
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def _output_chunk(q, gc, Aqk, v_new, h, o, chunk_row_start, chunk_row_end, row_s
     o_v = i_v * BV + tl.arange(0, BV)
     b_q = tl.load(q + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_gc = tl.load(gc + (rows64[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_qg = (b_q.to(tl.float32) * tl.exp(b_gc)).to(b_q.dtype)
+    b_qg = (b_q.to(tl.float32) * tl.exp2(b_gc * LOG2E)).to(b_q.dtype)
     b_h = tl.load(h + (i_c.to(tl.int64) * HV + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :])
     b_a = tl.load(Aqk + (rows64[:, None] * HV + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
     b_vn = tl.load(v_new + (rows64[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
