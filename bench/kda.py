@@ -43,6 +43,7 @@ SWEEP = [dict(diag_bwd_heads=2, diag_bwd_warps=2), dict(diag_bwd_heads=8, diag_b
          dict(intra_block_k=16, intra_fwd_warps=4), dict(intra_fwd_warps=4),
          dict(intra_fwd_warps=8), dict(intra_fwd_warps=1), dict(diag_warps=1, diag_heads=1),
          dict(diag_warps=2, diag_heads=2), dict(diag_warps=8, diag_heads=8), dict(diag_bwd_heads=1, diag_bwd_warps=1),
+         dict(diag_warps=1), dict(diag_warps=2), dict(diag_bwd_warps=1), dict(diag_bwd_warps=2),
          dict(solve_warps=2), dict(solve_warps=4), dict(wy_bwd_warps=8), dict(bwd_inter_warps=4)]
 
 
