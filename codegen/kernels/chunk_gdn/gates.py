@@ -2,6 +2,7 @@
 import triton
 import triton.language as tl
 
+from .. import LOG2E as _LOG2E
 from .index import NO_SHIFT as _NO_SHIFT
 
 NO_SHIFT = tl.constexpr(_NO_SHIFT)
@@ -9,8 +10,8 @@ NO_SHIFT = tl.constexpr(_NO_SHIFT)
 
 # exp(x) = exp2(x log2 e): FMUL + MUFU.EX2 an entry, where tl.exp adds a range check for results under 2^-126
 # (five instructions); such results flush to 0, and every exp in these kernels is a decay factor <= 1 that scales
-# other terms
-LOG2E = tl.constexpr(1.4426950408889634)
+# other terms. A constexpr, as jit functions read module globals only in that form.
+LOG2E = tl.constexpr(_LOG2E)
 
 
 @triton.jit

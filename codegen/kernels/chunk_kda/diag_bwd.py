@@ -25,8 +25,9 @@ from ..chunk_gdn.gates import LOG2E, _input_rows
 
 @triton.jit
 def _decay(gc_a, gc_b):
-    """exp(-|gc_a - gc_b|) as exp2 of a scaled gap: FADD, FMUL and MUFU.EX2 per entry, where tl.exp's range check
-    makes five instructions of it (these kernels are issue-bound)."""
+    """exp(-|gc_a - gc_b|): gates._exp_gate_gap where the gap's sign is known, the clamp written as -|gap|, which
+    costs no instruction (an operand modifier of the FMUL) where the minimum costs an FMNMX; these walks are
+    issue-bound."""
     return tl.exp2(tl.abs(gc_a - gc_b) * -LOG2E)
 
 

@@ -26,9 +26,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .block_index import BlockIndex
+from .. import LOG2E
 from ..interpreter_safe import interpreting
-
-LOG2E = 1.4426950408889634
 
 
 def split_head_dim(head_dim: int) -> tuple[int, int]:
