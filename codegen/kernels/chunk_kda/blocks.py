@@ -8,8 +8,11 @@ factor exceeds 1:
 - diagonal blocks take exp(gc_i - gc_j) elementwise, with no split at all, in row-parallel kernels of their
   own (intra_fwd._diag_fwd_kernel, diag_bwd._diag_bwd_kernel).
 
-Every exponent is clamped as in GDN's `_exp_gate_gap` (exp(min(x, 0))): on valid rows the gap is <= 0 exactly
-(gc is a running sum of g <= 0), in padding lanes (gc loads 0) it would overflow and meet a zero operand (NaN).
+Every exponent x is taken as -|x|: on valid rows the gap is <= 0 exactly (gc is a running sum of g <= 0), so
+this is the identity; in padding lanes (gc loads 0) x could be large and positive, and exp(x) = inf would meet
+a zero operand (NaN). GDN's `_exp_gate_gap` clamps at 0 instead (FMNMX + FMUL); -|x| is an operand modifier of
+the FMUL, which took 3% off the intra backward (an H100, `bench/kda.py --profile`) and nothing measurable off
+GDN's kernels.
 Dots of these fp32 tiles run through the tensor cores (tf32 on the GPU, as fla's intra-chunk kernels; exact
 fp32 in the CPU interpreter).
 """
@@ -71,14 +74,14 @@ def _tile_t(x, rows, m, row_stride, col0, o_k):
 
 @triton.jit
 def _to_ref(b_x, b_gc, b_ref):
-    """x exp(gc - ref) for rows at or after the reference row (factor <= 1; `_exp_gate_gap` written out)."""
-    return b_x * tl.exp2(tl.minimum(b_gc - b_ref[None, :], 0.0) * LOG2E)
+    """x exp(gc - ref) for rows at or after the reference row (factor <= 1)."""
+    return b_x * tl.exp2(tl.abs(b_gc - b_ref[None, :]) * -LOG2E)
 
 
 @triton.jit
 def _from_ref(b_x, b_gc, b_ref):
     """x exp(ref - gc) for rows at or before the reference row (factor <= 1)."""
-    return b_x * tl.exp2(tl.minimum(b_ref[None, :] - b_gc, 0.0) * LOG2E)
+    return b_x * tl.exp2(tl.abs(b_ref[None, :] - b_gc) * -LOG2E)
 
 
 @triton.jit
@@ -87,8 +90,8 @@ def _off_rows(b_dm, b_y, b_gcj, b_gci, b_ref):
     them (gc of that row: b_ref).
     (The factors are written out rather than calls of _to_ref / _from_ref: each device-function call costs the
     CPU interpreter a re-patch of triton.language, about a millisecond.)"""
-    b_yr = b_y * tl.exp2(tl.minimum(b_ref[None, :] - b_gcj, 0.0) * LOG2E)
-    return tl.dot(b_dm, b_yr) * tl.exp2(tl.minimum(b_gci - b_ref[None, :], 0.0) * LOG2E)
+    b_yr = b_y * tl.exp2(tl.abs(b_ref[None, :] - b_gcj) * -LOG2E)
+    return tl.dot(b_dm, b_yr) * tl.exp2(tl.abs(b_gci - b_ref[None, :]) * -LOG2E)
 
 
 @triton.jit
@@ -96,8 +99,8 @@ def _off_cols(b_dmt, b_x, b_gci, b_gcj, b_ref):
     """Z_J += [16, BK]: sum_{i in I} dm_ij x_i exp(gc_i - gc_j) for a block I after J, split at a row between
     them;
     b_dmt is dm_IJ transposed."""
-    b_xr = b_x * tl.exp2(tl.minimum(b_gci - b_ref[None, :], 0.0) * LOG2E)
-    return tl.dot(b_dmt, b_xr) * tl.exp2(tl.minimum(b_ref[None, :] - b_gcj, 0.0) * LOG2E)
+    b_xr = b_x * tl.exp2(tl.abs(b_gci - b_ref[None, :]) * -LOG2E)
+    return tl.dot(b_dmt, b_xr) * tl.exp2(tl.abs(b_ref[None, :] - b_gcj) * -LOG2E)
 
 
 @triton.jit

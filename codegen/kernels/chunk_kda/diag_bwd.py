@@ -32,40 +32,41 @@ def _decay(gc_a, gc_b):
 
 
 @triton.jit
-def _row_inputs(q, k, beta, gc, row_src, row, o_hk, o_hv, o_k, m_h, HK: tl.constexpr, HV: tl.constexpr,
+def _row_inputs(q, k, beta, gc, row_src, row, o_hk, o_hv, o_k, HK: tl.constexpr, HV: tl.constexpr,
                 K: tl.constexpr, GATHER: tl.constexpr):
-    """(q, k, beta [BH, 1], gc) of packed row `row` (inside the sequence) for the program's heads, fp32."""
+    """(q, k, beta [BH, 1], gc) of packed row `row` (inside the sequence) for the program's heads, fp32
+    (o_hv clamped to real heads, so no load needs a mask)."""
     src = _input_rows(row_src, row, row >= 0, 0, GATHER).to(tl.int64)
     p_qk = src * (HK * K) + o_hk[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + p_qk, mask=m_h[:, None], other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_qk, mask=m_h[:, None], other=0.0).to(tl.float32)
-    b_b = tl.load(beta + src * HV + o_hv, mask=m_h, other=0.0).to(tl.float32)[:, None]
-    b_gc = tl.load(gc + (row.to(tl.int64) * HV + o_hv[:, None]) * K + o_k[None, :], mask=m_h[:, None], other=0.0)
+    b_q = tl.load(q + p_qk).to(tl.float32)
+    b_k = tl.load(k + p_qk).to(tl.float32)
+    b_b = tl.load(beta + src * HV + o_hv).to(tl.float32)[:, None]
+    b_gc = tl.load(gc + (row.to(tl.int64) * HV + o_hv[:, None]) * K + o_k[None, :])
     return b_q, b_k, b_b, b_gc
 
 
 @triton.jit
-def _x_step(q, k, beta, gc, dAqk, dAkk, row_src, row_i, col, gc_i, row_j, xq, xk, o_hk, o_hv, o_k, m_h,
+def _x_step(q, k, beta, gc, dAqk, dAkk, row_src, row_i, col, gc_i, row_j, xq, xk, o_hk, o_hv, o_k,
             HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, GATHER: tl.constexpr):
     """Row j's terms of row i's X (column `col` of row i's dAqk, dAkk rows)."""
-    _, k_j, _, gc_j = _row_inputs(q, k, beta, gc, row_src, row_j, o_hk, o_hv, o_k, m_h, HK, HV, K, GATHER)
+    _, k_j, _, gc_j = _row_inputs(q, k, beta, gc, row_src, row_j, o_hk, o_hv, o_k, HK, HV, K, GATHER)
     p_a = (row_i.to(tl.int64) * HV + o_hv) * BT + col
-    a_q = tl.load(dAqk + p_a, mask=m_h, other=0.0)[:, None]
-    a_k = tl.load(dAkk + p_a, mask=m_h, other=0.0)[:, None]
+    a_q = tl.load(dAqk + p_a)[:, None]
+    a_k = tl.load(dAkk + p_a)[:, None]
     ke = k_j * _decay(gc_i, gc_j)
     return xq + a_q * ke, xk + a_k * ke
 
 
 @triton.jit
-def _z_step(q, k, beta, gc, dAqk, dAkk, row_src, col, gc_i, row_r, zq, zk, o_hk, o_hv, o_k, m_h,
+def _z_step(q, k, beta, gc, dAqk, dAkk, row_src, col, gc_i, row_r, zq, zk, o_hk, o_hv, o_k,
             HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, GATHER: tl.constexpr):
     """Row r's terms of row i's Z (column `col` = row i's place in its block, of row r's dAqk, dAkk rows)."""
-    q_r, k_r, b_r, gc_r = _row_inputs(q, k, beta, gc, row_src, row_r, o_hk, o_hv, o_k, m_h, HK, HV, K, GATHER)
+    q_r, k_r, b_r, gc_r = _row_inputs(q, k, beta, gc, row_src, row_r, o_hk, o_hv, o_k, HK, HV, K, GATHER)
     p_a = (row_r.to(tl.int64) * HV + o_hv) * BT + col
-    a_q = tl.load(dAqk + p_a, mask=m_h, other=0.0)[:, None]
-    a_k = tl.load(dAkk + p_a, mask=m_h, other=0.0)[:, None]
+    a_q = tl.load(dAqk + p_a)[:, None]
+    a_k = tl.load(dAkk + p_a)[:, None]
     e = _decay(gc_r, gc_i)
-    return zq + a_q * (q_r * e), zk + a_k * (b_r * k_r * e)
+    return zq + a_q * (q_r * e), zk + (a_k * b_r) * (k_r * e)  # beta_r on the [BH, 1] factor: one product less
 
 
 @triton.jit
@@ -81,11 +82,12 @@ def _diag_bwd_kernel(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, chu
         first = row0 + (t // 16) * 16  # the block's first row
         last = tl.minimum(first + 16, row_end)  # one past its last row inside the sequence
         col0 = (t // 16) * 16
-        o_hv = i_hg * BH + tl.arange(0, BH)
-        m_h = o_hv < HV
+        # a partial head group repeats the last head (its lanes stored nowhere): the walks' loads need no masks
+        o_hv = tl.minimum(i_hg * BH + tl.arange(0, BH), HV - 1)
+        m_h = i_hg * BH + tl.arange(0, BH) < HV
         o_hk = o_hv // (HV // HK)
         o_k = tl.arange(0, K)
-        q_i, k_i, b_i, gc_i = _row_inputs(q, k, beta, gc, row_src, row, o_hk, o_hv, o_k, m_h, HK, HV, K, GATHER)
+        q_i, k_i, b_i, gc_i = _row_inputs(q, k, beta, gc, row_src, row, o_hk, o_hv, o_k, HK, HV, K, GATHER)
         xq = tl.zeros([BH, K], dtype=tl.float32)
         xk = tl.zeros([BH, K], dtype=tl.float32)
         zq = tl.zeros([BH, K], dtype=tl.float32)
@@ -94,20 +96,20 @@ def _diag_bwd_kernel(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, chu
             j = first
             while j <= row:
                 xq, xk = _x_step(q, k, beta, gc, dAqk, dAkk, row_src, row, col0 + j - first, gc_i, j, xq, xk, o_hk,
-                                 o_hv, o_k, m_h, HK, HV, K, BT, GATHER)
+                                 o_hv, o_k, HK, HV, K, BT, GATHER)
                 j += 1
             r = row
             while r < last:
                 zq, zk = _z_step(q, k, beta, gc, dAqk, dAkk, row_src, col0 + t % 16, gc_i, r, zq, zk, o_hk, o_hv,
-                                 o_k, m_h, HK, HV, K, BT, GATHER)
+                                 o_k, HK, HV, K, BT, GATHER)
                 r += 1
         else:
             for j in range(first, row + 1):
                 xq, xk = _x_step(q, k, beta, gc, dAqk, dAkk, row_src, row, col0 + j - first, gc_i, j, xq, xk, o_hk,
-                                 o_hv, o_k, m_h, HK, HV, K, BT, GATHER)
+                                 o_hv, o_k, HK, HV, K, BT, GATHER)
             for r in range(row, last):
                 zq, zk = _z_step(q, k, beta, gc, dAqk, dAkk, row_src, col0 + t % 16, gc_i, r, zq, zk, o_hk, o_hv,
-                                 o_k, m_h, HK, HV, K, BT, GATHER)
+                                 o_k, HK, HV, K, BT, GATHER)
         p = (row.to(tl.int64) * HV + o_hv[:, None]) * K + o_k[None, :]
         m = m_h[:, None]
         kb_xk = b_i * xk
