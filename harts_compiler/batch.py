@@ -166,6 +166,16 @@ class TreeBatch:
             except RecursionError:
                 problems.append(f"{where}: invalid JSON: arrays or objects nested too deeply")
                 continue
+            except ValueError:  # an integer literal longer than Python converts (sys.get_int_max_str_digits())
+                problems.append(f"{where}: invalid JSON: a number with more than {sys.get_int_max_str_digits():,} "
+                                "digits")
+                continue
+            if _MAYBE_SURROGATE.search(text):
+                bad = _lone_surrogate(head)
+                if bad is not None:
+                    problems.append(f"{where}: {bad[0]}: string {bad[1]!r} holds a lone UTF-16 surrogate escape "
+                                    "(not Unicode text)")
+                    continue
             is_tree = isinstance(head, dict) and "nodes" in head
             try:
                 if is_tree:
@@ -292,6 +302,29 @@ def _fast_trajectory(line: bytes):
 
 class _NotJSON(ValueError):
     pass
+
+
+# `\ud800`-`\udfff` escapes: JSON text may hold them, but one without its pair is no character (Python's json reads
+# it into a str that cannot be printed or encoded); only lines with such an escape are searched for one
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value):
+    """(where, string) of the first string or field name in `value` with a lone surrogate, else None."""
+    stack = [("", "", value)]
+    while stack:  # iterative: json.loads nests as deep as Python's recursion limit allows
+        kind, loc, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"{kind}{loc or 'the record'}", item
+        elif isinstance(item, dict):
+            for key, v in reversed(item.items()):  # each name is looked at just before its value
+                stack += [("field ", f"{loc}.{key}" if loc else key, v), ("a field name in ", loc, key)]
+        elif isinstance(item, list):
+            stack.extend(("field ", f"{loc}[{k}]", v) for k, v in reversed(list(enumerate(item))))
+    return None
 
 
 def _not_json(constant: str):

@@ -2,7 +2,7 @@
 
 Adding a command is one line in COMMANDS ("module:function" is imported only when run, so
 `harts --help` stays fast). Bad input (InputError) prints one line per problem (the first
-MAX_PROBLEMS_SHOWN, then how many more) and exits 2.
+MAX_PROBLEMS_SHOWN, then how many more) and exits 2; so does running out of memory (one line, no traceback).
 """
 from __future__ import annotations
 
@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ArtifactError as error:  # a saved plan's files: the message names them
         print(f"harts {name}: {error}", file=sys.stderr)
+        return 2
+    except MemoryError as error:  # e.g. explicit trees whose trajectories expand past this machine's memory
+        detail = f" ({' '.join(str(error).split())})" if str(error) else ""
+        print(f"harts {name}: out of memory{detail}; the input is too large for this machine", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `harts ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -5,6 +5,7 @@ import argparse
 import json
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from .cli_help import HelpFormatter
@@ -87,9 +88,11 @@ def compile_main(argv: list[str]) -> int:
         raise InputError(f"--dump-ir {args.dump_ir}: exists and is not a directory")
     batch = TreeBatch.load(args.input)
     # a bar only where compiling takes a while (a few million tokens and up)
-    plan = compile(batch, options, dump_ir=args.dump_ir, quiet=args.quiet or batch.tokens.size < 2_000_000)
+    with cannot_write("--dump-ir", args.dump_ir):
+        plan = compile(batch, options, dump_ir=args.dump_ir, quiet=args.quiet or batch.tokens.size < 2_000_000)
     if args.output:
-        plan.save(args.output)
+        with cannot_write("-o", args.output):
+            plan.save(args.output)
     for warning in plan_warnings(plan):
         print(f"harts compile: warning: {warning}", file=sys.stderr)
     stats = dict(plan.stats)
@@ -104,6 +107,18 @@ def compile_main(argv: list[str]) -> int:
     if prediction is not None and not args.json:
         print(format_prediction(prediction))
     return 0
+
+
+@contextmanager
+def cannot_write(flag: str, path):
+    """An OSError while writing `path` (a folder without write permission, a read-only file system, a full disk)
+    becomes one InputError line naming the flag and the path."""
+    try:
+        yield
+    except OSError as error:
+        if path is None:
+            raise
+        raise InputError(f"{flag} {path}: cannot write ({error.strerror or error})") from None
 
 
 def model_config(spec: str):
@@ -169,6 +184,8 @@ def ir_main(argv: list[str]) -> int:
     parser.add_argument("--lines", type=int, default=8,
                         help="records of each kind to print without --full")
     args = parser.parse_args(argv)
+    if args.lines < 0:
+        raise InputError(f"--lines {args.lines}: need a count >= 0 (--full prints every record)")
     try:
         program = read_hir(args.file)  # ArtifactError names the files itself
         program.verify()

@@ -57,7 +57,7 @@ def demo_main(argv: list[str]) -> int:
     """Compile the built-in batch, run it in tree mode and trajectory-wise on a tiny random
     Qwen3-Next (forward + backward), and print what was verified."""
     from . import CompileOptions, compile
-    from .commands import format_summary
+    from .commands import cannot_write, format_summary
     from .verify import add_execution_arguments, setup_execution, verify_plan
 
     parser = argparse.ArgumentParser(prog="harts demo", description=demo_main.__doc__)
@@ -69,7 +69,8 @@ def demo_main(argv: list[str]) -> int:
     batch = agentic_batch(args.seed, vocab_size=model.config.vocab_size)
     options = CompileOptions.for_model(model, chunk_size=args.chunk_size, dp_size=args.dp_size,
                                        microbatch_tokens=args.microbatch_tokens)
-    plan = compile(batch, options, dump_ir=args.dump_ir)
+    with cannot_write("--dump-ir", args.dump_ir):  # a file of that name, a folder that cannot be created
+        plan = compile(batch, options, dump_ir=args.dump_ir)
     print(f"built-in agentic batch (seed {args.seed}): {len(batch)} trajectories\n")
     print(format_summary(plan))
     print(f"\nmodel: {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters, random weights), "

@@ -5,10 +5,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from harts_compiler.ir.program import MAX_DP_SIZE
+
 from .errors import InputError
 
 # the chunk of the Gated DeltaNet kernels (and of transformers' torch_chunk_gated_delta_rule)
 GDN_CHUNK_SIZE = 64
+# counts and sizes are int64 in the IR's numpy arrays: a larger value is refused here, not overflowed there
+INT64_MAX = 2**63 - 1
 
 
 class CompileOptions(BaseModel):
@@ -29,19 +33,19 @@ class CompileOptions(BaseModel):
     model, so a plan and the model it runs on cannot disagree."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    chunk_size: int = Field(64, ge=1)
-    conv_width: int = Field(4, ge=1)
-    microbatch_tokens: int | None = Field(None, ge=1)
-    dp_size: int = Field(1, ge=1)
-    vocab_size: int | None = Field(None, ge=1)
+    chunk_size: int = Field(64, ge=1, le=INT64_MAX)
+    conv_width: int = Field(4, ge=1, le=INT64_MAX)
+    microbatch_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    dp_size: int = Field(1, ge=1, le=MAX_DP_SIZE)
+    vocab_size: int | None = Field(None, ge=1, le=INT64_MAX)
     verify: bool = True
     objective: Literal["sum_of_slot_max", "max_rank_total"] = "sum_of_slot_max"
     schedule_time_limit_s: float = Field(0.2, ge=0, le=600)
-    schedule_seed: int = Field(0, ge=0)
+    schedule_seed: int = Field(0, ge=0, le=INT64_MAX)
     schedule_workers: int = Field(1, ge=1, le=64)
     cost_model: str | None = None
-    linear_layers: int | None = Field(None, ge=0)
-    full_layers: int | None = Field(None, ge=0)
+    linear_layers: int | None = Field(None, ge=0, le=INT64_MAX)
+    full_layers: int | None = Field(None, ge=0, le=INT64_MAX)
 
     @model_validator(mode="after")
     def _budget_holds_a_chunk(self):

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+from pydantic import ValidationError
 
 from harts_compiler.ir import ArtifactError, IRError, Program, format_program, load_hir, write_hir
 
@@ -178,14 +178,63 @@ class Plan:
     def load(cls, path: str | Path) -> "Plan":
         """A saved plan; `ir.ArtifactError` (naming the files) when its text and arrays do not belong together."""
         program, text = load_hir(path)
-        match = re.search(rf"^{OPTIONS_LINE}(.*)$", text, re.M)
-        options = CompileOptions(**json.loads(match.group(1))) if match else CompileOptions()
-        found = re.search(r"^# metadata (.*)$", text, re.M)
+        options = _header(text, OPTIONS_LINE, _options)
+        metadata = _header(text, "# metadata ", _metadata)
         if program.forest is None:
             raise ArtifactError(f"{path}: an input-stage dump (no forest), not a compiled plan")
         program.verify()
-        return cls(program=program, options=options, trajectory_tokens=int(program.forest.traj_length.sum()),
-                   metadata=json.loads(found.group(1)) if found else None)
+        if options is not None:
+            _check_options(options, program)
+        known = set(program.forest.traj_ids)
+        stray = next((i for i in metadata or () if i not in known), None)
+        if stray is not None:
+            raise IRError(f"header '# metadata': trajectory {stray!r} is not one of the plan's")
+        return cls(program=program, options=options or CompileOptions(),
+                   trajectory_tokens=int(program.forest.traj_length.sum()), metadata=metadata)
+
+
+def _header(text: str, prefix: str, parse):
+    """`parse(JSON value)` of the header line starting with `prefix` (None without one); IRError naming the line
+    when it is not JSON or `parse` refuses it (ValueError)."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.startswith(prefix):
+            try:
+                return parse(json.loads(line[len(prefix):]))
+            except ValueError as error:  # json's errors, pydantic's ValidationError and our own are ValueErrors
+                detail = error.errors()[0] if isinstance(error, ValidationError) else None
+                reason = (f"field {'.'.join(map(str, detail['loc'])) or '<options>'}: {detail['msg']}" if detail
+                          else " ".join(str(error).split()))
+                raise IRError(f".hir line {number}: header '{prefix.strip()}': {reason}") from None
+        if line.strip() and not line.startswith("#"):
+            return None  # the headers come before the first record
+    return None
+
+
+def _options(value) -> CompileOptions:
+    return CompileOptions.model_validate(value)
+
+
+def _metadata(value) -> dict:
+    """trajectory id -> its metadata fields, as `Plan.save` writes them."""
+    if not isinstance(value, dict) or not all(isinstance(fields, dict) for fields in value.values()):
+        raise ValueError("must map each trajectory id to an object of its fields")
+    return value
+
+
+def _check_options(options: CompileOptions, program: Program) -> None:
+    """IRError unless the saved options are those the program was compiled with (a hand-edited header)."""
+    recorded = {}
+    if program.sequences is not None:
+        recorded["chunk_size"] = program.sequences.chunk_size
+    if program.forest.laid_out:
+        recorded["conv_width"] = program.forest.conv_width
+    if program.microbatches is not None:
+        recorded.update(dp_size=program.microbatches.dp_size,
+                        microbatch_tokens=program.microbatches.microbatch_tokens or None)  # 0: no budget
+    for name, value in recorded.items():
+        if getattr(options, name) != value:
+            raise IRError(f"header '{OPTIONS_LINE.strip()}': {name}={getattr(options, name)} but the plan's records "
+                          f"were compiled with {name}={value}")
 
 
 def is_saved_plan(path: str | Path) -> bool:

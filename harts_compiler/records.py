@@ -17,9 +17,10 @@ class TrajectoryFields(BaseModel):
     """What a rollout file carries per trajectory besides its tokens. The typed fields feed the loss
     (`harts_compiler.metadata`): `reward` (GRPO advantages over `group`), or `advantage` (a number or one per
     position), `old_logprobs` / `ref_logprobs` / `response_mask` (one per position; entry 0 predicts nothing
-    and is ignored). Any other field (task id, finish reason, ...) is kept as it is and written back."""
+    and is ignored). Any other field (task id, finish reason, ...) is kept as it is and written back. The typed
+    numbers must be finite: JSON has no NaN or Infinity, and a literal such as 1e400 overflows to infinity."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     reward: float | None = None
     group: StrictStr | None = None
     advantage: float | list[float] | None = None

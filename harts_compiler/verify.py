@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import os
 import time
 
 from .errors import InputError
@@ -321,6 +322,10 @@ def setup_execution(args):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise InputError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.threads is not None and args.threads > (os.cpu_count() or 1):  # torch crashed on 100,000 threads
+        raise InputError(f"--threads {args.threads}: this machine has {os.cpu_count() or 1} CPUs")
+    if not 0 <= args.seed < 2**32:  # torch's generators take 64-bit seeds, and verification derives some from it
+        raise InputError(f"--seed must be an integer in [0, 2**32), got {args.seed}")
     if not args.error_factor >= 1:  # also nan
         raise InputError(f"--error-factor must be a number >= 1, got {args.error_factor}")
     device = check_device(args.device)

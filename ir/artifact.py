@@ -24,6 +24,7 @@ from .program import Program
 from .text import arrays_digest, format_program, parse_hir
 
 ARRAYS_SUFFIX = ".npz"
+ARRAY_NAMES = ("trajectories.tokens", "trajectories.offsets", "forest.token_ids")  # what `format_program` writes
 _ARRAYS_HEADER = re.compile(r'^arrays ("(?:[^"\\]|\\.)*")(?: sha256=(\S+))?$', re.M)
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -101,6 +102,8 @@ def _read_arrays(path: Path, text: str) -> dict | None:
     if not side.is_file():
         raise ArtifactError(f"{path}: its arrays file {side} is missing (a saved plan is the .hir and its "
                             f"{ARRAYS_SUFFIX} together)")
+    if not _is_zip(side):  # np.load would try it as a pickle and say so
+        raise ArtifactError(f"{side}: not a readable arrays file (not an .npz zip archive)")
     try:
         with np.load(side, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
@@ -111,7 +114,13 @@ def _read_arrays(path: Path, text: str) -> dict | None:
         raise ArtifactError(f"{path} and {side} do not belong together: the .hir was saved with arrays "
                             f"sha256 {expected[:16]}..., the file holds {found[:16]}... (was one of them "
                             "replaced? save the plan again)")
-    return arrays
+    for key, array in arrays.items():  # the hash says the pair belongs together, not that the arrays are a plan's
+        if key not in ARRAY_NAMES:
+            raise ArtifactError(f"{side}: array {key!r} is not one of a plan's ({', '.join(ARRAY_NAMES)})")
+        if array.ndim != 1 or array.dtype.kind not in "iu" or (array.size and array.max() > np.iinfo(np.int64).max):
+            raise ArtifactError(f"{side}: array {key!r} is {array.dtype} of shape {array.shape}, not a list of "
+                                "int64 token ids or offsets")
+    return {key: array.astype(np.int64, copy=False) for key, array in arrays.items()}
 
 
 def _check_writable(path: Path, what: str, same_kind) -> None:

@@ -167,6 +167,11 @@ class Pieces:
                               "consecutive ranges covering it")
 
 
+# The most data-parallel ranks a plan may name: far above any real job, low enough that the per-rank tables of the
+# schedule and of `harts show` stay small (a mistyped --dp-size is refused, not planned for).
+MAX_DP_SIZE = 2**20
+
+
 @dataclass(frozen=True, eq=False)
 class Microbatches:
     """schedule output: microbatch m holds trees mb_trees[mb_tree_ptr[m]:mb_tree_ptr[m+1]] (laid
@@ -203,7 +208,8 @@ class Microbatches:
         cells = self.mb_rank * (int(self.mb_slot.max(initial=0)) + 1) + self.mb_slot
         if np.unique(cells).size != M:
             raise IRError("Microbatches: two microbatches on one (rank, slot)")
-        if not np.array_equal(np.unique(self.mb_slot), np.arange(int(self.mb_slot.max(initial=-1)) + 1)):
+        slots = int(self.mb_slot.max(initial=-1)) + 1  # more slots than microbatches: one is unused
+        if slots > M or not np.array_equal(np.unique(self.mb_slot), np.arange(slots)):
             raise IRError("Microbatches: a slot that no rank uses")
         if np.any(np.diff(self.mb_tree_ptr) < 1):
             raise IRError("Microbatches: empty microbatch")
@@ -287,6 +293,9 @@ class Program:
                 raise IRError("Program: microbatches need a laid-out forest")
             if not (same("microbatches") and same("forest") and same("pieces")):
                 self.microbatches.verify(self.forest, self.pieces)
+            if self.pieces is not None and self.pieces.budget != self.microbatches.microbatch_tokens:
+                raise IRError(f"Program: the pieces were cut for a budget of {self.pieces.budget} tokens, the "
+                              f"microbatches have microbatch_tokens={self.microbatches.microbatch_tokens}")
         if self.forest is None and self.trajectories is None:
             raise IRError("Program: empty (neither trajectories nor forest)")
 

@@ -138,21 +138,44 @@ def format_program(program: Program, arrays_name: str | None = None,
     return "\n".join(lines) + "\n", arrays
 
 
+def _int(raw: str) -> int:
+    return _int64(int(raw), raw)
+
+
+def _int64(value: int, raw: str) -> int:
+    """Every number of the IR is an int64: a larger one is refused here (ValueError), not overflowed later."""
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{raw} does not fit in 64 bits")
+    return value
+
+
 def _value(raw: str):
     if raw.startswith('"'):
-        return json.loads(raw)
+        text = json.loads(raw)
+        if isinstance(text, str) and not _encodable(text):
+            raise ValueError(f"{raw[:40]} holds a lone UTF-16 surrogate escape (not Unicode text)")
+        return text
     if raw.startswith("["):
         inner = raw[1:-1].split()
-        return np.asarray([int(x) for x in inner], dtype=np.int64)
+        return np.asarray([_int(x) for x in inner], dtype=np.int64)
     if raw == "@":
         return raw
     if ":" in raw or "@" in raw:
         a, b = re.split(r"[:@]", raw)
-        return int(a), int(b)
+        return _int(a), _int(b)
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         return float(raw)
+    return _int64(value, raw)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_hir(text: str, arrays: dict | None = None) -> Program:

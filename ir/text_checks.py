@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import IRError
+from .program import MAX_DP_SIZE
 
 INT, FLOAT, STR, LIST, PAIR, TOKENS = "an integer", "a number", "a string", "a list", "a pair a:b", "a token list"
 
@@ -91,12 +92,12 @@ def check_records(records: dict[str, list[dict]], arrays: dict) -> None:
             _in_range(piece, "tree", 0, trees)
     if "microbatches" in records:
         _check_count(records, "microbatches", "count", "mb")
-        head = records["microbatches"][0]
-        _positive(head, "dp_size")
+        head, mbs = records["microbatches"][0], records.get("mb", [])
+        _in_range(head, "dp_size", 1, MAX_DP_SIZE + 1)
         trees = _num_trees(records)
-        for mb in records.get("mb", []):
+        for mb in mbs:
             _in_range(mb, "rank", 0, head["dp_size"])
-            _in_range(mb, "slot", 0, None)
+            _in_range(mb, "slot", 0, len(mbs))  # slots are numbered densely: never more of them than microbatches
             _all_in_range(mb, "trees", 0, trees)
 
 

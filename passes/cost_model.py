@@ -271,9 +271,9 @@ class CostModel:
         unknown = sorted(set(self.coefficients) - set(TERMS))
         if unknown:
             raise CostModelError(f"coefficients: unknown term(s) {unknown} (known: {list(TERMS)})")
-        for term, value in self.coefficients.items():
-            if not isinstance(value, (int, float)) or not np.isfinite(value):
-                raise CostModelError(f"coefficients.{term}: must be a finite number, got {value!r}")
+        for term, value in self.coefficients.items():  # a time per unit: finite and >= 0 (a fit is never below 0)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= sys.float_info.max:
+                raise CostModelError(f"coefficients.{term}: must be a finite number >= 0, got {value!r}")
 
     def predict(self, feats: MicrobatchFeatures, layers: LayerCounts):
         """Predicted fwd+bwd time in ms: a float, or an array for array-valued features."""
@@ -300,8 +300,10 @@ class CostModel:
     @classmethod
     def from_json(cls, data: dict, source: str = "") -> "CostModel":
         if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
-            raise CostModelError(f"{source or 'cost model'}: field coefficients: missing or not an "
-                                 "object")
+            raise CostModelError(f"{source or 'cost model'}: field coefficients: missing or not an object")
+        for name in ("model", "fit"):
+            if not isinstance(data.get(name) or {}, dict):
+                raise CostModelError(f"{source or 'cost model'}: field {name}: not an object")
         return cls(coefficients=data["coefficients"], device=str(data.get("device", "unknown")),
                    date=str(data.get("date", "")), source=source or str(data.get("source", "")),
                    model=dict(data.get("model") or {}), fit=dict(data.get("fit") or {}))
@@ -346,6 +348,9 @@ def load_cost_model(path: str | Path | None = None) -> CostModel:
         raise CostModelError(f"{path}: no such cost-model file") from None
     except json.JSONDecodeError as exc:
         raise CostModelError(f"{path}: invalid JSON ({exc.msg}, line {exc.lineno})") from None
+    except (OSError, ValueError) as exc:  # a directory, unreadable, not UTF-8, a number of thousands of digits
+        raise CostModelError(f"{path}: cannot read a cost model ({exc.strerror or exc})" if isinstance(exc, OSError)
+                             else f"{path}: not a JSON cost model ({exc})") from None
     return CostModel.from_json(data, source=str(path))
 
 

@@ -70,7 +70,11 @@ class Schedule(Pass):
         except CostModelError as error:
             raise InputError(f"option cost_model: {error}") from None
         layers = LayerCounts.stated(self.linear_layers, self.full_layers)
-        sizes, cost = schedule_items(program, budget, model, layers)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below, not warned about
+            sizes, cost = schedule_items(program, budget, model, layers)
+        if not np.all(np.isfinite(cost)):  # huge coefficients or layer counts overflow a float
+            raise InputError(f"option cost_model: {model.source}: a tree's predicted time is not a finite number "
+                             f"({layers.linear} linear, {layers.full} full layers; coefficients too large?)")
         constant = model.coefficients.get("microbatch", 0.0)
         groups = rider_groups(program, sizes, budget)
         best = None

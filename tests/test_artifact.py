@@ -2,6 +2,7 @@
 sha256, so plans saved side by side never mix, a replaced half is refused naming both files, and saving
 never overwrites a file of another kind. A plan's identity leaves wall-clock fields out."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 import harts_compiler as hc
 from harts_compiler.cli import main
-from harts_compiler.ir import ArtifactError, arrays_path, structural_diff
+from harts_compiler.ir import ArtifactError, IRError, arrays_path, structural_diff
 
 OPTIONS = hc.CompileOptions(chunk_size=16, microbatch_tokens=None)
 
@@ -102,6 +103,42 @@ def test_arrays_and_binary_files_given_as_plans_are_one_line_errors(tmp_path, ca
         assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("name, array, message", [
+    ("forest.token_ids", lambda t: t.astype(np.float64) + 0.5, "is float64 of shape"),
+    ("forest.token_ids", lambda t: t.astype(np.uint64) + np.uint64(2**63), "is uint64 of shape"),
+    ("forest.token_ids", lambda t: t.astype(str), "of shape"),
+    ("forest.token_ids", lambda t: t.reshape(1, -1), "of shape (1, "),
+    ("extra", lambda t: np.zeros(3), "array 'extra' is not one of a plan's"),
+], ids=["float", "uint64-past-int64", "text", "2-d", "unknown-array"])
+def test_arrays_whose_hash_matches_but_are_not_a_plans_are_refused(tmp_path, capsys, name, array, message):
+    """The sha256 binds the pair; it does not make the arrays token ids: a float, wrapped or text array with a
+    recomputed hash loaded as tokens (or crashed the checks with a numpy error)."""
+    from harts_compiler.ir.text import arrays_digest
+
+    path = tmp_path / "p.hir"
+    hc.compile(long_batch(7), OPTIONS).save(path)
+    with np.load(arrays_path(path)) as data:
+        arrays = {key: data[key] for key in data.files}
+    arrays[name] = array(arrays["forest.token_ids"])
+    np.savez(arrays_path(path), **arrays)
+    text = path.read_text()
+    old = text.split("sha256=")[1].split()[0]
+    path.write_text(text.replace(old, arrays_digest(arrays)))
+    with pytest.raises(ArtifactError, match=re.escape(message)):
+        hc.Plan.load(path)
+    assert main(["ir", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_an_arrays_file_that_is_no_zip_is_named_so(tmp_path):
+    path = tmp_path / "p.hir"
+    hc.compile(long_batch(8), OPTIONS).save(path)
+    arrays_path(path).write_bytes(b"hello")  # np.load read it as a pickle and said so
+    with pytest.raises(ArtifactError, match="not an .npz zip archive"):
+        hc.Plan.load(path)
+
+
 IDENTITY = """
 import sys, harts_compiler as hc
 from harts_compiler.generator import generate
@@ -126,3 +163,29 @@ def test_identity_is_stable_across_runs_though_the_saved_timings_differ(tmp_path
     loaded = hc.Plan.load(tmp_path / "0.hir")
     other = hc.Plan(program=loaded.program, options=loaded.options.model_copy(update={"chunk_size": 32}))
     assert other.identity != runs[0]  # options are part of what a plan is
+
+
+@pytest.mark.parametrize("header, message", [
+    ('# options {"chunk_size": 16', "header '# options': Expecting"),  # json's error: a traceback
+    ('# options {"chunk_size": 0}', "header '# options': field chunk_size: Input should be greater"),  # pydantic's
+    ("# options []", "header '# options': field <options>: Input should be a valid dictionary"),
+    ('# options {"chunk_size": 32}', "chunk_size=32 but the plan's records were compiled with chunk_size=16"),
+    ('# options {"chunk_size": 16, "dp_size": 7}', "dp_size=7 but the plan's records were compiled with dp_size=1"),
+    ("# metadata {bad", "header '# metadata': Expecting"),
+    ("# metadata [1]", "header '# metadata': must map each trajectory id to an object"),
+    ('# metadata {"nosuch": {"reward": 1.0}}', "trajectory 'nosuch' is not one of the plan's"),
+], ids=["options-not-json", "options-invalid", "options-list", "options-chunk", "options-dp",
+        "metadata-not-json", "metadata-list", "metadata-stray-id"])
+def test_a_saved_plans_damaged_headers_are_one_line_errors(tmp_path, capsys, header, message):
+    """The options and metadata header lines were read with json.loads and CompileOptions(**...) unchecked: a
+    traceback for text that is not JSON, and a plan shown (or lowered) with options its records disagree with."""
+    path = tmp_path / "p.hir"
+    hc.compile(hc.TreeBatch.from_trajectories([[1, 2, 3], [1, 2, 4]]), OPTIONS).save(path)
+    prefix = " ".join(header.split()[:2])  # "# options" or "# metadata": the line the header replaces
+    lines = [line for line in path.read_text().splitlines() if not line.startswith(prefix)]
+    path.write_text("\n".join([header] + lines) + "\n")
+    with pytest.raises(IRError, match=re.escape(message)):
+        hc.Plan.load(path)
+    assert main(["show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err

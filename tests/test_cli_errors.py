@@ -1,6 +1,7 @@
 """Every command-line failure is one line on stderr and exit 2, never a traceback: a test per failure mode, and
 a fuzz test of the JSONL input through `harts compile`."""
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -108,3 +109,109 @@ def test_fuzzed_jsonl_compiles_or_is_refused_in_one_line_per_problem(tmp_path, c
     assert code in (0, 2) and "Traceback" not in captured.err
     if code == 2:
         assert all(line.startswith("harts compile: ") for line in captured.err.splitlines())
+
+
+@pytest.mark.parametrize("flag, value, expect", [
+    ("--microbatch-tokens", str(10**19), "option microbatch_tokens"),  # past int64: numpy overflowed
+    ("--chunk-size", str(2**63), "option chunk_size"),
+    ("--dp-size", str(10**19), "option dp_size"),
+    ("--dp-size", str(2**20 + 1), "option dp_size"),  # a per-rank table this size filled memory and time
+    ("--linear-layers", str(10**400), "option linear_layers"),  # too large for a float
+], ids=["microbatch-tokens", "chunk-size", "dp-size", "dp-size-2**20+1", "linear-layers"])
+def test_option_values_beyond_what_the_compiler_holds(capsys, batch, flag, value, expect):
+    one_line_exit_2(capsys, ["compile", str(batch), flag, value], expect)
+
+
+@pytest.mark.parametrize("line, expect", [
+    (b'{"id": "a", "tokens": [' + b"9" * 5000 + b"]}", "line 1: invalid JSON: a number with more than"),
+    (b'{"id": "a", "tokens": [1], "extra": ' + b"1" * 5000 + b"}", "line 1: invalid JSON: a number with more than"),
+    (b'{"id": "\\ud800", "tokens": [1, 2]}', "line 1: field id: string '\\ud800' holds a lone UTF-16 surrogate"),
+    (b'{"id": "a", "tokens": [1], "x": {"y": ["ok", "\\udc00"]}}', "line 1: field x.y[1]: string '\\udc00'"),
+    (b'{"id": "t", "nodes": [{"id": "\\udfff", "parent": null, "tokens": [1]}]}', "field nodes[0].id: string"),
+], ids=["long-token", "long-extra-field", "surrogate-id", "surrogate-nested", "surrogate-node-id"])
+def test_numbers_python_cannot_read_and_lone_surrogates_are_named(tmp_path, capsys, line, expect):
+    """A 5,000-digit number raised a ValueError traceback; a lone surrogate escape was accepted and crashed
+    `harts show` (and any print) with UnicodeEncodeError."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(line + b"\n")
+    one_line_exit_2(capsys, ["compile", str(path)], expect)
+    one_line_exit_2(capsys, ["show", str(path)], expect)
+
+
+def test_a_surrogate_pair_is_text(tmp_path, capsys):
+    path = tmp_path / "emoji.jsonl"
+    path.write_bytes(b'{"id": "\\ud83d\\ude00", "tokens": [1, 2]}\n')
+    assert main(["show", str(path)]) == 0 and "\U0001F600" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, expect", [
+    (None, "cannot read a cost model (Is a directory)"),
+    (b"\xff\xfe garbage", "not a JSON cost model"),
+    (b'{"coefficients": {}, "model": "abc"}', "field model: not an object"),
+    (b'{"coefficients": {}, "fit": [1, 2]}', "field fit: not an object"),
+    (b'{"coefficients": {"linear_token": 1' + b"0" * 400 + b"}}", "coefficients.linear_token: must be a finite"),
+    (b'{"coefficients": {"linear_token": -1.0}}', "coefficients.linear_token: must be a finite number >= 0"),
+    (b'{"coefficients": {"linear_token": true}}', "coefficients.linear_token: must be a finite number >= 0"),
+    (b'{"coefficients": {"linear_token": 1e308, "head_token": 1e308}}', "predicted time is not a finite number"),
+], ids=["directory", "binary", "model-str", "fit-list", "huge-int", "negative", "bool", "overflowing-cost"])
+@pytest.mark.filterwarnings("error")  # a numpy overflow warning would be two more lines on stderr
+def test_cost_model_files_that_cannot_be_used(tmp_path, capsys, batch, content, expect):
+    path = tmp_path / "cost.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    one_line_exit_2(capsys, ["compile", str(batch), "--cost-model", str(path)], expect)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc, where no file can be created")
+@pytest.mark.parametrize("argv, expect", [
+    (["compile", "BATCH", "-o", "/proc/harts-test.hir"], "-o /proc/harts-test.hir: cannot write"),
+    (["compile", "BATCH", "--dump-ir", "/proc/harts-test-ir"], "--dump-ir /proc/harts-test-ir: cannot write"),
+    (["gen", "--scale", "0.001", "--tasks", "1", "-o", "/proc/harts-test.jsonl"], "cannot write"),
+], ids=["compile-o", "dump-ir", "gen-o"])
+def test_outputs_that_cannot_be_written(capsys, batch, argv, expect):
+    one_line_exit_2(capsys, [str(batch) if a == "BATCH" else a for a in argv], expect)
+
+
+@pytest.mark.parametrize("flag, value, expect", [
+    ("--seed", "-1", "seed: need a non-negative integer"),
+    ("--vocab-size", "3000000000", "vocab_size: at most 2,147,483,648"),  # int32 ids wrapped to negative ones
+    ("--max-context", "-5", "max_context: need at least 1"),
+])
+def test_gen_parameters_are_named(capsys, flag, value, expect):
+    one_line_exit_2(capsys, ["gen", "--scale", "0.001", "--tasks", "1", flag, value], expect)
+
+
+def test_running_out_of_memory_is_one_line(monkeypatch, capsys, batch):
+    from harts_compiler import TreeBatch
+
+    def load(path):
+        raise MemoryError("Unable to allocate 1.49 GiB for an array with shape (200010000,)")
+    monkeypatch.setattr(TreeBatch, "load", load)
+    one_line_exit_2(capsys, ["compile", str(batch)], "out of memory (Unable to allocate 1.49 GiB")
+
+
+@pytest.mark.parametrize("fields", ['"reward": 1e400, "group": "g"', '"advantage": -1e999',
+                                    '"old_logprobs": [0, 1e400]'])
+def test_typed_numbers_that_overflow_to_infinity_are_refused(tmp_path, capsys, fields):
+    """JSON has no Infinity (refused as a literal), but 1e400 is valid JSON that parses to inf: it was taken as a
+    reward or log-prob, and the loss would have been inf or NaN."""
+    path = tmp_path / "inf.jsonl"
+    path.write_text('{"id": "a", "tokens": [1, 2], ' + fields + "}\n")
+    one_line_exit_2(capsys, ["compile", str(path)], "Input should be a finite number")
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["verify", "BATCH", "--threads", "100000"], "--threads 100000: this machine has"),  # torch crashed (SIGSEGV)
+    (["verify", "BATCH", "--seed", str(10**30)], "--seed must be an integer in [0, 2**32)"),  # torch's OverflowError
+    (["demo", "--dump-ir", "BATCH"], "--dump-ir BATCH: cannot write"),  # FileExistsError traceback
+    (["ir", "PLAN", "--lines", "-1"], "--lines -1: need a count >= 0"),  # printed no records, exit 0
+], ids=["verify-threads", "verify-seed", "demo-dump-ir-file", "ir-lines"])
+def test_run_flags_out_of_range(tmp_path, capsys, batch, argv, expect):
+    plan = tmp_path / "p.hir"
+    assert main(["compile", str(batch), "-q", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    names = {"BATCH": str(batch), "PLAN": str(plan)}
+    one_line_exit_2(capsys, [names.get(a, a) for a in argv] + (["--threads", "1"] if argv[0] == "demo" else []),
+                    expect.replace("BATCH", str(batch)))

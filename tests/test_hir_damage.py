@@ -52,6 +52,10 @@ def test_the_clean_text_parses():
     ("forest", "nodes", "3", "nodes=3 but"),
     ("sequences", "chunk_size", "0", "chunk_size=0"),
     ("node", "tokens", "[1 2 3 4 5 6 7 8 9]", "tokens"),
+    ("node", "mult", str(2**63), "does not fit in 64 bits"),  # numpy's OverflowError, a traceback
+    ("node", "tokens", f"[1 {2**64}]", "does not fit in 64 bits"),
+    ("mb", "slot", str(2**62), f"slot={2**62} must be in [0, "),  # an array of that many slots
+    ("microbatches", "dp_size", str(2**62), f"dp_size={2**62} must be in [1, "),  # `harts show` draws every rank
 ])
 def test_damaged_fields_are_named_with_their_line(kind, field, value, message):
     with pytest.raises(IRError, match=r"\.hir line \d+") as caught:
@@ -157,3 +161,18 @@ def test_a_piece_record_that_disagrees_with_its_first_token_is_named(field, valu
     assert "own=8:18 context=8 replay=0" in text  # the second piece reads the 8 keys before it, chunk-aligned
     with pytest.raises(IRError, match=f"piece 1 records {field}={value}"):
         parse_hir(edit(text, "piece", field, value, which=1)).verify()
+
+
+def test_a_lone_surrogate_in_a_string_is_refused():
+    """json reads `"\\ud800"` into a str that cannot be printed: `harts show` crashed on such a trajectory id."""
+    text = TEXT.replace('end id="', 'end id="\\ud800', 1)
+    with pytest.raises(IRError, match="lone UTF-16 surrogate"):
+        parse_hir(text)
+
+
+def test_pieces_cut_for_another_budget_than_the_microbatches_have_are_refused():
+    plan = hc.compile(hc.TreeBatch.from_trajectories([[1] * 9 + [2, 3, 4, 5, 6], [1] * 9 + [7, 8, 9, 10]]),
+                      hc.CompileOptions(chunk_size=4, microbatch_tokens=10))
+    text = format_program(plan.program)[0]
+    with pytest.raises(IRError, match="cut for a budget of 10 tokens, the microbatches have microbatch_tokens=99"):
+        parse_hir(edit(text, "microbatches", "microbatch_tokens", "99")).verify()

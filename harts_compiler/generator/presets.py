@@ -149,4 +149,8 @@ def resolve_preset(preset: str | Preset, **overrides) -> Preset:
     if not math.isfinite(preset.scale) or preset.scale <= 0 or preset.vocab_size < 2:
         raise ValueError(f"scale/vocab_size: need scale > 0 and vocab_size >= 2 (got scale "
                          f"{preset.scale}, vocab_size {preset.vocab_size})")
+    if preset.vocab_size > 2**31:  # token ids are drawn into int32 arrays: larger ones would wrap to negative ids
+        raise ValueError(f"vocab_size: at most {2**31:,} (token ids are stored as int32), got {preset.vocab_size:,}")
+    if preset.max_context < 1:
+        raise ValueError(f"max_context: need at least 1 token, got {preset.max_context}")
     return preset

@@ -127,6 +127,8 @@ def generate(preset: str | Preset = "swe", seed: int = 0, *, quiet: bool = True,
     """Generate a batch; the same (preset, seed, overrides) always gives the same batch. `quiet=False` shows a
     progress bar over the tasks on a terminal."""
     cfg = resolve_preset(preset, **overrides)
+    if seed < 0:
+        raise ValueError(f"seed: need a non-negative integer, got {seed}")
     rng = np.random.default_rng(seed)
     trie = _SegmentTrie(rng, cfg.vocab_size)
     ends: list[tuple[str, int]] = []  # (trajectory id, end node)
