@@ -18,8 +18,7 @@ from pydantic import ValidationError
 
 from .errors import InputError
 from .metadata import check_lengths
-from .records import (TrajectoryRecord, TreeRecord, check_tree, describe_pydantic_error,
-                      tree_paths)
+from .records import TrajectoryRecord, TreeRecord, check_tree, describe_pydantic_error
 
 
 @dataclass(frozen=True, eq=False)
@@ -202,12 +201,11 @@ class TreeBatch:
             if tree_problems:
                 problems += tree_problems
                 continue
-            node_tokens = {node.id: np.array(node.tokens, dtype=np.int64) for node in tree.nodes}
-            traj_ids, paths = tree_paths(tree)
+            traj_ids, traj_tokens = tree_trajectories(tree)
             records.append(("tree", tree, len(ids), len(traj_ids)))
             declared = {t.id: t.metadata() for t in tree.trajectories or ()}
-            for traj_id, path in zip(traj_ids, paths):
-                arrays.append(np.concatenate([node_tokens[n] for n in path]))
+            for traj_id, tokens in zip(traj_ids, traj_tokens):
+                arrays.append(tokens)
                 fields = declared.get(traj_id, {})
                 if fields and "group" not in fields:  # the rollouts of one tree are one GRPO group unless told
                     fields = {**fields, "group": tree.id}
@@ -302,6 +300,44 @@ def _fast_trajectory(line: bytes):
 
 class _NotJSON(ValueError):
     pass
+
+
+def tree_trajectories(tree: TreeRecord) -> tuple[list[str], list[np.ndarray]]:
+    """(trajectory ids, token arrays) of a tree that passed `check_tree`: a trajectory holds the tokens of the nodes
+    on its root-to-end path. Without `trajectories` every leaf is one trajectory, named "<tree id>/<node id>";
+    nodes on no trajectory's path carry no training signal and are dropped by the compiler.
+
+    The root-to-node array of a node where paths part or end is formed once, from the nearest such ancestor's, and
+    shared by the trajectories below it: time and memory linear in the tokens of those arrays, at most twice the
+    trajectories' (a chain with a trajectory ending at every node is no longer a walk per trajectory)."""
+    by_id = {node.id: node for node in tree.nodes}
+    if tree.trajectories is None:
+        has_child = {node.parent for node in tree.nodes if node.parent is not None}
+        ends = [(f"{tree.id}/{node.id}", node.id) for node in tree.nodes if node.id not in has_child]
+    else:
+        ends = [(traj.id, traj.node) for traj in tree.trajectories]
+    on_path, path_children = set(), {}
+    for _, end in ends:
+        node_id = end
+        while node_id is not None and node_id not in on_path:
+            on_path.add(node_id)
+            node_id = by_id[node_id].parent
+            if node_id is not None:
+                path_children[node_id] = path_children.get(node_id, 0) + 1
+    kept = {end for _, end in ends} | {node_id for node_id, count in path_children.items() if count > 1}
+    formed: dict = {}
+    for _, end in ends:
+        chain, node_id = [], end
+        while node_id is not None and node_id not in formed:
+            chain.append(node_id)
+            node_id = by_id[node_id].parent
+        pieces = [] if node_id is None else [formed[node_id]]
+        for node_id in reversed(chain):
+            pieces.append(np.array(by_id[node_id].tokens, dtype=np.int64))
+            if node_id in kept:
+                formed[node_id] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+                pieces = [formed[node_id]]
+    return [traj_id for traj_id, _ in ends], [formed[end] for _, end in ends]
 
 
 # `\ud800`-`\udfff` escapes: JSON text may hold them, but one without its pair is no character (Python's json reads

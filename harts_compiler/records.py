@@ -90,29 +90,6 @@ def _format_loc(loc) -> str:
     return out
 
 
-def tree_paths(tree: TreeRecord) -> tuple[list[str], list[list[NodeId]]]:
-    """(trajectory ids, root-to-end node-id paths) of a tree that passed `check_tree`.
-
-    Without `trajectories` every leaf is one trajectory, named "<tree id>/<node id>". Nodes on
-    no trajectory's path carry no training signal and are dropped by the compiler."""
-    by_id = {node.id: node for node in tree.nodes}
-    if tree.trajectories is None:
-        has_child = {node.parent for node in tree.nodes if node.parent is not None}
-        ends = [(f"{tree.id}/{node.id}", node.id) for node in tree.nodes if node.id not in has_child]
-    else:
-        ends = [(traj.id, traj.node) for traj in tree.trajectories]
-    ids, paths = [], []
-    for traj_id, end in ends:
-        path = []
-        node_id = end
-        while node_id is not None:
-            path.append(node_id)
-            node_id = by_id[node_id].parent
-        ids.append(traj_id)
-        paths.append(path[::-1])
-    return ids, paths
-
-
 def check_tree(tree: TreeRecord, where: str) -> list[str]:
     """Structural problems of an explicit tree, one line each (empty list = fine)."""
     problems = []
