@@ -121,20 +121,25 @@ def cannot_write(flag: str, path):
         raise InputError(f"{flag} {path}: cannot write ({error.strerror or error})") from None
 
 
+def unknown_model(spec: str) -> InputError:
+    """The error of a --model that names no preset and no checkpoint directory with a config.json."""
+    from harts_compiler.runtime import PRESETS
+
+    return InputError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint "
+                      "directory with a config.json")
+
+
 def model_config(spec: str):
     """The ModelConfig of a preset name or a checkpoint directory's config.json (no weights loaded)."""
     from harts_compiler.runtime import PRESETS, UnsupportedModelError
     from harts_compiler.runtime.config import resolve_config
 
+    path = Path(spec) / "config.json"
+    if spec not in PRESETS and not path.is_file():
+        raise unknown_model(spec)
     try:
-        if spec in PRESETS:
-            return resolve_config(spec)
-        path = Path(spec) / "config.json"
-        if not path.is_file():
-            raise InputError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
-                             "checkpoint directory with a config.json")
-        return resolve_config(json.loads(path.read_text()))
-    except (ValueError, KeyError, UnsupportedModelError) as error:
+        return resolve_config(spec if spec in PRESETS else json.loads(path.read_text()))
+    except (ValueError, KeyError, UnsupportedModelError) as error:  # the message names the file's field
         raise InputError(f"--model {spec}: {' '.join(str(error).split())}") from None
 
 

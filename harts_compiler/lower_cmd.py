@@ -2,28 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from .cli_help import HelpFormatter
+from .commands import model_config
 from .errors import InputError
 
 KERNELS = {"triton": ("cuda", "bfloat16"), "torch": ("cpu", "float64")}
-
-
-def _model_config(spec: str):
-    from harts_compiler.runtime.config import PRESETS, ModelConfig, UnsupportedModelError, resolve_config
-
-    try:
-        if spec in PRESETS:
-            return resolve_config(spec)
-        config_file = Path(spec) / "config.json"
-        if config_file.is_file():
-            return ModelConfig.from_dict(json.loads(config_file.read_text()))
-    except (UnsupportedModelError, ValueError) as error:
-        raise InputError(f"--model {spec}: {error}") from None
-    raise InputError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint "
-                     "directory with a config.json")
 
 
 def lower_main(argv: list[str]) -> int:
@@ -45,7 +30,7 @@ def lower_main(argv: list[str]) -> int:
     parser.add_argument("--microbatch-tokens", type=int, default=None, help="budget when compiling a JSONL batch")
     parser.add_argument("--brief", action="store_true", help="leave out the per-sequence lines")
     args = parser.parse_args(argv)
-    config = _model_config(args.model)
+    config = model_config(args.model)
     path = Path(args.input)
     if is_saved_plan(path):
         plan = Plan.load_input(path)

@@ -271,11 +271,10 @@ def load_model(spec: str, dtype: torch.dtype, seed: int = 0, device: str = "cpu"
         # 16-bit: transformers' initialisation, as a checkpoint has; the verification draw's large products
         # leave bfloat16 log-probs about 1 off float64 in both modes, which would make the comparison empty
         return model.to(device=device, dtype=dtype)
-    if not Path(spec).is_dir():
-        raise InputError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-                         "nor a checkpoint directory")
     if not (Path(spec) / "config.json").is_file():
-        raise InputError(f"--model {spec}: a checkpoint directory needs a config.json (none there)")
+        from .commands import unknown_model
+
+        raise unknown_model(spec)
     try:
         return TreeModel.from_pretrained(spec).to(device=device, dtype=dtype)
     except (OSError, ValueError, KeyError, UnsupportedModelError) as error:  # the message names file or field

@@ -215,3 +215,11 @@ def test_run_flags_out_of_range(tmp_path, capsys, batch, argv, expect):
     names = {"BATCH": str(batch), "PLAN": str(plan)}
     one_line_exit_2(capsys, [names.get(a, a) for a in argv] + (["--threads", "1"] if argv[0] == "demo" else []),
                     expect.replace("BATCH", str(batch)))
+
+
+@pytest.mark.parametrize("command", ["compile", "lower", "verify"])
+def test_an_unknown_model_is_named_once(tmp_path, capsys, batch, command):
+    # compile, lower and verify share one message for a --model that is no preset and no checkpoint directory
+    for spec in ("no-such-model", str(tmp_path)):  # tmp_path: a directory without config.json
+        one_line_exit_2(capsys, [command, str(batch), "--model", spec], "neither a preset")
+        assert main([command, str(batch), "--model", spec]) == 2 and capsys.readouterr().err.count("--model") == 1
