@@ -16,6 +16,8 @@ from typing import Iterable, Sequence
 import numpy as np
 from pydantic import ValidationError
 
+from harts_compiler.ir.text import is_unicode
+
 from .errors import InputError
 from .metadata import check_lengths
 from .records import TrajectoryRecord, TreeRecord, check_tree, describe_pydantic_error
@@ -351,9 +353,7 @@ def _lone_surrogate(value):
     while stack:  # iterative: json.loads nests as deep as Python's recursion limit allows
         kind, loc, item = stack.pop()
         if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
+            if not is_unicode(item):
                 return f"{kind}{loc or 'the record'}", item
         elif isinstance(item, dict):
             for key, v in reversed(item.items()):  # each name is looked at just before its value

@@ -5,11 +5,10 @@ import argparse
 import json
 import re
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 from .cli_help import HelpFormatter
-from .errors import InputError
+from .errors import InputError, cannot_write
 from .metadata import field_hints
 from .progress import add_quiet_argument
 
@@ -107,18 +106,6 @@ def compile_main(argv: list[str]) -> int:
     if prediction is not None and not args.json:
         print(format_prediction(prediction))
     return 0
-
-
-@contextmanager
-def cannot_write(flag: str, path):
-    """An OSError while writing `path` (a folder without write permission, a read-only file system, a full disk)
-    becomes one InputError line naming the flag and the path."""
-    try:
-        yield
-    except OSError as error:
-        if path is None:
-            raise
-        raise InputError(f"{flag} {path}: cannot write ({error.strerror or error})") from None
 
 
 def unknown_model(spec: str) -> InputError:

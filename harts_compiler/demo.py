@@ -57,7 +57,8 @@ def demo_main(argv: list[str]) -> int:
     """Compile the built-in batch, run it in tree mode and trajectory-wise on a tiny random
     Qwen3-Next (forward + backward), and print what was verified."""
     from . import CompileOptions, compile
-    from .commands import cannot_write, format_summary
+    from .commands import format_summary
+    from .errors import cannot_write
     from .verify import add_execution_arguments, setup_execution, verify_plan
 
     parser = argparse.ArgumentParser(prog="harts demo", description=demo_main.__doc__)

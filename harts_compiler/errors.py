@@ -1,6 +1,8 @@
 """The one error type users see for bad input or an impossible compile request."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 
 class InputError(ValueError):
     """Bad input. ``problems`` holds one line per problem, each naming line/tree/node/field.
@@ -26,3 +28,15 @@ def check_output_file(path, flag: str = "-o") -> None:
     if not path.parent.is_dir():
         what = "is a file, not a folder" if path.parent.exists() else "does not exist"
         raise InputError(f"{flag} {path}: folder {path.parent} {what}")
+
+
+@contextmanager
+def cannot_write(flag: str, path):
+    """An OSError while writing `path` (a folder without write permission, a read-only file system, a full disk)
+    becomes one InputError line naming the flag and the path."""
+    try:
+        yield
+    except OSError as error:
+        if path is None:
+            raise
+        raise InputError(f"{flag} {path}: cannot write ({error.strerror or error})") from None

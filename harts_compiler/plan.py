@@ -178,7 +178,7 @@ class Plan:
     def load(cls, path: str | Path) -> "Plan":
         """A saved plan; `ir.ArtifactError` (naming the files) when its text and arrays do not belong together."""
         program, text = load_hir(path)
-        options = _header(text, OPTIONS_LINE, _options)
+        options = _header(text, OPTIONS_LINE, CompileOptions.model_validate)
         metadata = _header(text, "# metadata ", _metadata)
         if program.forest is None:
             raise ArtifactError(f"{path}: an input-stage dump (no forest), not a compiled plan")
@@ -208,10 +208,6 @@ def _header(text: str, prefix: str, parse):
         if line.strip() and not line.startswith("#"):
             return None  # the headers come before the first record
     return None
-
-
-def _options(value) -> CompileOptions:
-    return CompileOptions.model_validate(value)
 
 
 def _metadata(value) -> dict:

@@ -152,7 +152,7 @@ def _int64(value: int, raw: str) -> int:
 def _value(raw: str):
     if raw.startswith('"'):
         text = json.loads(raw)
-        if isinstance(text, str) and not _encodable(text):
+        if isinstance(text, str) and not is_unicode(text):
             raise ValueError(f"{raw[:40]} holds a lone UTF-16 surrogate escape (not Unicode text)")
         return text
     if raw.startswith("["):
@@ -170,7 +170,9 @@ def _value(raw: str):
     return _int64(value, raw)
 
 
-def _encodable(text: str) -> bool:
+def is_unicode(text: str) -> bool:
+    """False where `text` holds a lone UTF-16 surrogate (JSON's "\\ud800" escape without its pair): no character,
+    so it cannot be printed or encoded."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from harts_compiler.errors import InputError, check_output_file
+from harts_compiler.errors import InputError, cannot_write, check_output_file
 from harts_compiler.cli_help import HelpFormatter
 from harts_compiler.progress import add_quiet_argument
 
@@ -53,10 +53,8 @@ def gen_main(argv: list[str]) -> int:
         raise InputError(f"scale/tasks/rollouts: the batch has {trajectory_tokens:,} trajectory tokens, over the "
                          f"{MAX_TRAJECTORY_TOKENS:,} gen handles (lower --scale, --tasks or --rollouts)")
     if args.output:
-        try:
+        with cannot_write("-o", args.output):
             write_jsonl(batch, args.output, args.form, quiet=args.quiet)
-        except OSError as error:  # a folder without write permission, a read-only file system, a full disk
-            raise InputError(f"-o {args.output}: cannot write ({error.strerror or error})") from None
     print(f"preset {args.preset}, seed {args.seed}"
           + (f", written to {args.output} ({args.form})" if args.output else ""))
     for line in batch_stats(batch.trajectories).lines():
