@@ -8,11 +8,10 @@ factor exceeds 1:
 - diagonal blocks take exp(gc_i - gc_j) elementwise, with no split at all, in row-parallel kernels of their
   own (intra_fwd._diag_fwd_kernel, diag_bwd._diag_bwd_kernel).
 
-Every exponent x is taken as -|x|: on valid rows the gap is <= 0 exactly (gc is a running sum of g <= 0), so
-this is the identity; in padding lanes (gc loads 0) x could be large and positive, and exp(x) = inf would meet
-a zero operand (NaN). GDN's `_exp_gate_gap` clamps at 0 instead (FMNMX + FMUL); -|x| is an operand modifier of
-the FMUL, which took 3% off the intra backward (an H100, `bench/kda.py --profile`) and nothing measurable off
-GDN's kernels.
+Every exponent x is taken as -|x| (`_decay`): on valid rows the gap is <= 0 exactly (gc is a running sum of
+g <= 0), so this is the identity; in padding lanes (gc loads 0) x could be large and positive, and exp(x) = inf
+would meet a zero operand (NaN). GDN's `_exp_gate_gap` clamps at 0 instead; -|x| is an operand modifier of the
+FMUL where the clamp costs an FMNMX.
 Dots of these fp32 tiles run through the tensor cores (tf32 on the GPU, as fla's intra-chunk kernels; exact
 fp32 in the CPU interpreter).
 """
@@ -73,22 +72,37 @@ def _tile_t(x, rows, m, row_stride, col0, o_k):
 
 
 @triton.jit
+def _decay(gc_a, gc_b):
+    """exp(-|gc_a - gc_b|) <= 1: the decay between two rows of a chunk, whichever of them comes first."""
+    return tl.exp2(tl.abs(gc_a - gc_b) * -LOG2E)
+
+
+@triton.jit
+def _head_group(i_hg, BH: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr):
+    """(value heads [BH], their mask, key heads) of head group i_hg in the row-parallel diagonal kernels. A partial
+    group repeats the last head (its lanes are stored nowhere), so the walks' loads need no masks."""
+    o_h = i_hg * BH + tl.arange(0, BH)
+    o_hv = tl.minimum(o_h, HV - 1)
+    return o_hv, o_h < HV, o_hv // (HV // HK)
+
+
+@triton.jit
 def _to_ref(b_x, b_gc, b_ref):
     """x exp(gc - ref) for rows at or after the reference row (factor <= 1)."""
-    return b_x * tl.exp2(tl.abs(b_gc - b_ref[None, :]) * -LOG2E)
+    return b_x * _decay(b_gc, b_ref[None, :])
 
 
 @triton.jit
 def _from_ref(b_x, b_gc, b_ref):
     """x exp(ref - gc) for rows at or before the reference row (factor <= 1)."""
-    return b_x * tl.exp2(tl.abs(b_ref[None, :] - b_gc) * -LOG2E)
+    return b_x * _decay(b_ref[None, :], b_gc)
 
 
 @triton.jit
 def _off_rows(b_dm, b_y, b_gcj, b_gci, b_ref):
     """X_I += [16, BK]: sum_{j in J} dm_ij y_j exp(gc_i - gc_j) for a block J before I, split at a row between
     them (gc of that row: b_ref).
-    (The factors are written out rather than calls of _to_ref / _from_ref: each device-function call costs the
+    (The factors are written out rather than calls of _to_ref / _from_ref / _decay: each device-function call costs the
     CPU interpreter a re-patch of triton.language, about a millisecond.)"""
     b_yr = b_y * tl.exp2(tl.abs(b_ref[None, :] - b_gcj) * -LOG2E)
     return tl.dot(b_dm, b_yr) * tl.exp2(tl.abs(b_gci - b_ref[None, :]) * -LOG2E)

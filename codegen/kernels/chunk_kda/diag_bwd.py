@@ -20,15 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..chunk_gdn.gates import LOG2E, _input_rows
-
-
-@triton.jit
-def _decay(gc_a, gc_b):
-    """exp(-|gc_a - gc_b|): gates._exp_gate_gap where the gap's sign is known, the clamp written as -|gap|, which
-    costs no instruction (an operand modifier of the FMUL) where the minimum costs an FMNMX; these walks are
-    issue-bound."""
-    return tl.exp2(tl.abs(gc_a - gc_b) * -LOG2E)
+from ..chunk_gdn.gates import _input_rows
+from .blocks import _decay, _head_group
 
 
 @triton.jit
@@ -82,10 +75,7 @@ def _diag_bwd_kernel(q, k, beta, gc, dAqk, dAkk, dq_p, dk_p, dgc_p, dbeta_p, chu
         first = row0 + (t // 16) * 16  # the block's first row
         last = tl.minimum(first + 16, row_end)  # one past its last row inside the sequence
         col0 = (t // 16) * 16
-        # a partial head group repeats the last head (its lanes stored nowhere): the walks' loads need no masks
-        o_hv = tl.minimum(i_hg * BH + tl.arange(0, BH), HV - 1)
-        m_h = i_hg * BH + tl.arange(0, BH) < HV
-        o_hk = o_hv // (HV // HK)
+        o_hv, m_h, o_hk = _head_group(i_hg, BH, HV, HK)
         o_k = tl.arange(0, K)
         q_i, k_i, b_i, gc_i = _row_inputs(q, k, beta, gc, row_src, row, o_hk, o_hv, o_k, HK, HV, K, GATHER)
         xq = tl.zeros([BH, K], dtype=tl.float32)

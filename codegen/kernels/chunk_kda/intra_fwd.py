@@ -26,7 +26,8 @@ from ..chunk_gdn.gates import LOG2E, _chunk_rows, _chunk_shift, _exp_gate_gap, _
 from ..chunk_gdn.index import chunk_shift_table, row_tables
 from ..chunk_gdn.wy_fwd import _inverse_unit_lower16, _merge_inverse, _store_inverse
 from ..interpreter_safe import interpreting
-from .blocks import _block_betas, _block_tiles, _chunk_blocks, _from_ref, _load_block, _store_block, _to_ref
+from .blocks import (_block_betas, _block_tiles, _chunk_blocks, _from_ref, _head_group, _load_block, _store_block,
+                     _to_ref)
 
 
 @triton.jit
@@ -70,10 +71,7 @@ def _diag_fwd_kernel(q, k, g, T, Aqk, chunk_row_start, chunk_row_end, row_src, H
     row0 = tl.load(chunk_row_start + i_c)
     row = row0 + t
     count = tl.where(row < tl.load(chunk_row_end + i_c), t % 16 + 1, 0)  # j = row, row - 1, ... (0: padding)
-    # a partial head group repeats the last head (its lanes stored nowhere): the walk's loads need no masks
-    o_hv = tl.minimum(i_hg * BH + tl.arange(0, BH), HV - 1)
-    m_h = i_hg * BH + tl.arange(0, BH) < HV
-    o_hk = o_hv // (HV // HK)
+    o_hv, m_h, o_hk = _head_group(i_hg, BH, HV, HK)
     o_k = tl.arange(0, K)
     src = _input_rows(row_src, row, count > 0, 0, GATHER).to(tl.int64)
     p_qk = src * (HK * K) + o_hk[:, None] * K + o_k[None, :]
