@@ -10,9 +10,11 @@ states given and differentiated):
    FlashQLA calls (one varlen call for the roots with final states, one for the branches starting from them: what
    a framework builds from a public kernel), both against the fastest trajectory-wise kernel.
 
-Needs CUDA, flash-qla 0.1.3 and optionally fla-core 0.6.0. TileLang compiles FlashQLA's kernels for every new
-shape: about 4 minutes for the first case, a minute or two for each later one, so a whole run takes well over
-10 minutes; `--cases` and the `--skip-*` flags split it into shorter runs:
+Needs CUDA, flash-qla 0.1.3 and optionally fla-core 0.6.0. TileLang compiles FlashQLA's kernels on their first
+call at each head layout: on an H200 (TileLang 0.1.15) about a minute each for the H16/16 and H16/32 cases, after
+which the other cases, the trees and the errors reuse them; with --no-fla, five runs that split the whole
+benchmark between them took about 8 minutes together there.
+`--cases` and the `--skip-*` flags split it into shorter runs:
 
     PYTHONUNBUFFERED=1 python bench/gdn_flashqla.py [--cases 0 2] [--skip-errors] [--skip-trees] [--profile] \
         2>&1 | tee $OUT/gdn_flashqla.log
