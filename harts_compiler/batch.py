@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from pydantic import ValidationError
 
+from harts_compiler.ir.program import INT64_MAX
 from harts_compiler.ir.text import is_unicode
 
 from .errors import InputError
@@ -87,7 +88,7 @@ class TreeBatch:
                 problems.append(f"trajectory {ids[j]!r}: field tokens: non-integer token "
                                 f"(dtype {array.dtype})")
                 continue
-            if array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max:
+            if array.dtype.kind == "u" and array.max() > INT64_MAX:
                 problems.append(f"trajectory {ids[j]!r}: field tokens: token id beyond int64")
                 continue
             if array.dtype.kind == "i" and array.min() < 0:
@@ -261,7 +262,6 @@ class TreeBatch:
         raise InputError(problems)
 
 
-_INT64_MAX = np.iinfo(np.int64).max
 _UTF8_BOM = b"\xef\xbb\xbf"
 # a JSON list body of non-negative integers: no leading zeros, no trailing comma, commas between numbers
 _JSON_INTS = re.compile(rb"[ \t\r\n]*(?:0|[1-9][0-9]*)(?:[ \t\r\n]*,[ \t\r\n]*(?:0|[1-9][0-9]*))*[ \t\r\n]*")
@@ -288,7 +288,7 @@ def _fast_trajectory(line: bytes):
         tokens = np.fromstring(body, dtype=np.int64, sep=",")
     except ValueError:
         return None
-    if tokens.size != body.count(b",") + 1 or tokens.max() >= _INT64_MAX:
+    if tokens.size != body.count(b",") + 1 or tokens.max() >= INT64_MAX:  # numpy saturates there: ambiguous
         return None
     rest = line[:left + 1] + b"0" + line[right:]
     if b"NaN" in rest or b"Infinity" in rest:

@@ -5,14 +5,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from harts_compiler.ir.program import MAX_DP_SIZE
+from harts_compiler.ir.program import INT64_MAX, MAX_DP_SIZE
 
 from .errors import InputError
 
 # the chunk of the Gated DeltaNet kernels (and of transformers' torch_chunk_gated_delta_rule)
 GDN_CHUNK_SIZE = 64
-# counts and sizes are int64 in the IR's numpy arrays: a larger value is refused here, not overflowed there
-INT64_MAX = 2**63 - 1
 
 
 class CompileOptions(BaseModel):

@@ -8,8 +8,10 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from harts_compiler.ir.program import INT64_MAX
+
 NodeId = Union[StrictInt, StrictStr]
-Token = Annotated[int, Field(ge=0, le=2**63 - 1)]  # stored as int64
+Token = Annotated[int, Field(ge=0, le=INT64_MAX)]
 TokenList = Annotated[list[Token], Field(min_length=1)]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ArtifactError
-from .program import Program
+from .program import INT64_MAX, Program
 from .text import arrays_digest, format_program, parse_hir
 
 ARRAYS_SUFFIX = ".npz"
@@ -117,7 +117,7 @@ def _read_arrays(path: Path, text: str) -> dict | None:
     for key, array in arrays.items():  # the hash says the pair belongs together, not that the arrays are a plan's
         if key not in ARRAY_NAMES:
             raise ArtifactError(f"{side}: array {key!r} is not one of a plan's ({', '.join(ARRAY_NAMES)})")
-        if array.ndim != 1 or array.dtype.kind not in "iu" or (array.size and array.max() > np.iinfo(np.int64).max):
+        if array.ndim != 1 or array.dtype.kind not in "iu" or (array.size and array.max() > INT64_MAX):
             raise ArtifactError(f"{side}: array {key!r} is {array.dtype} of shape {array.shape}, not a list of "
                                 "int64 token ids or offsets")
     return {key: array.astype(np.int64, copy=False) for key, array in arrays.items()}

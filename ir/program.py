@@ -167,6 +167,10 @@ class Pieces:
                               "consecutive ranges covering it")
 
 
+# Every count, id and token of the IR is an int64 in numpy arrays: input beyond this is refused at the edge (options,
+# JSONL, .hir text, saved arrays), not overflowed inside.
+INT64_MAX = int(np.iinfo(np.int64).max)
+
 # The most data-parallel ranks a plan may name: far above any real job, low enough that the per-rank tables of the
 # schedule and of `harts show` stay small (a mistyped --dp-size is refused, not planned for).
 MAX_DP_SIZE = 2**20

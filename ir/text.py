@@ -38,7 +38,7 @@ import numpy as np
 from . import derive
 from .errors import IRError
 from .forest import Forest
-from .program import Microbatches, Pieces, Program, Sequences, Trajectories
+from .program import INT64_MAX, Microbatches, Pieces, Program, Sequences, Trajectories
 from .text_checks import check_fields, check_records
 
 VERSION = 2  # 2: piece records carry context= and replay=
@@ -144,7 +144,7 @@ def _int(raw: str) -> int:
 
 def _int64(value: int, raw: str) -> int:
     """Every number of the IR is an int64: a larger one is refused here (ValueError), not overflowed later."""
-    if not -2**63 <= value < 2**63:
+    if not -INT64_MAX - 1 <= value <= INT64_MAX:
         raise ValueError(f"{raw} does not fit in 64 bits")
     return value
 

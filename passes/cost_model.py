@@ -348,9 +348,10 @@ def load_cost_model(path: str | Path | None = None) -> CostModel:
         raise CostModelError(f"{path}: no such cost-model file") from None
     except json.JSONDecodeError as exc:
         raise CostModelError(f"{path}: invalid JSON ({exc.msg}, line {exc.lineno})") from None
-    except (OSError, ValueError) as exc:  # a directory, unreadable, not UTF-8, a number of thousands of digits
-        raise CostModelError(f"{path}: cannot read a cost model ({exc.strerror or exc})" if isinstance(exc, OSError)
-                             else f"{path}: not a JSON cost model ({exc})") from None
+    except OSError as exc:  # a directory, no read permission
+        raise CostModelError(f"{path}: cannot read a cost model ({exc.strerror or exc})") from None
+    except ValueError as exc:  # not UTF-8, a number of thousands of digits
+        raise CostModelError(f"{path}: not a JSON cost model ({exc})") from None
     return CostModel.from_json(data, source=str(path))
 
 
