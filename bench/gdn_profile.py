@@ -5,7 +5,7 @@ with gathers between them), device milliseconds per kernel name (summed over lau
 the host-side wall time, so time missing from tree mode's ideal share shows up by name: a kernel, a torch op
 around the calls (gathers, scatters, casts), or gaps between launches.
 
-    python bench/gdn_profile.py [--tree P B L]   # H200; bench/gdn.py runs it too
+    python bench/gdn_profile.py [--tree P B L] [--timeline]   # H200; bench/gdn.py runs it too
 """
 from __future__ import annotations
 
@@ -113,8 +113,13 @@ def main():
     parser.add_argument("--tree", type=int, nargs=3, action="append", metavar=("P", "B", "L"),
                         help="a two-level tree: root of P tokens, B branches of L tokens (repeatable; default "
                              "4096 8 3584)")
+    parser.add_argument("--timeline", action="store_true", help="also the tree step's kernels in time order")
     args = parser.parse_args()
-    profile_section([], trees=tuple(map(tuple, args.tree)) if args.tree else ((4096, 8, 3584),))
+    trees = tuple(map(tuple, args.tree)) if args.tree else ((4096, 8, 3584),)
+    profile_section([], trees=trees)
+    if args.timeline:
+        from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
+        timeline_section([], trees, GDNKernelConfig(), " ".join(f"P{p} B{b} L{l}" for p, b, l in trees))
 
 
 if __name__ == "__main__":
