@@ -84,19 +84,21 @@ def compare(steps: dict[str, callable], top: int = 14) -> list[dict]:
     return rows
 
 
-def timeline_section(log: list, trees, config, label: str) -> None:
-    """The tree step's kernels of one case in time order (timeline)."""
+def timeline_section(log: list, trees, config, label: str, case=None) -> None:
+    """The tree step's kernels of one case in time order (timeline); `case`: the trees' tree_case if built."""
     from gdn_cases import tree_case
-    case = tree_case(trees, config)
+    case = case or tree_case(trees, config)
     rows = timeline(lambda: torch.autograd.grad(case.ours_tree(*case.compact), case.compact, case.do_tree), label)
     log.extend(dict(section="timeline", config=label, **row) for row in rows)
 
 
-def profile_section(log: list, trees=((4096, 8, 3584),), config=None) -> list[dict]:
-    """Kernel-level GPU time of one tree case in its three modes (bench/gdn_cases.tree_case)."""
+def profile_section(log: list, trees=((4096, 8, 3584),), config=None, timeline_label: str | None = None) -> list[dict]:
+    """Kernel-level GPU time of one tree case in its three modes (bench/gdn_cases.tree_case); with `timeline_label`
+    also the tree step's kernels in time order, on the same case."""
     from gdn_cases import tree_case
     from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
-    case = tree_case(trees, config or GDNKernelConfig())
+    config = config or GDNKernelConfig()
+    case = tree_case(trees, config)
     print(f"\n== GPU ms per kernel, one fwd+bwd, trees {list(trees)} ==")
 
     def fwd_bwd(fn, leaves, do):
@@ -105,6 +107,8 @@ def profile_section(log: list, trees=((4096, 8, 3584),), config=None) -> list[di
                     "tree": fwd_bwd(case.ours_tree, case.compact, case.do_tree),
                     "per round": fwd_bwd(case.ours_tree_rounds, case.compact, case.do_tree)})
     log.extend(dict(section="profile", **row) for row in rows)
+    if timeline_label:
+        timeline_section(log, trees, config, timeline_label, case)
     return rows
 
 
@@ -116,10 +120,8 @@ def main():
     parser.add_argument("--timeline", action="store_true", help="also the tree step's kernels in time order")
     args = parser.parse_args()
     trees = tuple(map(tuple, args.tree)) if args.tree else ((4096, 8, 3584),)
-    profile_section([], trees=trees)
-    if args.timeline:
-        from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig
-        timeline_section([], trees, GDNKernelConfig(), " ".join(f"P{p} B{b} L{l}" for p, b, l in trees))
+    label = " ".join(f"P{p} B{b} L{l}" for p, b, l in trees)
+    profile_section([], trees=trees, timeline_label=label if args.timeline else None)
 
 
 if __name__ == "__main__":
