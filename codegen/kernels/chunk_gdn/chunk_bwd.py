@@ -108,9 +108,10 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
     """Through w = T (beta exp(gc) k), u = T (beta v), T = (I + A)^-1, A = (beta k k^T exp(gc_i - gc_j))_{i>j}.
 
     dk and dgc arrive holding the chunk_bwd_qk contributions; the total dk leaves in dk_out and dg as the
-    reverse in-chunk cumsum of dgc (dg may be dgc itself). K and V are walked in blocks so that only [BT, BT]
-    tiles stay live (no spills). GATHER: k, v, beta are compact (index.PackedRows); the gradients of kept rows
-    go to compact rows, those of replayed rows to their slots of the side buffers.
+    reverse in-chunk cumsum of dgc (dg may be dgc itself). K and V are walked in blocks so that only [BT, 64]
+    tiles stay live: K twice (dT and k k^T, then dk, which needs dA from all of dT), V once. GATHER: k, v, beta
+    are compact (index.PackedRows); the gradients of kept rows go to compact rows, those of replayed rows to their
+    slots of the side buffers.
     """
     i_ch = tl.program_id(0)
     i_c, i_h = i_ch // HV, i_ch % HV
@@ -128,27 +129,35 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
     b_eg = tl.exp2(b_gc * LOG2E)
     b_tt = tl.load(T + (rows[None, :] * HV + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0).to(dt)  # T_ji
 
-    # dT = dw (beta exp(gc) k)^T + du (beta v)^T
+    # dT = dw (beta exp(gc) k)^T + du (beta v)^T. Each loop also does the work that needs no dT and reads the tiles it
+    # has loaded: k k^T beside dT's k blocks, dv = T^T du beta (and its share of dbeta) beside its du and v blocks, so
+    # k, du and v are read once here instead of again in loops of their own
     b_dt = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(0, K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_dw = tl.load(dw + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_dt += tl.dot(b_dw.to(dt), tl.trans((b_k * (b_b * b_eg)[:, None]).to(dt)))
-    for i_v in range(0, V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        b_du = tl.load(du + (rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
-        b_v = tl.load(v + (src[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
-        b_dt += tl.dot(b_du.to(dt), tl.trans((b_v * b_b[:, None]).to(dt)))
-
-    # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept strictly lower
-    m_lower = o_t[:, None] > o_t[None, :]
-    b_da = -tl.dot(tl.dot(b_tt, b_dt.to(dt)).to(dt), b_tt)
-    b_kk = tl.zeros([BT, BT], dtype=tl.float32)  # k k^T, after dT is dead (2 warps hold few registers)
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_kk += tl.dot(b_k, tl.trans(b_k))
+        b_dw = tl.load(dw + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_dt += tl.dot(b_dw.to(dt), tl.trans((b_k * (b_b * b_eg)[:, None]).to(dt)))
+    b_dbv = tl.zeros([BT], dtype=tl.float32)  # dv's share of dbeta, added to b_db once that exists
+    for i_v in range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_rv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+        b_du = tl.load(du + p_rv, mask=m_t[:, None], other=0.0)
+        b_v = tl.load(v + (src[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+        b_dt += tl.dot(b_du.to(dt), tl.trans((b_v * b_b[:, None]).to(dt)))
+        b_dvb = tl.dot(b_tt, b_du.to(dt))
+        b_dbv += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+        tl.store(dv + (kept[:, None] * HV + i_h) * V + o_v[None, :], (b_dvb * b_b[:, None]).to(dv.dtype.element_ty),
+                 mask=m_keep[:, None])
+        if GATHER:
+            tl.store(side_dv + (slot[:, None] * HV + i_h) * V + o_v[None, :],
+                     (b_dvb * b_b[:, None]).to(side_dv.dtype.element_ty), mask=m_side[:, None])
+
+    # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept strictly lower
+    m_lower = o_t[:, None] > o_t[None, :]
+    b_da = -tl.dot(tl.dot(b_tt, b_dt.to(dt)).to(dt), b_tt)
     b_decay = tl.where(m_lower, _exp_gate_gap(b_gc[:, None] - b_gc[None, :]), 0.0)
     b_da = tl.where(m_lower, b_da, 0.0)
     b_dkk = b_da * b_decay                                             # d(k_i . k_j) / beta_i, i > j
@@ -179,20 +188,7 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
         if GATHER:
             tl.store(side_dk + (slot[:, None] * HV + i_h) * K + o_k[None, :], b_dk.to(side_dk.dtype.element_ty),
                      mask=m_side[:, None])
-    # dv = T^T du * beta
-    for i_v in range(0, V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        p_rv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-        b_du = tl.load(du + p_rv, mask=m_t[:, None], other=0.0)
-        b_v = tl.load(v + (src[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
-        b_dvb = tl.dot(b_tt, b_du.to(dt))
-        b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
-        tl.store(dv + (kept[:, None] * HV + i_h) * V + o_v[None, :], (b_dvb * b_b[:, None]).to(dv.dtype.element_ty),
-                 mask=m_keep[:, None])
-        if GATHER:
-            tl.store(side_dv + (slot[:, None] * HV + i_h) * V + o_v[None, :],
-                     (b_dvb * b_b[:, None]).to(side_dv.dtype.element_ty), mask=m_side[:, None])
-
+    b_db += b_dbv
     # dg = reverse cumsum of dgc inside the chunk
     b_dgc = tl.where(m_t, b_dgc, 0.0)
     b_dg = tl.sum(b_dgc) - tl.cumsum(b_dgc, 0) + b_dgc
