@@ -134,7 +134,8 @@ def main():
     parser.add_argument("--only", default=None, help="substring of a kernel name")
     parser.add_argument("--stages", type=int, default=3,
                         help="pipeline stages (the 16-bit scans run at 3: GDNKernelConfig.scan_stages_for)")
-    parser.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BV=32")
+    parser.add_argument("--set", nargs="*", default=[],
+                        help="constexpr overrides, e.g. BV=32 GATHER=1 (integers; 0 / 1 for flags)")
     parser.add_argument("--aligned", action="store_true",
                         help="give pointers the 16-byte divisibility hint the JIT sees for torch tensors")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
@@ -144,7 +145,12 @@ def main():
                              "that it kept the machine code (unequal ones may differ only in instruction order or "
                              "registers; the TMA scans' code even moves with the source's line numbers)")
     args = parser.parse_args()
-    extra = {k: int(v) for k, v in (item.split("=") for item in args.set)}
+    extra = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not value.lstrip("-").isdigit():
+            parser.error(f"--set {item}: expected NAME=INTEGER")
+        extra[name] = int(value)
     print(f"{'kernel':16s} " + " ".join(f"{f'{w}w regs/stack/smem':>26s}" for w in args.warps))
     for name, fn, consts, overrides in KERNELS:
         if args.only and args.only not in name:
