@@ -6,13 +6,12 @@ round's programs can outnumber the SMs. The model: programs of a launch take as 
 chunks, a lane's launches run one after the other (stream order), and a free SM takes the next program of the
 earliest-issued launch that may run (the order in which the GPU hands out the blocks of concurrent kernels). It
 prints, per direction, the steps the launches take in two issue orders against two bounds: all programs' chunks
-spread over the SMs (throughput) and the longest root-to-leaf chain (latency).
+spread over the SMs (throughput) and the slowest lane's chain of launches (latency, `gdn_batch.lane_chains`).
 
     python3 bench/gdn_scan_queue.py [--trees agentic P4096 ...] [--sms 132]
 
 Orders: "lanes" issues each round's launches lane by lane (the backward walks them in reverse); "chain" issues
-them by the chunk chain still to come in their lane, longest first (forward: the lane's later rounds; backward:
-its earlier ones).
+them by the chunk chain left in their lane, longest first (forward: from that round on; backward: up to it).
 """
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ import heapq
 
 import numpy as np
 
+from gdn_batch import lane_chains
 from gdn_cases import tree_cases, two_level_plan, two_level_round_specs
 from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, plan_tree_gdn
 
@@ -28,13 +28,12 @@ from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, plan_tree_
 def queue_steps(launches, sms: int) -> int:
     """Steps until every program of `launches` (issue order; each (lane, [program lengths])) has run."""
     pending = [sorted(lengths, reverse=True) for _, lengths in launches]  # a launch starts its longest first
-    before = {}
-    waits_for = []
-    for i, (lane, _) in enumerate(launches):
-        waits_for.append(before.get(lane))
-        before[lane] = i
+    last_of_lane, follower, may_run = {}, [None] * len(launches), [True] * len(launches)
+    for i, (lane, _) in enumerate(launches):  # a lane's launch waits for the one before it on its stream
+        if lane in last_of_lane:
+            follower[last_of_lane[lane]], may_run[i] = i, False
+        last_of_lane[lane] = i
     left = [len(p) for p in pending]
-    may_run = [w is None or left[w] == 0 for w in waits_for]
     nxt, running, free, now = [0] * len(launches), [], sms, 0
     while True:
         for i in range(len(launches)):
@@ -47,8 +46,8 @@ def queue_steps(launches, sms: int) -> int:
         now, i = heapq.heappop(running)
         free += 1
         left[i] -= 1
-        if left[i] == 0:
-            may_run = [r or waits_for[j] == i for j, r in enumerate(may_run)]
+        if left[i] == 0 and follower[i] is not None:
+            may_run[follower[i]] = True
 
 
 def scan_orders(trees, sms: int, heads: int, value_dim: int = 128) -> dict:
@@ -62,9 +61,8 @@ def scan_orders(trees, sms: int, heads: int, value_dim: int = 128) -> dict:
         block_v = config.scan_launch_for(launch.round_seqs, heads, value_dim, 2)[0]
         seqs = range(launch.first_seq, launch.first_seq + launch.num_seqs)
         lengths = [int(chunks[s]) for s in seqs for _ in range(heads * (value_dim // block_v))]
-        rows.append(dict(lane=launch.lane, round=int(launch.first_seq >= len(trees)), first=launch.first_seq,
-                         lengths=lengths, longest=launch.longest_chunks))
-    rows.sort(key=lambda r: (r["round"], r["first"]))  # lane by lane
+        rows.append(dict(lane=launch.lane, round=int(launch.first_seq >= len(trees)),
+                         lengths=lengths, longest=launch.longest_chunks))  # the plan's order: lane by lane
 
     def chain(row, later: bool) -> int:  # the lane's chain from this round on (later) or up to it, this one's included
         return sum(r["longest"] for r in rows if r["lane"] == row["lane"]
@@ -74,13 +72,9 @@ def scan_orders(trees, sms: int, heads: int, value_dim: int = 128) -> dict:
         return queue_steps([(r["lane"], r["lengths"]) for r in order], sms)
     forward_chain = sorted(rows, key=lambda r: (r["round"], -chain(r, True), r["lane"]))
     backward_chain = sorted(rows, key=lambda r: (-r["round"], -chain(r, False), r["lane"]))
-    # sequences: the roots in tree order, then each tree's branches (two_level_round_specs)
-    branch_start = len(trees) + np.cumsum([0] + [b for _, b, _ in trees])
-    longest_path = max(int(chunks[t]) + int(chunks[branch_start[t]:branch_start[t + 1]].max())
-                       for t in range(len(trees)))
     return dict(forward_lanes=steps(rows), forward_chain=steps(forward_chain), backward_lanes=steps(rows[::-1]),
                 backward_chain=steps(backward_chain), throughput=sum(map(sum, (r["lengths"] for r in rows))) / sms,
-                chain=longest_path)
+                chain=int(lane_chains(plan).max(initial=0)))
 
 
 def main():

@@ -130,7 +130,7 @@ def test_gdn_ncu_summary_reads_a_raw_csv(tmp_path, capsys):
 
 def test_gdn_scan_queue_model_respects_its_bounds():
     """bench/gdn_scan_queue.py: the modelled scan steps of the agentic trees are at least both lower bounds (all
-    programs' chunks over the SMs, the longest root-to-leaf chain), and with a single SM exactly the programs' total
+    programs' chunks over the SMs, the slowest lane's chain), and with a single SM exactly the programs' total
     chunks, whatever the order."""
     with bench_on_path():
         from gdn_cases import agentic_trees
@@ -139,4 +139,5 @@ def test_gdn_scan_queue_model_respects_its_bounds():
     for key in ("forward_lanes", "forward_chain", "backward_lanes", "backward_chain"):
         assert result[key] >= max(result["throughput"], result["chain"]), key
     assert queue_steps([(0, [3, 1]), (1, [2]), (0, [4])], sms=1) == 10
+    assert queue_steps([(0, [4]), (1, [2]), (0, [3, 1])], sms=1) == 10
     assert queue_steps([(0, [3, 1]), (1, [2]), (0, [4])], sms=4) == 7  # lane 0's second launch waits for its first
