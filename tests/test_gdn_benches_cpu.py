@@ -126,18 +126,3 @@ def test_gdn_ncu_summary_reads_a_raw_csv(tmp_path, capsys):
     assert line[0] == "_chunk_bwd_qk_kernel"
     assert [float(x) for x in line[1:7]] == [3458.4, 56.4, 54.5, 21.4, 12.3, 255.0]
     assert " ".join(line[7:]) == "long_scoreboard 3.2, barrier 1.1, wait 1.0"
-
-
-def test_gdn_scan_queue_model_respects_its_bounds():
-    """bench/gdn_scan_queue.py: the modelled scan steps of the agentic trees are at least both lower bounds (all
-    programs' chunks over the SMs, the slowest lane's chain), and with a single SM exactly the programs' total
-    chunks, whatever the order."""
-    with bench_on_path():
-        from gdn_cases import agentic_trees
-        from gdn_scan_queue import queue_steps, scan_orders
-    result = scan_orders(agentic_trees(), sms=132, heads=16)
-    for key in ("forward_lanes", "forward_chain", "backward_lanes", "backward_chain"):
-        assert result[key] >= max(result["throughput"], result["chain"]), key
-    assert queue_steps([(0, [3, 1]), (1, [2]), (0, [4])], sms=1) == 10
-    assert queue_steps([(0, [4]), (1, [2]), (0, [3, 1])], sms=1) == 10
-    assert queue_steps([(0, [3, 1]), (1, [2]), (0, [4])], sms=4) == 7  # lane 0's second launch waits for its first
