@@ -79,19 +79,18 @@ def chunk_count(indices, chunk_size: int = 64) -> int:
                for index in indices for r in index.rounds)
 
 
-def lane_chains(plan) -> np.ndarray:
-    """Chunk steps of each lane's scans in a GDN plan: a launch lasts as long as its longest sequence and the launches
-    of one lane (its own stream: a block of trees, `chunk_gdn.lanes`) run one after the other."""
-    lanes = np.zeros(plan.num_lanes, np.int64)
-    for launch in plan.launches:
-        lanes[launch.lane] += launch.longest_chunks
-    return lanes
-
-
 def scan_steps(indices) -> int:
-    """Chunk steps on the scans' critical path, summed over microbatches: the lanes run side by side, so a
-    microbatch takes its slowest lane (`lane_chains`)."""
-    return sum(int(lane_chains(gdn_plan(index)).max(initial=0)) for index in indices)
+    """Chunk steps on the scans' critical path, summed over microbatches: a launch lasts as long as its longest
+    sequence, the launches of one lane (its own stream: a block of trees, `chunk_gdn.lanes`) run one after the
+    other, and the lanes side by side, so a microbatch takes its slowest lane."""
+    total = 0
+    for index in indices:
+        plan = gdn_plan(index)
+        lanes = np.zeros(plan.num_lanes, np.int64)
+        for launch in plan.launches:
+            lanes[launch.lane] += launch.longest_chunks
+        total += int(lanes.max(initial=0))
+    return total
 
 
 def run_preset(preset: str, args) -> dict:

@@ -234,7 +234,8 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     cfg = index.config
     bv = min(cfg.bwd_block_v, vd)
     BT = index.chunk_size
-    dk_dtype = torch.float32 if hv != hk or dk_fp32 else k.dtype
+    grouped = hv != hk  # value heads share key heads: dk is summed over them after these kernels
+    dk_dtype = torch.float32 if grouped or dk_fp32 else k.dtype
 
     def dk_dv_dbeta_dg(n):
         per_head = [torch.empty(n, hv, device=dev, dtype=torch.float32) for _ in range(2)]
@@ -244,10 +245,9 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     dq = torch.empty(n_out, hv, kd, device=dev, dtype=torch.float32)  # bf16 here made the qk kernel spill more
     out = dk_dv_dbeta_dg(n_out)
     side = out if rows is None else dk_dv_dbeta_dg(rows.num_replays)
-    # the dq/dk/dw kernel's share of dk, which the WY backward adds to its own: in the inputs' dtype where value heads
-    # share a key head (half the bytes of its round trip, 2-3% of the step; dk's error against fp32 rises by 9%, still
-    # below FlashQLA's there), in fp32 where they do not (the same rounding would bring dk level with FlashQLA's error)
-    dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=k.dtype if hv != hk else torch.float32)
+    # the dq/dk/dw kernel's share of dk, which the WY backward adds to its own: in the inputs' dtype at grouped heads
+    # (half the bytes; dk's error stays below FlashQLA's there, not at one value head per key head: docs/gdn_kernels.md)
+    dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=k.dtype if grouped else torch.float32)
     # dw and the WY backward's scratch tiles in the inputs' dtype: their only reader rounds them to it before its
     # dots, so the bits are those of fp32 buffers at half the traffic
     dw = torch.empty(n_rows, hv, kd, device=dev, dtype=k.dtype)
