@@ -13,12 +13,14 @@ import triton.language as tl
 
 from .gates import LOG2E, _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows
 from .index import chunk_shift_table, row_tables
+from .scaled16 import ScaledRows, _load_scaled, _store_scaled
 
 
 @triton.jit
-def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end, row_src,
-                        row_own, shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
+def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, dq_inv, dk_inv, chunk_row_start,
+                        chunk_row_end, row_src, row_own, shift, scale, HK: tl.constexpr, HV: tl.constexpr,
+                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr,
+                        SCALED: tl.constexpr):
     """One program per chunk and value head, all K columns (programs over K blocks, each recomputing the
     [BT, BT] do.v_new tiles, were no faster). GATHER: q, k, do are compact (index.PackedRows); dq of kept rows
     goes to compact rows. A replayed row's dq is exactly 0 (dq_i is linear in do_i, and a replayed row's do is
@@ -79,32 +81,38 @@ def _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_
     b_dgc += tl.where(o_t == last, b_dgl, 0.0)
 
     p_rows = (rows[:, None] * HV + i_h) * K + o_k[None, :]
-    tl.store(dq + (kept[:, None] * HV + i_h) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_keep[:, None])
-    tl.store(dk + p_rows, b_dk.to(dk.dtype.element_ty), mask=m_t[:, None])
+    p_dq = (kept[:, None] * HV + i_h) * K + o_k[None, :]
+    if SCALED:  # dq and dk's first share row-scaled fp16 (scaled16.py)
+        _store_scaled(dq, dq_inv, p_dq, kept * HV + i_h, b_dq, m_keep)
+        _store_scaled(dk, dk_inv, p_rows, rows * HV + i_h, b_dk, m_t)
+    else:
+        tl.store(dq + p_dq, b_dq.to(dq.dtype.element_ty), mask=m_keep[:, None])
+        tl.store(dk + p_rows, b_dk.to(dk.dtype.element_ty), mask=m_t[:, None])
     tl.store(dw + p_rows, (-b_dw).to(dw.dtype.element_ty), mask=m_t[:, None])
     tl.store(dgc + rows * HV + i_h, b_dgc, mask=m_t)
 
 
 @triton.jit
-def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end, row_src,
-                         row_own, chunk_shift, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr):
+def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, dq_inv, dk_inv, chunk_row_start,
+                         chunk_row_end, row_src, row_own, chunk_shift, scale, HK: tl.constexpr, HV: tl.constexpr,
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr,
+                         SCALED: tl.constexpr):
     """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
     shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
     if affine:
-        _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
-            row_src, row_own, shift, scale, HK, HV, K, V, BT, BV, False)
+        _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, dq_inv, dk_inv, chunk_row_start,
+            chunk_row_end, row_src, row_own, shift, scale, HK, HV, K, V, BT, BV, False, SCALED)
     else:
-        _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, chunk_row_start, chunk_row_end,
-            row_src, row_own, 0, scale, HK, HV, K, V, BT, BV, GATHER)
+        _chunk_bwd_qk_chunk(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, dq_inv, dk_inv, chunk_row_start,
+            chunk_row_end, row_src, row_own, 0, scale, HK, HV, K, V, BT, BV, GATHER, SCALED)
 
 
 @triton.jit
 def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta, side_dg,
-                  scratch, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK: tl.constexpr,
+                  scratch, dk_inv, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK: tl.constexpr,
                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, GATHER: tl.constexpr):
+                  BV: tl.constexpr, GATHER: tl.constexpr, SCALED: tl.constexpr):
     """Through w = T (beta exp(gc) k), u = T (beta v), T = (I + A)^-1, A = (beta k k^T exp(gc_i - gc_j))_{i>j}.
 
     dk and dgc arrive holding the chunk_bwd_qk contributions; the total dk leaves in dk_out and dg as the
@@ -181,7 +189,11 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
         b_kb = tl.sum(b_dkb * b_k.to(tl.float32), 1)
         b_db += b_kb * b_eg
         b_dgc += b_kb * b_b * b_eg
-        b_dk = tl.load(dk + p_rk, mask=m_t[:, None], other=0.0).to(tl.float32) + b_dkb * (b_b * b_eg)[:, None]
+        if SCALED:
+            b_dk = _load_scaled(dk, dk_inv, p_rk, rows * HV + i_h, m_t)
+        else:
+            b_dk = tl.load(dk + p_rk, mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_dk += b_dkb * (b_b * b_eg)[:, None]
         b_dk += tl.dot(b_dkk, b_k) + tl.dot(b_dkkt, b_k)
         tl.store(dk_out + (kept[:, None] * HV + i_h) * K + o_k[None, :], b_dk.to(dk_out.dtype.element_ty),
                  mask=m_keep[:, None])
@@ -201,22 +213,24 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
 
 @triton.jit
 def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta, side_dg,
-                   scratch, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, HK: tl.constexpr,
+                   scratch, dk_inv, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, HK: tl.constexpr,
                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, GATHER: tl.constexpr):
+                   BV: tl.constexpr, GATHER: tl.constexpr, SCALED: tl.constexpr):
     """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
     shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
     if affine:
         _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
-            side_dg, scratch, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, K, V, BT, BK, BV,
-            False)
+            side_dg, scratch, dk_inv, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, K, V, BT, BK,
+            BV, False, SCALED)
     else:
         _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
-            side_dg, scratch, chunk_row_start, chunk_row_end, row_src, row_own, 0, HK, HV, K, V, BT, BK, BV, GATHER)
+            side_dg, scratch, dk_inv, chunk_row_start, chunk_row_end, row_src, row_own, 0, HK, HV, K, V, BT, BK, BV,
+            GATHER, SCALED)
 
 
-def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None, dk_fp32: bool = False):
+def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None, dk_fp32: bool = False,
+              scaled: bool | None = None):
     """Returns dq, dk [R, HV, K], dv [R, HV, V], dbeta, dg [R, HV] fp32 (per value head) on the R packed rows.
     Launch configuration from `index.config`.
 
@@ -226,7 +240,9 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
 
     dv comes out in the input dtype; dk too when every value head has its own key head and nothing but the
     final rounding follows (not `dk_fp32`), else in fp32 for the grouped-head sum or the l2 norm's backward
-    (rounding it before that backward raised dk's error against fp32 by about 8%); dq is always fp32.
+    (rounding it before that backward raised dk's error against fp32 by about 8%); dq is fp32, or with `scaled`
+    (the default for 16-bit inputs) row-scaled fp16 (`scaled16.ScaledRows`), as is dk's first share on its way from
+    the dq / dk / dw kernel to the WY backward: half the bytes of fp32 at an eighth of a bf16 rounding.
     """
     _, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
@@ -242,12 +258,16 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
         return (torch.empty(n, hv, kd, device=dev, dtype=dk_dtype), torch.empty(n, hv, vd, device=dev, dtype=v.dtype),
                 *per_head)
     n_out = n_rows if rows is None else rows.num_tokens
-    dq = torch.empty(n_out, hv, kd, device=dev, dtype=torch.float32)  # bf16 here made the qk kernel spill more
+    scaled = k.element_size() == 2 if scaled is None else scaled
     out = dk_dv_dbeta_dg(n_out)
     side = out if rows is None else dk_dv_dbeta_dg(rows.num_replays)
-    # the dq/dk/dw kernel's share of dk, which the WY backward adds to its own: in the inputs' dtype at grouped heads
-    # (half the bytes; dk's error stays below FlashQLA's there, not at one value head per key head: docs/gdn_kernels.md)
-    dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=k.dtype if grouped else torch.float32)
+    if scaled:
+        dq, dk_part = ScaledRows.empty(n_out, hv, kd, dev), ScaledRows.empty(n_rows, hv, kd, dev)
+        pointers = (dq.payload, dk_part.payload, dq.inverse, dk_part.inverse)
+    else:
+        dq = torch.empty(n_out, hv, kd, device=dev, dtype=torch.float32)
+        dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32)
+        pointers = (dq, dk_part, dq, dk_part)  # the inverse pointers are not read
     # dw and the WY backward's scratch tiles in the inputs' dtype: their only reader rounds them to it before its
     # dots, so the bits are those of fp32 buffers at half the traffic
     dw = torch.empty(n_rows, hv, kd, device=dev, dtype=k.dtype)
@@ -255,13 +275,15 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     if index.num_chunks:
         shifts = chunk_shift_table(index, rows)
         tables = (index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts)
+        dq_ptr, dk_ptr, dq_inv, dk_inv = pointers
         _chunk_bwd_qk_kernel[(index.num_chunks * hv,)](
-            q, k, v_new, gc, h, dh, do, dvn, dq, dk_part, dw, dgc, *tables, scale,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, GATHER=rows is not None, num_warps=cfg.bwd_qk_warps)
+            q, k, v_new, gc, h, dh, do, dvn, dq_ptr, dk_ptr, dw, dgc, dq_inv, dk_inv, *tables, scale,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, GATHER=rows is not None, SCALED=scaled,
+            num_warps=cfg.bwd_qk_warps)
         scratch = torch.empty(index.num_chunks * hv, BT, BT, device=dev, dtype=k.dtype)
         _wy_bwd_kernel[(index.num_chunks * hv,)](
-            k, v, beta, gc, T, dw, dvn, dk_part, dgc, *out, *side, scratch, *tables,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None,
+            k, v, beta, gc, T, dw, dvn, dk_ptr, dgc, *out, *side, scratch, dk_inv, *tables,
+            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None, SCALED=scaled,
             num_warps=cfg.wy_bwd_warps)
     grads = (dq, *out)  # dq, dk, dv, dbeta, dg
     return grads if rows is None else (*grads, side)

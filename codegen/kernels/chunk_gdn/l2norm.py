@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .scaled16 import ScaledRows, _load_scaled
+
 EPS = 1e-6
 BLOCK_ROWS = 16  # rows per program: [16, 128] fp32 tiles at 4 warps
 
@@ -25,22 +27,31 @@ def _l2norm_fwd_kernel(x, y, rstd, n_rows, eps, D: tl.constexpr, BR: tl.constexp
 
 
 @triton.jit
-def _group_rows(dy, rows, o_d, m_r, D: tl.constexpr, G: tl.constexpr):
+def _dy_row(dy, dy_inv, r, o_d, m_r, D: tl.constexpr, SCALED: tl.constexpr):
+    """[BR, D] fp32: rows r of dy (row-scaled fp16 with inverses dy_inv when SCALED, scaled16.py)."""
+    if SCALED:
+        return _load_scaled(dy, dy_inv, r[:, None] * D + o_d[None, :], r, m_r)
+    return tl.load(dy + r[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _group_rows(dy, dy_inv, rows, o_d, m_r, D: tl.constexpr, G: tl.constexpr, SCALED: tl.constexpr):
     """[BR, D] fp32: the sum of the G consecutive rows of dy that belong to each of `rows` (value heads h * G + g of
     key head h), added in the order g = 0..G-1."""
-    b_dy = tl.load(dy + (rows * G)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
+    b_dy = _dy_row(dy, dy_inv, rows * G, o_d, m_r, D, SCALED)
     for g in tl.static_range(1, G):
-        b_dy += tl.load(dy + (rows * G + g)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
+        b_dy += _dy_row(dy, dy_inv, rows * G + g, o_d, m_r, D, SCALED)
     return b_dy
 
 
 @triton.jit
-def _l2norm_bwd_kernel(x, dy, rstd, dx, n_rows, D: tl.constexpr, BR: tl.constexpr, G: tl.constexpr):
+def _l2norm_bwd_kernel(x, dy, dy_inv, rstd, dx, n_rows, D: tl.constexpr, BR: tl.constexpr, G: tl.constexpr,
+                       SCALED: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, D)
     m_r = rows < n_rows
     b_x = tl.load(x + rows[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
-    b_dy = _group_rows(dy, rows, o_d, m_r, D, G)
+    b_dy = _group_rows(dy, dy_inv, rows, o_d, m_r, D, G, SCALED)
     b_r = tl.load(rstd + rows, mask=m_r, other=0.0)
     b_y = b_x * b_r[:, None]
     b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_dy * b_y, 1)[:, None])
@@ -48,11 +59,21 @@ def _l2norm_bwd_kernel(x, dy, rstd, dx, n_rows, D: tl.constexpr, BR: tl.constexp
 
 
 @triton.jit
-def _group_sum_kernel(dy, out, n_rows, D: tl.constexpr, BR: tl.constexpr, G: tl.constexpr):
+def _group_sum_kernel(dy, dy_inv, out, n_rows, D: tl.constexpr, BR: tl.constexpr, G: tl.constexpr,
+                      SCALED: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, D)
     m_r = rows < n_rows
-    tl.store(out + rows[:, None] * D + o_d[None, :], _group_rows(dy, rows, o_d, m_r, D, G), mask=m_r[:, None])
+    tl.store(out + rows[:, None] * D + o_d[None, :], _group_rows(dy, dy_inv, rows, o_d, m_r, D, G, SCALED),
+             mask=m_r[:, None])
+
+
+def _dy_pointers(dy):
+    """(values, inverses, SCALED) of a gradient given as a tensor or as scaled16.ScaledRows."""
+    if isinstance(dy, ScaledRows):
+        return dy.payload.contiguous(), dy.inverse.contiguous(), True
+    dy = dy.contiguous()
+    return dy, dy, False
 
 
 def l2norm_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,31 +88,34 @@ def l2norm_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y, rstd
 
 
-def l2norm_rows_backward(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, groups: int = 1) -> torch.Tensor:
-    """dx in x's dtype from dy of any dtype (an fp32 dy is used as it is, not rounded to x's dtype first). With
-    `groups` G, dy holds G rows per row of x (x [T, HK, D], dy [T, HK * G, D]: the value heads that read each key
-    head), summed in fp32 in the kernel, in the order of `group_sum`."""
+def l2norm_rows_backward(x: torch.Tensor, rstd: torch.Tensor, dy, groups: int = 1) -> torch.Tensor:
+    """dx in x's dtype from dy of any dtype (an fp32 dy is used as it is, not rounded to x's dtype first) or
+    row-scaled fp16 (scaled16.ScaledRows). With `groups` G, dy holds G rows per row of x (x [T, HK, D],
+    dy [T, HK * G, D]: the value heads that read each key head), summed in fp32 in the kernel, in the order of
+    `group_sum`."""
     d = x.shape[-1]
     n_rows = x.numel() // d
     dx = torch.empty_like(x)
     if n_rows:
-        _l2norm_bwd_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](x, dy.contiguous(), rstd, dx, n_rows, D=d,
-                                                                BR=BLOCK_ROWS, G=groups)
+        values, inverses, scaled = _dy_pointers(dy)
+        _l2norm_bwd_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](x, values, inverses, rstd, dx, n_rows, D=d,
+                                                                BR=BLOCK_ROWS, G=groups, SCALED=scaled)
     return dx
 
 
-def group_sum(dy: torch.Tensor, groups: int) -> torch.Tensor:
-    """[T, HK * G, D] -> [T, HK, D] fp32, each key head's G value-head rows added in the order g = 0..G-1 (one
-    read of dy: torch's sum over that strided middle dim ran at about a tenth of the bandwidth); dy itself when
-    G == 1."""
-    if groups == 1:
+def group_sum(dy, groups: int) -> torch.Tensor:
+    """[T, HK * G, D] (a tensor or scaled16.ScaledRows) -> [T, HK, D] fp32, each key head's G value-head rows added
+    in the order g = 0..G-1 (one read of dy: torch's sum over that strided middle dim ran at about a tenth of the
+    bandwidth); a tensor dy itself when G == 1."""
+    if groups == 1 and not isinstance(dy, ScaledRows):
         return dy
-    rows, heads, d = dy.shape
-    out = torch.empty(rows, heads // groups, d, device=dy.device, dtype=torch.float32)
+    values, inverses, scaled = _dy_pointers(dy)
+    rows, heads, d = values.shape
+    out = torch.empty(rows, heads // groups, d, device=values.device, dtype=torch.float32)
     n_rows = out.numel() // d
     if n_rows:
-        _group_sum_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](dy.contiguous(), out, n_rows, D=d, BR=BLOCK_ROWS,
-                                                               G=groups)
+        _group_sum_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](values, inverses, out, n_rows, D=d, BR=BLOCK_ROWS,
+                                                               G=groups, SCALED=scaled)
     return out
 
 
