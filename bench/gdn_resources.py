@@ -27,7 +27,8 @@ from hopper_resources import hopper_resources  # noqa: E402
 POINTERS = {
     "fp32": {"g", "gc", "T", "h0", "bank", "dv_local", "dh0", "bank_grad", "dq", "dk", "dw", "dgc", "dbeta", "dg",
              "scratch", "rstd", "dv_f32", "gpre", "dw_part", "side_dbeta", "side_dg", "Aqk", "dAqk", "dAkk", "dq_p",
-             "dk_p", "dgc_p", "dbeta_p", "side_dk", "q_rstd", "k_rstd", "dq_inv", "dk_inv", "dy_inv"},
+             "dk_p", "dgc_p", "dbeta_p", "side_dk", "q_rstd", "k_rstd", "dq_inv", "dk_inv", "dy_inv",
+             "dk_out_inv"},
     "i64": {"chunk_row_start", "chunk_row_end", "cu_seqlens", "seq_chunk_start", "pred", "succ_ptr", "succ_flat",
             "row_src", "row_own", "seq_export_start", "export_end_chunk", "export_end_slot", "seq_shift", "chunk_shift",
             "h0_row", "block_degree", "seq_order"},
@@ -37,7 +38,7 @@ SCALARS = {"scale": "fp32", "eps": "fp32", "n_rows": "i32", "Ch": "i32", "max_de
            "g_per": "i32", "g_stride": "i64", "rows_total": "i32"}
 BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=128, BR=16, W=4, BC=64, G=1,
             SILU=True, GATHER=False, TMA=False, QDO=0, LOCAL_DV=False, HAS_TAIL=False, WEIGHTED=True, RSTD=True,
-            SCALED=False)
+            SCALED=False, SCALED_OUT=False, NB=1)
 
 
 # the scans' tensor descriptors (chunk_gdn/tma.py) with TMA=1: tile rows and columns by constexpr name
@@ -96,12 +97,12 @@ KERNELS = [
     ("wy_bwd", chunk_bwd._wy_bwd_kernel, {}, {"dk_out": "*bf16", "T": "*bf16", "dw": "*bf16", "scratch": "*bf16"}),
     ("l2norm fwd", l2norm._l2norm_fwd_kernel, {}, None),
     ("l2norm bwd", l2norm._l2norm_bwd_kernel, {}, None),
-    # dq and dk's first share as row-scaled fp16 (chunk_gdn/scaled16.py: the 16-bit inputs' path)
+    # dq and dk as block-scaled fp16 (codegen/kernels/scaled16.py: the 16-bit inputs' path)
     ("chunk_bwd_qk scaled", chunk_bwd._chunk_bwd_qk_kernel, {"SCALED": True},
      {"dw": "*bf16", "dq": "*fp16", "dk": "*fp16"}),
-    ("wy_bwd scaled", chunk_bwd._wy_bwd_kernel, {"SCALED": True},
-     {"dk": "*fp16", "dk_out": "*bf16", "T": "*bf16", "dw": "*bf16", "scratch": "*bf16"}),
-    ("l2norm bwd scaled", l2norm._l2norm_bwd_kernel, {"SCALED": True, "G": 2}, {"dy": "*fp16"}),
+    ("wy_bwd scaled", chunk_bwd._wy_bwd_kernel, {"SCALED": True, "SCALED_OUT": True},
+     {"dk": "*fp16", "dk_out": "*fp16", "T": "*bf16", "dw": "*bf16", "scratch": "*bf16"}),
+    ("l2norm bwd scaled", l2norm._l2norm_bwd_kernel, {"SCALED": True, "G": 2, "NB": 2}, {"dy": "*fp16"}),
     ("conv fwd", conv._conv_fwd_kernel, CONV_FWD, {"T": "i32"}),
     ("conv bwd pre", conv._conv_bwd_pre_kernel, CONV_BWD, {"T": "i32"}),
     ("conv bwd dx", conv._conv_bwd_dx_kernel, CONV_BWD, {"T": "i32"}),

@@ -78,7 +78,7 @@ def stage_errors(dtype_name: str, kd: int, vd: int, device: str = "cuda") -> dic
     from harts_compiler.codegen.kernels.chunk_gdn import prepare_gdn_index
     from harts_compiler.codegen.kernels.upload import to_device
     from harts_compiler.codegen.kernels.chunk_gdn.chunk_bwd import chunk_bwd
-    from harts_compiler.codegen.kernels.chunk_gdn.scaled16 import ScaledRows
+    from harts_compiler.codegen.kernels.scaled16 import ScaledRows
 
     def decoded(grads):
         return tuple(g.float() if isinstance(g, ScaledRows) else g for g in grads)

@@ -14,7 +14,7 @@ from harts_compiler.codegen.kernels.chunk_gdn import (
 )
 from harts_compiler.codegen.kernels.chunk_gdn.chunk_bwd import chunk_bwd
 from harts_compiler.codegen.kernels.chunk_gdn.l2norm import group_sum, l2norm_rows, l2norm_rows_backward
-from harts_compiler.codegen.kernels.chunk_gdn.scaled16 import ScaledRows
+from harts_compiler.codegen.kernels.scaled16 import ScaledRows
 from harts_compiler.codegen.kernels.chunk_gdn.state_bwd import state_bwd
 from harts_compiler.codegen.kernels.chunk_gdn.state_fwd import output_fwd, state_fwd
 from harts_compiler.codegen.kernels.chunk_gdn.wy_fwd import wy_fwd
@@ -110,10 +110,10 @@ def test_value_blocks_do_not_change_results():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
 
 
-def test_row_scaled_gradients_round_once_to_fp16():
-    """dq and dk's first share as row-scaled fp16 (what 16-bit inputs get on the GPU): dq and dk within fp16's
-    rounding of the fp32 path, every other gradient bit for bit; the readers (the l2 norm's backward, the group sum)
-    take the scaled rows as they take the decoded fp32 rows, at any magnitude."""
+def test_scaled_gradients_round_once_to_fp16():
+    """dq, dk's first share and the final dk as block-scaled fp16 (what 16-bit inputs get on the GPU): dq and dk
+    within fp16's rounding of the fp32 path, every other gradient bit for bit; the readers (the l2 norm's backward,
+    the group sum) take the scaled rows as they take the decoded fp32 rows, at any magnitude."""
     (q, k, v, g, beta, h0), cu = make_inputs([90, 40], hk=1, hv=2, kd=16, vd=32, seed=5)
     q, k, v, g, beta, h0 = (x.detach() for x in (q, k, v, g, beta, h0))
     do = torch.randn(v.shape, generator=torch.Generator().manual_seed(6))
@@ -122,15 +122,19 @@ def test_row_scaled_gradients_round_once_to_fp16():
     h, v_new, bank = state_fwd(k, w, u, gc, h0, index)
     dh, dvn, _ = state_bwd(q, k, w, gc, do, torch.ones_like(bank), 0.4, index)
     plain, scaled = (chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, 0.4, index, scaled=s) for s in (0, 1))
-    assert isinstance(scaled[0], ScaledRows) and scaled[0].payload.dtype == torch.float16
-    for a, b in zip(plain[:2], (scaled[0].float(), scaled[1])):
-        assert 0 < float((a - b).norm() / a.norm()) < 4e-4
+    assert all(isinstance(x, ScaledRows) and x.payload.dtype == torch.float16 for x in scaled[:2])
+    assert (scaled[0].blocks, scaled[1].blocks) == (1, 1)  # K = 16: one block of the WY backward's 64 columns
+    for a, b in zip(plain[:2], scaled[:2]):
+        assert 0 < float((a - b.float()).norm() / a.norm()) < 4e-4
     assert all(torch.equal(a, b) for a, b in zip(plain[2:], scaled[2:]))
-    rows = ScaledRows(scaled[0].payload, scaled[0].inverse * torch.tensor([1e-30, 1e20]))  # two magnitudes
     _, rstd = l2norm_rows(q)
-    assert torch.equal(l2norm_rows_backward(q, rstd, rows, groups=2), l2norm_rows_backward(q, rstd, rows.float(), 2))
-    assert torch.equal(group_sum(rows, 2), group_sum(rows.float(), 2))
-    assert torch.equal(group_sum(rows, 1), rows.float())
+    for blocks in (1, 4):  # one scale a row (dq) or one per block of columns (the final dk at K = 128)
+        enc = ScaledRows.encode(plain[0], 16 // blocks)
+        rows = ScaledRows(enc.payload, enc.inverse * torch.tensor([1e-30, 1e20])[:, None])  # two magnitudes
+        assert torch.equal(l2norm_rows_backward(q, rstd, rows, groups=2), l2norm_rows_backward(q, rstd, rows.float(),
+                                                                                              2))
+        assert torch.equal(group_sum(rows, 2), group_sum(rows.float(), 2))
+        assert torch.equal(group_sum(rows, 1), rows.float())
 
 
 def test_scan_launch_order_does_not_change_results():

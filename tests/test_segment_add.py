@@ -1,4 +1,4 @@
-"""segment_add (codegen/kernels/chunk_gdn/segment_add.py): the Triton kernel (CUDA, or the interpreter without
+"""segment_add (codegen/kernels/segment_add.py): the Triton kernel (CUDA, or the interpreter without
 it) against its plain-torch reference, bit for bit: the same fp32 sums in the same order, rounded once."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harts_compiler.codegen.kernels.scaled16 import ScaledRows
 from harts_compiler.codegen.kernels.segment_add import segment_add, segment_add_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -47,6 +48,30 @@ def test_wide_rows_take_several_column_blocks():
     dst, dst_rows, src, seg_start, src_rows = case(1, torch.float32, 4, 640, [3, 1], True)
     expect = segment_add_reference(dst.clone(), dst_rows, src, seg_start, src_rows)
     assert torch.equal(segment_add(dst.clone(), dst_rows, src, seg_start, src_rows), expect)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000), segments=st.lists(st.integers(0, 4), min_size=1, max_size=4),
+       indexed=st.booleans(), block=st.sampled_from([8, 16]))
+def test_segment_add_into_block_scaled_rows(seed, segments, indexed, block):
+    """Into block-scaled fp16 rows (the GDN backward's final dk): each touched block decoded, added to in fp32 and
+    encoded again with its own new scale, as the reference does; blocks of very different magnitudes keep their
+    precision, and untouched rows keep their bits."""
+    dst, dst_rows, src, seg_start, src_rows = case(seed, torch.float32, 2, 16, segments, indexed)
+    dst = dst * torch.tensor([1e-20, 1e3], device=DEVICE)[:, None]  # a magnitude per head
+    src = src * torch.tensor([1e-20, 1e3], device=DEVICE)[:, None]
+    scaled = ScaledRows.encode(dst, block)
+    expect = segment_add_reference(ScaledRows(scaled.payload.clone(), scaled.inverse.clone()), dst_rows, src,
+                                   seg_start, src_rows)
+    got = segment_add(ScaledRows(scaled.payload.clone(), scaled.inverse.clone()), dst_rows, src, seg_start, src_rows)
+    assert torch.equal(got.payload, expect.payload) and torch.equal(got.inverse, expect.inverse)
+    exact = segment_add_reference(dst.clone(), dst_rows, src, seg_start, src_rows)
+    # two fp16 roundings (dst's encoding, the sum's), each within 2^-11 of its block's largest magnitude
+    size = torch.maximum(exact.view(-1, block).abs().amax(-1), dst.view(-1, block).abs().amax(-1))
+    assert float(((got.float() - exact).view(-1, block).abs().amax(-1) / size).max()) <= 2 ** -10
+    untouched = torch.ones(dst.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[dst_rows] = False
+    assert torch.equal(got.payload[untouched], scaled.payload[untouched])
 
 
 def test_bad_shapes_are_named():

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .gates import LOG2E, _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows
 from .index import chunk_shift_table, row_tables
-from .scaled16 import ScaledRows, _load_scaled, _store_scaled
+from ..scaled16 import ScaledRows, _load_scaled, _store_scaled
 
 
 @triton.jit
@@ -110,9 +110,10 @@ def _chunk_bwd_qk_kernel(q, k, v_new, gc, h, dh, do, dvn, dq, dk, dw, dgc, dq_in
 
 @triton.jit
 def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta, side_dg,
-                  scratch, dk_inv, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK: tl.constexpr,
-                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, GATHER: tl.constexpr, SCALED: tl.constexpr):
+                  scratch, dk_inv, dk_out_inv, chunk_row_start, chunk_row_end, row_src, row_own, shift,
+                  HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr, SCALED: tl.constexpr,
+                  SCALED_OUT: tl.constexpr):
     """Through w = T (beta exp(gc) k), u = T (beta v), T = (I + A)^-1, A = (beta k k^T exp(gc_i - gc_j))_{i>j}.
 
     dk and dgc arrive holding the chunk_bwd_qk contributions; the total dk leaves in dk_out and dg as the
@@ -190,13 +191,16 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
         b_db += b_kb * b_eg
         b_dgc += b_kb * b_b * b_eg
         if SCALED:
-            b_dk = _load_scaled(dk, dk_inv, p_rk, rows * HV + i_h, m_t)
+            b_dk = _load_scaled(dk, dk_inv, p_rk, (rows * HV + i_h)[:, None], m_t)
         else:
             b_dk = tl.load(dk + p_rk, mask=m_t[:, None], other=0.0).to(tl.float32)
         b_dk += b_dkb * (b_b * b_eg)[:, None]
         b_dk += tl.dot(b_dkk, b_k) + tl.dot(b_dkkt, b_k)
-        tl.store(dk_out + (kept[:, None] * HV + i_h) * K + o_k[None, :], b_dk.to(dk_out.dtype.element_ty),
-                 mask=m_keep[:, None])
+        p_out = (kept[:, None] * HV + i_h) * K + o_k[None, :]
+        if SCALED_OUT:  # one scale per row and block of BK columns
+            _store_scaled(dk_out, dk_out_inv, p_out, (kept * HV + i_h) * (K // BK) + i_k, b_dk, m_keep)
+        else:
+            tl.store(dk_out + p_out, b_dk.to(dk_out.dtype.element_ty), mask=m_keep[:, None])
         if GATHER:
             tl.store(side_dk + (slot[:, None] * HV + i_h) * K + o_k[None, :], b_dk.to(side_dk.dtype.element_ty),
                      mask=m_side[:, None])
@@ -213,20 +217,21 @@ def _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, sid
 
 @triton.jit
 def _wy_bwd_kernel(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta, side_dg,
-                   scratch, dk_inv, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, HK: tl.constexpr,
-                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, GATHER: tl.constexpr, SCALED: tl.constexpr):
+                   scratch, dk_inv, dk_out_inv, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift,
+                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, GATHER: tl.constexpr, SCALED: tl.constexpr,
+                   SCALED_OUT: tl.constexpr):
     """Chunks without replayed rows run the plain-row code at row + their shift, the others
     through the row maps (GATHER) or on plain rows."""
     shift, affine = _chunk_shift(chunk_shift, tl.program_id(0) // HV, GATHER)
     if affine:
         _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
-            side_dg, scratch, dk_inv, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, K, V, BT, BK,
-            BV, False, SCALED)
+            side_dg, scratch, dk_inv, dk_out_inv, chunk_row_start, chunk_row_end, row_src, row_own, shift, HK, HV, K,
+            V, BT, BK, BV, False, SCALED, SCALED_OUT)
     else:
         _wy_bwd_chunk(k, v, beta, gc, T, dw, du, dk, dgc, dk_out, dv, dbeta, dg, side_dk, side_dv, side_dbeta,
-            side_dg, scratch, dk_inv, chunk_row_start, chunk_row_end, row_src, row_own, 0, HK, HV, K, V, BT, BK, BV,
-            GATHER, SCALED)
+            side_dg, scratch, dk_inv, dk_out_inv, chunk_row_start, chunk_row_end, row_src, row_own, 0, HK, HV, K, V,
+            BT, BK, BV, GATHER, SCALED, SCALED_OUT)
 
 
 def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=None, dk_fp32: bool = False,
@@ -240,26 +245,29 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
 
     dv comes out in the input dtype; dk too when every value head has its own key head and nothing but the
     final rounding follows (not `dk_fp32`), else in fp32 for the grouped-head sum or the l2 norm's backward
-    (rounding it before that backward raised dk's error against fp32 by about 8%); dq is fp32, or with `scaled`
-    (the default for 16-bit inputs) row-scaled fp16 (`scaled16.ScaledRows`), as is dk's first share on its way from
-    the dq / dk / dw kernel to the WY backward: half the bytes of fp32 at an eighth of a bf16 rounding.
+    (rounding it before that backward raised dk's error against fp32 by about 8%); dq is fp32. With `scaled` (the
+    default for 16-bit inputs) the fp32 ones travel as block-scaled fp16 (`scaled16.ScaledRows`: dq and dk's
+    first share, on its way from the dq / dk / dw kernel to the WY backward, one scale a row; the final dk one a
+    row and 64 columns): half the bytes of fp32 at an eighth of a bf16 rounding. The replayed rows' dk stays fp32.
     """
     _, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     n_rows, dev = gc.shape[0], q.device
     cfg = index.config
-    bv = min(cfg.bwd_block_v, vd)
+    bv, bk = min(cfg.bwd_block_v, vd), min(64, kd)
     BT = index.chunk_size
     grouped = hv != hk  # value heads share key heads: dk is summed over them after these kernels
     dk_dtype = torch.float32 if grouped or dk_fp32 else k.dtype
-
-    def dk_dv_dbeta_dg(n):
-        per_head = [torch.empty(n, hv, device=dev, dtype=torch.float32) for _ in range(2)]
-        return (torch.empty(n, hv, kd, device=dev, dtype=dk_dtype), torch.empty(n, hv, vd, device=dev, dtype=v.dtype),
-                *per_head)
-    n_out = n_rows if rows is None else rows.num_tokens
     scaled = k.element_size() == 2 if scaled is None else scaled
-    out = dk_dv_dbeta_dg(n_out)
+    scaled_out = scaled and dk_dtype == torch.float32
+
+    def dk_dv_dbeta_dg(n, scaled_dk=False):
+        dk = ScaledRows.empty(n, hv, kd, dev, block=bk) if scaled_dk else torch.empty(n, hv, kd, device=dev,
+                                                                                      dtype=dk_dtype)
+        return (dk, torch.empty(n, hv, vd, device=dev, dtype=v.dtype),
+                *[torch.empty(n, hv, device=dev, dtype=torch.float32) for _ in range(2)])
+    n_out = n_rows if rows is None else rows.num_tokens
+    out = dk_dv_dbeta_dg(n_out, scaled_out)
     side = out if rows is None else dk_dv_dbeta_dg(rows.num_replays)
     if scaled:
         dq, dk_part = ScaledRows.empty(n_out, hv, kd, dev), ScaledRows.empty(n_rows, hv, kd, dev)
@@ -268,6 +276,9 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
         dq = torch.empty(n_out, hv, kd, device=dev, dtype=torch.float32)
         dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32)
         pointers = (dq, dk_part, dq, dk_part)  # the inverse pointers are not read
+    # the WY kernel's dk_out pointer and its inverses (not read unless scaled_out)
+    dk_out, dk_out_inv = (out[0].payload, out[0].inverse) if scaled_out else (out[0], out[0])
+    side_ptrs = (dk_out, *out[1:]) if rows is None else side  # never written without rows
     # dw and the WY backward's scratch tiles in the inputs' dtype: their only reader rounds them to it before its
     # dots, so the bits are those of fp32 buffers at half the traffic
     dw = torch.empty(n_rows, hv, kd, device=dev, dtype=k.dtype)
@@ -282,8 +293,8 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
             num_warps=cfg.bwd_qk_warps)
         scratch = torch.empty(index.num_chunks * hv, BT, BT, device=dev, dtype=k.dtype)
         _wy_bwd_kernel[(index.num_chunks * hv,)](
-            k, v, beta, gc, T, dw, dvn, dk_ptr, dgc, *out, *side, scratch, dk_inv, *tables,
-            HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=min(64, kd), BV=bv, GATHER=rows is not None, SCALED=scaled,
-            num_warps=cfg.wy_bwd_warps)
+            k, v, beta, gc, T, dw, dvn, dk_ptr, dgc, dk_out, *out[1:], *side_ptrs, scratch, dk_inv, dk_out_inv,
+            *tables, HK=hk, HV=hv, K=kd, V=vd, BT=BT, BK=bk, BV=bv, GATHER=rows is not None, SCALED=scaled,
+            SCALED_OUT=scaled_out, num_warps=cfg.wy_bwd_warps)
     grads = (dq, *out)  # dq, dk, dv, dbeta, dg
     return grads if rows is None else (*grads, side)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .scaled16 import ScaledRows, _load_scaled
+from ..scaled16 import ScaledRows, _load_scaled
 
 EPS = 1e-6
 BLOCK_ROWS = 16  # rows per program: [16, 128] fp32 tiles at 4 warps
@@ -27,31 +27,36 @@ def _l2norm_fwd_kernel(x, y, rstd, n_rows, eps, D: tl.constexpr, BR: tl.constexp
 
 
 @triton.jit
-def _dy_row(dy, dy_inv, r, o_d, m_r, D: tl.constexpr, SCALED: tl.constexpr):
-    """[BR, D] fp32: rows r of dy (row-scaled fp16 with inverses dy_inv when SCALED, scaled16.py)."""
+def _dy_row(dy, dy_inv, r, o_d, m_r, D: tl.constexpr, SCALED: tl.constexpr, NB: tl.constexpr):
+    """[BR, D] fp32: rows r of dy (block-scaled fp16 with NB blocks a row, inverses dy_inv, when SCALED:
+    scaled16.py)."""
     if SCALED:
-        return _load_scaled(dy, dy_inv, r[:, None] * D + o_d[None, :], r, m_r)
+        if NB == 1:  # one inverse a row, broadcast over it
+            return _load_scaled(dy, dy_inv, r[:, None] * D + o_d[None, :], r[:, None], m_r)
+        return _load_scaled(dy, dy_inv, r[:, None] * D + o_d[None, :], r[:, None] * NB + (o_d // (D // NB))[None, :],
+                            m_r)
     return tl.load(dy + r[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _group_rows(dy, dy_inv, rows, o_d, m_r, D: tl.constexpr, G: tl.constexpr, SCALED: tl.constexpr):
+def _group_rows(dy, dy_inv, rows, o_d, m_r, D: tl.constexpr, G: tl.constexpr, SCALED: tl.constexpr,
+                NB: tl.constexpr):
     """[BR, D] fp32: the sum of the G consecutive rows of dy that belong to each of `rows` (value heads h * G + g of
     key head h), added in the order g = 0..G-1."""
-    b_dy = _dy_row(dy, dy_inv, rows * G, o_d, m_r, D, SCALED)
+    b_dy = _dy_row(dy, dy_inv, rows * G, o_d, m_r, D, SCALED, NB)
     for g in tl.static_range(1, G):
-        b_dy += _dy_row(dy, dy_inv, rows * G + g, o_d, m_r, D, SCALED)
+        b_dy += _dy_row(dy, dy_inv, rows * G + g, o_d, m_r, D, SCALED, NB)
     return b_dy
 
 
 @triton.jit
 def _l2norm_bwd_kernel(x, dy, dy_inv, rstd, dx, n_rows, D: tl.constexpr, BR: tl.constexpr, G: tl.constexpr,
-                       SCALED: tl.constexpr):
+                       SCALED: tl.constexpr, NB: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, D)
     m_r = rows < n_rows
     b_x = tl.load(x + rows[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
-    b_dy = _group_rows(dy, dy_inv, rows, o_d, m_r, D, G, SCALED)
+    b_dy = _group_rows(dy, dy_inv, rows, o_d, m_r, D, G, SCALED, NB)
     b_r = tl.load(rstd + rows, mask=m_r, other=0.0)
     b_y = b_x * b_r[:, None]
     b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_dy * b_y, 1)[:, None])
@@ -60,20 +65,21 @@ def _l2norm_bwd_kernel(x, dy, dy_inv, rstd, dx, n_rows, D: tl.constexpr, BR: tl.
 
 @triton.jit
 def _group_sum_kernel(dy, dy_inv, out, n_rows, D: tl.constexpr, BR: tl.constexpr, G: tl.constexpr,
-                      SCALED: tl.constexpr):
+                      SCALED: tl.constexpr, NB: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, D)
     m_r = rows < n_rows
-    tl.store(out + rows[:, None] * D + o_d[None, :], _group_rows(dy, dy_inv, rows, o_d, m_r, D, G, SCALED),
+    tl.store(out + rows[:, None] * D + o_d[None, :], _group_rows(dy, dy_inv, rows, o_d, m_r, D, G, SCALED, NB),
              mask=m_r[:, None])
 
 
-def _dy_pointers(dy):
-    """(values, inverses, SCALED) of a gradient given as a tensor or as scaled16.ScaledRows."""
+def _dy_pointers(dy) -> dict:
+    """The kernels' dy arguments (values, inverses, SCALED, NB) of a gradient given as a tensor or as
+    scaled16.ScaledRows."""
     if isinstance(dy, ScaledRows):
-        return dy.payload.contiguous(), dy.inverse.contiguous(), True
+        return dict(dy=dy.payload.contiguous(), dy_inv=dy.inverse.contiguous(), SCALED=True, NB=dy.blocks)
     dy = dy.contiguous()
-    return dy, dy, False
+    return dict(dy=dy, dy_inv=dy, SCALED=False, NB=1)
 
 
 def l2norm_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,16 +96,15 @@ def l2norm_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def l2norm_rows_backward(x: torch.Tensor, rstd: torch.Tensor, dy, groups: int = 1) -> torch.Tensor:
     """dx in x's dtype from dy of any dtype (an fp32 dy is used as it is, not rounded to x's dtype first) or
-    row-scaled fp16 (scaled16.ScaledRows). With `groups` G, dy holds G rows per row of x (x [T, HK, D],
+    block-scaled fp16 (scaled16.ScaledRows). With `groups` G, dy holds G rows per row of x (x [T, HK, D],
     dy [T, HK * G, D]: the value heads that read each key head), summed in fp32 in the kernel, in the order of
     `group_sum`."""
     d = x.shape[-1]
     n_rows = x.numel() // d
     dx = torch.empty_like(x)
     if n_rows:
-        values, inverses, scaled = _dy_pointers(dy)
-        _l2norm_bwd_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](x, values, inverses, rstd, dx, n_rows, D=d,
-                                                                BR=BLOCK_ROWS, G=groups, SCALED=scaled)
+        _l2norm_bwd_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](x=x, rstd=rstd, dx=dx, n_rows=n_rows, D=d,
+                                                                BR=BLOCK_ROWS, G=groups, **_dy_pointers(dy))
     return dx
 
 
@@ -109,13 +114,13 @@ def group_sum(dy, groups: int) -> torch.Tensor:
     bandwidth); a tensor dy itself when G == 1."""
     if groups == 1 and not isinstance(dy, ScaledRows):
         return dy
-    values, inverses, scaled = _dy_pointers(dy)
-    rows, heads, d = values.shape
-    out = torch.empty(rows, heads // groups, d, device=values.device, dtype=torch.float32)
+    pointers = _dy_pointers(dy)
+    rows, heads, d = pointers["dy"].shape
+    out = torch.empty(rows, heads // groups, d, device=pointers["dy"].device, dtype=torch.float32)
     n_rows = out.numel() // d
     if n_rows:
-        _group_sum_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](values, inverses, out, n_rows, D=d, BR=BLOCK_ROWS,
-                                                               G=groups, SCALED=scaled)
+        _group_sum_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](out=out, n_rows=n_rows, D=d, BR=BLOCK_ROWS, G=groups,
+                                                               **pointers)
     return out
 
 

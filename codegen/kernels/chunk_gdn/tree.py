@@ -31,7 +31,7 @@ from .config import triton_supports
 from .inputs import validate_gdn_tensors
 from .l2norm import group_sum, l2norm_rows_backward, normalize_qk
 from .lanes import LaneStreams
-from .scaled16 import ScaledRows
+from ..scaled16 import ScaledRows
 from ..segment_add import segment_add
 from .state_bwd import dv_local_bwd, state_bwd_scan
 from .state_fwd import output_fwd, state_fwd
