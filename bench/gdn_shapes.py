@@ -78,13 +78,13 @@ def stage_errors(dtype_name: str, kd: int, vd: int, device: str = "cuda") -> dic
     from harts_compiler.codegen.kernels.chunk_gdn import prepare_gdn_index
     from harts_compiler.codegen.kernels.upload import to_device
     from harts_compiler.codegen.kernels.chunk_gdn.chunk_bwd import chunk_bwd
-    from harts_compiler.codegen.kernels.scaled16 import ScaledRows
-
-    def decoded(grads):
-        return tuple(g.float() if isinstance(g, ScaledRows) else g for g in grads)
     from harts_compiler.codegen.kernels.chunk_gdn.state_bwd import state_bwd
     from harts_compiler.codegen.kernels.chunk_gdn.state_fwd import output_fwd, state_fwd
     from harts_compiler.codegen.kernels.chunk_gdn.wy_fwd import wy_fwd
+    from harts_compiler.codegen.kernels.scaled16 import ScaledRows
+
+    def decoded(grads):  # dq and dk travel block-scaled for 16-bit inputs (scaled16.py)
+        return tuple(g.float() if isinstance(g, ScaledRows) else g for g in grads)
     low = getattr(torch, dtype_name)
     gen = torch.Generator(device).manual_seed(0)
     lengths, hk, hv, scale = [200, 64, 130, 1], 2, 4, kd ** -0.5
@@ -110,7 +110,7 @@ def stage_errors(dtype_name: str, kd: int, vd: int, device: str = "cuda") -> dic
                            (output_fwd(q, k, v_new, gc, h, scale, index),)),
         "state_bwd (dh, dvn, dh0)": (lambda *a: state_bwd(*a, scale, index), (q, k, w, gc, do, bank_grad),
                                      {0, 1, 2, 4}, bwd),
-        "chunk_bwd (dq, dk, dv, dbeta, dg)": (  # dq decoded where it travels row-scaled (scaled16.py)
+        "chunk_bwd (dq, dk, dv, dbeta, dg)": (
             lambda *a: decoded(chunk_bwd(*a, scale, index)), (q, k, v, beta, gc, T, v_new, h, dh, do, dvn),
             {0, 1, 2, 3, 6, 7, 8, 9, 10}, chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index)),
     }

@@ -35,6 +35,10 @@ class ScaledRows:
                           torch.empty(rows, heads, blocks, device=device, dtype=torch.float32))
 
     @property
+    def shape(self) -> torch.Size:
+        return self.payload.shape
+
+    @property
     def blocks(self) -> int:
         """Scale blocks per row."""
         return self.inverse.shape[-1]

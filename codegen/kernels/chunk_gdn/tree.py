@@ -31,7 +31,6 @@ from .config import triton_supports
 from .inputs import validate_gdn_tensors
 from .l2norm import group_sum, l2norm_rows_backward, normalize_qk
 from .lanes import LaneStreams
-from ..scaled16 import ScaledRows
 from ..segment_add import segment_add
 from .state_bwd import dv_local_bwd, state_bwd_scan
 from .state_fwd import output_fwd, state_fwd
@@ -126,9 +125,9 @@ def input_gradients(plan: TreeGDNPlan, dtypes, key_heads: int, chunk_grads, l2no
     grads = []
     for name, dtype in zip(names, dtypes):
         grad = per_token[name]
-        heads = (grad.payload if isinstance(grad, ScaledRows) else grad).shape[1]
-        groups = heads // key_heads if name in ("q", "k") else 1  # value heads per key head
-        # own row + the replays' sum, per value head, in grad's dtype (fp32 wherever heads are summed next); a
+        groups = grad.shape[1] // key_heads if name in ("q", "k") else 1  # value heads per key head
+        # own row + the replays' sum, per value head, in grad's form (fp32 or block-scaled fp16 wherever heads are
+        # summed or the l2 norm's backward runs next); a
         # replayed row's dq is exactly 0 (its do is 0). Then the value heads' sum, in the order of every token's.
         if plan.replay_dst.numel() and name != "q":
             segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds)
