@@ -145,9 +145,9 @@ def l2norm_fused(x: torch.Tensor) -> torch.Tensor:
 def normalize_qk(q: torch.Tensor, k: torch.Tensor, enabled: bool):
     """Inside a chunk Function's forward: (q, k normalised when `enabled`, what the backward needs: raw q, its
     rstd, raw k, its rstd; `tree.input_gradients` takes it).
-    Normalising inside the Function rather than through L2NormFunction keeps dq, dk in fp32 from the chunk
-    kernels through the l2 norm's backward (autograd would round them to q's dtype between the two), as fla's
-    in-kernel l2norm does."""
+    Normalising inside the Function rather than through L2NormFunction keeps dq, dk finer than q's dtype (fp32,
+    or block-scaled fp16) from the chunk kernels through the l2 norm's backward (autograd would round them to q's
+    dtype between the two), as fla's in-kernel l2norm does."""
     if not enabled:
         return q, k, ()
     (q_n, q_rstd), (k_n, k_rstd) = l2norm_rows(q), l2norm_rows(k)
