@@ -53,7 +53,7 @@ class ScaledRows:
         n, h, d = x.shape
         tiles = x.float().reshape(n, h, d // block, block)
         exponent = (tiles.abs().amax(-1).view(torch.int32) >> 23) & 0xFF
-        shift = ((127 + 14 + 127) - exponent).clamp(1, 253)
+        shift = ((127 + TOP.value + 127) - exponent).clamp(1, MAX_SHIFT.value)
         scale, inverse = (shift << 23).view(torch.float32), ((254 - shift) << 23).view(torch.float32)
         return ScaledRows((tiles * scale[..., None]).to(torch.float16).view(n, h, d), inverse)
 
