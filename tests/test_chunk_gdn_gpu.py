@@ -139,8 +139,8 @@ def test_precise_q_do_when_the_initial_state_gradient_is_returned():
 def test_output_and_key_gradient_at_flashqla_precision(hk, hv):
     """o and dk against the fp32 reference below FlashQLA's error (o 3.80e-3; dk 4.17e-3 at H16/16, 4.54e-3 at
     H16/32 on the benchmark's inputs): u as (T diag(beta)) v, the raw query and key in the output kernel, dk in fp32
-    into the l2 norm's backward. Without them o was at ~4.1e-3 and dk at ~4.5e-3; with them 3.0e-3 and 3.8e-3 (4.2e-3
-    at H16/32, where dk's first share travels in bf16)."""
+    into the l2 norm's backward (as block-scaled fp16 for 16-bit inputs). Without them o was at ~4.1e-3 and dk at
+    ~4.5e-3; with them 3.0e-3 and 3.8e-3 at both head layouts."""
     lengths = [4096, 3000, 1000]
     tensors, cu = make_inputs(lengths, hk=hk, hv=hv, seed=4)
     ours = dict(zip(NAMES, run_call(chunk_gated_delta_rule, tensors, cu, {})))

@@ -58,6 +58,12 @@ class ScaledRows:
         return ScaledRows((tiles * scale[..., None]).to(torch.float16).view(n, h, d), inverse)
 
 
+def kernel_pointers(x) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, inverses) a kernel takes for `x`: ScaledRows' payload and inverse, or a plain tensor twice (its
+    kernels' SCALED flag off, the inverse pointer is not read)."""
+    return (x.payload, x.inverse) if isinstance(x, ScaledRows) else (x, x)
+
+
 @triton.jit
 def _row_scales(b_x):
     """(scale [R], inverse [R]) of the rows of fp32 b_x [R, C]: powers of two, scale * inverse = 1."""

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .interpreter_safe import interpreter_needs_fp32
-from .scaled16 import ScaledRows, _load_scaled, _store_scaled
+from .scaled16 import ScaledRows, _load_scaled, _store_scaled, kernel_pointers
 
 
 def segment_add_reference(dst, dst_rows: torch.Tensor, src: torch.Tensor, seg_start: torch.Tensor,
@@ -82,7 +82,7 @@ def segment_add(dst, dst_rows: torch.Tensor, src: torch.Tensor, seg_start: torch
     dst [T, ...] (a tensor or ScaledRows) and src [R, ...] contiguous with rows of the same size; dst_rows [D]
     distinct int64; seg_start [D + 1] int64 ascending; src_rows [J] int64 or None."""
     scaled = isinstance(dst, ScaledRows)
-    values, inverse = (dst.payload, dst.inverse) if scaled else (dst, dst)
+    values, inverse = kernel_pointers(dst)
     if not (values.is_contiguous() and inverse.is_contiguous() and src.is_contiguous()):
         raise ValueError("segment_add: dst and src must be contiguous")
     if seg_start.numel() != dst_rows.numel() + 1:

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .gates import LOG2E, _chunk_rows, _chunk_shift, _exp_gate_gap, _input_rows, _kept_rows
 from .index import chunk_shift_table, row_tables
-from ..scaled16 import ScaledRows, _load_scaled, _store_scaled
+from ..scaled16 import ScaledRows, _load_scaled, _store_scaled, kernel_pointers
 
 
 @triton.jit
@@ -269,16 +269,11 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     n_out = n_rows if rows is None else rows.num_tokens
     out = dk_dv_dbeta_dg(n_out, scaled_out)
     side = out if rows is None else dk_dv_dbeta_dg(rows.num_replays)
-    if scaled:
-        dq, dk_part = ScaledRows.empty(n_out, hv, kd, dev), ScaledRows.empty(n_rows, hv, kd, dev)
-        pointers = (dq.payload, dk_part.payload, dq.inverse, dk_part.inverse)
-    else:
-        dq = torch.empty(n_out, hv, kd, device=dev, dtype=torch.float32)
-        dk_part = torch.empty(n_rows, hv, kd, device=dev, dtype=torch.float32)
-        pointers = (dq, dk_part, dq, dk_part)  # the inverse pointers are not read
-    # the WY kernel's dk_out pointer and its inverses (not read unless scaled_out)
-    dk_out, dk_out_inv = (out[0].payload, out[0].inverse) if scaled_out else (out[0], out[0])
-    side_ptrs = (dk_out, *out[1:]) if rows is None else side  # never written without rows
+    def finer_rows(n):  # dq and dk's first share: block-scaled fp16 (one block a row) or fp32
+        return ScaledRows.empty(n, hv, kd, dev) if scaled else torch.empty(n, hv, kd, device=dev, dtype=torch.float32)
+    dq, dk_part = finer_rows(n_out), finer_rows(n_rows)
+    (dq_ptr, dq_inv), (dk_ptr, dk_inv), (dk_out, dk_out_inv) = (kernel_pointers(x) for x in (dq, dk_part, out[0]))
+    side_ptrs = (kernel_pointers(side[0])[0], *side[1:])  # side is out without rows: then never written
     # dw and the WY backward's scratch tiles in the inputs' dtype: their only reader rounds them to it before its
     # dots, so the bits are those of fp32 buffers at half the traffic
     dw = torch.empty(n_rows, hv, kd, device=dev, dtype=k.dtype)
@@ -286,7 +281,6 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
     if index.num_chunks:
         shifts = chunk_shift_table(index, rows)
         tables = (index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows), shifts)
-        dq_ptr, dk_ptr, dq_inv, dk_inv = pointers
         _chunk_bwd_qk_kernel[(index.num_chunks * hv,)](
             q, k, v_new, gc, h, dh, do, dvn, dq_ptr, dk_ptr, dw, dgc, dq_inv, dk_inv, *tables, scale,
             HK=hk, HV=hv, K=kd, V=vd, BT=BT, BV=bv, GATHER=rows is not None, SCALED=scaled,

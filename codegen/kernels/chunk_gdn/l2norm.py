@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..scaled16 import ScaledRows, _load_scaled
+from ..scaled16 import ScaledRows, _load_scaled, kernel_pointers
 
 EPS = 1e-6
 BLOCK_ROWS = 16  # rows per program: [16, 128] fp32 tiles at 4 warps
@@ -76,10 +76,9 @@ def _group_sum_kernel(dy, dy_inv, out, n_rows, D: tl.constexpr, BR: tl.constexpr
 def _dy_pointers(dy) -> dict:
     """The kernels' dy arguments (values, inverses, SCALED, NB) of a gradient given as a tensor or as
     scaled16.ScaledRows."""
-    if isinstance(dy, ScaledRows):
-        return dict(dy=dy.payload.contiguous(), dy_inv=dy.inverse.contiguous(), SCALED=True, NB=dy.blocks)
-    dy = dy.contiguous()
-    return dict(dy=dy, dy_inv=dy, SCALED=False, NB=1)
+    scaled = isinstance(dy, ScaledRows)
+    values, inverses = (x.contiguous() for x in kernel_pointers(dy))
+    return dict(dy=values, dy_inv=inverses, SCALED=scaled, NB=dy.blocks if scaled else 1)
 
 
 def l2norm_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

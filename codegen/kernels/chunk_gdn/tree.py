@@ -127,8 +127,8 @@ def input_gradients(plan: TreeGDNPlan, dtypes, key_heads: int, chunk_grads, l2no
         grad = per_token[name]
         groups = grad.shape[1] // key_heads if name in ("q", "k") else 1  # value heads per key head
         # own row + the replays' sum, per value head, in grad's form (fp32 or block-scaled fp16 wherever heads are
-        # summed or the l2 norm's backward runs next); a
-        # replayed row's dq is exactly 0 (its do is 0). Then the value heads' sum, in the order of every token's.
+        # summed or the l2 norm's backward runs next); a replayed row's dq is exactly 0 (its do is 0). Then the
+        # value heads' sum, in the order of every token's.
         if plan.replay_dst.numel() and name != "q":
             segment_add(grad, plan.replay_dst, replayed[name], plan.replay_bounds)
         if name in unnormalise:  # the l2 norm's backward sums the value heads' rows itself
