@@ -43,6 +43,11 @@ class ScaledRows:
         """Scale blocks per row."""
         return self.inverse.shape[-1]
 
+    @property
+    def block(self) -> int:
+        """Columns per scale block."""
+        return self.payload.shape[-1] // self.blocks
+
     def float(self) -> torch.Tensor:
         n, h, d = self.payload.shape
         return (self.payload.float().view(n, h, self.blocks, -1) * self.inverse[..., None]).view(n, h, d)

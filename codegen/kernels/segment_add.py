@@ -31,7 +31,7 @@ def segment_add_reference(dst, dst_rows: torch.Tensor, src: torch.Tensor, seg_st
         rows = dst_rows.long()
         decoded = ScaledRows(dst.payload[rows], dst.inverse[rows]).float()
         segment_add_reference(decoded, torch.arange(len(rows)), src, seg_start, src_rows)
-        encoded = ScaledRows.encode(decoded, dst.payload.shape[-1] // dst.blocks)
+        encoded = ScaledRows.encode(decoded, dst.block)
         dst.payload[rows], dst.inverse[rows] = encoded.payload, encoded.inverse
         return dst
     bounds = seg_start.tolist()
@@ -95,9 +95,8 @@ def segment_add(dst, dst_rows: torch.Tensor, src: torch.Tensor, seg_start: torch
         return dst
     rows = src_rows if src_rows is not None else seg_start  # placeholder pointer when not INDEXED
     if scaled:  # one program per destination row and scale block
-        block = values.shape[-1] // dst.blocks
-        _segment_add_kernel[(count, width // block)](
-            values, inverse, dst_rows, src, rows, seg_start, width, BW=block, INDEXED=src_rows is not None,
+        _segment_add_kernel[(count, width // dst.block)](
+            values, inverse, dst_rows, src, rows, seg_start, width, BW=dst.block, INDEXED=src_rows is not None,
             SCALED=True, num_warps=1)
         return dst
     if interpreter_needs_fp32(dst):  # the interpreter truncates fp32 -> bf16: sum in fp32, round in torch

@@ -273,7 +273,7 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
         return ScaledRows.empty(n, hv, kd, dev) if scaled else torch.empty(n, hv, kd, device=dev, dtype=torch.float32)
     dq, dk_part = finer_rows(n_out), finer_rows(n_rows)
     (dq_ptr, dq_inv), (dk_ptr, dk_inv), (dk_out, dk_out_inv) = (kernel_pointers(x) for x in (dq, dk_part, out[0]))
-    side_ptrs = (kernel_pointers(side[0])[0], *side[1:])  # side is out without rows: then never written
+    side_ptrs = (dk_out, *out[1:]) if rows is None else side  # without rows the side buffers are never written
     # dw and the WY backward's scratch tiles in the inputs' dtype: their only reader rounds them to it before its
     # dots, so the bits are those of fp32 buffers at half the traffic
     dw = torch.empty(n_rows, hv, kd, device=dev, dtype=k.dtype)
