@@ -179,6 +179,11 @@ class TreeBatch:
                                     "(not Unicode text)")
                     continue
             is_tree = isinstance(head, dict) and "nodes" in head
+            if is_tree and "tokens" in head:  # else pydantic reports `nodes` and `tokens` apart, neither the cause
+                kind = f"tree {head['id']!r}" if isinstance(head.get("id"), str) else "tree"
+                problems.append(f"{where} ({kind}): field tokens: a record is a tree (nodes) or a trajectory "
+                                "(tokens), not both; a tree's tokens go in its nodes")
+                continue
             try:
                 if is_tree:
                     tree = TreeRecord.model_validate(head)

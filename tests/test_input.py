@@ -100,6 +100,8 @@ def test_save_load_round_trip(tmp_path):
     ("{not json", "line 1: invalid JSON"),
     ({"id": "a", "tokens": [2**63]}, "field tokens[0]: Input should be less than or equal to"),
     ('{"id": "a", "nodes": "\xff"}', "line 1"),
+    ({"id": "a", "tokens": [1], "nodes": []}, "line 1 (tree 'a'): field tokens: a record is a tree (nodes) or a "
+                                              "trajectory (tokens), not both"),
 ])
 def test_bad_trajectory(record, expected):
     problems = problems_of(record)
