@@ -108,10 +108,15 @@ def check_tree(tree: TreeRecord, where: str) -> list[str]:
         else:
             seen[node.id] = index
     by_id = {node.id: node for node in tree.nodes}
+    orphans: dict = {}  # unknown parent -> indices of the nodes naming it: one line per missing node
     for index, node in enumerate(tree.nodes):
         if node.parent is not None and node.parent not in by_id:
-            problems.append(f"{where}: field nodes[{index}].parent: node {node.id!r} names "
-                            f"unknown parent {node.parent!r}")
+            orphans.setdefault(node.parent, []).append(index)
+    for parent, indices in orphans.items():
+        more = len(indices) - 1
+        others = f" (as do {more:,} more node{'s' if more > 1 else ''})" if more else ""
+        problems.append(f"{where}: field nodes[{indices[0]}].parent: node {tree.nodes[indices[0]].id!r} names "
+                        f"unknown parent {parent!r}{others}")
     if problems:
         return problems
     # Cycle check: walk up from every node; colouring keeps it linear.

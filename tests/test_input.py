@@ -114,6 +114,8 @@ def node(i, parent, tokens=(1,)):
 
 @pytest.mark.parametrize("nodes, trajectories, expected", [
     ([node(0, None), node(1, 9)], None, "field nodes[1].parent: node 1 names unknown parent 9"),
+    ([node(1, 0), node(2, 0), node(3, 1)], None,                    # the root left out: one line for it
+     "field nodes[0].parent: node 1 names unknown parent 0 (as do 1 more node)"),
     ([node(0, None), node(1, 2), node(2, 1)], None, "lies on a parent cycle"),
     ([node(0, None), node(1, 0), node(1, None)], None,
      "nodes[2].parent: node 1 has several parents (0 and None; also listed as nodes[1])"),
@@ -129,7 +131,7 @@ def test_bad_tree(nodes, trajectories, expected):
     if trajectories is not None:
         tree["trajectories"] = trajectories
     problems = problems_of({"id": "ok", "tokens": [1]}, tree)
-    assert any(expected in p for p in problems), problems
+    assert len(problems) == 1 and expected in problems[0], problems
     assert all(p.startswith("line 2") for p in problems), problems
 
 
