@@ -179,8 +179,10 @@ class TreeBatch:
                                     "(not Unicode text)")
                     continue
             is_tree = isinstance(head, dict) and "nodes" in head
-            if is_tree and "tokens" in head:  # else pydantic reports `nodes` and `tokens` apart, neither the cause
+            kind = "trajectory"
+            if is_tree:
                 kind = f"tree {head['id']!r}" if isinstance(head.get("id"), str) else "tree"
+            if is_tree and "tokens" in head:  # else pydantic reports `nodes` and `tokens` apart, neither the cause
                 problems.append(f"{where} ({kind}): field tokens: a record is a tree (nodes) or a trajectory "
                                 "(tokens), not both; a tree's tokens go in its nodes")
                 continue
@@ -190,9 +192,6 @@ class TreeBatch:
                 else:
                     record = TrajectoryRecord.model_validate(head)
             except ValidationError as exc:
-                kind = "trajectory"
-                if is_tree:
-                    kind = f"tree {head['id']!r}" if isinstance(head.get("id"), str) else "tree"
                 problems += describe_pydantic_error(f"{where} ({kind})", exc)
                 continue
             if not is_tree:
