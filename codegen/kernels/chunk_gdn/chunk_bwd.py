@@ -268,12 +268,12 @@ def chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, scale, index, rows=No
                 *[torch.empty(n, hv, device=dev, dtype=torch.float32) for _ in range(2)])
     n_out = n_rows if rows is None else rows.num_tokens
     out = dk_dv_dbeta_dg(n_out, scaled_out)
-    side = out if rows is None else dk_dv_dbeta_dg(rows.num_replays)
+    side = None if rows is None else dk_dv_dbeta_dg(rows.num_replays)
     def finer_rows(n):  # dq and dk's first share: block-scaled fp16 (one block a row) or fp32
         return ScaledRows.empty(n, hv, kd, dev) if scaled else torch.empty(n, hv, kd, device=dev, dtype=torch.float32)
     dq, dk_part = finer_rows(n_out), finer_rows(n_rows)
     (dq_ptr, dq_inv), (dk_ptr, dk_inv), (dk_out, dk_out_inv) = (kernel_pointers(x) for x in (dq, dk_part, out[0]))
-    side_ptrs = (dk_out, *out[1:]) if rows is None else side  # without rows the side buffers are never written
+    side_ptrs = (dk_out, *out[1:]) if side is None else side  # without rows the side buffers are never written
     # dw and the WY backward's scratch tiles in the inputs' dtype: their only reader rounds them to it before its
     # dots, so the bits are those of fp32 buffers at half the traffic
     dw = torch.empty(n_rows, hv, kd, device=dev, dtype=k.dtype)
