@@ -28,9 +28,13 @@ def make_inputs(lengths, hk, hv, kd=128, vd=128, seed=0):
                                     GDNKernelConfig(wy_bwd_warps=8, scan_warps=2, wy_kkt_warps=2, scan_num_stages=2),
                                     GDNKernelConfig(wy_kkt_block_k=32),
                                     GDNKernelConfig(scan_block_v=32, scan_min_programs=0),
-                                    GDNKernelConfig(scan_block_v=16, scan_num_stages=1)],
+                                    GDNKernelConfig(scan_block_v=16, scan_num_stages=1),
+                                    # launch shapes where Triton 3.6 miscompiled a scan one chained dot longer
+                                    # (docs/gdn_kernels.md, "v_new from Tb in the scans")
+                                    GDNKernelConfig(scan_block_v=16, scan_num_stages=2),
+                                    GDNKernelConfig(scan_block_v=32, scan_min_programs=0, scan_num_stages=2)],
                          ids=["default", "scan-bv64-wybwd-2w", "wybwd-8w-scans-2w-2st-kkt-2w", "kkt-bk32",
-                              "scan-bv32", "scan-bv16-1st"])
+                              "scan-bv32", "scan-bv16-1st", "scan-bv16-2st", "scan-bv32-2st"])
 def test_bf16_matches_fp32_reference(config):
     lengths = [2000, 1, 64, 63, 1300, 2500]
     tensors, cu = make_inputs(lengths, hk=8, hv=16)
