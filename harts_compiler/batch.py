@@ -203,7 +203,7 @@ class TreeBatch:
                 groups.append(record.id)
                 line_numbers.append(number)
                 continue
-            tree_where = f"{where} (tree {tree.id!r})"
+            tree_where = f"{where} ({kind})"  # a validated tree: kind names it by its id
             tree_problems = check_tree(tree, tree_where)
             if tree_problems:
                 problems += tree_problems
