@@ -182,8 +182,9 @@ class TreeBatch:
             kind = "trajectory"
             if is_tree:
                 kind = f"tree {head['id']!r}" if isinstance(head.get("id"), str) else "tree"
+            at = f"{where} ({kind})"  # a tree is named by its id; a trajectory's id is checked below
             if is_tree and "tokens" in head:  # else pydantic reports `nodes` and `tokens` apart, neither the cause
-                problems.append(f"{where} ({kind}): field tokens: a record is a tree (nodes) or a trajectory "
+                problems.append(f"{at}: field tokens: a record is a tree (nodes) or a trajectory "
                                 "(tokens), not both; a tree's tokens go in its nodes")
                 continue
             try:
@@ -192,7 +193,7 @@ class TreeBatch:
                 else:
                     record = TrajectoryRecord.model_validate(head)
             except ValidationError as exc:
-                problems += describe_pydantic_error(f"{where} ({kind})", exc)
+                problems += describe_pydantic_error(at, exc)
                 continue
             if not is_tree:
                 problems += check_lengths(record.metadata(), len(record.tokens), f"{where} (trajectory {record.id!r})")
@@ -203,8 +204,7 @@ class TreeBatch:
                 groups.append(record.id)
                 line_numbers.append(number)
                 continue
-            tree_where = f"{where} ({kind})"  # a validated tree: kind names it by its id
-            tree_problems = check_tree(tree, tree_where)
+            tree_problems = check_tree(tree, at)
             if tree_problems:
                 problems += tree_problems
                 continue
@@ -216,7 +216,7 @@ class TreeBatch:
                 fields = declared.get(traj_id, {})
                 if fields and "group" not in fields:  # the rollouts of one tree are one GRPO group unless told
                     fields = {**fields, "group": tree.id}
-                problems += check_lengths(fields, arrays[-1].size, f"{tree_where}: trajectory {traj_id!r}")
+                problems += check_lengths(fields, arrays[-1].size, f"{at}: trajectory {traj_id!r}")
                 metadata.append(fields)
                 ids.append(traj_id)
                 groups.append(tree.id)
