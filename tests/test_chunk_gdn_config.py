@@ -46,9 +46,9 @@ def test_scan_stages_fit_shared_memory():
 
 @pytest.mark.parametrize("field, value", [("wy_kkt_block_k", 8), ("wy_kkt_block_k", 0),
                                          ("scan_block_v", 8), ("scan_block_v", 48), ("scan_block_v", 0),
-                                         ("scan_warps", 3), ("scan_min_programs", -1), ("scan_num_stages", 4),
-                                         ("scan_num_stages", -1), ("scan_q_do_precision", "tf32"),
-                                         ("scan_tma_max_block_v", -1)])
+                                         ("scan_warps", 3), ("scan_warps", 8), ("scan_min_programs", -1),
+                                         ("scan_num_stages", 4), ("scan_num_stages", -1),
+                                         ("scan_q_do_precision", "tf32"), ("scan_tma_max_block_v", -1)])
 def test_bad_key_blocks_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         GDNKernelConfig(**{field: value})

@@ -78,6 +78,8 @@ class GDNKernelConfig:
             if not _power_of_two(getattr(self, field), least):
                 raise ValueError(f"GDNKernelConfig.{field} must be a power of two >= {least}, "
                                  f"got {getattr(self, field)}")
+        if self.scan_warps > 4:  # 8-warp scans (two warpgroups) returned NaN on Hopper under Triton 3.6
+            raise ValueError(f"GDNKernelConfig.scan_warps must be at most 4 (one warpgroup), got {self.scan_warps}")
         if not 0 <= self.scan_num_stages <= 3:
             raise ValueError(f"GDNKernelConfig.scan_num_stages must be 0 (by dtype) or 1-3, got {self.scan_num_stages}")
         if self.scan_q_do_precision not in Q_DO_PRECISIONS:
