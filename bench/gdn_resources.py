@@ -25,7 +25,7 @@ from hopper_resources import hopper_resources  # noqa: E402
 
 # pointer arguments by name (everything else below is a scalar or a constexpr)
 POINTERS = {
-    "fp32": {"g", "gc", "T", "h0", "bank", "dv_local", "dh0", "bank_grad", "dq", "dk", "dw", "dgc", "dbeta", "dg",
+    "fp32": {"g", "gc", "T", "h0", "bank", "dh0", "bank_grad", "dq", "dk", "dw", "dgc", "dbeta", "dg",
              "scratch", "rstd", "dv_f32", "gpre", "dw_part", "side_dbeta", "side_dg", "Aqk", "dAqk", "dAkk", "dq_p",
              "dk_p", "dgc_p", "dbeta_p", "side_dk", "q_rstd", "k_rstd", "dq_inv", "dk_inv", "dy_inv",
              "dk_out_inv"},
@@ -43,7 +43,7 @@ BASE = dict(HK=16, HV=16, K=128, V=128, BT=64, BV=64, BK=64, INTERPRET=False, D=
 
 # the scans' tensor descriptors (chunk_gdn/tma.py) with TMA=1: tile rows and columns by constexpr name
 DESCRIPTORS = {"k_desc": ("BT", "K"), "w_desc": ("BT", "K"), "q_desc": ("BT", "K"), "u_desc": ("BT", "BV"),
-               "do_desc": ("BT", "BV"), "dvl_desc": ("BT", "BV")}
+               "do_desc": ("BT", "BV"), "at_desc": ("BT", "BT")}
 
 
 def signature_of(fn, constexprs, overrides, data_kind="bf16"):
@@ -53,7 +53,7 @@ def signature_of(fn, constexprs, overrides, data_kind="bf16"):
             sig[name] = "constexpr"
         elif constexprs.get("TMA") and name in DESCRIPTORS:
             rows, cols = (constexprs[c] for c in DESCRIPTORS[name])
-            sig[name] = f"tensordesc<{'fp32' if name == 'dvl_desc' else data_kind}[{rows},{cols}]>"
+            sig[name] = f"tensordesc<{data_kind}[{rows},{cols}]>"
         elif name in overrides:
             sig[name] = overrides[name]
         elif name in SCALARS:
@@ -78,8 +78,8 @@ COMBINE_PTRS = {"POS": "*i64", "W": "*bf16", "DW": "*bf16", "hidden_dim": "i32"}
 RMSNORM_PTRS = {"W": "*bf16", "G": "*bf16", "RSTD": "*fp32", "DW_PART": "*fp32", "n_rows": "i32", "dim": "i32",
                 "eps": "fp32"}
 
-# the backward scan's dv_local buffer (fp32) and its first row
-DV_LOCAL_BUFFER = {"dv_local": "*fp32", "dvl_row0": "i32"}
+# the backward scan's A^T buffer (dv_local = A^T do, in do's dtype) and its first chunk
+GATED_AT_BUFFER = {"at": "*bf16", "at_chunk0": "i32"}
 
 # the conv at its launch tiles (causal_conv.function)
 CONV_FWD = {"BT": conv.FWD_BLOCK_T, "BC": conv.FWD_BLOCK_C}
@@ -90,9 +90,9 @@ KERNELS = [
     ("wy_wu", wy_fwd._wy_wu_kernel, {}, {"T": "*bf16"}),
     ("state_fwd scan", state_fwd._state_fwd_kernel, {}, None),
     ("output_fwd", state_fwd._output_kernel, {}, None),
-    ("dv_local", state_bwd._dv_local_kernel, {}, {"dv": "*fp32", "c_first": "i32", "row_lo": "i32"}),
-    ("state_bwd scan", state_bwd._state_bwd_kernel, {"LOCAL_DV": True}, DV_LOCAL_BUFFER),
-    ("state_bwd scan (dv_local buffer)", state_bwd._state_bwd_kernel, {}, DV_LOCAL_BUFFER),
+    ("gated_at", state_bwd._gated_at_kernel, {}, {"at": "*bf16", "c_first": "i32"}),
+    ("state_bwd scan", state_bwd._state_bwd_kernel, {"LOCAL_DV": True}, GATED_AT_BUFFER),
+    ("state_bwd scan (A^T buffer)", state_bwd._state_bwd_kernel, {}, GATED_AT_BUFFER),
     ("chunk_bwd_qk", chunk_bwd._chunk_bwd_qk_kernel, {}, {"dw": "*bf16"}),
     ("wy_bwd", chunk_bwd._wy_bwd_kernel, {}, {"dk_out": "*bf16", "T": "*bf16", "dw": "*bf16", "scratch": "*bf16"}),
     ("l2norm fwd", l2norm._l2norm_fwd_kernel, {}, None),

@@ -73,7 +73,8 @@ def time_case(lengths, row_maps, launches, device, value_heads=16, tma=True):
     u = (torch.randn(rows_total, hv, vd, device=device, generator=gen) * 0.1).to(k.dtype)
     gc = torch.zeros(rows_total, hv, device=device)  # the gates' values do not change the timing
     do = torch.randn_like(u)
-    dv_local = torch.randn(rows_total, hv, vd, device=device, generator=gen)
+    n_chunks = sum(-(-n // CHUNK) for n in lengths)
+    gated_at = (torch.randn(n_chunks, hv, CHUNK, CHUNK, device=device, generator=gen) * 0.1).to(k.dtype)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     h0 = torch.zeros(len(lengths), hv, kd, vd, device=device)
     rows = to_device(identity_rows(lengths), device) if row_maps else None
@@ -90,7 +91,7 @@ def time_case(lengths, row_maps, launches, device, value_heads=16, tma=True):
                 state_fwd(k, w, u, gc, h0, index, rows=rows)
 
             def bwd():
-                state_bwd_scan(q, k, w, gc, do, bank_grad, 0.1, index, dh, dvn, dv_local=(dv_local, 0), rows=rows)
+                state_bwd_scan(q, k, w, gc, do, bank_grad, 0.1, index, dh, dvn, gated_at=(gated_at, 0), rows=rows)
             fwd_ms, bwd_ms = (kernel_ms(fn, device, rep_ms=60, warmup_ms=15) for fn in (fwd, bwd))
             results[(block_v, warps, stages)] = fwd_ms + bwd_ms
             split[(block_v, warps, stages)] = (fwd_ms, bwd_ms)

@@ -108,7 +108,8 @@ def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
 
 def test_scan_formed_dv_local_equals_buffer_bitwise():
     """Full-width backward scans form each chunk's dv_local themselves (64 columns, pointer loads); a call with a
-    narrow launch reads it from dv_local_bwd's buffer (16 columns, descriptor loads): the same bits."""
+    narrow launch reads A^T (dv_local = A^T do) from gated_at_bwd's buffer (16 columns, descriptor loads): the same
+    bits."""
     assert_same_bits(*(GDNKernelConfig(scan_min_programs=n, scan_local_dv_min_chunks=0) for n in (0, 10**6)))
 
 

@@ -16,7 +16,7 @@ from harts_compiler.codegen.kernels.chunk_gdn import (GDNKernelConfig, chunk_gat
                                                       chunk_gated_delta_rule_reference, gated_delta_rule,
                                                       plan_gated_delta_rule_reference, plan_tree_gdn)
 from harts_compiler.codegen.kernels.chunk_gdn.index import NO_SHIFT
-from harts_compiler.codegen.kernels.chunk_gdn.tree import dv_local_of
+from harts_compiler.codegen.kernels.chunk_gdn.tree import gated_at_of
 from harts_compiler.codegen.kernels.upload import to_device
 from test_runtime_helpers import run_without_device_reads, naive_tree_index, random_rollout_batch
 from test_runtime_tree import tricky_batches
@@ -199,15 +199,15 @@ def test_narrow_rounds_read_dv_local_full_width_rounds_form_it():
         assert torch.equal(a, b), name
 
 
-def test_launches_inside_the_dv_local_buffer_read_it():
-    """The buffer spans the chunks from the first to the last launch that cannot form dv_local; a launch inside that
-    span reads it (computed anyway), one outside forms its own."""
-    buffer = ("dv_local", 7, (10, 20))
-    assert dv_local_of(SimpleNamespace(chunks=(10, 12)), buffer) == ("dv_local", 7)
-    assert dv_local_of(SimpleNamespace(chunks=(18, 20)), buffer) == ("dv_local", 7)
-    assert dv_local_of(SimpleNamespace(chunks=(20, 25)), buffer) is None
-    assert dv_local_of(SimpleNamespace(chunks=(0, 10)), buffer) is None
-    assert dv_local_of(SimpleNamespace(chunks=(0, 3)), None) is None
+def test_launches_inside_the_gated_at_buffer_read_it():
+    """The A^T buffer spans the chunks from the first to the last launch that cannot form dv_local; a launch inside
+    that span reads it (computed anyway), one outside forms its own."""
+    buffer = ("at", 10, (10, 20))
+    assert gated_at_of(SimpleNamespace(chunks=(10, 12)), buffer) == ("at", 10)
+    assert gated_at_of(SimpleNamespace(chunks=(18, 20)), buffer) == ("at", 10)
+    assert gated_at_of(SimpleNamespace(chunks=(20, 25)), buffer) is None
+    assert gated_at_of(SimpleNamespace(chunks=(0, 10)), buffer) is None
+    assert gated_at_of(SimpleNamespace(chunks=(0, 3)), None) is None
 
 
 def test_aligned_branch_points_need_no_maps():

@@ -58,8 +58,7 @@ class GDNKernelConfig:
     # output kernel: 64 state columns per program at 4 warps
     out_block_v: int = 64
     out_warps: int = 4
-    # chunk-local part of d(v_new) for the backward scans that do not form it themselves: 8 warps hide the
-    # [64, 64] dots' latency
+    # A^T of dv_local = A^T do for the backward scans that do not form it themselves
     dv_local_warps: int = 8
     # WY forward: the KKT solve in 16x16 register blocks runs best at one warp, 64 key columns a step
     wy_kkt_warps: int = 1
@@ -114,7 +113,7 @@ class GDNKernelConfig:
     def scan_forms_dv_local(self, num_seqs: int, longest_chunks: int, value_heads: int, value_dim: int,
                             element_size: int) -> bool:
         """Whether a backward scan launch over `num_seqs` sequences, the longest `longest_chunks` chunks long, forms
-        each chunk's dv_local itself (full width and long enough) rather than reading dv_local_bwd's buffer."""
+        each chunk's dv_local itself (full width and long enough) rather than reading gated_at_bwd's A^T."""
         return (longest_chunks >= self.scan_local_dv_min_chunks
                 and self.scan_full_width(num_seqs, value_heads, value_dim, element_size))
 

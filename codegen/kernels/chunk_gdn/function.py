@@ -1,7 +1,7 @@
 """The public single-call wrapper, with fla's signature: one packed varlen call is a one-round plan.
 
 Forward:  wy_fwd (gc, T, w, u)  ->  state_fwd (h, v_new, export bank)  ->  output_fwd (o)
-Backward: state_bwd (dv_local where the scan does not form it; reverse scan with injected export gradients
+Backward: state_bwd (dv_local's A^T where the scan does not form it; reverse scan with injected export gradients
           -> dh, dvn, dh0)
           -> chunk_bwd (dq, dk, dw, dgc; WY backward -> dk, dv, dbeta, dg)
 Every kernel has a fixed launch configuration (no autotuning) and no atomics, so the same chunk with

@@ -6,10 +6,11 @@ With S_c the state entering chunk c (h_c), dS the gradient of the state leaving 
   dvn   = dv_local + exp(gc_last - gc) (k dS)                          (grad of v_new)
   dS    = exp(gc_last) dS + (scale exp(gc) q)^T do - w^T dvn            (grad of the state entering c)
 and after the first chunk dS is the gradient of the initial state.
-dv_local = scale * tril(q k^T exp(gc_i - gc_j))^T do is chunk-local. A full-width scan launch over long sequences
-forms it (LOCAL_DV) from the q, k and do tiles it loads for dS anyway, off the dS chain; other launches (narrow ones
-are issue-bound, short sequences latency-bound: docs/gdn_kernels.md) read it from an fp32 buffer that a
-chunk-parallel kernel fills beforehand over their chunks (tree.dv_local_buffer). Both give the same bits.
+dv_local = A^T do, A = scale * tril(q k^T exp(gc_i - gc_j)), is chunk-local. A full-width scan launch over long
+sequences forms A^T (LOCAL_DV) from the q and k tiles it loads for dS anyway, off the dS chain; other launches (narrow
+ones are issue-bound, short sequences latency-bound: docs/gdn_kernels.md) read A^T, rounded to do's dtype as the dot
+takes it, from a buffer that a chunk-parallel kernel fills beforehand over their chunks (tree.gated_at_buffer). Both
+then run the same dot, so both give the same bits.
 """
 from __future__ import annotations
 
@@ -25,39 +26,35 @@ from .tma import scan_descriptors
 
 
 @triton.jit
-def _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, i_c, i_h, row_lo, shift,
-                    scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    GATHER: tl.constexpr):
+def _gated_at_chunk(q, k, gc, at, chunk_row_start, chunk_row_end, row_src, i_c, i_h, c_first, shift, scale,
+                    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, GATHER: tl.constexpr):
     i_hk = i_h // (HV // HK)
     row0, row_end, rows, m_t = _chunk_rows(chunk_row_start, chunk_row_end, i_c, BT)
+    o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
     src = _input_rows(row_src, rows, m_t, shift, GATHER)
-    do_rows, m_do = _kept_rows(row_own, rows, m_t, shift, GATHER)  # replayed rows have no output gradient
     b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_qt = tl.load(q + src[None, :] * (HK * K) + i_hk * K + o_k[:, None], mask=m_t[None, :], other=0.0)
     b_gc = tl.load(gc + rows * HV + i_h, mask=m_t, other=0.0)
     b_at = _gated_at(b_k, b_qt, b_gc, scale, BT)
-    b_do = tl.load(do + (do_rows[:, None] * HV + i_h) * V + o_v[None, :], mask=m_do[:, None], other=0.0)
-    b_dv = tl.dot(b_at.to(b_do.dtype), b_do)
-    tl.store(dv + ((rows - row_lo)[:, None] * HV + i_h) * V + o_v[None, :], b_dv, mask=m_t[:, None])
+    tile = ((i_c - c_first) * HV + i_h).to(tl.int64) * (BT * BT)
+    tl.store(at + tile + o_t[:, None] * BT + o_t[None, :], b_at.to(at.dtype.element_ty))
 
 
 @triton.jit
-def _dv_local_kernel(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, chunk_shift, c_first, row_lo,
-                     scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                     GATHER: tl.constexpr):
-    """One program per chunk (from c_first on) and value head, dv rows from packed row row_lo on. Chunks without
-    replayed rows run the plain-row code at row + their shift, the others through the row maps (GATHER) or on
-    plain rows."""
+def _gated_at_kernel(q, k, gc, at, chunk_row_start, chunk_row_end, row_src, chunk_shift, c_first, scale,
+                     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, GATHER: tl.constexpr):
+    """One program per chunk (from c_first on) and value head: the chunk's A^T in at's dtype. Chunks without replayed
+    rows run the plain-row code at row + their shift, the others through the row maps (GATHER) or on plain rows.
+    (Replayed rows need no special case: their do rows are zero in the scans' dot.)"""
     i_c, i_h = c_first + tl.program_id(0) // HV, tl.program_id(0) % HV
     shift, affine = _chunk_shift(chunk_shift, i_c, GATHER)
     if affine:
-        _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, i_c, i_h, row_lo, shift,
-            scale, HK, HV, K, V, BT, False)
+        _gated_at_chunk(q, k, gc, at, chunk_row_start, chunk_row_end, row_src, i_c, i_h, c_first, shift, scale, HK,
+                        HV, K, BT, False)
     else:
-        _dv_local_chunk(q, k, gc, do, dv, chunk_row_start, chunk_row_end, row_src, row_own, i_c, i_h, row_lo, 0,
-            scale, HK, HV, K, V, BT, GATHER)
+        _gated_at_chunk(q, k, gc, at, chunk_row_start, chunk_row_end, row_src, i_c, i_h, c_first, 0, scale, HK,
+                        HV, K, BT, GATHER)
 
 
 @triton.jit
@@ -69,13 +66,6 @@ def _gated_at(b_k, b_qt, b_gc, scale, BT: tl.constexpr):
     return tl.where(o_t[:, None] <= o_t[None, :], b_at * _exp_gate_gap(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
 
 
-@triton.jit
-def _dv_local(b_k, b_qt, b_gc, b_do, scale, BT: tl.constexpr):
-    """dv_local of one chunk, [BT, BV] fp32: `_gated_at` times b_do [BT, BV]
-    (rows past the chunk's end zero). The k q^T dot and its gating do not depend on the column block, so every
-    state column gets the same bits whatever the scan's width, and the same as the chunk-parallel kernel's."""
-    b_at = _gated_at(b_k, b_qt, b_gc, scale, BT)
-    return tl.dot(b_at.to(b_do.dtype), b_do)
 
 
 @triton.jit
@@ -90,16 +80,18 @@ def _opaque(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _chunk_dv_local(dv_local, dvl_row0, rows, m_t, i_h, o_v, b_k, b_qt, b_gc, b_do, scale, HV: tl.constexpr,
-                    V: tl.constexpr, BT: tl.constexpr, LOCAL_DV: tl.constexpr, INTERPRET: tl.constexpr):
-    """A scan chunk's dv_local [BT, BV] fp32: formed here (LOCAL_DV) or read from the chunk-parallel kernel's
-    buffer (packed rows from dvl_row0 on), the same bits either way (rows past the chunk's end are 0 in both:
-    their do rows are)."""
+def _chunk_dv_local(at, at_chunk0, ic, i_h, b_k, b_qt, b_gc, b_do, scale, HV: tl.constexpr, BT: tl.constexpr,
+                    LOCAL_DV: tl.constexpr, INTERPRET: tl.constexpr):
+    """A scan chunk's dv_local [BT, BV] fp32 = A^T do: A^T formed here (LOCAL_DV) or read from the chunk-parallel
+    kernel's buffer (chunks from at_chunk0 on), the same values in do's dtype either way, into the same dot (rows
+    past the chunk's end are 0 in both: their do rows are). The k q^T dot and its gating do not depend on the
+    column block, so every state column gets the same bits whatever the scan's width."""
     if LOCAL_DV:
-        return _opaque(_dv_local(b_k, b_qt, b_gc, b_do, scale, BT), INTERPRET)
+        b_at = _gated_at(b_k, b_qt, b_gc, scale, BT).to(b_do.dtype)
     else:
-        return tl.load(dv_local + ((rows - dvl_row0)[:, None] * HV + i_h).to(tl.int64) * V + o_v[None, :],
-                       mask=m_t[:, None], other=0.0)
+        o_t = tl.arange(0, BT)
+        b_at = tl.load(at + ((ic - at_chunk0) * HV + i_h) * (BT * BT) + o_t[:, None] * BT + o_t[None, :])
+    return _opaque(tl.dot(b_at, b_do), INTERPRET)
 
 
 @triton.jit
@@ -115,7 +107,7 @@ def _decayed_q_do(b_qt, b_dos, b_acc, QDO: tl.constexpr):
 
 
 @triton.jit
-def _state_bwd_step(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
+def _state_bwd_step(q, k, w, gc, do, at, at_chunk0, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos, eos, i_h, i_hk,
                     state_offs, scale, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BT: tl.constexpr, o_v, GATHER: tl.constexpr, QDO: tl.constexpr, LOCAL_DV: tl.constexpr,
                     INTERPRET: tl.constexpr):
@@ -140,8 +132,7 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, row_src, row_o
     b_acc = _decayed_q_do(b_qt, b_do * (tl.exp2(b_gc * LOG2E) * scale)[:, None], b_ds * tl.exp2(b_gl * LOG2E), QDO)
 
     b_k = tl.load(k + src[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_dvn = _chunk_dv_local(dv_local, dvl_row0, rows, m_t, i_h, o_v, b_k, b_qt, b_gc, b_do, scale, HV, V, BT, LOCAL_DV,
-                            INTERPRET)
+    b_dvn = _chunk_dv_local(at, at_chunk0, ic, i_h, b_k, b_qt, b_gc, b_do, scale, HV, BT, LOCAL_DV, INTERPRET)
     b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp2((b_gl - b_gc) * LOG2E)[:, None], 0.0)
     tl.store(dvn + (rows[:, None] * HV + i_h) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty),
              mask=m_t[:, None])
@@ -152,7 +143,7 @@ def _state_bwd_step(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, row_src, row_o
 
 
 @triton.jit
-def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dvl_row0, dh, dvn, gc, b_ds, i_c, c0, bos, eos,
+def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, at_desc, at_chunk0, dh, dvn, gc, b_ds, i_c, c0, bos, eos,
                         i_h, i_hk, i_v, state_offs, scale, shift, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BT: tl.constexpr, BV: tl.constexpr, o_v, QDO: tl.constexpr, LOCAL_DV: tl.constexpr,
                         INTERPRET: tl.constexpr):
@@ -173,9 +164,10 @@ def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dvl_row0, dh,
     b_acc = _decayed_q_do(b_qt, b_do * (tl.exp2(b_gc * LOG2E) * scale)[:, None], b_ds * tl.exp2(b_gl * LOG2E), QDO)
     b_k = k_desc.load([src0, i_hk * K])
     if LOCAL_DV:
-        b_dvn = _opaque(_dv_local(b_k, b_qt, b_gc, b_do, scale, BT), INTERPRET)
+        b_at = _gated_at(b_k, b_qt, b_gc, scale, BT).to(b_do.dtype)
     else:
-        b_dvn = dvl_desc.load([(row0 - dvl_row0).to(tl.int32), col_v])  # fp32
+        b_at = at_desc.load([(((ic - at_chunk0) * HV + i_h) * BT).to(tl.int32), 0])  # [BT, BT]
+    b_dvn = _opaque(tl.dot(b_at, b_do), INTERPRET)
     b_dvn += tl.where(m_t[:, None], tl.dot(b_k, b_ds.to(b_k.dtype)) * tl.exp2((b_gl - b_gc) * LOG2E)[:, None], 0.0)
     tl.store(dvn + (rows[:, None] * HV + i_h).to(tl.int64) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty))
     b_w = w_desc.load([row0, i_h * K])
@@ -183,31 +175,31 @@ def _state_bwd_step_tma(q_desc, k_desc, w_desc, do_desc, dvl_desc, dvl_row0, dh,
 
 
 @triton.jit
-def _state_bwd_chunk(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0, bos, eos,
+def _state_bwd_chunk(q, k, w, gc, do, at, at_chunk0, dvn, dh, descs, row_src, row_own, b_ds, i_c, c0, bos, eos,
                      i_h, i_hk, i_v, state_offs, scale, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                      V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, o_v, GATHER: tl.constexpr, TMA: tl.constexpr,
                      QDO: tl.constexpr, LOCAL_DV: tl.constexpr, INTERPRET: tl.constexpr):
-    """A chunk of the main loop: loads through `descs` = (q, k, w, do, dv_local) with TMA (full chunks only),
+    """A chunk of the main loop: loads through `descs` = (q, k, w, do, A^T) with TMA (full chunks only),
     else through pointers."""
     if TMA:
-        return _state_bwd_step_tma(descs[0], descs[1], descs[2], descs[3], descs[4], dvl_row0, dh, dvn, gc, b_ds, i_c,
+        return _state_bwd_step_tma(descs[0], descs[1], descs[2], descs[3], descs[4], at_chunk0, dh, dvn, gc, b_ds, i_c,
                                    c0, bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HV, K, V, BT, BV, o_v, QDO,
                                    LOCAL_DV, INTERPRET)
     else:
-        return _state_bwd_step(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos,
+        return _state_bwd_step(q, k, w, gc, do, at, at_chunk0, dvn, dh, row_src, row_own, b_ds, i_c, c0, bos,
                                eos, i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v, GATHER, QDO, LOCAL_DV,
                                INTERPRET)
 
 
 @triton.jit
-def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, dh0, bank_grad, q_desc, k_desc, w_desc, do_desc,
-                      dvl_desc, cu_seqlens, seq_chunk_start, seq_order, seq_export_start, export_end_chunk,
+def _state_bwd_kernel(q, k, w, gc, do, at, at_chunk0, dvn, dh, dh0, bank_grad, q_desc, k_desc, w_desc, do_desc,
+                      at_desc, cu_seqlens, seq_chunk_start, seq_order, seq_export_start, export_end_chunk,
                       export_end_slot, row_src, row_own, seq_shift, scale, HK: tl.constexpr, HV: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr,
                       GATHER: tl.constexpr, TMA: tl.constexpr, QDO: tl.constexpr, LOCAL_DV: tl.constexpr):
     i_n, i_h, i_hk, bos, eos, c0, n_chunks, i_v, o_v, state_offs = _scan_program(
         cu_seqlens, seq_chunk_start, seq_order, HK, HV, K, V, BT, BV)
-    descs = (q_desc, k_desc, w_desc, do_desc, dvl_desc)
+    descs = (q_desc, k_desc, w_desc, do_desc, at_desc)
     # export segments in reverse (see state_fwd): a segment's exported end state takes its gradient before
     # the segment's last chunk, as the per-chunk injection did; the inner loops carry no bank logic
     e0 = tl.load(seq_export_start + i_n)
@@ -229,54 +221,53 @@ def _state_bwd_kernel(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, dh0, bank_gr
                         mask=(state_offs * 0 + slot) >= 0, other=0.0)
         if TMA:
             if (n_loop >= c_start) & (n_loop < c_end):
-                b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, row_src, row_own, b_ds, n_loop,
+                b_ds = _state_bwd_step(q, k, w, gc, do, at, at_chunk0, dvn, dh, row_src, row_own, b_ds, n_loop,
                                        c0, bos, eos, i_h, i_hk, state_offs, scale, shift, HK, HV, K, V, BT, o_v,
                                        False, QDO, LOCAL_DV, INTERPRET)
         c_hi = tl.minimum(c_end, n_loop)
         if INTERPRET:  # see state_fwd: no loaded loop bounds in the CPU interpreter
             i_c = c_hi - 1
             while i_c >= c_start:
-                b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, descs, row_src, row_own, b_ds,
+                b_ds = _state_bwd_chunk(q, k, w, gc, do, at, at_chunk0, dvn, dh, descs, row_src, row_own, b_ds,
                                         i_c, c0, bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV, K, V, BT,
                                         BV, o_v, False, TMA, QDO, LOCAL_DV, INTERPRET)
                 i_c -= 1
         else:
             for i_r in range(0, c_hi - c_start):
-                b_ds = _state_bwd_chunk(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, descs, row_src, row_own, b_ds,
+                b_ds = _state_bwd_chunk(q, k, w, gc, do, at, at_chunk0, dvn, dh, descs, row_src, row_own, b_ds,
                                         c_hi - 1 - i_r, c0, bos, eos, i_h, i_hk, i_v, state_offs, scale, shift, HK, HV,
                                         K, V, BT, BV, o_v, False, TMA, QDO, LOCAL_DV, INTERPRET)
         i_e -= 1
     if GATHER:
         if n_chunks > 0:
-            b_ds = _state_bwd_step(q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, row_src, row_own, b_ds, 0, c0, bos,
+            b_ds = _state_bwd_step(q, k, w, gc, do, at, at_chunk0, dvn, dh, row_src, row_own, b_ds, 0, c0, bos,
                                    eos, i_h, i_hk, state_offs, scale, e0 * 0, HK, HV, K, V, BT, o_v, True, QDO,
                                    LOCAL_DV, INTERPRET)
     tl.store(dh0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + state_offs, b_ds)
 
 
-def dv_local_bwd(q, k, gc, do, scale, index, chunks: tuple[int, int], row_lo: int, row_hi: int, rows=None):
-    """The chunk-local part of d(v_new) of chunks [chunks[0], chunks[1]) of `index`, whose packed rows are
-    [row_lo, row_hi): [row_hi - row_lo, HV, V] fp32, for the scan launches over them to read
-    (`state_bwd_scan`'s `dv_local`). `rows` (index.PackedRows): q, k and do are compact, read through `rows.src`
-    and `rows.own`."""
+def gated_at_bwd(q, k, gc, scale, index, chunks: tuple[int, int], dtype: torch.dtype, rows=None):
+    """A^T (scale tril(q k^T exp(gc_i - gc_j)), transposed) of chunks [chunks[0], chunks[1]) of `index` in `dtype` (do's:
+    the dot with do takes it so): [chunks, HV, BT, BT], for the scan launches over them to read (`state_bwd_scan`'s
+    `gated_at`). `rows` (index.PackedRows): q and k are compact, read through `rows.src`."""
     _, hk, kd = q.shape
-    hv, vd = do.shape[1], do.shape[2]
-    dv_local = torch.empty(row_hi - row_lo, hv, vd, device=q.device, dtype=torch.float32)
+    hv, bt = gc.shape[1], index.chunk_size
+    at = torch.empty(chunks[1] - chunks[0], hv, bt, bt, device=q.device, dtype=dtype)
     if chunks[1] > chunks[0]:
-        _dv_local_kernel[((chunks[1] - chunks[0]) * hv,)](
-            q, k, gc, do, dv_local, index.chunk_row_start, index.chunk_row_end, *row_tables(index, rows),
-            chunk_shift_table(index, rows), chunks[0], row_lo, scale, HK=hk, HV=hv, K=kd, V=vd, BT=index.chunk_size,
-            GATHER=rows is not None, num_warps=index.config.dv_local_warps)
-    return dv_local
+        _gated_at_kernel[((chunks[1] - chunks[0]) * hv,)](
+            q, k, gc, at, index.chunk_row_start, index.chunk_row_end, row_tables(index, rows)[0],
+            chunk_shift_table(index, rows), chunks[0], scale, HK=hk, HV=hv, K=kd, BT=bt, GATHER=rows is not None,
+            num_warps=index.config.dv_local_warps)
+    return at
 
 
-def state_bwd_scan(q, k, w, gc, do, bank_grad, scale, index, dh, dvn, *, dv_local=None,
+def state_bwd_scan(q, k, w, gc, do, bank_grad, scale, index, dh, dvn, *, gated_at=None,
                    seqs: tuple[int, int] | None = None, rows=None, launch_seqs: int | None = None,
                    initial_state_grad: bool = False, order=None):
     """The reverse scan of sequences `seqs` = (first, count) of `index` (default: all) into the shared dh
     [NC, HV, K, V] and dvn [R, HV, V]; returns their initial-state gradients [count, HV, K, V] fp32.
-    `dv_local`: (dv_local_bwd's buffer over the launch's chunks, its first packed row) for the scan to read, or None
-    for it to form each chunk's dv_local itself, which needs a full-width launch (`GDNKernelConfig.scan_full_width`).
+    `gated_at`: (gated_at_bwd's buffer over the launch's chunks, its first chunk) for the scan to read, or None for it
+    to form each chunk's A^T itself, which needs a full-width launch (`GDNKernelConfig.scan_full_width`).
     `rows` (index.PackedRows): q, k and do are compact, read through `rows.src` and `rows.own`.
     `launch_seqs`, `order`: as in state_fwd. `initial_state_grad`: the caller returns the initial-state gradients
     (GDNKernelConfig.scan_q_do_precision "auto" then takes the precise q^T do)."""
@@ -285,16 +276,17 @@ def state_bwd_scan(q, k, w, gc, do, bank_grad, scale, index, dh, dvn, *, dv_loca
     first, count = seqs if seqs is not None else (0, index.num_seqs)
     cfg = index.config
     bv, warps, stages = cfg.scan_launch_for(launch_seqs or count, hv, vd, k.element_size())
-    local_dv = dv_local is None
+    local_dv = gated_at is None
     if local_dv and not cfg.scan_full_width(launch_seqs or count, hv, vd, k.element_size()):
-        raise ValueError("a narrow backward scan launch reads dv_local: pass dv_local_bwd's buffer")
-    dv_local, dvl_row0 = (do, 0) if local_dv else dv_local  # never read with LOCAL_DV
+        raise ValueError("a narrow backward scan launch reads A^T: pass gated_at_bwd's buffer")
+    at, at_chunk0 = (do, 0) if local_dv else gated_at  # never read with LOCAL_DV
+    at_tile = (do, bv) if local_dv else (at.view(-1, 1, index.chunk_size), index.chunk_size)
     dh0 = torch.empty(count, hv, kd, vd, device=q.device, dtype=torch.float32)
     shifts = scan_row_shift(index, rows, first)
-    tma, descs = scan_descriptors(cfg, bv, index.chunk_size, ((q, kd), (k, kd), (w, kd), (do, bv), (dv_local, bv)))
+    tma, descs = scan_descriptors(cfg, bv, index.chunk_size, ((q, kd), (k, kd), (w, kd), (do, bv), at_tile))
     if count:
         _state_bwd_kernel[scan_grid(count, hv, vd, bv)](
-            q, k, w, gc, do, dv_local, dvl_row0, dvn, dh, dh0, bank_grad, *descs, index.cu_seqlens[first:],
+            q, k, w, gc, do, at, at_chunk0, dvn, dh, dh0, bank_grad, *descs, index.cu_seqlens[first:],
             index.seq_chunk_start[first:], scan_order(index, seqs, order), index.seq_export_start[first:],
             index.export_end_chunk, index.export_end_slot, *row_tables(index, rows), shifts, scale, HK=hk, HV=hv,
             K=kd, V=vd, BT=index.chunk_size, BV=bv, INTERPRET=interpreting(), GATHER=rows is not None,
@@ -309,11 +301,11 @@ def state_bwd(q, k, w, gc, do, bank_grad, scale, index, initial_state_grad: bool
     where it runs at full width (the runtime's path, tree.py, also asks for long sequences: it knows their lengths
     on the host)."""
     hv, kd, vd = do.shape[1], q.shape[2], do.shape[2]
-    dv_local = None
+    gated_at = None
     if not index.config.scan_full_width(index.num_seqs, hv, vd, k.element_size()):
-        dv_local = (dv_local_bwd(q, k, gc, do, scale, index, (0, index.num_chunks), 0, gc.shape[0]), 0)
+        gated_at = (gated_at_bwd(q, k, gc, scale, index, (0, index.num_chunks), do.dtype), 0)
     dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
     dvn = torch.empty_like(do)
-    dh0 = state_bwd_scan(q, k, w, gc, do, bank_grad, scale, index, dh, dvn, dv_local=dv_local,
+    dh0 = state_bwd_scan(q, k, w, gc, do, bank_grad, scale, index, dh, dvn, gated_at=gated_at,
                          initial_state_grad=initial_state_grad, order=order)
     return dh, dvn, dh0

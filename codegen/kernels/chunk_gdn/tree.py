@@ -7,7 +7,7 @@ one after another in a single varlen layout (tree_plan.py), and
   forward:  wy_fwd over every chunk of every round                      (2 launches)
             per round (and lane): state_fwd over its sequences, from states read in the bank
             output_fwd over every chunk                                 (1 launch)
-  backward: dv_local over the chunks of the scan launches that do not form it; per round
+  backward: dv_local's A^T over the chunks of the scan launches that do not form it; per round
             in reverse: the reverse scan (the exported states' gradients injected), then its initial-state
             gradients summed into the bank rows they came from; chunk_bwd over every chunk; the replayed
             rows' gradients summed onto their tokens.
@@ -32,7 +32,7 @@ from .inputs import validate_gdn_tensors
 from .l2norm import group_sum, l2norm_rows_backward, normalize_qk
 from .lanes import LaneStreams
 from ..segment_add import segment_add
-from .state_bwd import dv_local_bwd, state_bwd_scan
+from .state_bwd import gated_at_bwd, state_bwd_scan
 from .state_fwd import output_fwd, state_fwd
 from .tree_plan import CHUNK_SIZE, TreeGDNPlan
 from .wy_fwd import wy_fwd
@@ -174,14 +174,14 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         index, rows = plan.index, plan.rows
         hv, kd, vd = v.shape[1], k.shape[2], v.shape[2]
         do = torch.zeros_like(v) if d_out is None else d_out.to(v.dtype).contiguous()
-        dv_local = dv_local_buffer(plan, q, k, gc, do, ctx.scale)
+        gated_at = gated_at_buffer(plan, q, k, gc, do, ctx.scale)
         dh = torch.empty(index.num_chunks, hv, kd, vd, device=q.device, dtype=k.dtype)
         dvn = torch.empty_like(v_new)
         bank_grad = state_bank_grad(plan, d_exported, (hv, kd, vd), q.device)
         initial_grad = ctx.needs_input_grad[5]
         scan_rounds_backward(plan, q.device, bank_grad, lambda launch: state_bwd_scan(
             q, k, w, gc, do, bank_grad, ctx.scale, index, dh, dvn, seqs=(launch.first_seq, launch.num_seqs),
-            dv_local=dv_local_of(launch, dv_local), rows=rows, launch_seqs=launch.round_seqs,
+            gated_at=gated_at_of(launch, gated_at), rows=rows, launch_seqs=launch.round_seqs,
             initial_state_grad=initial_grad, order=launch.scan_order))
         chunk_grads = chunk_bwd(q, k, v, beta, gc, T, v_new, h, dh, do, dvn, ctx.scale, index, rows,
                                 dk_fp32=bool(l2norm_saved))
@@ -190,23 +190,22 @@ class TreeGatedDeltaRuleFunction(torch.autograd.Function):
         return (*grads, d_initial, None, None, None)
 
 
-def dv_local_buffer(plan: TreeGDNPlan, q, k, gc, do, scale):
-    """(dv_local, its first packed row, its chunks) over the chunks from the first to the last backward scan launch
-    that does not form dv_local itself (`GDNKernelConfig.scan_forms_dv_local`: narrow, or short sequences), or
-    None where every launch forms its own (state_bwd.py)."""
+def gated_at_buffer(plan: TreeGDNPlan, q, k, gc, do, scale):
+    """(A^T, its first chunk, its chunks) over the chunks from the first to the last backward scan launch that does
+    not form A^T itself (`GDNKernelConfig.scan_forms_dv_local`: narrow, or short sequences), or None where every
+    launch forms its own (state_bwd.py)."""
     hv, vd = do.shape[1], do.shape[2]
     readers = [launch for launch in plan.launches if not plan.index.config.scan_forms_dv_local(
         launch.round_seqs, launch.longest_chunks, hv, vd, k.element_size())]
     if not readers:
         return None
     chunks = (min(launch.chunks[0] for launch in readers), max(launch.chunks[1] for launch in readers))
-    rows = (min(launch.packed_rows[0] for launch in readers), max(launch.packed_rows[1] for launch in readers))
-    return dv_local_bwd(q, k, gc, do, scale, plan.index, chunks, *rows, plan.rows), rows[0], chunks
+    return gated_at_bwd(q, k, gc, scale, plan.index, chunks, do.dtype, plan.rows), chunks[0], chunks
 
 
-def dv_local_of(launch, buffer):
-    """What `launch`'s backward scan takes as `dv_local`: the buffer where it covers the launch's chunks (every
-    launch that does not form dv_local, and those between them, which read it as well), else None."""
+def gated_at_of(launch, buffer):
+    """What `launch`'s backward scan takes as `gated_at`: the buffer where it covers the launch's chunks (every
+    launch that does not form A^T, and those between them, which read it as well), else None."""
     if buffer is None or not buffer[2][0] <= launch.chunks[0] <= launch.chunks[1] <= buffer[2][1]:
         return None
     return buffer[:2]
