@@ -29,7 +29,8 @@ CONFIG_VARIANTS: dict[str, tuple[str, GDNKernelConfig]] = {
     "qdo_bf16": ("backward scan q^T do in bf16 always", GDNKernelConfig(scan_q_do_precision="bf16")),
     "qdo_bf16x2": ("backward scan q^T do as bf16 hi + lo always", GDNKernelConfig(scan_q_do_precision="bf16x2")),
     # which backward scans form dv_local themselves (GDNKernelConfig.scan_local_dv_min_chunks; default 8 chunks)
-    "dv_buffer": ("every backward scan reads dv_local's A^T from the buffer", GDNKernelConfig(scan_local_dv_min_chunks=1 << 30)),
+    "dv_buffer": ("every backward scan reads dv_local's A^T from the buffer",
+                  GDNKernelConfig(scan_local_dv_min_chunks=1 << 30)),
     "dv_min0": ("full-width backward scans form dv_local at any length", GDNKernelConfig(scan_local_dv_min_chunks=0)),
     "dv_min4": ("full-width backward scans form dv_local from 4 chunks", GDNKernelConfig(scan_local_dv_min_chunks=4)),
     "dv_min16": ("full-width backward scans form dv_local from 16 chunks",

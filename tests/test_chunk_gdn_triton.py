@@ -196,8 +196,9 @@ def test_descriptor_loads_equal_pointer_loads_bitwise(block_v):
 @pytest.mark.parametrize("tma", [True, False])
 def test_scan_formed_dv_local_equals_buffer_bitwise(tma):
     """Full-width backward scans form each chunk's dv_local themselves; where a launch runs narrower, every scan reads
-    A^T (dv_local = A^T do) from gated_at_bwd's buffer instead (state_bwd.py). Both give the same bits across scan widths (a tree round
-    may scan narrower than its trajectories): every launch at 32 columns (formed) against narrowed to 16 (read)."""
+    A^T (dv_local = A^T do) from gated_at_bwd's buffer instead (state_bwd.py). Both give the same bits across scan
+    widths (a tree round may scan narrower than its trajectories): every launch at 32 columns (formed) against
+    narrowed to 16 (read)."""
     assert_same_bits(*(GDNKernelConfig(scan_tma_max_block_v=32 if tma else 0, scan_block_v=32, scan_min_programs=n,
                                        scan_local_dv_min_chunks=0) for n in (0, 10**6)))
 

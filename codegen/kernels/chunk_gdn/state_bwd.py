@@ -247,8 +247,8 @@ def _state_bwd_kernel(q, k, w, gc, do, at, at_chunk0, dvn, dh, dh0, bank_grad, q
 
 
 def gated_at_bwd(q, k, gc, scale, index, chunks: tuple[int, int], dtype: torch.dtype, rows=None):
-    """A^T (scale tril(q k^T exp(gc_i - gc_j)), transposed) of chunks [chunks[0], chunks[1]) of `index` in `dtype` (do's:
-    the dot with do takes it so): [chunks, HV, BT, BT], for the scan launches over them to read (`state_bwd_scan`'s
+    """A^T (A = scale tril(q k^T exp(gc_i - gc_j))) of chunks [chunks[0], chunks[1]) of `index` in `dtype` (do's: the
+    dot with do takes it so): [chunks, HV, BT, BT], for the scan launches over them to read (`state_bwd_scan`'s
     `gated_at`). `rows` (index.PackedRows): q and k are compact, read through `rows.src`."""
     _, hk, kd = q.shape
     hv, bt = gc.shape[1], index.chunk_size
