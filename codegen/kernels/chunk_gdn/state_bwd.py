@@ -66,8 +66,6 @@ def _gated_at(b_k, b_qt, b_gc, scale, BT: tl.constexpr):
     return tl.where(o_t[:, None] <= o_t[None, :], b_at * _exp_gate_gap(b_gc[None, :] - b_gc[:, None]) * scale, 0.0)
 
 
-
-
 @triton.jit
 def _opaque(x, INTERPRET: tl.constexpr):
     """x through an opaque fp32 copy, so that the sum it enters rounds as written: without it Triton folds
