@@ -24,7 +24,7 @@ from harts_compiler.codegen.kernels.chunk_gdn import GDNKernelConfig, gated_delt
 COMPARED = CONFIG_VARIANTS["scans_2w"]
 # GDNKernelConfig changes timed with --sweep (each against the default in the same run)
 SWEEP = [dict(scan_num_stages=2), dict(scan_num_stages=1), dict(scan_block_v=32),
-         dict(wy_kkt_warps=2), dict(bwd_block_v=32), dict(out_warps=8), dict(dv_local_warps=4),
+         dict(wy_kkt_warps=2), dict(bwd_block_v=32), dict(out_warps=8), dict(gated_at_warps=4),
          dict(bwd_qk_warps=4)]
 
 

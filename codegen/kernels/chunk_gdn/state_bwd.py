@@ -255,7 +255,7 @@ def gated_at_bwd(q, k, gc, scale, index, chunks: tuple[int, int], dtype: torch.d
         _gated_at_kernel[((chunks[1] - chunks[0]) * hv,)](
             q, k, gc, at, index.chunk_row_start, index.chunk_row_end, row_tables(index, rows)[0],
             chunk_shift_table(index, rows), chunks[0], scale, HK=hk, HV=hv, K=kd, BT=bt, GATHER=rows is not None,
-            num_warps=index.config.dv_local_warps)
+            num_warps=index.config.gated_at_warps)
     return at
 
 
