@@ -58,8 +58,8 @@ class GDNKernelConfig:
     # output kernel: 64 state columns per program at 4 warps
     out_block_v: int = 64
     out_warps: int = 4
-    # A^T (dv_local = A^T do) for the backward scans that do not form it: one [64, K] x [K, 64] dot a program,
-    # 8 warps as the fp32 dv_local kernel it replaced (114 registers at 4 warps offline; not timed apart)
+    # A^T (dv_local = A^T do) for the backward scans that do not form it: one [64, K] x [K, 64] dot a program;
+    # 8 warps to hide its latency (4 fit, 114 registers offline, but were not timed)
     gated_at_warps: int = 8
     # WY forward: the KKT solve in 16x16 register blocks runs best at one warp, 64 key columns a step
     wy_kkt_warps: int = 1
